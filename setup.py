@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="transformers-k3",
+    version="0.1.0",
+    description="Kimi K3 for Hugging Face transformers: KDA + gated MLA, Block Attention Residuals, Stable Latent MoE",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    include_package_data=True,
+    package_data={"transformers_k3": ["assets/**/*"]},
+    python_requires=">=3.10",
+    # torch is pinned loosely on purpose: a plain `torch` requirement on a machine without torch pulls a
+    # multi-GB CUDA build; install the CPU wheel first (see README) and this range is already satisfied.
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.23,<5.24",
+        "safetensors>=0.4",
+        "huggingface_hub",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17"],
+        "fla": ["flash-linear-attention==0.6.0"],
+        "vision": ["Pillow"],
+        "quant": ["bitsandbytes>=0.45"],
+    },
+)
