@@ -1,0 +1,54 @@
+"""Shared fixtures. fla's reference implementations are loaded by file path so that fla's package
+`__init__` (which imports Triton) never runs on these CPU machines."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import transformers_k3  # noqa: F401  (registers the Auto classes)
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def load_fla_reference(relative_path: str):
+    """Import `fla/<relative_path>` as a standalone module; skip the test if fla is not installed."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("flash-linear-attention is not installed (pip install -e '.[dev]')")
+    path = os.path.join(list(spec.submodule_search_locations)[0], relative_path)
+    module_spec = importlib.util.spec_from_file_location("fla_ref_" + relative_path.replace("/", "_")[:-3], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def tiny_config():
+    return transformers_k3.KimiK3TextConfig.tiny()
+
+
+def randomize_(model: torch.nn.Module, std: float = 0.08, seed: int = 0) -> torch.nn.Module:
+    """Give every weight a random value (the paper's init zeroes the AttnRes pseudo-queries and the router
+    bias, which would hide bugs in the score path)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if "norm" in name and param.dim() == 1:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.05 * torch.randn(buf.shape, generator=gen))
+    return model
+
+
+@pytest.fixture
+def tiny_model(tiny_config):
+    torch.manual_seed(0)
+    model = transformers_k3.KimiK3ForCausalLM(tiny_config).eval()
+    return randomize_(model)

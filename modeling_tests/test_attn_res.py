@@ -1,0 +1,135 @@
+"""Block Attention Residuals vs the spec's formulas (K3_SPEC.md 3.2/3.3, 11.1) and fla's naive AttnRes."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3.layers.attn_res import KimiK3AttnResRead
+
+from conftest import load_fla_reference, randomize_
+
+
+def spec_attn_res(candidates, w, n, eps):
+    """K3_SPEC.md 3.2 written out literally: RMSNorm with weight n, dot with w, softmax, mix raw candidates."""
+    scores = torch.stack([(F.rms_norm(r.double(), (r.shape[-1],), n.double(), eps) * w.double()).sum(-1)
+                          for r in candidates])
+    alpha = scores.softmax(0)
+    return sum(a.unsqueeze(-1) * r.double() for a, r in zip(alpha, candidates)), alpha
+
+
+def test_read_matches_spec_formula_and_fla_naive():
+    fla = load_fla_reference("ops/attnres/naive.py")
+    torch.manual_seed(0)
+    H, eps = 64, 1e-5
+    candidates = [torch.randn(2, 5, H) * s for s in (1.0, 3.0, 0.5, 2.0)]
+    w, n = torch.randn(H), 1 + 0.1 * torch.randn(H)
+    mix, alpha = KimiK3AttnResRead(eps)(candidates, w.view(1, H), n)
+    want_mix, want_alpha = spec_attn_res(candidates, w, n, eps)
+    assert (mix.double() - want_mix).abs().max() <= 1e-5
+    assert (alpha.double() - want_alpha).abs().max() <= 1e-6
+    ref_mix, ref_alpha = fla.naive_attnres(w, candidates, n, rms_eps=eps, return_weights=True)
+    assert (mix - ref_mix).abs().max() <= 1e-5
+    assert (alpha - ref_alpha).abs().max() <= 1e-6
+
+
+def test_score_depends_only_on_norm_times_proj():
+    """Invariant 11.1.3: (n, w) -> (1, n*w) leaves the read unchanged (the GGUF export relies on it)."""
+    torch.manual_seed(1)
+    H = 32
+    candidates = [torch.randn(3, H) for _ in range(3)]
+    w, n = torch.randn(H), torch.rand(H) + 0.5
+    read = KimiK3AttnResRead(1e-6)
+    a = read(candidates, w, n)[0]
+    b = read(candidates, n * w, torch.ones(H))[0]
+    assert (a - b).abs().max() <= 1e-6
+
+
+def _layer0_input(model, ids):
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["x"] = args[0] if args else kwargs["hidden_states"]
+
+    handle = model.model.layers[0].self_attn.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    return captured["x"]
+
+
+def test_first_layer_reads_the_embeddings(tiny_model):
+    """Invariant 11.1.2: layer 0's attention input is input_layernorm(embeddings) whatever the weights."""
+    ids = torch.randint(3, 512, (2, 7))
+    x = _layer0_input(tiny_model, ids)
+    with torch.no_grad():
+        want = tiny_model.model.layers[0].input_layernorm(tiny_model.model.embed_tokens(ids))
+    assert torch.equal(x, want)
+
+
+def test_zero_pseudo_queries_give_the_mean_of_candidates(tiny_model):
+    with torch.no_grad():
+        for layer in tiny_model.model.layers:
+            layer.self_attention_res_proj.weight.zero_()
+            layer.mlp_res_proj.weight.zero_()
+        tiny_model.model.output_attn_res_proj.weight.zero_()
+    ids = torch.randint(3, 512, (1, 6))
+    out = tiny_model(ids, output_attn_res_weights=True)
+    for weights in out.attn_res_weights:
+        assert torch.allclose(weights, torch.full_like(weights, 1.0 / weights.shape[0]), atol=1e-7)
+
+
+def test_candidate_counts_follow_the_spec():
+    """Invariant 11.1.1 for S in {1, 2, 4, >= L}: attention side 1 then ceil(l/S)+1, FFN side floor(l/S)+2,
+    final ceil(L/S)+1."""
+    for S in (1, 2, 4, 6, 9):
+        config = KimiK3TextConfig.tiny(attn_res_block_size=S)
+        model = KimiK3ForCausalLM(config).eval()
+        out = model(torch.randint(3, 512, (1, 4)), output_attn_res_weights=True)
+        got = [w.shape[0] for w in out.attn_res_weights]
+        L = config.num_hidden_layers
+        want = []
+        for l in range(L):
+            want += [1 if l == 0 else math.ceil(l / S) + 1, l // S + 2]
+        want.append(math.ceil(L / S) + 1)
+        assert got == want, (S, got, want)
+
+
+def test_stack_matches_a_literal_reimplementation_of_the_spec(tiny_model):
+    """The whole decoder dataflow of K3_SPEC.md 3.3, re-run by hand from the model's own sublayers: only the
+    residual bookkeeping (bank, partial sums, snapshot rule, final read) is independent here."""
+    model = tiny_model.model
+    config = model.config
+    ids = torch.randint(3, 512, (2, 9))
+    eps = config.rms_norm_eps
+    with torch.no_grad():
+        bank, p = [], model.embed_tokens(ids)
+        for l, layer in enumerate(model.layers):
+            mix, _ = spec_attn_res(bank + [p], layer.self_attention_res_proj.weight[0],
+                                   layer.self_attention_res_norm.weight, eps)
+            x = layer.input_layernorm(mix.float())
+            if l % config.attn_res_block_size == 0:
+                bank, p = bank + [p], None
+            a = layer.self_attn(x)
+            a = a[0] if isinstance(a, tuple) else a
+            p = a if p is None else p + a
+            mix, _ = spec_attn_res(bank + [p], layer.mlp_res_proj.weight[0], layer.mlp_res_norm.weight, eps)
+            p = p + layer.mlp(layer.post_attention_layernorm(mix.float()))
+        mix, _ = spec_attn_res(bank + [p], model.output_attn_res_proj.weight[0], model.output_attn_res_norm.weight, eps)
+        want = model.norm(mix.float())
+        got = model(ids).last_hidden_state
+    assert len(bank) == math.ceil(config.num_hidden_layers / config.attn_res_block_size)
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_hidden_states_are_the_pre_norm_reads(tiny_model):
+    """K3_SPEC.md section 9: the hidden state after layer i is the pre-norm mixture layer i+1's attention read
+    forms; hidden_states[0] is the embeddings, the last is the normed output (transformers' convention)."""
+    ids = torch.randint(3, 512, (1, 5))
+    with torch.no_grad():
+        out = tiny_model.model(ids, output_hidden_states=True)
+    L = tiny_model.config.num_hidden_layers
+    assert len(out.hidden_states) == L + 1
+    assert torch.equal(out.hidden_states[0], tiny_model.model.embed_tokens(ids))
+    assert torch.equal(out.hidden_states[-1], out.last_hidden_state)

@@ -1,0 +1,327 @@
+"""The K3 text model end to end: Auto classes, save/load, caching and generation, padding, outputs, training."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+from transformers_k3 import (
+    KimiK3Config,
+    KimiK3ConfigError,
+    KimiK3ForCausalLM,
+    KimiK3HybridCache,
+    KimiK3Model,
+    KimiK3TextConfig,
+)
+
+from conftest import randomize_
+
+
+def assert_close_logits(got, want, rel=1e-5):
+    """Model-level fp32 comparison relative to the logit scale. The paths compared run different GEMM shapes
+    (one row per decode step vs the whole prompt), and K3 computes norms, gates, router and AttnRes in fp32 by
+    spec, so each op contributes ~1e-7 relative rounding that compounds over the stack: ~6e-6 observed."""
+    err = (got - want).abs().max().item() / want.abs().max().item()
+    assert err <= rel, err
+
+
+def greedy(model, ids, n, **kwargs):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+# ---------------------------------------------------------------- Auto classes and persistence
+def test_auto_from_config_save_and_reload(tmp_path, tiny_model):
+    assert isinstance(AutoModelForCausalLM.from_config(tiny_model.config), KimiK3ForCausalLM)
+    assert isinstance(AutoModel.from_config(tiny_model.config), KimiK3Model)
+    tiny_model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == "kimi_k3_text"
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), KimiK3TextConfig)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # no trust_remote_code
+    assert isinstance(reloaded, KimiK3ForCausalLM)
+    ids = torch.randint(3, 512, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(tiny_model(ids).logits, reloaded(ids).logits)
+    assert torch.equal(greedy(tiny_model, ids, 6), greedy(reloaded, ids, 6))
+
+
+def test_composite_config_loads_for_text_only_use(tmp_path, tiny_model):
+    composite = KimiK3Config(text_config=tiny_model.config.to_dict(), vision_config=None)
+    composite.save_pretrained(tmp_path)
+    tiny_model.save_pretrained(tmp_path / "weights")
+    (tmp_path / "model.safetensors").write_bytes((tmp_path / "weights" / "model.safetensors").read_bytes())
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, KimiK3Config) and isinstance(config.text_config, KimiK3TextConfig)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(model, KimiK3ForCausalLM)
+    ids = torch.randint(3, 512, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, tiny_model(ids).logits)
+
+
+def test_official_text_config_with_kimi_linear_model_type():
+    """The official text_config says model_type "kimi_linear" and uses 1-based layer lists."""
+    text = KimiK3TextConfig.tiny().to_dict()
+    for key in ("layer_types", "mlp_layer_types", "transformers_version"):
+        text.pop(key)
+    text["model_type"] = "kimi_linear"
+    composite = KimiK3Config(text_config=text, vision_config={"model_type": "kimi_k3_vision"})
+    assert isinstance(composite.text_config, KimiK3TextConfig)
+    assert composite.text_config.layer_types == ["linear_attention", "linear_attention", "full_attention"] * 2
+    assert composite.vision_config.text_hidden_size == 64
+
+
+def test_flat_k3_kimi_linear_config_is_routed_to_k3(tmp_path):
+    text = KimiK3TextConfig.tiny().to_dict()
+    text["model_type"] = "kimi_linear"
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, KimiK3TextConfig)
+    assert isinstance(AutoModelForCausalLM.from_config(config), KimiK3ForCausalLM)
+    # a genuine Kimi Linear config still goes to the in-tree model
+    plain = KimiLinearConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                             num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             intermediate_size=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                             v_head_dim=8, pad_token_id=0, linear_attn_config={"num_heads": 2, "head_dim": 8})
+    plain.save_pretrained(tmp_path / "plain")
+    assert isinstance(AutoConfig.from_pretrained(tmp_path / "plain"), KimiLinearConfig)
+    assert isinstance(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "plain")),
+                      KimiLinearForCausalLM)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_experts_per_token=9), "num_experts_per_token"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [3]}), "linear_attn_config"),
+        (dict(linear_attn_config={"kda_layers": [0, 1, 2, 4, 5], "full_attn_layers": [3, 6]}), "linear_attn_config"),
+        (dict(linear_attn_config={"gate_lower_bound": 2.0}), "linear_attn_config.gate_lower_bound"),
+        (dict(linear_attn_config={"head_dim": 0}), "linear_attn_config.head_dim"),
+        (dict(num_expert_group=3), "num_expert_group"),
+        (dict(attn_res_block_size=0), "attn_res_block_size"),
+        (dict(hidden_size=-4), "hidden_size"),
+        (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
+        (dict(routed_scaling_factor=0), "routed_scaling_factor"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(KimiK3ConfigError, match=f"`{field}`"):
+        KimiK3TextConfig.tiny(**overrides)
+
+
+def test_full_size_defaults_match_the_release():
+    config = KimiK3TextConfig()
+    assert (config.hidden_size, config.num_hidden_layers, config.num_experts, config.num_experts_per_tok) == (
+        7168, 93, 896, 16)
+    assert config.linear_num_heads * config.linear_head_dim == 12288
+    assert config.kv_lora_rank + config.qk_rope_head_dim == 576
+
+
+# ---------------------------------------------------------------- caching and generation
+def test_greedy_with_cache_equals_without(tiny_model):
+    ids = torch.randint(3, 512, (2, 13))
+    assert torch.equal(greedy(tiny_model, ids, 12), greedy(tiny_model, ids, 12, use_cache=False))
+
+
+@pytest.mark.parametrize("prefill", [1, 5, 60, 64])
+def test_incremental_decode_equals_full_forward(tiny_model, prefill):
+    """Invariant 11.1.6: prefill then token-by-token decode (across the 64-token chunk boundary) gives the
+    logits of one full forward."""
+    ids = torch.randint(3, 512, (2, 70))
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        cache = KimiK3HybridCache(tiny_model.config)
+        steps = [tiny_model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            steps.append(tiny_model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    assert_close_logits(torch.cat(steps, dim=1), full)
+
+
+def test_multi_token_continuation_equals_full_forward(tiny_model):
+    ids = torch.randint(3, 512, (1, 100))
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        cache = KimiK3HybridCache(tiny_model.config)
+        parts = [tiny_model(ids[:, a:b], past_key_values=cache, use_cache=True).logits
+                 for a, b in ((0, 30), (30, 33), (33, 90), (90, 100))]
+    assert_close_logits(torch.cat(parts, dim=1), full)
+
+
+def test_left_padded_batch_equals_unpadded_rows(tiny_model):
+    rows = [torch.randint(3, 512, (n,)) for n in (9, 4, 13)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    batched = greedy(tiny_model, ids, 10, attention_mask=mask)
+    with torch.no_grad():
+        padded_logits = tiny_model(ids, attention_mask=mask).logits
+    for i, r in enumerate(rows):
+        alone = greedy(tiny_model, r[None], 10)
+        assert torch.equal(batched[i, width:], alone[0, len(r):]), i
+        with torch.no_grad():
+            alone_logits = tiny_model(r[None]).logits[0]
+        assert_close_logits(padded_logits[i, width - len(r):], alone_logits)
+
+
+def test_beam_search_and_multiple_return_sequences(tiny_model):
+    ids = torch.randint(3, 512, (2, 6))
+    out = tiny_model.generate(ids, max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    assert out.shape == (4, 11)
+    sampled = tiny_model.generate(ids, max_new_tokens=5, do_sample=True, num_return_sequences=3,
+                                  eos_token_id=None, pad_token_id=0)
+    assert sampled.shape == (6, 11)
+    # beam search with one beam is greedy
+    one_beam = tiny_model.generate(ids, max_new_tokens=5, num_beams=1, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)
+    assert torch.equal(one_beam, greedy(tiny_model, ids, 5))
+
+
+def test_continue_generation_from_returned_cache(tiny_model):
+    ids = torch.randint(3, 512, (1, 8))
+    out = tiny_model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, KimiK3HybridCache)
+    more = tiny_model.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=4,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(more, greedy(tiny_model, ids, 8))
+
+
+def test_mla_cache_holds_only_the_latent(tiny_model):
+    config = tiny_model.config
+    ids = torch.randint(3, 512, (2, 37))
+    cache = KimiK3HybridCache(config)
+    with torch.no_grad():
+        tiny_model(ids, past_key_values=cache, use_cache=True)
+    per_token = config.kv_lora_rank + config.qk_rope_head_dim
+    for idx, kind in enumerate(config.layer_types):
+        layer = cache.layers[idx]
+        if kind == "full_attention":
+            assert layer.latent.shape[-1] == per_token and layer.get_seq_length() == 37
+        else:
+            P = config.linear_num_heads * config.linear_head_dim
+            assert layer.conv_state.shape == (2, 3 * P, config.linear_conv_kernel_size - 1)
+            assert layer.recurrent_state.shape == (2, config.linear_num_heads, config.linear_head_dim,
+                                                   config.linear_head_dim)
+            assert layer.recurrent_state.dtype == torch.float32
+    assert cache.get_seq_length() == 37
+
+
+def test_absorbed_decode_matches_expanded_attention(tiny_model):
+    """Latent-space attention (decode) == expanded K/V attention (prefill path), with an explicit causal mask and
+    with the absorbed path's own causal masking (mask None), for a 5-token step after 15 cached tokens."""
+    mla = next(layer.self_attn for layer in tiny_model.model.layers if layer.layer_type == "full_attention")
+    x = torch.randn(2, 20, tiny_model.config.hidden_size)
+    causal = torch.ones(5, 20, dtype=torch.bool).tril(15)[None, None]
+    results = []
+    with torch.no_grad():
+        for absorb, mask in ((False, causal), (True, causal), (True, None)):
+            cache = KimiK3HybridCache(tiny_model.config)
+            mla(x[:, :15], past_key_values=cache)
+            results.append(mla(x[:, 15:], attention_mask=mask, past_key_values=cache, absorb=absorb)[0])
+    assert (results[0] - results[1]).abs().max() <= 1e-5
+    assert (results[0] - results[2]).abs().max() <= 1e-5
+
+
+def test_logits_do_not_depend_on_position_ids(tiny_model):
+    ids = torch.randint(3, 512, (1, 10))
+    with torch.no_grad():
+        a = tiny_model(ids).logits
+        b = tiny_model(ids, position_ids=torch.arange(100, 110)[None]).logits
+    assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- outputs and training
+def test_recorded_outputs(tiny_model):
+    config = tiny_model.config
+    tiny_model.set_attn_implementation("eager")  # SDPA cannot return attention probabilities
+    ids = torch.randint(3, 512, (2, 7))
+    out = tiny_model(ids, output_hidden_states=True, output_router_logits=True, output_attentions=True,
+                     output_attn_res_weights=True)
+    assert len(out.hidden_states) == config.num_hidden_layers + 1
+    assert len(out.router_logits) == config.mlp_layer_types.count("sparse")
+    assert out.router_logits[0].shape == (14, config.num_experts)
+    assert len(out.attentions) == config.layer_types.count("full_attention")
+    assert out.attentions[0].shape == (2, config.num_attention_heads, 7, 7)
+    assert len(out.attn_res_weights) == 2 * config.num_hidden_layers + 1
+
+
+def test_loss_backward_and_gradient_checkpointing(tiny_model):
+    ids = torch.randint(3, 512, (2, 20))
+    tiny_model.train()
+    out = tiny_model(ids, labels=ids)
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in tiny_model.named_parameters() if p.grad is not None}
+    assert "model.layers.3.self_attention_res_proj.weight" in grads
+    assert grads["model.layers.0.self_attn.A_log"].abs().sum() > 0
+    tiny_model.zero_grad()
+    tiny_model.activation_checkpointing_enable()
+    out2 = tiny_model(ids, labels=ids)
+    out2.loss.backward()
+    assert torch.allclose(out.loss, out2.loss, atol=1e-6)
+    for name, param in tiny_model.named_parameters():
+        if name in grads:
+            assert torch.allclose(param.grad, grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_a_few_training_steps_reduce_the_loss(tiny_model):
+    tiny_model.train()
+    ids = torch.randint(3, 512, (4, 24))
+    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = tiny_model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_bf16_forward_and_generate(tiny_model):
+    model = tiny_model.to(torch.bfloat16)
+    ids = torch.randint(3, 512, (1, 12))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert greedy(model, ids, 4).shape == (1, 16)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_experts_implementations_agree_in_the_model(tiny_model, impl):
+    ids = torch.randint(3, 512, (2, 9))
+    with torch.no_grad():
+        want = tiny_model(ids).logits
+        tiny_model.set_experts_implementation(impl)
+        got = tiny_model(ids).logits
+    assert_close_logits(got, want)
+
+
+def test_parallel_plans_name_real_modules(tiny_model):
+    import fnmatch
+
+    names = [n for n, _ in tiny_model.model.named_modules()] + [n for n, _ in tiny_model.model.named_parameters()]
+    config = tiny_model.config
+    for plan in (config.base_model_tp_plan, config.base_model_ep_plan):
+        for pattern in plan:
+            assert any(fnmatch.fnmatch(n, pattern) for n in names), pattern
+    for name in config.base_model_pp_plan:
+        assert hasattr(tiny_model.model, name), name
+
+
+def test_kda_with_zero_beta_outputs_zero(tiny_model, monkeypatch):
+    """Invariant 11.1.7: beta = 0 keeps the state at 0, so the KDA layer outputs exactly 0."""
+    layer = tiny_model.model.layers[0].self_attn
+    # beta = sigmoid(b_proj(x)) underflows to exactly 0 for a pre-activation of -1e4
+    monkeypatch.setattr(layer.b_proj, "forward", lambda h: torch.full((*h.shape[:-1], layer.num_heads), -1e4))
+    with torch.no_grad():
+        out = layer(torch.randn(1, 10, tiny_model.config.hidden_size))
+    assert out.abs().max() == 0

@@ -1,0 +1,222 @@
+"""`KimiK3HybridCache`: the only place that knows how K3's decoding state is stored.
+
+* KDA layers keep a constant-size state: the last ``K-1`` pre-convolution inputs of q, k and v
+  (``[B, 3P, K-1]``, model dtype, q|k|v concatenated along channels) and the fp32 recurrent state
+  (``[B, H, K, V]``, fla's layout).
+* MLA layers keep the compressed latent only: ``[B, S, kv_lora_rank + qk_rope_head_dim]`` (the normed
+  ``c_kv`` followed by the shared ``k_pe``), never expanded K/V. The buffer grows by doubling, so a decode
+  step appends in place instead of copying the whole cache as ``torch.cat`` would.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
+
+from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+
+
+class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
+    """Conv window and recurrent state of one KDA layer."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__(number_of_states=1)
+
+    # The mixin's dict-of-states layout is kept so transformers' generic helpers (offload, reorder) work.
+    @property
+    def conv_state(self) -> torch.Tensor | None:
+        return self.conv_states[0]
+
+    @property
+    def recurrent_state(self) -> torch.Tensor | None:
+        return self.recurrent_states[0]
+
+    @property
+    def has_state(self) -> bool:
+        return self.has_previous_state[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.conv_states[0].shape[0]
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
+        if conv_states is not None:
+            self.device, self.dtype = conv_states.device, conv_states.dtype
+            self.conv_states[0] = conv_states
+            self.conv_kernel_size[0] = conv_states.shape[-1] + 1
+            self.is_conv_states_initialized[0] = True
+        if recurrent_states is not None:
+            self.recurrent_states[0] = recurrent_states
+            self.is_recurrent_states_initialized[0] = True
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Store a new conv window ``[B, 3P, K-1]`` (replaces; decode paths update it in place)."""
+        if not self.is_conv_states_initialized[0]:
+            self.lazy_initialization(conv_states=conv_states)
+        else:
+            self.conv_states[0] = conv_states
+        self._mark()
+        return self.conv_states[0]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Store a new fp32 recurrent state ``[B, H, K, V]``."""
+        recurrent_states = recurrent_states.to(torch.float32)
+        if not self.is_recurrent_states_initialized[0]:
+            self.lazy_initialization(recurrent_states=recurrent_states)
+        else:
+            self.recurrent_states[0] = recurrent_states
+        self._mark()
+        return self.recurrent_states[0]
+
+    def _mark(self) -> None:
+        self.has_previous_state[0] = self.is_conv_states_initialized[0] and self.is_recurrent_states_initialized[0]
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError(
+                "A KDA layer's recurrent state cannot be rolled back by cropping: the state after fewer tokens is "
+                "gone once it has been updated. Use `KimiK3HybridCache.snapshot()`/`restore()` instead."
+            )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.has_state:
+            self.conv_states[0] = self.conv_states[0].repeat_interleave(repeats, dim=0)
+            self.recurrent_states[0] = self.recurrent_states[0].repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.has_state:
+            self.conv_states[0] = self.conv_states[0][indices]
+            self.recurrent_states[0] = self.recurrent_states[0][indices]
+
+
+class KimiK3MLACacheLayer(CacheLayerMixin):
+    """The compressed MLA latent of one layer, ``[B, S, kv_lora_rank + qk_rope_head_dim]``."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, initial_capacity: int = 256):
+        super().__init__()
+        self.latent: torch.Tensor | None = None  # [B, capacity, D]; rows >= length are scratch
+        self.length = 0
+        self.initial_capacity = initial_capacity
+        self.device = None
+        self.dtype = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.latent.shape[0]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        batch, _, dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.latent = key_states.new_empty(batch, self.initial_capacity, dim)
+        self.length = 0
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
+        """Append ``latent_states`` ``[B, T, D]``; return a view of the whole latent ``[B, S, D]``."""
+        latent_states = key_states
+        if not self.is_initialized:
+            self.lazy_initialization(latent_states)
+        new_len = self.length + latent_states.shape[1]
+        if new_len > self.latent.shape[1]:
+            capacity = max(new_len, 2 * self.latent.shape[1])
+            grown = self.latent.new_empty(self.latent.shape[0], capacity, self.latent.shape[2])
+            grown[:, : self.length] = self.latent[:, : self.length]
+            self.latent = grown
+        self.latent[:, self.length : new_len] = latent_states
+        self.length = new_len
+        return self.latent[:, :new_len], None
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.latent, self.length, self.is_initialized = None, 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def _apply(self, fn) -> None:
+        if self.is_initialized:
+            self.latent = fn(self.latent[:, : self.length]).contiguous()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices])
+
+    def offload(self):
+        if self.is_initialized:
+            self.latent = self.latent.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        if self.is_initialized and self.latent.device != self.device:
+            self.latent = self.latent.to(self.device, non_blocking=True)
+
+    def nbytes(self) -> int:
+        return 0 if not self.is_initialized else self.length * self.latent.shape[0] * self.latent.shape[2] * self.latent.element_size()
+
+
+class KimiK3HybridCache(Cache):
+    """Decoding state of a K3 text model: one `KimiK3KDACacheLayer` per KDA layer and one
+    `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
+    yourself with ``KimiK3HybridCache(model.config)`` to keep and continue a conversation."""
+
+    def __init__(self, config: KimiK3TextConfig | KimiK3Config, offloading: bool = False, **kwargs):
+        text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
+        self.config = text_config
+        layers = [
+            KimiK3KDACacheLayer() if kind == "linear_attention" else KimiK3MLACacheLayer()
+            for kind in text_config.layer_types
+        ]
+        super().__init__(layers=layers, offloading=offloading)
+
+    def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
+        return self.layers[layer_idx]
+
+    def mla_layer(self, layer_idx: int) -> KimiK3MLACacheLayer:
+        return self.layers[layer_idx]
+
+    def update_latent(self, latent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Append an MLA layer's new latent ``[B, T, kv_lora_rank + rope]``; return the whole latent."""
+        return self.layers[layer_idx].update(latent_states)[0]
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def nbytes(self) -> int:
+        """Bytes actually held for the cached context (MLA latents up to their length, KDA states)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, KimiK3MLACacheLayer):
+                total += layer.nbytes()
+            elif layer.has_state:
+                total += layer.conv_state.nbytes + layer.recurrent_state.nbytes
+        return total
+
+
+__all__ = ["KimiK3HybridCache", "KimiK3KDACacheLayer", "KimiK3MLACacheLayer"]

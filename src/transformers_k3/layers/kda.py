@@ -1,0 +1,125 @@
+"""The Kimi Delta Attention layer, K3 variant (K3_SPEC.md section 4).
+
+Projections, three depthwise causal short convolutions, the per-channel forget gate, beta, the delta-rule
+recurrence (delegated to `transformers_k3.ops.kda`, which picks fla's kernels on CUDA and our PyTorch path
+elsewhere) and the gated per-head output norm. The state lives in the cache; this layer only reads and
+writes it through `KimiK3HybridCache`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.conv import causal_conv1d, causal_conv1d_update
+from ..ops.kda import chunk_kda, fused_recurrent_kda
+from .norm import KimiK3GatedRMSNorm
+
+# New tokens at or below which a cached step runs the token-by-token recurrence instead of the chunked form.
+RECURRENT_MAX_LEN = 8
+
+
+def kda_forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                    head_dim: int) -> torch.Tensor:
+    """Log-space per-channel decay ``g`` ``[B, T, H, K]`` in fp32 from the low-rank gate pre-activation ``f``.
+
+    K3 (``lower_bound`` set): ``g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))``, so ``g`` lies in ``(lb, 0)``.
+    Kimi Linear (``lower_bound`` None): ``g = -exp(A_log[h]) * softplus(f + dt_bias)``.
+    """
+    x = f.float().unflatten(-1, (-1, head_dim)) + dt_bias.float().view(-1, head_dim)
+    a = A_log.float().reshape(-1)[: x.shape[-2]].exp().view(-1, 1)  # [H, 1]; robust to [1,1,H,1] storage
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * F.softplus(x, threshold=20.0)
+
+
+class KimiK3DeltaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.proj_dim = self.num_heads * self.head_dim
+        self.conv_size = config.linear_conv_kernel_size
+        self.lower_bound = config.gate_lower_bound
+        self.use_full_rank_gate = config.use_full_rank_gate
+        hidden, proj = self.hidden_size, self.proj_dim
+
+        self.q_proj = nn.Linear(hidden, proj, bias=False)
+        self.k_proj = nn.Linear(hidden, proj, bias=False)
+        self.v_proj = nn.Linear(hidden, proj, bias=False)
+        self.q_conv1d = nn.Conv1d(proj, proj, self.conv_size, groups=proj, bias=False)
+        self.k_conv1d = nn.Conv1d(proj, proj, self.conv_size, groups=proj, bias=False)
+        self.v_conv1d = nn.Conv1d(proj, proj, self.conv_size, groups=proj, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, proj, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(proj, dtype=torch.float32))
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, proj, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, proj, bias=False)
+        self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.kda_o_norm_eps)
+        self.o_proj = nn.Linear(proj, hidden, bias=False)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
+    def _short_convs(self, x: torch.Tensor, cache_layer, cu_seqlens) -> list[torch.Tensor]:
+        """q, k, v after their causal convolutions and SiLU, reading/writing the conv window in the cache."""
+        projections = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        window = cache_layer.conv_state if cache_layer is not None and cache_layer.has_state else None
+        seq_len = x.shape[1]
+        if window is not None and seq_len <= RECURRENT_MAX_LEN:
+            # decode: the cached window [B, 3P, K-1] is updated in place, one channel block per projection
+            return [
+                causal_conv1d_update(z, window[:, i * self.proj_dim:(i + 1) * self.proj_dim], conv.weight.squeeze(1),
+                                     activation="silu")
+                for i, (z, conv) in enumerate(zip(projections, convs))
+            ]
+        outputs, finals = [], []
+        for i, (z, conv) in enumerate(zip(projections, convs)):
+            initial = None if window is None else window[:, i * self.proj_dim:(i + 1) * self.proj_dim]
+            y, final = causal_conv1d(z, conv.weight.squeeze(1), activation="silu", initial_state=initial,
+                                     output_final_state=cache_layer is not None, cu_seqlens=cu_seqlens)
+            outputs.append(y)
+            finals.append(final)
+        if cache_layer is not None:
+            cache_layer.update_conv_state(torch.cat(finals, dim=1).to(x.dtype))
+        return outputs
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
+        batch, seq_len, _ = hidden_states.shape
+        if attention_mask is not None and attention_mask.dim() == 2 and seq_len > 1:
+            # Left padding: zeroed inputs make q = k = v = 0 at padded positions, so they leave the state at 0
+            # and the first real token sees the same zero history as at a sequence start.
+            hidden_states = hidden_states * attention_mask[:, -seq_len:, None].to(hidden_states.dtype)
+        cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
+
+        q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim)
+                   for t in self._short_convs(hidden_states, cache_layer, cu_seqlens))
+        g = kda_forget_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias,
+                            self.lower_bound, self.head_dim)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+
+        state = cache_layer.recurrent_state if cache_layer is not None and cache_layer.has_state else None
+        kda = fused_recurrent_kda if state is not None and seq_len <= RECURRENT_MAX_LEN else chunk_kda
+        core, final_state = kda(
+            q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
+            output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        )
+        if cache_layer is not None:
+            cache_layer.update_recurrent_state(final_state)
+
+        gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
+        out = self.o_norm(core, gate).reshape(batch, seq_len, self.proj_dim)
+        return self.o_proj(out)
+
+
+__all__ = ["KimiK3DeltaAttention", "kda_forget_gate"]

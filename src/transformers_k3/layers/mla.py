@@ -1,0 +1,159 @@
+"""Gated multi-head latent attention with no positional encoding (K3_SPEC.md section 5).
+
+Keys and values come from a shared latent ``c_kv`` (``kv_lora_rank`` wide, RMS-normed) plus one shared
+``k_pe`` per token, which in K3 is never rotated. The cache keeps just these ``kv_lora_rank + rope``
+numbers per token. Prefill expands the latent through ``kv_b_proj`` and uses the configured attention
+kernel; decode steps with a cache attend in latent space instead ("weight absorption"), so a step costs
+O(context x latent) and never materialises per-head K/V for the whole context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .norm import KimiK3RMSNorm
+
+# Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
+ABSORB_MAX_QUERY_LEN = 16
+
+
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """Reference attention: fp32 softmax, additive or boolean mask, heads already matched (MLA has no GQA)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = _apply_mask(scores, attention_mask)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask[..., -scores.shape[-1]:]
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores + mask
+
+
+class KimiK3MLA(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.scaling = self.qk_head_dim ** -0.5  # no yarn mscale: K3 has no RoPE at all
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        hidden = config.hidden_size
+        latent_eps = config.mla_latent_norm_eps if config.mla_latent_norm_eps is not None else config.rms_norm_eps
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiK3RMSNorm(self.q_lora_rank, eps=latent_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank, eps=latent_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                   bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(hidden, self.num_heads * self.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=False)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, n, T, dn+dr]
+
+    def _latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``[ĉ (normed c_kv), k_pe]`` per token, ``[B, T, kv_lora_rank + rope]``: what the cache stores."""
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys ``[B, n, S, dn+dr]`` and values ``[B, n, S, dv]`` from the latent."""
+        batch, seq, _ = latent.shape
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(batch, seq, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = k_pe[:, None].expand(batch, self.num_heads, seq, self.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), value
+
+    def _absorbed_attention(self, query: torch.Tensor, latent: torch.Tensor,
+                            attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention computed against the latent: ``q_nope . (W_kc c) = (W_kc^T q_nope) . c`` and the output
+        ``W_vc (sum p c)``. Returns ``[B, T, n, dv]``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_kc, w_vc = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [n, dn, r], [n, dv, r]
+        q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_latent = torch.matmul(q_nope, w_kc)  # [B, n, T, r]
+        # one matmul against [c_kv | k_pe] with the queries [q_latent | q_pe]
+        q_cat = torch.cat([q_latent, q_pe], dim=-1)  # [B, n, T, r+dr]
+        scores = torch.matmul(q_cat, latent.unsqueeze(1).transpose(-1, -2)) * self.scaling  # [B, n, T, S]
+        seq, q_len = latent.shape[1], query.shape[2]
+        if attention_mask is not None:
+            scores = _apply_mask(scores, attention_mask)
+        elif q_len > 1:
+            causal = torch.ones(q_len, seq, dtype=torch.bool, device=scores.device).tril(seq - q_len)
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        o_latent = torch.matmul(probs, c_kv.unsqueeze(1))  # [B, n, T, r]
+        out = torch.matmul(o_latent, w_vc.transpose(1, 2))  # [B, n, T, dv]
+        return out.transpose(1, 2)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, absorb: bool | None = None, **kwargs):
+        batch, q_len, _ = hidden_states.shape
+        query = self._queries(hidden_states)
+        latent = self._latent(hidden_states)
+        past_len = 0
+        if past_key_values is not None:
+            past_len = past_key_values.get_seq_length(self.layer_idx)
+            latent = past_key_values.update_latent(latent, self.layer_idx)
+
+        if absorb is None:
+            absorb = past_len > 0 and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
+        attn_weights = None
+        if absorb:
+            attn_output = self._absorbed_attention(query, latent, attention_mask)
+        else:
+            key, value = self._expand(latent)
+            interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            pad = self.qk_head_dim - self.v_head_dim
+            if interface is not eager_attention_forward and pad > 0:
+                # Fused kernels (SDPA's CPU flash path, flash-attn) need v's head dim == q/k's; zero columns
+                # cost less than SDPA's math fallback (ANCHORS.md: 22 s vs 2.4 s at 16K).
+                value = F.pad(value, (0, pad))
+            attn_output, attn_weights = interface(
+                self, query, key, value, attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+            )
+            attn_output = attn_output[..., : self.v_head_dim]
+
+        attn_output = attn_output.reshape(batch, q_len, self.num_heads * self.v_head_dim)
+        if self.config.mla_use_output_gate:
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(attn_output), attn_weights
+
+
+__all__ = ["KimiK3MLA", "eager_attention_forward"]

@@ -1,0 +1,266 @@
+"""Kimi K3 text model: composition only. Each idea lives in its own module under `layers/`; this file
+wires them in the order a token flows through the network (K3_SPEC.md section 3.3)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .cache import KimiK3HybridCache
+from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .layers.attn_res import KimiK3AttnResRead
+from .layers.kda import KimiK3DeltaAttention
+from .layers.mla import KimiK3MLA
+from .layers.moe import KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE
+from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
+
+
+@dataclass
+class KimiK3ModelOutputWithPast(MoeModelOutputWithPast):
+    r"""attn_res_weights (`tuple[torch.FloatTensor]`, *optional*, returned with `output_attn_res_weights=True`):
+        The depth-softmax weights of every AttnRes read in execution order (attention side and FFN side of each
+        layer, then the final read), each `[num_candidates, batch, seq]`: which block snapshots a sublayer reads."""
+
+    attn_res_weights: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class KimiK3CausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""attn_res_weights (`tuple[torch.FloatTensor]`, *optional*): see `KimiK3ModelOutputWithPast`."""
+
+    attn_res_weights: tuple[torch.FloatTensor, ...] | None = None
+
+
+class KimiK3DecoderLayer(GradientCheckpointingLayer):
+    """One K3 layer. Its input is the AttnRes state: the running partial sum ``p`` of the current block and
+    the bank of earlier block snapshots. With AttnRes off the bank stays empty and each read returns ``p``,
+    which is exactly the classic pre-norm residual stream."""
+
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        if self.layer_type == "linear_attention":
+            self.self_attn = KimiK3DeltaAttention(config, layer_idx)
+        else:
+            self.self_attn = KimiK3MLA(config, layer_idx)
+        self.mlp = KimiK3SparseMoE(config) if config.is_moe_layer(layer_idx) else KimiK3MLP(config)
+        self.input_layernorm = KimiK3RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps=eps)
+        self.use_attn_res = config.use_attn_res
+        if self.use_attn_res:
+            self.self_attention_res_norm = KimiK3RMSNorm(hidden, eps=eps)
+            self.self_attention_res_proj = nn.Linear(hidden, 1, bias=False)
+            self.mlp_res_norm = KimiK3RMSNorm(hidden, eps=eps)
+            self.mlp_res_proj = nn.Linear(hidden, 1, bias=False)
+        # The bank takes a snapshot at the attention side of every S-th layer, after that layer's read.
+        self.snapshot = self.use_attn_res and layer_idx % config.attn_res_block_size == 0
+        self.attn_side_read = KimiK3AttnResRead(eps)
+        self.mlp_side_read = KimiK3AttnResRead(eps)
+
+    def forward(self, partial: torch.Tensor, *bank: torch.Tensor, attention_mask=None, past_key_values=None,
+                **kwargs) -> tuple[torch.Tensor, ...]:
+        """``(partial, *bank) -> (partial, *bank)``; the bank is passed positionally so that gradient
+        checkpointing sees every tensor."""
+        if self.use_attn_res:
+            mix = self.attn_side_read([*bank, partial], self.self_attention_res_proj.weight,
+                                      self.self_attention_res_norm.weight)[0]
+        else:
+            mix = self.attn_side_read([partial])[0]
+        x = self.input_layernorm(mix)
+        if self.snapshot:
+            bank, partial = (*bank, partial), None
+        attn_out = self.self_attn(x, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        if isinstance(attn_out, tuple):
+            attn_out = attn_out[0]
+        partial = attn_out if partial is None else partial + attn_out
+
+        if self.use_attn_res:
+            mix = self.mlp_side_read([*bank, partial], self.mlp_res_proj.weight, self.mlp_res_norm.weight)[0]
+        else:
+            mix = partial
+        partial = partial + self.mlp(self.post_attention_layernorm(mix))
+        return (partial, *bank)
+
+
+class KimiK3PreTrainedModel(PreTrainedModel):
+    config: KimiK3TextConfig
+    config_class = KimiK3TextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _is_stateful = True
+    _can_compile_fullgraph = False
+    _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"rotary_emb\.(cos|sin)_cached"]
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(KimiK3Router, index=0),
+        "hidden_states": [
+            OutputRecorder(KimiK3AttnResRead, index=0, layer_name="attn_side_read",
+                           capture_initial_hidden_state=False),
+            OutputRecorder(KimiK3AttnResRead, index=0, layer_name="output_read", capture_initial_hidden_state=False),
+        ],
+        "attentions": OutputRecorder(KimiK3MLA, index=1),
+        "attn_res_weights": OutputRecorder(KimiK3AttnResRead, index=1),
+    }
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers looks for the decorator's text in the model's own file; ours sits in layers/moe.py.
+        return True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.get_text_config().initializer_range
+        if isinstance(module, KimiK3DeltaAttention):
+            # FLA's initialisation: decay rates A in [1, 16], dt in [1e-3, 1e-1] stored as inverse softplus.
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        elif isinstance(module, KimiK3Experts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KimiK3Router):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KimiK3GatedRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, KimiK3DecoderLayer) and module.use_attn_res:
+            # The paper's init: zero pseudo-queries, so every read starts as the mean of its candidates.
+            init.zeros_(module.self_attention_res_proj.weight)
+            init.zeros_(module.mlp_res_proj.weight)
+        elif isinstance(module, KimiK3Model) and module.config.use_attn_res:
+            init.zeros_(module.output_attn_res_proj.weight)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent)."""
+        if model_kwargs.get("past_key_values") is not None:
+            model_kwargs["past_key_values"]._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["past_key_values"] = KimiK3HybridCache(self.config.get_text_config())
+
+
+class KimiK3Model(KimiK3PreTrainedModel):
+    def __init__(self, config: KimiK3TextConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        if config.use_attn_res:
+            self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        self.output_read = KimiK3AttnResRead(config.rms_norm_eps)
+        self.norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
+                **kwargs) -> KimiK3ModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = KimiK3HybridCache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, KimiK3HybridCache):
+            raise TypeError(
+                f"Kimi K3 keeps KDA states and MLA latents in a `KimiK3HybridCache`, got {type(past_key_values).__name__}. "
+                "Pass `past_key_values=KimiK3HybridCache(model.config)` or let the model create one (`use_cache=True`)."
+            )
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(past_seen, past_seen + inputs_embeds.shape[1], device=inputs_embeds.device)
+            position_ids = position_ids.unsqueeze(0)
+
+        # The text model is position-free (NoPE MLA, no RoPE in KDA): positions only shape the MLA mask.
+        mla_mask = create_causal_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            past_key_values=past_key_values, position_ids=position_ids,
+        )
+        kda_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if kda_mask is not None and bool(kda_mask.all()):
+            kda_mask = None
+
+        state = (inputs_embeds,)  # (partial sum, *bank)
+        for layer in self.layers:
+            mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask
+            state = layer(*state, attention_mask=mask, past_key_values=past_key_values, **kwargs)
+
+        partial, *bank = state
+        if self.config.use_attn_res:
+            mix = self.output_read([*bank, partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight)[0]
+        else:
+            mix = self.output_read([partial])[0]
+        return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), past_key_values=past_key_values)
+
+
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+    """K3 text decoder with the LM head. Accepts the text config or, for text-only use of a full K3
+    checkpoint, the composite `KimiK3Config` (its ``text_config`` is used)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: KimiK3TextConfig | KimiK3Config):
+        if isinstance(config, KimiK3Config):
+            config = config.get_text_config()
+        super().__init__(config)
+        self.model = KimiK3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
+                inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> KimiK3CausalLMOutputWithPast:
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        if self.config.logit_scale != 1.0:
+            logits = logits * self.config.logit_scale
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return KimiK3CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions, router_logits=outputs.router_logits,
+            attn_res_weights=outputs.attn_res_weights,
+        )
+
+
+__all__ = ["KimiK3PreTrainedModel", "KimiK3Model", "KimiK3ForCausalLM", "KimiK3DecoderLayer"]
