@@ -1,0 +1,526 @@
+"""Router, experts, dense MLP and the Stable Latent MoE (spec 6.2, 6.3 and 11.1 items 8 and 9)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformers_k3.layers.moe import (
+    KimiK3Experts,
+    KimiK3MLP,
+    KimiK3Router,
+    KimiK3SparseMoE,
+    init_moe_weights,
+)
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+def make_config(**overrides):
+    """The MoE fields of the tiny test config of spec section 11."""
+    fields = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        routed_expert_hidden_size=32,
+        latent_moe_use_norm=True,
+        moe_router_activation_func="sigmoid",
+        moe_renormalize=True,
+        routed_scaling_factor=2.5,
+        num_expert_group=1,
+        topk_group=1,
+        hidden_act="situ",
+        activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0,
+        rms_norm_eps=1e-5,
+        router_fp32=False,
+        _experts_implementation="eager",
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+@torch.no_grad()
+def randomize(module, seed=0):
+    """Fill every parameter and floating buffer with fan-in scaled noise (so that activations are O(1) and
+    the soft caps are exercised), the correction bias with small noise and norm weights around 1."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
+        elif "norm" in name:
+            tensor.copy_(1 + torch.randn(tensor.shape, generator=gen) * 0.2)
+        else:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 1.0 / math.sqrt(tensor.shape[-1]))
+    return module
+
+
+def inputs(*shape, seed=100, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Independent float64 reference written from the spec formulas, one token at a time.
+# ----------------------------------------------------------------------------------------------------
+
+
+def ref_glu(a, u, cfg):
+    if cfg.hidden_act == "silu":
+        return a * torch.sigmoid(a) * u
+    beta, lin = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    return beta * torch.tanh(a / beta) * torch.sigmoid(a) * (u if lin is None else lin * torch.tanh(u / lin))
+
+
+def ref_route(y, w_router, bias, cfg):
+    """Returns (selected expert ids as a list, their weights as a list) for one token ``y [H]``."""
+    logits = w_router @ y
+    s = torch.softmax(logits, -1) if cfg.moe_router_activation_func == "softmax" else torch.sigmoid(logits)
+    s_biased = (s + bias).tolist()
+    candidates = list(range(cfg.num_experts))
+    if cfg.num_expert_group > 1:
+        per_group = cfg.num_experts // cfg.num_expert_group
+        group_score = [
+            sum(sorted(s_biased[g * per_group : (g + 1) * per_group], reverse=True)[:2])
+            for g in range(cfg.num_expert_group)
+        ]
+        kept = sorted(range(cfg.num_expert_group), key=lambda g: -group_score[g])[: cfg.topk_group]
+        candidates = [e for e in candidates if e // per_group in kept]
+    chosen = sorted(candidates, key=lambda e: -s_biased[e])[: cfg.num_experts_per_tok]
+    weights = [s[e].item() for e in chosen]
+    if cfg.moe_renormalize:
+        total = sum(weights)
+        weights = [w / (total + 1e-20) for w in weights]
+    return chosen, [w * cfg.routed_scaling_factor for w in weights]
+
+
+def ref_moe(moe, x, cfg):
+    p = {k: v.detach().double() for k, v in moe.state_dict().items()}
+    out = []
+    for y in x.double().reshape(-1, cfg.hidden_size):
+        chosen, weights = ref_route(y, p["gate.weight"], p["gate.e_score_correction_bias"], cfg)
+        latent = cfg.routed_expert_hidden_size is not None
+        z = p["routed_expert_down_proj.weight"] @ y if latent else y
+        i = cfg.moe_intermediate_size
+        r = torch.zeros_like(z)
+        for e, w in zip(chosen, weights):
+            w13 = p["experts.gate_up_proj"][e]
+            r = r + w * (p["experts.down_proj"][e] @ ref_glu(w13[:i] @ z, w13[i:] @ z, cfg))
+        if latent and cfg.latent_moe_use_norm:
+            r = r / torch.sqrt((r * r).mean() + cfg.rms_norm_eps) * p["routed_expert_norm.weight"]
+        routed = p["routed_expert_up_proj.weight"] @ r if latent else r
+        if cfg.num_shared_experts > 0:
+            a, u = p["shared_experts.gate_proj.weight"] @ y, p["shared_experts.up_proj.weight"] @ y
+            routed = routed + p["shared_experts.down_proj.weight"] @ ref_glu(a, u, cfg)
+        out.append(routed)
+    return torch.stack(out).reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Router
+# ----------------------------------------------------------------------------------------------------
+
+
+def make_router(seed=0, **overrides):
+    cfg = make_config(**overrides)
+    return cfg, randomize(KimiK3Router(cfg), seed)
+
+
+def test_router_shapes_dtypes_and_persistent_bias():
+    cfg, router = make_router()
+    x = inputs(3, 5, cfg.hidden_size)
+    logits, weights, idx = router(x)
+    assert logits.shape == (15, 8) and logits.dtype == torch.float32
+    assert weights.shape == (15, 2) and weights.dtype == torch.float32
+    assert idx.shape == (15, 2) and idx.dtype == torch.int64
+    assert router.weight.shape == (8, 64)
+    assert router.e_score_correction_bias.dtype == torch.float32
+    state = router.state_dict()
+    assert set(state) == {"weight", "e_score_correction_bias"}
+    fresh = KimiK3Router(cfg)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.e_score_correction_bias, router.e_score_correction_bias)
+
+
+def test_router_logits_are_fp32_for_bf16_inputs_and_router_fp32_keeps_fp32_weight():
+    cfg, router = make_router()
+    router = router.bfloat16()
+    x = inputs(7, cfg.hidden_size).bfloat16()
+    logits, weights, _ = router(x)
+    assert logits.dtype == weights.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ router.weight.float().T)
+    assert KimiK3Router(make_config(router_fp32=True)).weight.dtype == torch.float32
+
+
+def test_router_selects_k_distinct_experts_and_weights_sum_to_scaling_factor():
+    cfg, router = make_router(num_experts=16, num_experts_per_tok=4)
+    _, weights, idx = router(inputs(200, cfg.hidden_size))
+    assert all(len(set(row)) == 4 for row in idx.tolist())
+    assert ((idx >= 0) & (idx < 16)).all()
+    torch.testing.assert_close(weights.sum(-1), torch.full((200,), 2.5), atol=1e-6, rtol=0)
+
+
+def test_router_selection_is_biased_topk_and_weights_are_unbiased_scores():
+    cfg, router = make_router(num_experts=16, num_experts_per_tok=4)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=torch.Generator().manual_seed(9)) * 0.3)
+    logits, weights, idx = router(inputs(200, cfg.hidden_size))
+    scores = torch.sigmoid(logits)
+    expected = torch.topk(scores + router.e_score_correction_bias, 4, dim=-1).indices
+    assert torch.equal(idx.sort(-1).values, expected.sort(-1).values)
+    chosen = scores.gather(1, idx)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True) * 2.5, atol=1e-6, rtol=1e-6)
+    # the bias matters for the selection on this data
+    assert not torch.equal(idx.sort(-1).values, torch.topk(scores, 4, dim=-1).indices.sort(-1).values)
+
+
+def test_router_without_renormalisation_uses_raw_scores():
+    cfg, router = make_router(moe_renormalize=False)
+    logits, weights, idx = router(inputs(50, cfg.hidden_size))
+    torch.testing.assert_close(weights, torch.sigmoid(logits).gather(1, idx) * 2.5)
+
+
+def test_router_softmax_scoring():
+    cfg, router = make_router(moe_router_activation_func="softmax", num_experts_per_tok=3)
+    logits, weights, idx = router(inputs(50, cfg.hidden_size))
+    probs = torch.softmax(logits, -1)
+    expected = torch.topk(probs + router.e_score_correction_bias, 3, dim=-1).indices
+    assert torch.equal(idx.sort(-1).values, expected.sort(-1).values)
+    chosen = probs.gather(1, idx)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True) * 2.5)
+
+
+def test_large_bias_forces_selection_without_changing_the_other_weights_ratios():
+    cfg, router = make_router(num_experts=16, num_experts_per_tok=4)
+    x = inputs(100, cfg.hidden_size)
+    logits, w0, idx0 = router(x)
+    with torch.no_grad():
+        router.e_score_correction_bias[5] = 100.0
+    _, w1, idx1 = router(x)
+    assert (idx1 == 5).any(-1).all()
+    scores = torch.sigmoid(logits)
+    for t in range(100):
+        old = dict(zip(idx0[t].tolist(), w0[t].tolist()))
+        new = dict(zip(idx1[t].tolist(), w1[t].tolist()))
+        others = [e for e in new if e != 5]
+        assert len(others) == 3
+        # every pair keeps the ratio of its unbiased scores, the forced expert included
+        for e in new:
+            assert new[e] / new[others[0]] == pytest.approx((scores[t, e] / scores[t, others[0]]).item(), rel=1e-5)
+        # experts selected in both runs keep their mutual ratios
+        common = [e for e in others if e in old]
+        for e in common[1:]:
+            assert new[e] / new[common[0]] == pytest.approx(old[e] / old[common[0]], rel=1e-5)
+
+
+@pytest.mark.parametrize("topk_group", [1, 2])
+def test_grouped_routing_picks_only_from_kept_groups(topk_group):
+    cfg, router = make_router(num_experts=16, num_experts_per_tok=3, num_expert_group=4, topk_group=topk_group)
+    x = inputs(300, cfg.hidden_size)
+    logits, weights, idx = router(x)
+    biased = torch.sigmoid(logits) + router.e_score_correction_bias
+    group_scores = biased.view(300, 4, 4).topk(2, dim=-1).values.sum(-1)
+    kept = group_scores.topk(topk_group, dim=-1).indices
+    for t in range(300):
+        assert set((idx[t] // 4).tolist()) <= set(kept[t].tolist())
+        allowed = [e for e in range(16) if e // 4 in kept[t].tolist()]
+        best = sorted(allowed, key=lambda e: -biased[t, e].item())[:3]
+        assert sorted(idx[t].tolist()) == sorted(best)
+    torch.testing.assert_close(weights.sum(-1), torch.full((300,), 2.5), atol=1e-6, rtol=0)
+    # on this data the group limit changes some selections
+    free = torch.topk(biased, 3, dim=-1).indices.sort(-1).values
+    assert not torch.equal(idx.sort(-1).values, free)
+
+
+def test_router_matches_transformers_kimi_linear_router():
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
+
+    cfg, router = make_router(num_experts=16, num_experts_per_tok=4, num_expert_group=4, topk_group=2)
+    hf_cfg = SimpleNamespace(
+        num_experts_per_tok=4, num_local_experts=16, hidden_size=64, routed_scaling_factor=2.5,
+        n_group=4, topk_group=2, norm_topk_prob=True,
+    )
+    hf = KimiLinearTopkRouter(hf_cfg)
+    hf.load_state_dict(router.state_dict())
+    x = inputs(64, cfg.hidden_size)
+    ours, theirs = router(x), hf(x)
+    torch.testing.assert_close(ours[0], theirs[0], atol=0, rtol=0)
+    o_idx, o_order = ours[2].sort(-1)
+    t_idx, t_order = theirs[2].sort(-1)
+    assert torch.equal(o_idx, t_idx)
+    torch.testing.assert_close(ours[1].gather(1, o_order), theirs[1].gather(1, t_order), atol=1e-7, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Experts and MLP
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_expert_shapes_and_layout():
+    cfg = make_config()
+    experts = KimiK3Experts(cfg)
+    assert experts.gate_up_proj.shape == (8, 64, 32)  # [E, 2I, D] with D = routed_expert_hidden_size
+    assert experts.down_proj.shape == (8, 32, 32)  # [E, D, I]
+    flat = KimiK3Experts(make_config(routed_expert_hidden_size=None))
+    assert flat.gate_up_proj.shape == (8, 64, 64) and flat.down_proj.shape == (8, 64, 32)
+
+
+def test_gate_rows_come_first_in_gate_up_proj():
+    cfg = make_config(num_experts=2)
+    experts = randomize(KimiK3Experts(cfg))
+    x = inputs(5, 32)
+    idx = torch.zeros(5, 2, dtype=torch.long)
+    idx[:, 1] = 1
+    w = torch.ones(5, 2)
+    out = experts(x, idx, w)
+    i = cfg.moe_intermediate_size
+    ref = sum(
+        F.linear(ref_glu(x @ experts.gate_up_proj[e, :i].T, x @ experts.gate_up_proj[e, i:].T, cfg), experts.down_proj[e])
+        for e in range(2)
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hidden_act", ["situ", "silu"])
+@pytest.mark.parametrize("latent", [32, None])
+def test_experts_implementations_agree(hidden_act, latent):
+    cfg = make_config(hidden_act=hidden_act, routed_expert_hidden_size=latent, num_experts=16, num_experts_per_tok=4)
+    experts = randomize(KimiK3Experts(cfg))
+    d = experts.hidden_dim
+    x = inputs(37, d)
+    gen = torch.Generator().manual_seed(3)
+    # expert 3 is never hit; some experts get many tokens
+    idx = torch.stack([torch.randperm(15, generator=gen)[:4] for _ in range(37)])
+    idx = torch.where(idx >= 3, idx + 1, idx)
+    w = torch.rand(37, 4, generator=gen)
+    outs, grads = {}, {}
+    for impl in IMPLEMENTATIONS:
+        cfg._experts_implementation = impl
+        experts.zero_grad()
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = experts(xi, idx, wi)
+        (out * torch.linspace(-1, 1, d)).sum().backward()
+        outs[impl] = out.detach()
+        grads[impl] = (xi.grad, wi.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
+    for impl in IMPLEMENTATIONS[1:]:
+        torch.testing.assert_close(outs[impl], outs["eager"], atol=1e-5, rtol=1e-5)
+        for g, g_ref in zip(grads[impl], grads["eager"]):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(grads["eager"][2][3]) == 0  # the expert that was not hit gets no gradient
+
+
+def test_experts_eager_matches_a_per_token_loop_and_handles_edge_cases():
+    cfg = make_config()
+    experts = randomize(KimiK3Experts(cfg))
+    x = inputs(9, 32)
+    idx = torch.tensor([[0, 7]] * 4 + [[7, 0]] * 3 + [[2, 3]] * 2)
+    w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1))
+    out = experts(x, idx, w)
+    i = cfg.moe_intermediate_size
+    for t in range(9):
+        ref = torch.zeros(32)
+        for j in range(2):
+            e = idx[t, j]
+            h = ref_glu(experts.gate_up_proj[e, :i] @ x[t], experts.gate_up_proj[e, i:] @ x[t], cfg)
+            ref = ref + w[t, j] * (experts.down_proj[e] @ h)
+        torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-5)
+    # no tokens
+    empty = experts(x[:0], idx[:0], w[:0])
+    assert empty.shape == (0, 32)
+    # expert-parallel sentinels (id == num_experts, weight 0) contribute nothing
+    sentinel_idx = torch.cat([idx, torch.full((9, 1), 8)], dim=1)
+    sentinel_w = torch.cat([w, torch.zeros(9, 1)], dim=1)
+    torch.testing.assert_close(experts(x, sentinel_idx, sentinel_w), out)
+
+
+def test_experts_keep_the_input_dtype():
+    cfg = make_config()
+    experts = randomize(KimiK3Experts(cfg)).bfloat16()
+    x = inputs(6, 32).bfloat16()
+    idx = torch.tensor([[0, 1]] * 6)
+    out = experts(x, idx, torch.rand(6, 2))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_experts_silu_match_transformers_kimi_linear_experts():
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExperts
+
+    cfg = make_config(hidden_act="silu", routed_expert_hidden_size=None)
+    ours = randomize(KimiK3Experts(cfg))
+    hf_cfg = SimpleNamespace(
+        num_local_experts=8, hidden_size=64, moe_intermediate_size=32, hidden_act="silu",
+        _experts_implementation="eager",
+    )
+    theirs = KimiLinearExperts(hf_cfg)
+    theirs.load_state_dict(ours.state_dict())
+    x = inputs(20, 64)
+    idx = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:2] for t in range(20)])
+    w = torch.rand(20, 2)
+    torch.testing.assert_close(ours(x, idx, w), theirs(x, idx, w), atol=1e-6, rtol=1e-6)
+
+
+def test_act_fn_and_apply_gate():
+    cfg = make_config()
+    experts = KimiK3Experts(cfg)
+    gate_up = inputs(4, 64) * 10
+    gate, up = gate_up[:, :32], gate_up[:, 32:]
+    torch.testing.assert_close(experts._apply_gate(gate_up), ref_glu(gate, up, cfg))
+    torch.testing.assert_close(experts.act_fn(gate), 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate))
+    assert KimiK3Experts(make_config(hidden_act="silu")).act_fn(gate).allclose(F.silu(gate))
+
+
+@pytest.mark.parametrize("hidden_act", ["situ", "silu"])
+def test_mlp_matches_formula(hidden_act):
+    cfg = make_config(hidden_act=hidden_act)
+    mlp = randomize(KimiK3MLP(cfg))
+    assert mlp.gate_proj.weight.shape == (128, 64) and mlp.down_proj.weight.shape == (64, 128)
+    assert mlp.gate_proj.bias is None
+    x = inputs(2, 3, 64)
+    ref = F.linear(ref_glu(F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight), cfg), mlp.down_proj.weight)
+    torch.testing.assert_close(mlp(x), ref, atol=1e-5, rtol=1e-5)
+    assert KimiK3MLP(cfg, intermediate_size=48, hidden_size=16).up_proj.weight.shape == (48, 16)
+
+
+def test_bad_hidden_act_raises():
+    with pytest.raises(ValueError, match="hidden_act"):
+        KimiK3MLP(make_config(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="hidden_act"):
+        KimiK3SparseMoE(make_config(hidden_act="gelu"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sparse MoE
+# ----------------------------------------------------------------------------------------------------
+
+
+def make_moe(seed=0, **overrides):
+    cfg = make_config(**overrides)
+    return cfg, randomize(KimiK3SparseMoE(cfg), seed)
+
+
+def test_moe_parameter_names_and_shapes():
+    cfg, moe = make_moe()
+    shapes = {k: tuple(v.shape) for k, v in moe.state_dict().items()}
+    assert shapes == {
+        "gate.weight": (8, 64),
+        "gate.e_score_correction_bias": (8,),
+        "experts.gate_up_proj": (8, 64, 32),
+        "experts.down_proj": (8, 32, 32),
+        "routed_expert_down_proj.weight": (32, 64),
+        "routed_expert_norm.weight": (32,),
+        "routed_expert_up_proj.weight": (64, 32),
+        "shared_experts.gate_proj.weight": (32, 64),
+        "shared_experts.up_proj.weight": (32, 64),
+        "shared_experts.down_proj.weight": (64, 32),
+    }
+    assert moe.routed_expert_norm.variance_epsilon == cfg.rms_norm_eps
+    two_shared = KimiK3SparseMoE(make_config(num_shared_experts=2))
+    assert two_shared.shared_experts.gate_proj.weight.shape == (64, 64)
+    no_norm = KimiK3SparseMoE(make_config(latent_moe_use_norm=False)).state_dict()
+    assert "routed_expert_norm.weight" not in no_norm and "routed_expert_down_proj.weight" in no_norm
+    flat = KimiK3SparseMoE(make_config(routed_expert_hidden_size=None, num_shared_experts=0)).state_dict()
+    assert set(flat) == {"gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"latent_moe_use_norm": False},
+        {"routed_expert_hidden_size": None},
+        {"routed_expert_hidden_size": None, "num_shared_experts": 0},
+        {"num_shared_experts": 2, "num_experts_per_tok": 3},
+        {"num_experts": 16, "num_experts_per_tok": 3, "num_expert_group": 4, "topk_group": 2},
+        {"moe_router_activation_func": "softmax", "moe_renormalize": False},
+        {"hidden_act": "silu"},
+        {"activation_situ_linear_beta": None},
+    ],
+    ids=["latent", "latent_no_norm", "non_latent", "non_latent_no_shared", "two_shared", "grouped", "softmax", "silu",
+         "no_linear_cap"],
+)
+def test_moe_matches_per_token_reference(overrides):
+    cfg, moe = make_moe(**overrides)
+    x = inputs(3, 7, cfg.hidden_size)
+    out = moe(x)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_moe(moe, x, cfg), atol=1e-5, rtol=1e-5)
+    # [N, H] input gives the same rows
+    torch.testing.assert_close(moe(x.reshape(-1, cfg.hidden_size)), out.reshape(-1, cfg.hidden_size))
+
+
+def test_latent_norm_cancels_the_routed_scaling_factor():
+    cfg, moe = make_moe()
+    x = inputs(4, 16, cfg.hidden_size)
+    out = moe(x)
+    moe.gate.routed_scaling_factor *= 10
+    rel = (moe(x) - out).norm() / out.norm()
+    assert 0 < rel < 1e-3
+    # without the latent norm the factor is not cancelled
+    cfg, moe = make_moe(latent_moe_use_norm=False)
+    out = moe(x)
+    moe.gate.routed_scaling_factor *= 10
+    assert (moe(x) - out).norm() / out.norm() > 0.1
+
+
+@pytest.mark.parametrize("latent", [32, None])
+def test_moe_implementations_agree(latent):
+    cfg, moe = make_moe(routed_expert_hidden_size=latent, num_experts=16, num_experts_per_tok=4)
+    x = inputs(2, 9, cfg.hidden_size)
+    outs, grads = {}, {}
+    for impl in IMPLEMENTATIONS:
+        cfg._experts_implementation = impl
+        moe.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = moe(xi)
+        (out * torch.linspace(-1, 1, cfg.hidden_size)).sum().backward()
+        outs[impl] = out.detach()
+        grads[impl] = [xi.grad] + [p.grad.clone() for p in moe.parameters()]
+    for impl in IMPLEMENTATIONS[1:]:
+        torch.testing.assert_close(outs[impl], outs["eager"], atol=1e-5, rtol=1e-5)
+        for g, g_ref in zip(grads[impl], grads["eager"]):
+            torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_backward_reaches_router_experts_and_latent_projections():
+    cfg, moe = make_moe(num_experts=16, num_experts_per_tok=4)
+    x = inputs(2, 5, cfg.hidden_size)
+    _, _, idx = moe.gate(x)
+    (moe(x) * torch.linspace(-1, 1, cfg.hidden_size)).sum().backward()
+    # sigmoid routing: the router learns through the top-k weights
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+    hit = torch.zeros(16, dtype=torch.bool)
+    hit[idx.unique()] = True
+    per_expert = moe.experts.gate_up_proj.grad.abs().sum(dim=(1, 2))
+    assert (per_expert[hit] > 0).all() and (per_expert[~hit] == 0).all()
+    assert (moe.experts.down_proj.grad.abs().sum(dim=(1, 2))[hit] > 0).all()
+    for name, p in moe.named_parameters():
+        if not name.startswith("experts."):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert moe.gate.e_score_correction_bias.grad is None
+
+
+def test_moe_runs_in_bf16():
+    cfg, moe = make_moe()
+    moe = moe.bfloat16()
+    x = inputs(2, 4, cfg.hidden_size).bfloat16()
+    out = moe(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    ref = ref_moe(moe, x, cfg)
+    assert ((out.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_init_moe_weights():
+    cfg = make_config()
+    moe = KimiK3SparseMoE(cfg)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.fill_(3.0)
+    torch.manual_seed(0)
+    handled = [name for name, m in moe.named_modules() if init_moe_weights(m, std=0.02)]
+    assert handled == ["gate", "experts"]
+    assert torch.count_nonzero(moe.gate.e_score_correction_bias) == 0
+    for p in (moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj):
+        assert abs(p.std().item() - 0.02) < 0.002 and abs(p.mean().item()) < 0.002

@@ -1,0 +1,229 @@
+"""The K3 feed-forward blocks: dense SiTU MLP, sigmoid router, experts and the Stable Latent MoE.
+
+Spec sections 6.2 and 6.3. A MoE layer maps the FFN input ``y [T, H]`` to
+
+    routed = up( RMSNorm( sum_{i in topk} w_i * E_i( down(y) ) ) )      (latent MoE)
+    out    = routed + shared_experts(y)
+
+The router decides on the full-width ``y``; the routed experts live in a narrower latent space
+(``routed_expert_hidden_size``), and the latent RMSNorm is applied to the fully summed expert mixture,
+which makes ``routed_scaling_factor`` cancel except through the norm's eps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.integrations import use_experts_implementation
+
+from .activations import get_gate_act_fn, get_glu_fn
+from .norm import KimiK3RMSNorm
+
+
+class KimiK3MLP(nn.Module):
+    """``down(glu(gate(x), up(x)))`` with the configured GLU (SiTU for K3).
+
+    The dense layer-0 FFN (width ``intermediate_size``) and the fused shared experts (width
+    ``num_shared_experts * moe_intermediate_size``).
+    """
+
+    def __init__(self, config, intermediate_size: int | None = None, hidden_size: int | None = None) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.glu_fn = get_glu_fn(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.glu_fn(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
+
+
+class KimiK3Router(nn.Module):
+    """Sigmoid (or softmax) top-k router with a selection-only correction bias (spec 6.3, step 1).
+
+    ``e_score_correction_bias`` is the aux-loss-free balancing bias: it shifts which experts are chosen
+    but never the weight a chosen expert receives. Everything is computed in fp32.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.hidden_size = config.hidden_size
+        self.use_softmax = config.moe_router_activation_func == "softmax"
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.num_expert_group = config.num_expert_group
+        self.topk_group = config.topk_group
+        # `router_fp32`: the checkpoint stores the router in fp32; the model must also keep it there when
+        # it is cast to a lower dtype. The logits are fp32 either way.
+        weight_dtype = torch.float32 if getattr(config, "router_fp32", False) else None
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
+        topk_indices [N, k] int64)`` with ``N`` the number of tokens."""
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+        scores = router_logits.softmax(dim=-1) if self.use_softmax else router_logits.sigmoid()
+
+        scores_for_choice = scores + self.e_score_correction_bias.float()
+        if self.num_expert_group > 1:
+            scores_for_choice = self._keep_best_groups(scores_for_choice)
+        topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
+
+        topk_weights = scores.gather(1, topk_indices)  # unbiased scores
+        if self.renormalize:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return router_logits, topk_weights, topk_indices
+
+    def _keep_best_groups(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: rank groups by the sum of their two best (biased) scores, keep the
+        ``topk_group`` best groups and hide every expert of the other groups from the top-k."""
+        num_tokens = scores_for_choice.shape[0]
+        grouped = scores_for_choice.view(num_tokens, self.num_expert_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"scoring={'softmax' if self.use_softmax else 'sigmoid'}, groups={self.num_expert_group}/{self.topk_group}"
+        )
+
+
+@use_experts_implementation
+class KimiK3Experts(nn.Module):
+    """The routed experts as fused 3-D weights (transformers' experts interface layout).
+
+    ``gate_up_proj [E, 2I, D]`` holds each expert's gate rows (checkpoint ``w1``) then its up rows
+    (``w3``), not interleaved; ``down_proj [E, D, I]`` is ``w2``. ``D`` is the latent width
+    ``routed_expert_hidden_size`` for the latent MoE, else ``hidden_size``.
+    ``config._experts_implementation`` selects this eager forward or transformers' "grouped_mm" /
+    "batched_mm"; all of them apply the GLU through `_apply_gate`.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        latent = config.routed_expert_hidden_size
+        self.hidden_dim = config.hidden_size if latent is None else latent
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.glu_fn = get_glu_fn(config)
+        # Only the gate half's activation; kept because the experts interface expects an `act_fn`.
+        # The gated paths never use it: they call `_apply_gate`, which also caps the up half.
+        self.act_fn = get_gate_act_fn(config)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.glu_fn(gate, up)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden_states [N, D]``, ``top_k_index [N, k]``, ``top_k_weights [N, k]`` -> ``[N, D]``:
+        ``out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_states[t])``."""
+        num_tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.reshape(-1)
+
+        # Sort the (token, slot) pairs by expert so that each hit expert reads one contiguous slice.
+        sorted_ids, perm = torch.sort(expert_ids, stable=True)
+        routed_states = hidden_states[perm // top_k]
+        counts = torch.bincount(sorted_ids, minlength=self.num_experts)[: self.num_experts].tolist()  # one sync
+
+        outputs = []
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            gate_up = F.linear(routed_states[start : start + count], self.gate_up_proj[expert])
+            outputs.append(F.linear(self._apply_gate(gate_up), self.down_proj[expert]))
+            start += count
+        # Ids >= num_experts (expert-parallel sentinels, zero weight) sort last and contribute nothing.
+        num_valid = start
+        if num_valid < expert_ids.numel() or not outputs:
+            outputs.append(routed_states.new_zeros(expert_ids.numel() - num_valid, self.hidden_dim))
+        expert_out = torch.cat(outputs)
+
+        # Weights are fp32, so the weighted sum over the k slots accumulates in fp32 (as the
+        # grouped_mm / batched_mm paths do).
+        weighted = expert_out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
+        return unsorted.view(num_tokens, top_k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
+
+
+class KimiK3SparseMoE(nn.Module):
+    """The FFN of every MoE layer: router + routed experts (in the latent space when
+    ``routed_expert_hidden_size`` is set) + full-width shared experts (spec 6.3).
+
+    Returns only the FFN output; the router logits are recorded by the model from ``self.gate``.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.gate = KimiK3Router(config)
+        self.experts = KimiK3Experts(config)
+
+        latent_size = config.routed_expert_hidden_size
+        self.is_latent = latent_size is not None
+        self.routed_expert_down_proj = None
+        self.routed_expert_norm = None
+        self.routed_expert_up_proj = None
+        if self.is_latent:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent_size, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = KimiK3RMSNorm(latent_size, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(latent_size, config.hidden_size, bias=False)
+
+        self.shared_experts = None
+        if config.num_shared_experts > 0:
+            self.shared_experts = KimiK3MLP(
+                config, intermediate_size=config.num_shared_experts * config.moe_intermediate_size
+            )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
+        orig_shape = hidden_states.shape
+        y = hidden_states.reshape(-1, self.hidden_size)
+
+        _, topk_weights, topk_indices = self.gate(y)  # routing is decided on the full-width input
+        z = self.routed_expert_down_proj(y) if self.is_latent else y
+        routed = self.experts(z, topk_indices, topk_weights)
+        if self.routed_expert_norm is not None:
+            routed = self.routed_expert_norm(routed)  # on the fully summed latent
+        if self.is_latent:
+            routed = self.routed_expert_up_proj(routed)
+
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(y)
+        return routed.view(orig_shape)
+
+
+@torch.no_grad()
+def init_moe_weights(module: nn.Module, std: float) -> bool:
+    """Initialise the MoE parameters that are not plain `nn.Linear`s (router weight and bias, fused
+    expert weights) the way transformers' Kimi Linear does: normal(0, std), zero bias. Returns whether
+    ``module`` was one of them. Respects transformers' ``_is_hf_initialized`` flags (loaded weights)."""
+    if isinstance(module, KimiK3Router):
+        init.normal_(module.weight, mean=0.0, std=std)
+        init.zeros_(module.e_score_correction_bias)
+        return True
+    if isinstance(module, KimiK3Experts):
+        init.normal_(module.gate_up_proj, mean=0.0, std=std)
+        init.normal_(module.down_proj, mean=0.0, std=std)
+        return True
+    return False
