@@ -325,3 +325,66 @@ def test_kda_with_zero_beta_outputs_zero(tiny_model, monkeypatch):
     with torch.no_grad():
         out = layer(torch.randn(1, 10, tiny_model.config.hidden_size))
     assert out.abs().max() == 0
+
+
+# ---------------------------------------------------------------- rollback: assisted and prompt-lookup decoding
+def test_crop_rolls_back_kda_and_mla_state(tiny_model):
+    ids = torch.randint(3, 512, (2, 30))
+    with torch.no_grad():
+        want = tiny_model(ids[:, :25]).logits
+        cache = KimiK3HybridCache(tiny_model.config)
+        tiny_model(ids[:, :20], past_key_values=cache, use_cache=True)
+        cache.activate_past_recording()
+        tiny_model(ids[:, 20:30], past_key_values=cache, use_cache=True)  # 10 tokens, 5 of them to undo
+        cache.crop(-5)
+        assert cache.get_seq_length() == 25
+        step = tiny_model(ids[:, 25:26], past_key_values=cache, use_cache=True).logits
+        full = tiny_model(ids[:, :26]).logits
+    assert_close_logits(step[:, -1], full[:, -1])
+    assert want.shape[1] == 25
+
+
+def test_crop_without_recording_is_refused(tiny_model):
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(torch.randint(3, 512, (1, 6)), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-2)
+
+
+def _count_rollbacks(monkeypatch):
+    from transformers_k3.cache import KimiK3KDACacheLayer
+
+    undone = []
+    original = KimiK3KDACacheLayer.crop
+
+    def crop(self, tokens_to_remove):
+        undone.append(-tokens_to_remove)
+        return original(self, tokens_to_remove)
+
+    monkeypatch.setattr(KimiK3KDACacheLayer, "crop", crop)
+    return undone
+
+
+def test_prompt_lookup_decoding_equals_greedy(tiny_model, monkeypatch):
+    # a repetitive prompt so that n-gram lookup proposes (and often gets wrong) candidates
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    want = greedy(tiny_model, ids, 24)
+    undone = _count_rollbacks(monkeypatch)
+    got = greedy(tiny_model, ids, 24, prompt_lookup_num_tokens=4)
+    assert torch.equal(want, got)
+    assert any(n > 0 for n in undone), "no candidate was ever rejected: the rollback path was not exercised"
+
+
+def test_assisted_decoding_equals_greedy(tiny_model, monkeypatch):
+    assistant = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny(num_hidden_layers=3, linear_attn_config={
+        "kda_layers": [1, 2], "full_attn_layers": [3]})).eval(), seed=7)
+    ids = torch.randint(3, 512, (1, 10))
+    want = greedy(tiny_model, ids, 20)
+    undone = _count_rollbacks(monkeypatch)
+    got = greedy(tiny_model, ids, 20, assistant_model=assistant)
+    assert torch.equal(want, got)
+    assert any(n > 0 for n in undone)
+    # an assistant that agrees with the target exercises long accepted runs and the bonus token
+    got_self = greedy(tiny_model, ids, 20, assistant_model=tiny_model)
+    assert torch.equal(want, got_self)

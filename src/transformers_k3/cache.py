@@ -22,8 +22,14 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self):
+    def __init__(self, conv_width: int, max_rollback: int = 64):
         super().__init__(number_of_states=1)
+        self.conv_width = conv_width  # K - 1 raw inputs per channel
+        # Rollback support (assisted / prompt-lookup decoding): while `record_past` is on, the layer keeps the
+        # recurrent state after each of the last `max_rollback` tokens and the raw conv inputs covering them.
+        self.max_rollback = max_rollback
+        self._past_states: list[torch.Tensor] | None = None  # [-1] is the current state
+        self._past_inputs: torch.Tensor | None = None  # [B, 3P, K-1+n]; its last K-1 columns are the window
 
     # The mixin's dict-of-states layout is kept so transformers' generic helpers (offload, reorder) work.
     @property
@@ -75,14 +81,55 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
         self.has_previous_state[0] = self.is_conv_states_initialized[0] and self.is_recurrent_states_initialized[0]
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.conv_width, self.max_rollback)
+
+    def rollback_window(self, seq_len: int) -> int:
+        """How many trailing tokens of a forward of `seq_len` tokens must be run token by token and recorded."""
+        return min(seq_len, self.max_rollback) if self.record_past else 0
+
+    def record(self, raw_inputs: torch.Tensor, states: list[torch.Tensor],
+               window_before: torch.Tensor | None) -> None:
+        """Called by the KDA layer before it stores its new state. `raw_inputs` ``[B, 3P, T]`` are this forward's
+        pre-conv q|k|v inputs; `states` holds the recurrent state before the last ``R = len(states) - 1``
+        tokens of the forward and after each of them (a forward longer than R makes older history unreachable);
+        `window_before` is the conv window before this forward (None at a sequence start)."""
+        if self._past_inputs is None:
+            window = window_before if window_before is not None else raw_inputs.new_zeros(
+                *raw_inputs.shape[:2], self.conv_width)
+            self._past_inputs, self._past_states = window, []
+        if len(states) - 1 < raw_inputs.shape[-1] or not self._past_states:
+            self._past_states = [s.clone() for s in states]
+        else:
+            self._past_states = self._past_states + [s.clone() for s in states[1:]]
+        self._past_states = self._past_states[-(self.max_rollback + 1):]
+        inputs = torch.cat([self._past_inputs, raw_inputs], dim=-1)
+        start = inputs.shape[-1] - (self.conv_width + len(self._past_states) - 1)
+        self._past_inputs = inputs[..., start:]
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise NotImplementedError(
-                "A KDA layer's recurrent state cannot be rolled back by cropping: the state after fewer tokens is "
-                "gone once it has been updated. Use `KimiK3HybridCache.snapshot()`/`restore()` instead."
-            )
+        """Roll the state back by ``-tokens_to_remove`` tokens (transformers' negative convention). Needs past
+        recording (`activate_past_recording`), which generate() turns on for assisted and prompt-lookup decoding.
+        ``crop(0)`` keeps the current state and frees the recorded history."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n > 0:
+            available = 0 if self._past_states is None else len(self._past_states) - 1
+            if n > available:
+                raise ValueError(
+                    f"Cannot roll a KDA state back by {n} tokens: only {available} were recorded. Call "
+                    "`cache.activate_past_recording()` before the tokens to undo are processed, and build the cache "
+                    f"with `max_rollback` >= {n} (now {self.max_rollback})."
+                )
+            width = self._past_inputs.shape[-1] - n
+            window = self._past_inputs[..., width - self.conv_width:width]
+            self.conv_states[0] = window.contiguous()
+            self.recurrent_states[0] = self._past_states[-1 - n]
+        self._past_states, self._past_inputs = None, None
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.has_state:
@@ -185,11 +232,13 @@ class KimiK3HybridCache(Cache):
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
     yourself with ``KimiK3HybridCache(model.config)`` to keep and continue a conversation."""
 
-    def __init__(self, config: KimiK3TextConfig | KimiK3Config, offloading: bool = False, **kwargs):
+    def __init__(self, config: KimiK3TextConfig | KimiK3Config, offloading: bool = False, max_rollback: int = 64,
+                 **kwargs):
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         self.config = text_config
         layers = [
-            KimiK3KDACacheLayer() if kind == "linear_attention" else KimiK3MLACacheLayer()
+            KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback)
+            if kind == "linear_attention" else KimiK3MLACacheLayer()
             for kind in text_config.layer_types
         ]
         super().__init__(layers=layers, offloading=offloading)
@@ -206,7 +255,7 @@ class KimiK3HybridCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return all(layer.is_croppable for layer in self.layers)
 
     def nbytes(self) -> int:
         """Bytes actually held for the cached context (MLA latents up to their length, KDA states)."""

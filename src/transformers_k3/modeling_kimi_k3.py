@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
+from transformers.generation.utils import GenerationMode
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -148,6 +149,18 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, KimiK3Model) and module.config.use_attn_res:
             init.zeros_(module.output_attn_res_proj.weight)
 
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent
+        state cannot be cropped. `KimiK3HybridCache` can: with past recording on (which assisted decoding turns
+        on) each KDA layer keeps its state after every recent token, and `crop` restores the right one."""
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            self._is_stateful = False  # instance attribute, shadows the class flag for this check only
+            try:
+                return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+            finally:
+                del self._is_stateful
+        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent)."""
@@ -156,7 +169,10 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             return
         if generation_config.use_cache is False:
             return
-        model_kwargs["past_key_values"] = KimiK3HybridCache(self.config.get_text_config())
+        cache = KimiK3HybridCache(self.config.get_text_config())
+        if generation_config.is_assistant:  # an assistant's drafts are rolled back after verification
+            cache.activate_past_recording()
+        model_kwargs["past_key_values"] = cache
 
 
 class KimiK3Model(KimiK3PreTrainedModel):

@@ -69,12 +69,11 @@ class KimiK3DeltaAttention(nn.Module):
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
-    def _short_convs(self, x: torch.Tensor, cache_layer, cu_seqlens) -> list[torch.Tensor]:
+    def _short_convs(self, projections, cache_layer, cu_seqlens) -> list[torch.Tensor]:
         """q, k, v after their causal convolutions and SiLU, reading/writing the conv window in the cache."""
-        projections = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         window = cache_layer.conv_state if cache_layer is not None and cache_layer.has_state else None
-        seq_len = x.shape[1]
+        seq_len = projections[0].shape[1]
         if window is not None and seq_len <= RECURRENT_MAX_LEN:
             # decode: the cached window [B, 3P, K-1] is updated in place, one channel block per projection
             return [
@@ -90,8 +89,29 @@ class KimiK3DeltaAttention(nn.Module):
             outputs.append(y)
             finals.append(final)
         if cache_layer is not None:
-            cache_layer.update_conv_state(torch.cat(finals, dim=1).to(x.dtype))
+            cache_layer.update_conv_state(torch.cat(finals, dim=1).to(projections[0].dtype))
         return outputs
+
+    def _recorded_delta_rule(self, q, k, v, g, beta, state, recorded: int):
+        """The delta rule with the recurrent state kept after each of the last `recorded` tokens, so that the
+        cache can roll back to any of them (assisted / prompt-lookup decoding). Earlier tokens run chunked."""
+        seq_len = q.shape[1]
+        head = seq_len - recorded
+        outputs = []
+        common = dict(scale=self.head_dim ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if head > 0:
+            out, state = chunk_kda(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
+                                   initial_state=state, **common)
+            outputs.append(out)
+        if state is None:
+            state = q.new_zeros(q.shape[0], self.num_heads, self.head_dim, self.head_dim, dtype=torch.float32)
+        states = [state.clone()]
+        for t in range(head, seq_len):
+            out, state = fused_recurrent_kda(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                             beta[:, t:t + 1], initial_state=state, **common)
+            outputs.append(out)
+            states.append(state.clone())
+        return torch.cat(outputs, dim=1), states
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
@@ -101,25 +121,35 @@ class KimiK3DeltaAttention(nn.Module):
             # and the first real token sees the same zero history as at a sequence start.
             hidden_states = hidden_states * attention_mask[:, -seq_len:, None].to(hidden_states.dtype)
         cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
+        recorded = cache_layer.rollback_window(seq_len) if cache_layer is not None else 0
 
+        projections = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+        if recorded:
+            raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2)
+            window_before = cache_layer.conv_state.clone() if cache_layer.has_state else None
         q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim)
-                   for t in self._short_convs(hidden_states, cache_layer, cu_seqlens))
+                   for t in self._short_convs(projections, cache_layer, cu_seqlens))
         g = kda_forget_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias,
                             self.lower_bound, self.head_dim)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
 
         state = cache_layer.recurrent_state if cache_layer is not None and cache_layer.has_state else None
-        kda = fused_recurrent_kda if state is not None and seq_len <= RECURRENT_MAX_LEN else chunk_kda
-        core, final_state = kda(
-            q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
-            output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-        )
+        if recorded:
+            core, states = self._recorded_delta_rule(q, k, v, g, beta, state, recorded)
+            cache_layer.record(raw_inputs, states, window_before)
+            final_state = states[-1]
+        else:
+            kda = fused_recurrent_kda if state is not None and seq_len <= RECURRENT_MAX_LEN else chunk_kda
+            core, final_state = kda(
+                q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
+                output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+            )
         if cache_layer is not None:
             cache_layer.update_recurrent_state(final_state)
 
         gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
         out = self.o_norm(core, gate).reshape(batch, seq_len, self.proj_dim)
-        return self.o_proj(out)
+        return self.o_proj(out.to(hidden_states.dtype))
 
 
 __all__ = ["KimiK3DeltaAttention", "kda_forget_gate"]
