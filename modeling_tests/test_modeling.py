@@ -388,3 +388,43 @@ def test_assisted_decoding_equals_greedy(tiny_model, monkeypatch):
     # an assistant that agrees with the target exercises long accepted runs and the bonus token
     got_self = greedy(tiny_model, ids, 20, assistant_model=tiny_model)
     assert torch.equal(want, got_self)
+
+
+# ---------------------------------------------------------------- chunked prefill, offload, persistence
+def test_chunked_prefill_in_generate_equals_one_shot(tiny_model):
+    ids = torch.randint(3, 512, (2, 90))
+    want = greedy(tiny_model, ids, 8)
+    for chunk in (16, 64, 37):
+        assert torch.equal(greedy(tiny_model, ids, 8, prefill_chunk_size=chunk), want), chunk
+
+
+def test_offloaded_latents_give_the_same_tokens(tiny_model):
+    ids = torch.randint(3, 512, (1, 12))
+    cache = KimiK3HybridCache(tiny_model.config, offload_latents_to="cpu")
+    assert torch.equal(greedy(tiny_model, ids, 8, past_key_values=cache), greedy(tiny_model, ids, 8))
+    assert all(layer.latent.device.type == "cpu" for layer in cache.layers if hasattr(layer, "latent"))
+
+
+def test_cache_save_and_load_resume_exactly(tiny_model, tmp_path):
+    ids = torch.randint(3, 512, (2, 40))
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(ids[:, :39], past_key_values=cache, use_cache=True)
+        path = tmp_path / "session.safetensors"
+        cache.save(path)
+        want = tiny_model(ids[:, 39:], past_key_values=cache, use_cache=True).logits
+        restored = KimiK3HybridCache.load(path, tiny_model.config)
+        assert restored.get_seq_length() == 39
+        got = tiny_model(ids[:, 39:], past_key_values=restored, use_cache=True).logits
+    assert torch.equal(want, got)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_cache_from_another_architecture_is_refused(tiny_model, tmp_path):
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(torch.randint(3, 512, (1, 5)), past_key_values=cache, use_cache=True)
+    cache.save(tmp_path / "c.safetensors")
+    other = KimiK3TextConfig.tiny(kv_lora_rank=16)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        KimiK3HybridCache.load(tmp_path / "c.safetensors", other)

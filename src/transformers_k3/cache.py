@@ -10,10 +10,26 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+
+
+def _state_signature(config: KimiK3TextConfig) -> dict:
+    """The config fields that determine what a cache holds and what its numbers mean."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "layer_types",
+            "attn_res_block_size", "num_experts", "routed_expert_hidden_size", "hidden_act")
+    signature = {key: getattr(config, key) for key in keys}
+    signature["linear_attn_config"] = {k: v for k, v in config.linear_attn_config.items()}
+    return json.loads(json.dumps(signature))
 
 
 class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
@@ -150,11 +166,14 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, initial_capacity: int = 256):
+    def __init__(self, initial_capacity: int = 256, storage_device: str | torch.device | None = None):
         super().__init__()
         self.latent: torch.Tensor | None = None  # [B, capacity, D]; rows >= length are scratch
         self.length = 0
         self.initial_capacity = initial_capacity
+        # Where the latent lives between steps (e.g. "cpu" to offload long contexts from a small GPU); None: with
+        # the activations. Each step then copies the latent to the compute device.
+        self.storage_device = None if storage_device is None else torch.device(storage_device)
         self.device = None
         self.dtype = None
 
@@ -165,7 +184,8 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         batch, _, dim = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.latent = key_states.new_empty(batch, self.initial_capacity, dim)
+        self.latent = torch.empty(batch, self.initial_capacity, dim, dtype=self.dtype,
+                                  device=self.storage_device or self.device)
         self.length = 0
         self.is_initialized = True
 
@@ -182,7 +202,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
             self.latent = grown
         self.latent[:, self.length : new_len] = latent_states
         self.length = new_len
-        return self.latent[:, :new_len], None
+        return self.latent[:, :new_len].to(latent_states.device, non_blocking=True), None
 
     def get_seq_length(self) -> int:
         return self.length
@@ -232,16 +252,16 @@ class KimiK3HybridCache(Cache):
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
     yourself with ``KimiK3HybridCache(model.config)`` to keep and continue a conversation."""
 
-    def __init__(self, config: KimiK3TextConfig | KimiK3Config, offloading: bool = False, max_rollback: int = 64,
-                 **kwargs):
+    def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_rollback: int = 64,
+                 offload_latents_to: str | torch.device | None = None, **kwargs):
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         self.config = text_config
         layers = [
             KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback)
-            if kind == "linear_attention" else KimiK3MLACacheLayer()
+            if kind == "linear_attention" else KimiK3MLACacheLayer(storage_device=offload_latents_to)
             for kind in text_config.layer_types
         ]
-        super().__init__(layers=layers, offloading=offloading)
+        super().__init__(layers=layers)
 
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
@@ -256,6 +276,61 @@ class KimiK3HybridCache(Cache):
     @property
     def is_croppable(self) -> bool:
         return all(layer.is_croppable for layer in self.layers)
+
+    # ------------------------------------------------------------------------------------------ persistence
+    _FORMAT = "kimi_k3_hybrid_cache"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the cache to one safetensors file (tensors + the text config as metadata), atomically: a long
+        session (an agent trajectory, a document) can resume later without re-prefilling."""
+        tensors = {}
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, KimiK3MLACacheLayer):
+                if layer.is_initialized:
+                    tensors[f"layers.{idx}.latent"] = layer.latent[:, : layer.length].contiguous()
+            elif layer.has_state:
+                tensors[f"layers.{idx}.conv_state"] = layer.conv_state.contiguous()
+                tensors[f"layers.{idx}.recurrent_state"] = layer.recurrent_state.contiguous()
+        metadata = {"format": self._FORMAT, "version": "1", "seq_length": str(self.get_seq_length()),
+                    "config": json.dumps(_state_signature(self.config), sort_keys=True)}
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-cache-", suffix=".safetensors", dir=directory)
+        os.close(fd)
+        try:
+            save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, config: KimiK3TextConfig | KimiK3Config,
+             device: str | torch.device = "cpu", **kwargs) -> "KimiK3HybridCache":
+        """Read a cache written by `save` for a model with `config`; a cache from another architecture is
+        refused with an error that names the differing fields."""
+        text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
+        with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != cls._FORMAT:
+                raise ValueError(f"{path} is not a saved KimiK3HybridCache (metadata format: {metadata.get('format')!r})")
+            saved = json.loads(metadata["config"])
+            expected = _state_signature(text_config)
+            diff = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+            if diff:
+                details = ", ".join(f"{k}: cache {saved.get(k)!r} vs model {expected.get(k)!r}" for k in diff)
+                raise ValueError(f"The cache in {path} belongs to a different K3 architecture ({details}); "
+                                 "it cannot be used with this model.")
+            cache = cls(text_config, **kwargs)
+            for idx, layer in enumerate(cache.layers):
+                if isinstance(layer, KimiK3MLACacheLayer):
+                    if f"layers.{idx}.latent" in f.keys():
+                        layer.update(f.get_tensor(f"layers.{idx}.latent"))
+                elif f"layers.{idx}.conv_state" in f.keys():
+                    layer.update_conv_state(f.get_tensor(f"layers.{idx}.conv_state"))
+                    layer.update_recurrent_state(f.get_tensor(f"layers.{idx}.recurrent_state"))
+        return cache
 
     def nbytes(self) -> int:
         """Bytes actually held for the cached context (MLA latents up to their length, KDA states)."""
