@@ -428,3 +428,23 @@ def test_cache_from_another_architecture_is_refused(tiny_model, tmp_path):
     other = KimiK3TextConfig.tiny(kv_lora_rank=16)
     with pytest.raises(ValueError, match="kv_lora_rank"):
         KimiK3HybridCache.load(tmp_path / "c.safetensors", other)
+
+
+# ---------------------------------------------------------------- packed sequences
+def test_packed_sequences_equal_separate_sequences(tiny_model):
+    """One row holding three sequences (position_ids restart at 0, as DataCollatorWithFlattening makes them):
+    KDA state and conv windows reset at the boundaries and MLA does not attend across them."""
+    lengths = (7, 70, 20)
+    rows = [torch.randint(3, 512, (n,)) for n in lengths]
+    packed = torch.cat(rows)[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        got = tiny_model(packed, position_ids=position_ids).logits[0]
+        want = torch.cat([tiny_model(r[None]).logits[0] for r in rows])
+    assert_close_logits(got, want)
+    # the collator's explicit cu_seq_lens give the same result
+    cu = torch.tensor([0, 7, 77, 97], dtype=torch.int32)
+    with torch.no_grad():
+        got_cu = tiny_model(packed, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                            max_length_q=70, max_length_k=70).logits[0]
+    assert_close_logits(got_cu, want)

@@ -43,6 +43,27 @@ class KimiK3CausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     attn_res_weights: tuple[torch.FloatTensor, ...] | None = None
 
 
+def packed_sequence_boundaries(position_ids, cu_seq_lens_q, attention_mask, past_key_values,
+                               batch_size: int) -> torch.LongTensor | None:
+    """``cu_seqlens`` of a packed batch (several sequences concatenated in one row, as transformers'
+    `DataCollatorWithFlattening` produces), or None. Taken from the collator's ``cu_seq_lens_q`` when given,
+    else from ``position_ids`` restarting at 0. MLA gets the matching block-diagonal mask from
+    `create_causal_mask`, which detects the same packing from ``position_ids``."""
+    if batch_size != 1 or past_key_values is not None or attention_mask is not None:
+        return None
+    if cu_seq_lens_q is not None:
+        return cu_seq_lens_q.to(torch.long)
+    if position_ids is None:
+        return None
+    positions = position_ids.reshape(-1)
+    starts = (positions == 0).nonzero().flatten()
+    if starts.numel() <= 1 and positions[0] == 0:
+        return None
+    if starts.numel() == 0 or starts[0] != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    return torch.cat([starts, starts.new_tensor([positions.numel()])])
+
+
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
     """One K3 layer. Its input is the AttnRes state: the running partial sum ``p`` of the current block and
     the bank of earlier block snapshots. With AttnRes off the bank stays empty and each read returns ``p``,
@@ -72,7 +93,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.mlp_side_read = KimiK3AttnResRead(eps)
 
     def forward(self, partial: torch.Tensor, *bank: torch.Tensor, attention_mask=None, past_key_values=None,
-                **kwargs) -> tuple[torch.Tensor, ...]:
+                cu_seqlens: torch.LongTensor | None = None, **kwargs) -> tuple[torch.Tensor, ...]:
         """``(partial, *bank) -> (partial, *bank)``; the bank is passed positionally so that gradient
         checkpointing sees every tensor."""
         if self.use_attn_res:
@@ -83,6 +104,9 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         x = self.input_layernorm(mix)
         if self.snapshot:
             bank, partial = (*bank, partial), None
+        if self.layer_type == "linear_attention":
+            # packed sequences: KDA state and conv windows restart at every boundary
+            kwargs["cu_seqlens"] = cu_seqlens
         attn_out = self.self_attn(x, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
         if isinstance(attn_out, tuple):
             attn_out = attn_out[0]
@@ -205,7 +229,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
+        cu_seqlens = packed_sequence_boundaries(position_ids, kwargs.get("cu_seq_lens_q"), attention_mask,
+                                                past_key_values, inputs_embeds.shape[0])
+        if use_cache and past_key_values is None and cu_seqlens is None:  # a packed row cannot be continued
             past_key_values = KimiK3HybridCache(self.config)
         if past_key_values is not None and not isinstance(past_key_values, KimiK3HybridCache):
             raise TypeError(
@@ -229,7 +255,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:
             mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask
-            state = layer(*state, attention_mask=mask, past_key_values=past_key_values, **kwargs)
+            state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens,
+                          **kwargs)
 
         partial, *bank = state
         if self.config.use_attn_res:
