@@ -1,0 +1,786 @@
+"""Kimi Delta Attention (KDA) core: chunked and recurrent forms, with fla's calling conventions.
+
+The recurrence (spec section 4.6), per sequence and head, with state ``S`` of shape ``[K, V]``::
+
+    S <- diag(exp(g_t)) S
+    S <- S + beta_t k_t (v_t - S^T k_t)^T
+    o_t = S^T (scale * q_t)
+
+On CUDA, when flash-linear-attention (fla) imports, :func:`chunk_kda` and :func:`fused_recurrent_kda`
+call fla's Triton kernels. Everywhere else (CPU, or ``backend="torch"``) they run the PyTorch
+implementations in this module, which are exact (fp32 state and accumulation whatever the input dtype),
+differentiable, and written to be fast on a small CPU:
+
+* the chunked form is the WY/UT-transform algorithm: all per-chunk work (decay-masked ``K K^T`` and
+  ``Q K^T``, the unit-lower-triangular solve, ``w``/``u``) is batched over every chunk, head and sequence
+  at once, and only the state hand-off between consecutive chunks is a Python loop;
+* packed variable-length batches (``cu_seqlens``) pad each sequence only to a multiple of the chunk
+  size, and the hand-off loop advances all sequences together.
+
+Decays are handled without overflow: a cumulative log-decay reaches about -320 over a 64-token chunk
+at K3's gate bound (-5 per step), so the textbook factorisation ``(q e^{G}) (k e^{-G})^T`` would
+evaluate ``e^{320}``. Here every exponent is taken relative to a reference inside a 16-token sub-chunk
+(bounded by the sub-chunk's decay span, which is checked) and sub-chunks are linked by exact
+segment sums whose exponentials are <= 1; see :func:`_intra_chunk`.
+
+The backend can be forced per call (``backend=``), for a block of code (:func:`kda_backend`) or for the
+process (environment variable ``TRANSFORMERS_K3_KDA_BACKEND``), in that order of precedence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "RECURRENT_MAX_TOKENS",
+    "chunk_kda",
+    "fused_recurrent_kda",
+    "kda",
+    "kda_backend",
+    "kda_gate",
+]
+
+BACKEND_ENV_VAR = "TRANSFORMERS_K3_KDA_BACKEND"
+_BACKENDS = ("torch", "fla")
+_forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("kda_backend", default=None)
+
+# kda() uses the token loop up to this many tokens per sequence. Measured on the reference 2-core CPU
+# (fp32, H=4, K=V=64): the loop costs ~25 us per token, the chunked path ~1 ms fixed plus ~20 us per
+# token, so they cross near 32 tokens.
+RECURRENT_MAX_TOKENS = 32
+
+# Largest sub-chunk; exponents inside a sub-chunk are bounded by its decay span, which must stay below
+# _SPAN_LIMIT so that e^{span} (and products of two such factors' masked-out partners) fit in fp32
+# (max ~e^88). K3's gate is > -5 per step, so 16 tokens span < 80 and the fast path always applies.
+_SUB_CHUNK = 16
+_SPAN_LIMIT = 80.0
+# Decay factors below e^-40 (4e-18) are set to exactly 0. They are ~1e-10 of fp32 resolution, so
+# results do not change, but left alone they decay further into subnormal floats, which x86 CPUs
+# process ~100x slower (measured: 2.3x slower end to end at K3's strongest decays).
+_EXP_CUTOFF = -40.0
+_EXP_FLOOR = math.exp(_EXP_CUTOFF) * (1 + 1e-5)
+_FLUSH = 1e-19
+# Rows (chunk x head) per batch of intra-chunk work, sized so its temporaries stay cache-resident.
+_GROUP_ELEMENTS = 1 << 18
+
+
+@contextlib.contextmanager
+def kda_backend(name: str | None) -> Iterator[None]:
+    """Force the KDA backend (``"torch"``, ``"fla"``, or ``None``/``"auto"`` for automatic) inside a
+    ``with`` block; an explicit ``backend=`` argument still wins."""
+    token = _forced_backend.set(_normalise_backend(name, "kda_backend()"))
+    try:
+        yield
+    finally:
+        _forced_backend.reset(token)
+
+
+def _normalise_backend(name: str | None, source: str) -> str | None:
+    if name is None:
+        return None
+    value = str(name).strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in _BACKENDS:
+        raise ValueError(f"{source} must be 'torch', 'fla' or None/'auto' (automatic), got {name!r}")
+    return value
+
+
+@functools.cache
+def _load_fla() -> tuple[tuple | None, str | None]:
+    """Import fla's KDA kernels once; fla imports Triton and may probe the GPU at import time, so any
+    failure means "not available" and its message is kept for the error raised on a forced request."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+    except Exception as error:  # noqa: BLE001 - any import-time failure makes fla unusable here
+        return None, f"{type(error).__name__}: {error}"
+    return (fla_chunk_kda, fla_fused_recurrent_kda), None
+
+
+def _select_backend(backend: str | None, device: torch.device) -> str:
+    """Decide on the tensors' device: CPU tensors must never reach Triton, whether or not fla imports."""
+    name = _normalise_backend(backend, "backend")
+    if name is None:
+        name = _forced_backend.get()
+    if name is None:
+        name = _normalise_backend(os.environ.get(BACKEND_ENV_VAR), f"${BACKEND_ENV_VAR}")
+    if name is None:
+        return "fla" if device.type == "cuda" and _load_fla()[0] is not None else "torch"
+    if name == "fla":
+        if device.type != "cuda":
+            raise ValueError(
+                f"backend='fla' runs fla's Triton kernels, which need CUDA tensors, but the inputs are on "
+                f"{device}; use backend='torch' (or None to choose automatically)"
+            )
+        kernels, error = _load_fla()
+        if kernels is None:
+            raise ValueError(
+                f"backend='fla' was requested but flash-linear-attention could not be imported ({error}); "
+                "install it (pip install flash-linear-attention) or use backend='torch'"
+            )
+    return name
+
+
+def kda_gate(
+    g: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """KDA forget gate (log-decay) from the raw gate projection ``g [..., H, K]`` (spec section 4.4).
+
+    With ``lower_bound`` (K3's "safe gate", ``lower_bound = -5``)::
+
+        g = lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h, i]))     # in (lower_bound, 0)
+
+    (``exp(A_log)`` is dropped when ``A_log`` is None, as in fla). Without ``lower_bound``::
+
+        g = -exp(A_log[h]) * softplus(g + dt_bias[h, i])                   # softplus threshold 20
+
+    ``A_log`` has ``H`` elements and ``dt_bias`` ``H * K``. fla 0.6.0's in-kernel gate
+    (``fla/ops/kda/gate.py``) uses exactly these formulas, so routing ``use_gate_in_kernel`` to fla is
+    equivalent. Computed in fp32 (float64 if ``g`` is float64); returns that dtype.
+    """
+    heads, key_dim = g.shape[-2:]
+    dtype = torch.promote_types(g.dtype, torch.float32)
+    x = g.to(dtype)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dtype).reshape(heads, key_dim)
+    rate = A_log.to(dtype).reshape(heads, 1).exp() if A_log is not None else None
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(x if rate is None else rate * x)
+    if rate is None:
+        raise ValueError("kda_gate needs A_log when lower_bound is None (the gate is -exp(A_log) * softplus(...))")
+    return -rate * F.softplus(x)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA (prefill / training), semantics of fla's ``fla.ops.kda.chunk_kda``.
+
+    Args:
+        q, k: ``[B, T, H, K]``.
+        v: ``[B, T, HV, V]``; ``HV`` must be a multiple of ``H`` (grouped values, as in fla).
+        g: ``[B, T, HV, K]`` log-space decays (<= 0), already activated unless ``use_gate_in_kernel``.
+        beta: ``[B, T, HV]``, already sigmoided unless ``use_beta_sigmoid_in_kernel``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), one row per sequence.
+        output_final_state: also return the state after the last token of each sequence.
+        use_qk_l2norm_in_kernel: L2-normalise q and k in fp32 as ``x / sqrt(sum(x^2) + 1e-6)``.
+        cu_seqlens: ``[N + 1]`` cumulative lengths of sequences packed along T (requires ``B == 1``); the
+            state restarts from each sequence's own initial state at its start.
+        chunk_size: tokens per chunk (fla accepts 32 or 64; the PyTorch path any positive size).
+        backend: ``"torch"``, ``"fla"`` or None (automatic: fla for CUDA tensors when it imports).
+        use_gate_in_kernel, A_log, dt_bias, lower_bound: compute ``g`` from the raw gate projection with
+            :func:`kda_gate` (``A_log [HV]``, ``dt_bias [HV * K]``).
+        safe_gate: fla's fast path for bounded gates; with ``use_gate_in_kernel`` it needs
+            ``lower_bound`` in ``[-5, 0)``. It does not change the result.
+        use_beta_sigmoid_in_kernel, allow_neg_eigval: ``beta <- sigmoid(beta)`` (times 2 with
+            ``allow_neg_eigval``).
+        state_v_first: states are laid out ``[..., V, K]`` (SGLang's layout) instead of ``[..., K, V]``.
+        cu_seqlens_cpu: host copy of ``cu_seqlens``, saves a device sync.
+        **kwargs: further fla-only options, passed to fla; rejected on the PyTorch path.
+
+    Returns:
+        ``(o, final_state)``: ``o [B, T, HV, V]`` in ``v``'s dtype (fla's kernel returns ``q``'s dtype);
+        ``final_state`` in fp32 (float64 for float64 inputs) or None.
+    """
+    n_seq = _validate(
+        q, k, v, g, beta, initial_state, cu_seqlens, state_v_first,
+        use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if _select_backend(backend, q.device) == "fla":
+        fla_chunk_kda = _load_fla()[0][0]
+        return fla_chunk_kda(
+            q, k, v, g, beta,
+            scale=scale,
+            initial_state=None if initial_state is None else initial_state.float(),
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate,
+            lower_bound=lower_bound,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            chunk_size=chunk_size,
+            **kwargs,
+        )  # fmt: skip
+    _reject_fla_only(kwargs)
+    return _torch_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, n_seq, state_v_first,
+        use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        block=chunk_size,
+    )  # fmt: skip
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA (decode, short verify windows), semantics of fla's ``fused_recurrent_kda``.
+
+    Same arguments and results as :func:`chunk_kda` without ``chunk_size``/``safe_gate``. The PyTorch
+    path is differentiable and, when no gradient is needed, updates one state buffer in place instead of
+    allocating a new state per token. fla's kernel has no backward pass, so the fla path refuses inputs
+    that require grad (use :func:`chunk_kda` for training).
+    """
+    n_seq = _validate(
+        q, k, v, g, beta, initial_state, cu_seqlens, state_v_first,
+        use_gate_in_kernel, A_log, dt_bias, lower_bound, False,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    )  # fmt: skip
+    if _select_backend(backend, q.device) == "fla":
+        if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+            raise ValueError(
+                "fla's fused_recurrent_kda has no backward pass but the inputs require grad; use chunk_kda for "
+                "training, run under torch.no_grad(), or pass backend='torch'"
+            )
+        fla_fused_recurrent_kda = _load_fla()[0][1]
+        return fla_fused_recurrent_kda(
+            q, k, v, g, beta,
+            A_log=A_log,
+            dt_bias=dt_bias,
+            scale=scale,
+            initial_state=None if initial_state is None else initial_state.float(),
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            lower_bound=lower_bound,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+            **kwargs,
+        )  # fmt: skip
+    _reject_fla_only(kwargs)
+    return _torch_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+        cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, n_seq, state_v_first,
+        use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        block=None,
+    )  # fmt: skip
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *args,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    backend: str | None = None,
+    recurrent_max_tokens: int = RECURRENT_MAX_TOKENS,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run :func:`fused_recurrent_kda` when every sequence is short (decode, speculative verify) and
+    :func:`chunk_kda` otherwise, so callers need not care which form is faster for their input.
+
+    Takes :func:`chunk_kda`'s arguments (``chunk_size``/``safe_gate`` only reach the chunked form). fla's
+    recurrent kernel cannot backpropagate, so inputs that need grad go to the chunked form on fla.
+    """
+    if cu_seqlens is None:
+        longest = q.shape[1]
+    else:
+        bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+        longest = int(bounds.diff().max()) if bounds.numel() > 1 else 0
+    chunk_only = {key: kwargs.pop(key) for key in ("chunk_size", "safe_gate") if key in kwargs}
+    use_recurrent = longest <= recurrent_max_tokens
+    if use_recurrent and q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, *args, *kwargs.values()):
+        use_recurrent = _select_backend(backend, q.device) == "torch"
+    if use_recurrent:
+        return fused_recurrent_kda(
+            q, k, v, g, beta, *args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend, **kwargs
+        )
+    return chunk_kda(
+        q, k, v, g, beta, *args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
+        **chunk_only, **kwargs,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checking
+
+
+def _needs_grad(*values) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
+
+
+def _reject_fla_only(kwargs: dict) -> None:
+    if kwargs:
+        raise ValueError(
+            f"{sorted(kwargs)} only apply to fla's CUDA kernels and are not supported by the PyTorch KDA path; "
+            "drop them or run on CUDA with fla"
+        )
+
+
+def _validate(
+    q, k, v, g, beta, initial_state, cu_seqlens, state_v_first,
+    use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval,
+) -> int:  # fmt: skip
+    """Check shapes, dtypes and option combinations; return the number of sequences N."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}; cast it (e.g. .float())")
+        if x.device != q.device:
+            raise ValueError(f"all inputs must be on one device: q is on {q.device}, {name} on {x.device}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    batch, length, heads, key_dim = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, HV, V] with q's B and T = {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+    v_heads, value_dim = v.shape[2], v.shape[3]
+    if v_heads % heads != 0:
+        raise ValueError(f"v's head count HV = {v_heads} must be a multiple of q/k's head count H = {heads}")
+    if g.shape != (batch, length, v_heads, key_dim):
+        raise ValueError(f"g must be [B, T, HV, K] = {(batch, length, v_heads, key_dim)}, got {tuple(g.shape)}")
+    if beta.shape != (batch, length, v_heads):
+        raise ValueError(
+            f"beta must be [B, T, HV] = {(batch, length, v_heads)} (one scalar per head and token), got "
+            f"{tuple(beta.shape)}"
+        )
+
+    n_seq = batch
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of cumulative sequence lengths")
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens needs at least 2 entries [0, ..., T], got {cu_seqlens.numel()}")
+        if batch != 1:
+            raise ValueError(
+                f"cu_seqlens packs sequences along T and needs batch size 1, got B = {batch}; flatten the "
+                "inputs to [1, total_tokens, ...] first"
+            )
+        n_seq = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        expected = (n_seq, v_heads, value_dim, key_dim) if state_v_first else (n_seq, v_heads, key_dim, value_dim)
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            raise ValueError("initial_state must be a floating-point tensor")
+        if tuple(initial_state.shape) != expected:
+            layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+            raise ValueError(
+                f"initial_state must be {layout} = {expected} (N = number of sequences), got "
+                f"{tuple(initial_state.shape)}"
+            )
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log [HV] (or lower_bound for the A_log-free safe gate)")
+        if A_log is not None and A_log.numel() != v_heads:
+            raise ValueError(f"A_log must have HV = {v_heads} elements, got shape {tuple(A_log.shape)}")
+        if dt_bias is not None and dt_bias.numel() != v_heads * key_dim:
+            raise ValueError(f"dt_bias must have HV * K = {v_heads * key_dim} elements, got shape {tuple(dt_bias.shape)}")
+        if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+            raise ValueError(f"safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), got {lower_bound}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (it scales sigmoid(beta) by 2)")
+    return n_seq
+
+
+def _host_bounds(cu_seqlens: torch.Tensor, length: int) -> list[int]:
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != length or any(b > e for b, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T = {length}, got {bounds}")
+    return bounds
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch implementation
+
+
+
+def _torch_kda(
+    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
+    state_v_first, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+    block,
+):  # fmt: skip
+    """Shared front and back end of both PyTorch forms; ``block`` is the chunk size, None for the token loop."""
+    batch, length, heads, key_dim = q.shape
+    v_heads, value_dim = v.shape[2], v.shape[3]
+    dtype = torch.float32
+    for x in (q, k, v, g, beta):
+        dtype = torch.promote_types(dtype, x.dtype)
+    if scale is None:
+        scale = key_dim**-0.5
+
+    out_dtype = v.dtype
+    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
+    if use_qk_l2norm_in_kernel:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * scale
+    g = kda_gate(g, A_log, dt_bias, lower_bound).to(dtype) if use_gate_in_kernel else g.to(dtype)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    if v_heads != heads:
+        q = q.repeat_interleave(v_heads // heads, dim=2)
+        k = k.repeat_interleave(v_heads // heads, dim=2)
+
+    bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
+    layout = _Layout(batch, length, bounds, block or 1, q.device)
+    if initial_state is None:
+        state = q.new_zeros(n_seq, v_heads, key_dim, value_dim)
+    else:
+        state = initial_state.to(dtype)
+        if state_v_first:
+            state = state.transpose(-1, -2)
+        state = state.contiguous()
+    state = layout.sort_states(state)
+
+    packed = [layout.pack(x) for x in (q, k, v, g, beta[..., None])]
+    run = _recurrent if block is None else _chunked
+    out, final = run(*packed, state, layout)
+    o = layout.unpack(out).to(out_dtype)
+    if not output_final_state:
+        return o, None
+    final = layout.unsort_states(final)
+    if state_v_first:
+        final = final.transpose(-1, -2).contiguous()
+    return o, final
+
+
+class _Layout:
+    """Time-major, block-padded placement of the tokens of all sequences.
+
+    Every sequence is cut into blocks of ``block`` tokens (the chunk size, or 1 for the token loop), its
+    last block zero-padded. Sequences are ranked by block count, longest first, and block ``j`` of the
+    sequence of rank ``r`` is stored at slot ``offsets[j] + r``. So at step ``j`` the sequences still
+    running are exactly the first ``active[j]`` rows of the rank-ordered state batch and their blocks
+    are one contiguous slice: the sequential loop needs no gathers, and no sequence is padded beyond a
+    multiple of the block size (in particular not to the longest one). Zero padding is inert: a padded
+    token has ``k = v = beta = 0`` and ``g = 0``, so it neither writes to nor decays the state.
+    """
+
+    def __init__(self, batch: int, length: int, bounds: list[int] | None, block: int, device: torch.device):
+        self.batch, self.length, self.block = batch, length, block
+        self.order = self.inverse = None
+        # For packed sequences: row of each token in a [slots * block] buffer; None for a plain batch,
+        # whose layout is a pad + permute.
+        self.token_rows = None
+        self._index_cache: dict[int, torch.Tensor] = {}
+        if bounds is None:
+            self.active = [batch] * (-(-length // block))
+        else:
+            lengths = torch.tensor([end - start for start, end in zip(bounds, bounds[1:])])
+            n_seq = lengths.numel()
+            blocks = (lengths + block - 1) // block
+            order = torch.sort(blocks, descending=True, stable=True).indices
+            steps = int(blocks.max())
+            ended_by = torch.bincount(blocks, minlength=steps + 1).cumsum(0)  # sequences with <= j blocks
+            self.active = (n_seq - ended_by[:steps]).tolist()
+            if not torch.equal(order, torch.arange(n_seq)):
+                self.order = order.to(device)
+                self.inverse = torch.argsort(order).to(device)
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(n_seq)
+            step_offsets = torch.tensor([0, *self.active]).cumsum(0)
+            seq = torch.repeat_interleave(torch.arange(n_seq), lengths)
+            pos = torch.arange(length) - torch.tensor(bounds[:-1], dtype=torch.long)[seq]
+            slot = step_offsets[pos // block] + rank[seq]
+            self.token_rows = (slot * block + pos % block).to(device)
+        self.offsets = torch.tensor([0, *self.active[:-1]]).cumsum(0).tolist() if self.active else []
+        self.n_slots = sum(self.active)
+
+    def _rows(self, heads: int) -> torch.Tensor:
+        """Row of every (token, head) pair, token-major like the input, in a flat ``[slots, heads, block]``."""
+        if heads not in self._index_cache:
+            slot, pos = self.token_rows // self.block, self.token_rows % self.block
+            head = torch.arange(heads, device=slot.device)
+            self._index_cache[heads] = ((slot[:, None] * heads + head) * self.block + pos[:, None]).reshape(-1)
+        return self._index_cache[heads]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T, H, D]`` -> ``[slots, H, block, D]``, zeros in the padding."""
+        heads, dim = x.shape[2], x.shape[3]
+        if self.token_rows is None:
+            n_blocks = len(self.active)
+            x = F.pad(x, (0, 0, 0, 0, 0, n_blocks * self.block - self.length))
+            x = x.view(self.batch, n_blocks, self.block, heads, dim).permute(1, 0, 3, 2, 4)
+            return x.reshape(self.n_slots, heads, self.block, dim)
+        flat = x.new_zeros(self.n_slots * heads * self.block, dim)
+        flat = flat.index_copy(0, self._rows(heads), x.reshape(-1, dim))
+        return flat.view(self.n_slots, heads, self.block, dim)
+
+    def unpack(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`pack`, dropping the padding."""
+        heads, dim = y.shape[1], y.shape[3]
+        if self.token_rows is None:
+            n_blocks = len(self.active)
+            y = y.view(n_blocks, self.batch, heads, self.block, dim).permute(1, 0, 3, 2, 4)
+            return y.reshape(self.batch, n_blocks * self.block, heads, dim)[:, : self.length]
+        rows = y.reshape(-1, dim).index_select(0, self._rows(heads))
+        return rows.view(1, self.length, heads, dim)
+
+    def sort_states(self, state: torch.Tensor) -> torch.Tensor:
+        return state if self.order is None else state.index_select(0, self.order)
+
+    def unsort_states(self, state: torch.Tensor) -> torch.Tensor:
+        return state if self.inverse is None else state.index_select(0, self.inverse)
+
+
+def _recurrent(q, k, v, g, beta, state, layout):
+    """Token loop over packed ``[slots, H, 1, D]`` inputs (``q`` already scaled) from the rank-ordered
+    states ``[N, H, K, V]``; returns ``[slots, H, 1, V]`` outputs and the rank-ordered final states.
+
+    Per step it needs one product with the state: with ``d = e^{g_t}``, the decayed state's reads are
+    ``(d k)^T S`` and ``(d q)^T S`` of the *old* state, one ``[2, K] x [K, V]`` product, and the output
+    of the updated state follows as ``(d q)^T S + (k . q) delta``. Everything per-token that does not
+    touch the state is computed for all tokens before the loop."""
+    n_slots, heads, _, key_dim = k.shape
+    value_dim = v.shape[-1]
+    in_place = not _needs_grad(q, k, v, g, beta, state)
+    q, k, g = (x.reshape(-1, key_dim) for x in (q, k, g))
+    v = v.reshape(-1, 1, value_dim)
+    beta = beta.reshape(-1, 1, 1)
+    decay = g.exp()
+    reads = torch.stack([k * decay, q * decay], 1)  # [rows, 2, K]
+    kq = (k * q).sum(-1).view(-1, 1, 1)
+    sizes = [count * heads for count in layout.active]
+    steps = zip(
+        layout.active,
+        *(x.split(sizes) for x in (reads, beta * v, beta, kq, decay.unsqueeze(-1), k.unsqueeze(-1))),
+    )
+    if in_place:
+        state = state.clone()  # never write into the caller's initial_state
+        out = v.new_empty(n_slots * heads, 1, value_dim)
+        outs = out.split(sizes)
+    else:
+        outs = []
+    full, finished = state, []
+    for step, (count, read, bv, b, kq_t, d, k_t) in enumerate(steps):
+        if count < state.shape[0]:
+            if not in_place:
+                finished.append(state[count:])
+            state = state[:count]
+        s = state.view(count * heads, key_dim, value_dim)
+        both = torch.bmm(read, s)  # [(d k)^T S; (d q)^T S]
+        delta = torch.addcmul(bv, b, both[:, :1], value=-1)  # beta (v - (d k)^T S)
+        if in_place:
+            torch.addcmul(both[:, 1:], kq_t, delta, out=outs[step])
+            s.mul_(d).addcmul_(k_t, delta)
+        else:
+            outs.append(torch.addcmul(both[:, 1:], kq_t, delta))
+            state = torch.addcmul(s * d, k_t, delta).view(count, heads, key_dim, value_dim)
+    if in_place:
+        return out.view(n_slots, heads, 1, value_dim), full
+    out = torch.cat(outs) if outs else v.new_empty(0, 1, value_dim)
+    return out.view(n_slots, heads, 1, value_dim), torch.cat([state, *reversed(finished)])
+
+
+def _chunked(q, k, v, g, beta, state, layout):
+    """WY/UT-transform chunked KDA over packed ``[slots, H, C, D]`` inputs (``q`` already scaled).
+
+    Per chunk, with ``G_r`` the cumulative log-decay from the chunk start to token ``r`` (inclusive) and
+    ``S0`` the state entering the chunk, the corrected values ``n_r = beta_r (v_r - k_r^T S_{r-1}')``
+    solve ``(I + A) n = beta v - beta (k e^{G}) S0`` with ``A[r, s] = beta_r k_r . (e^{G_r - G_s} k_s)``
+    for ``s < r``; writing ``u = (I + A)^{-1} beta v`` and ``w = (I + A)^{-1} beta k e^{G}`` gives
+    ``n = u - w S0``. Then ``o = (q e^{G}) S0 + Aqk n`` with ``Aqk[r, s] = q_r . (e^{G_r - G_s} k_s)``
+    for ``s <= r``, and the state leaving the chunk is ``e^{G_C} S0 + (k e^{G_C - G})^T n``.
+    Everything but ``n`` and the state hand-off is independent per chunk, so it is computed for all
+    chunks at once (:func:`_intra_chunk`), in cache-sized groups.
+    """
+    n_slots, heads, chunk, key_dim = k.shape
+    value_dim = v.shape[-1]
+    n_rows = n_slots * heads
+    q, k, g = (x.reshape(n_rows, chunk, key_dim) for x in (q, k, g))
+    v = v.reshape(n_rows, chunk, value_dim)
+    beta = beta.reshape(n_rows, chunk)
+
+    w = k.new_empty(n_rows, chunk, key_dim)
+    u = k.new_empty(n_rows, chunk, value_dim)
+    qg = k.new_empty(n_rows, chunk, key_dim)
+    kdec = k.new_empty(n_rows, chunk, key_dim)
+    decay = k.new_empty(n_rows, key_dim)
+    aqk = k.new_empty(n_rows, chunk, chunk)
+    group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
+    sub = _SUB_CHUNK
+    while chunk % sub:
+        sub //= 2
+    for start in range(0, n_rows, group):
+        rows = slice(start, start + group)
+        results = _intra_chunk(q[rows], k[rows], v[rows], g[rows], beta[rows], sub)
+        for buffer, result in zip((w, u, qg, kdec, decay, aqk), results):
+            buffer[rows] = result  # also casts the float64 solve results back
+
+    out, final = _scan(w, u, qg, kdec, decay, aqk, state, layout)
+    return out.view(n_slots, heads, chunk, value_dim), final
+
+
+def _scan(w, u, qg, kdec, decay, aqk, state, layout):
+    """The only sequential part: carry every sequence's state from one chunk to the next, and emit each
+    chunk's output from the state entering it. Returns ``[rows, C, V]`` outputs and the rank-ordered
+    final states ``[N, H, K, V]``."""
+    heads, key_dim, value_dim = state.shape[1:]
+    sizes = [count * heads for count in layout.active]
+    steps = zip(layout.active, *(x.split(sizes) for x in (w, u, qg, kdec.transpose(1, 2), decay[:, :, None], aqk)))
+    outs, finished = [], []
+    for count, w_t, u_t, qg_t, kdec_t, decay_t, aqk_t in steps:
+        if count < state.shape[0]:
+            finished.append(state[count:])
+            state = state[:count]
+        s = state.reshape(count * heads, key_dim, value_dim)
+        n = torch.baddbmm(u_t, w_t, s, alpha=-1)  # corrected values u - w S0
+        outs.append(torch.baddbmm(torch.bmm(aqk_t, n), qg_t, s))
+        state = torch.baddbmm(s * decay_t, kdec_t, n).view(count, heads, key_dim, value_dim)
+    out = torch.cat(outs) if outs else u.new_empty(u.shape)
+    final = torch.cat([state, *reversed(finished)]) if finished else state
+    return out, final
+
+
+def _intra_chunk(q, k, v, g, beta, sub):
+    """Everything about a chunk that does not depend on the incoming state, for ``[n, C, D]`` rows.
+
+    Returns ``w, u`` (the WY factors), ``q e^{G}``, ``k e^{G_C - G}``, the chunk decay ``e^{G_C}`` and
+    ``Aqk`` (see :func:`_chunked`).
+
+    The pairwise decays ``e^{G_r - G_s}`` (s <= r) are never formed as ``e^{G_r} e^{-G_s}``, which
+    overflows. The chunk is split into sub-chunks of ``sub`` tokens:
+
+    * within sub-chunk ``a``, ``e^{G_r - G_s} = e^{G_r - G_m} e^{G_m - G_s}`` around a token ``m`` in
+      its middle. Both factors are bounded by ``e^{span}`` of the sub-chunk, which is checked against
+      ``_SPAN_LIMIT`` (the sub-chunk is halved, down to single tokens, until it fits), so neither can
+      overflow or underflow and any decay is exact;
+    * for ``s`` in an earlier sub-chunk ``b``, the decay splits at the sub-chunk boundaries into
+      ``e^{G_r - G_start(a)} e^{G_start(a) - G_end(b)} e^{G_end(b) - G_s}``: three factors <= 1, each
+      >= the product, so one that is negligible makes the product negligible.
+
+    Log-decays are summed only over the segment they span (local prefix sums inside a sub-chunk plus
+    whole sub-chunk totals), never as the difference of two long prefix sums, so short gaps late in a
+    strongly decaying chunk keep full fp32 accuracy.
+    """
+    n, chunk, key_dim = k.shape
+    value_dim = v.shape[-1]
+    while True:
+        n_sub = chunk // sub
+        local = g.view(n, n_sub, sub, key_dim).cumsum(2)  # G_r - G_start(a), inclusive of r
+        if sub == 1:
+            break
+        low, high = torch.aminmax(local.detach(), dim=2)
+        if float((high.clamp(min=0) - low.clamp(max=0)).max()) <= _SPAN_LIMIT:
+            break
+        sub //= 2
+
+    total = local[:, :, -1]  # [n, n_sub, K]
+    tail = total[:, :, None] - local  # G_end(b) - G_s
+    zero = total.new_zeros(n, 1, key_dim)
+    before = torch.cat([zero, total[:, :-1].cumsum(1)], 1)  # sub-chunks before a
+    after = torch.cat([total[:, 1:].flip(1).cumsum(1).flip(1), zero], 1)  # sub-chunks after b
+    prefix = (local + before[:, :, None]).view(n, chunk, key_dim)  # G_r
+    suffix = (tail + after[:, :, None]).view(n, chunk, key_dim)  # G_C - G_s
+
+    k_sub = k.view(n, n_sub, sub, key_dim)
+    q_sub = q.view(n, n_sub, sub, key_dim)
+    # scores[:, 0] = k_r . (e^{G_r - G_s} k_s) and scores[:, 1] = q_r . (...), both [n, C, C] in blocks.
+    scores = k.new_zeros(n, 2, n_sub, sub, chunk)
+    up = (local - local[:, :, (sub - 1) // 2, None]).exp()  # e^{G_r - G_m}
+    rows = torch.stack([k_sub * up, q_sub * up], 1)  # [n, 2, a, sub, K]
+    diagonal = rows @ (k_sub * up.reciprocal()).transpose(-1, -2)[:, None]  # [n, 2, a, sub, sub]
+    blocks = scores.view(n, 2, n_sub, sub, n_sub, sub).diagonal(dim1=2, dim2=4)  # [n, 2, sub, sub, a]
+    blocks.copy_(diagonal.permute(0, 1, 3, 4, 2))
+    if n_sub > 1:
+        into = _exp_cut(local[:, 1:])  # e^{G_r - G_start(a)}, row blocks a >= 1
+        rows = torch.cat([k_sub[:, 1:] * into, q_sub[:, 1:] * into], 2)  # [n, a - 1, 2 sub, K]
+        cols = k_sub[:, :-1] * _exp_cut(tail[:, :-1])  # e^{G_end(b) - G_s} k_s, column blocks b < last
+        for a in range(1, n_sub):
+            linked = cols[:, :a]
+            if a > 1:
+                # e^{G_start(a) - G_end(b)}: sub-chunks b + 1 .. a - 1 summed from a - 1 down; 1 for b = a - 1
+                between = total[:, 1:a].flip(1).cumsum(1).flip(1)
+                link = torch.cat([_exp_cut(between), between.new_ones(n, 1, key_dim)], 1)
+                linked = linked * link[:, :, None]
+            part = torch.bmm(rows[:, a - 1], linked.reshape(n, a * sub, key_dim).transpose(1, 2))
+            scores[:, :, a, :, : a * sub] = part.view(n, 2, sub, a * sub)
+    scores = scores.view(n, 2, chunk, chunk)
+    # Entries below _FLUSH only ever scale O(1) values; zeroing them keeps subnormal floats (~100x
+    # slower on x86) out of the products that follow.
+    aqk = F.hardshrink(scores[:, 1], _FLUSH).tril()
+
+    # (I + A)^{-1}, with A = beta_r k_r . (e^{G_r - G_s} k_s) strictly below the diagonal (the solve
+    # reads nothing else), is solved in float64: forward substitution chains decays, so some entries
+    # are legitimately ~1e-40, subnormal in fp32, where the solve runs ~8x slower.
+    beta = beta[:, :, None]
+    eye = torch.eye(chunk, dtype=torch.float64, device=k.device).expand(n, chunk, chunk)
+    inverse = torch.linalg.solve_triangular(scores[:, 0] * beta.double(), eye, upper=False, unitriangular=True)
+    inverse = F.hardshrink(inverse, _FLUSH).to(k.dtype)
+
+    growth = _exp_cut(prefix)  # e^{G_r} <= 1
+    solved = F.hardshrink(inverse @ (torch.cat([v, k * growth], -1) * beta), _FLUSH)
+    u, w = solved.split([value_dim, key_dim], -1)
+    return w, u, q * growth, k * _exp_cut(suffix), growth[:, -1], aqk
+
+
+def _exp_cut(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)``, but exactly 0 at or below ``e^_EXP_CUTOFF``, so no subnormal floats enter later
+    products. Clamping first keeps ``exp`` on its fast path: vectorised exp slows down 30-300x on
+    inputs whose result underflows (or is -inf)."""
+    return F.threshold(x.clamp(min=_EXP_CUTOFF).exp(), _EXP_FLOOR, 0.0)
