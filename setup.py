@@ -20,7 +20,8 @@ setup(
         "huggingface_hub",
     ],
     extras_require={
-        "dev": ["pytest>=8", "flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17"],
+        "dev": ["pytest>=8", "flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17", "Pillow",
+                "tiktoken"],
         "fla": ["flash-linear-attention==0.6.0"],
         "vision": ["Pillow"],
         "quant": ["bitsandbytes>=0.45"],

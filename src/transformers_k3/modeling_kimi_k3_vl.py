@@ -1,0 +1,194 @@
+"""Kimi K3 with vision: the MoonViT3d tower and projector in front of the text model.
+
+Submodules carry the official names, so a full K3 checkpoint maps 1:1: ``vision_tower.*``, ``mm_projector.*``,
+``language_model.model.*`` and ``language_model.lm_head.*``. The path of a prompt:
+
+1. token ids -> text embeddings (``language_model.model.embed_tokens``);
+2. images and video chunks -> tower -> 2x2 merge (+ temporal mean) -> projector: one embedding per merged window;
+3. those embeddings replace the ``<|media_pad|>`` embeddings (``config.media_placeholder_token_id``) in order;
+4. the text model runs on the merged embeddings.
+
+Media are only needed on the prefill step: afterwards the text model's cache holds everything.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import initialization as init
+from transformers.generation import GenerationMixin
+from transformers.modeling_utils import PreTrainedModel
+
+from .configuration_kimi_k3 import KimiK3Config
+from .layers.vision import (
+    KimiK3MultiModalProjector,
+    KimiK3VisionPositionEmbedding,
+    KimiK3VisionTower,
+    sincos_time_table,
+)
+from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM
+
+IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
+
+
+class KimiK3PlaceholderMismatchError(ValueError):
+    """The number of ``<|media_pad|>`` slots in the input differs from the number of media embeddings."""
+
+
+class KimiK3VLPreTrainedModel(PreTrainedModel):
+    config: KimiK3Config
+    config_class = KimiK3Config
+    base_model_prefix = "language_model"
+    input_modalities = ("image", "video", "text")
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _is_stateful = True
+    _can_compile_fullgraph = False
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        return True  # the experts live in layers/moe.py (see KimiK3PreTrainedModel)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, KimiK3VisionPositionEmbedding):
+            std = self.config.vision_config.initializer_range
+            init.normal_(module.weight, mean=0.0, std=std)
+            # Non-persistent buffer (not in the checkpoint): recompute it, it may have been built on the meta device.
+            init.copy_(module.time_weight, sincos_time_table(module.weight.shape[-1], module.num_frames))
+
+
+class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, GenerationMixin):
+    """K3 with the vision tower: images and video chunks in, text out.
+
+    Inputs beyond the text model's: ``pixel_values [patches, 3, 14, 14]`` with ``image_grid_thw [images, 3]``,
+    ``pixel_values_videos`` with ``video_grid_thw [chunks, 3]``, and ``mm_token_type_ids`` (1 image slot, 2 video
+    slot) which `KimiK3Processor` returns; it is required only when one batch mixes images and videos."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__(config)
+        if config.vision_config is None:
+            raise ValueError("KimiK3ForConditionalGeneration needs a `vision_config`; for text only use "
+                             "KimiK3ForCausalLM (AutoModelForCausalLM)")
+        self.vision_tower = KimiK3VisionTower(config.vision_config)
+        self.mm_projector = KimiK3MultiModalProjector(config.vision_config)
+        self.language_model = KimiK3ForCausalLM(config.text_config)
+        self.post_init()
+
+    # ---------------------------------------------------------------------------------------------- plumbing
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.language_model.get_output_embeddings()
+
+    def set_output_embeddings(self, value):
+        self.language_model.set_output_embeddings(value)
+
+    def get_decoder(self):
+        return self.language_model.model
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """generate() builds the text model's hybrid cache (KDA states + MLA latents)."""
+        return self.language_model._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+    # ---------------------------------------------------------------------------------------------- media
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One ``[tokens_i, text_hidden]`` tensor per image (or per video chunk), in input order."""
+        merged = self.vision_tower(pixel_values, image_grid_thw)
+        embeds = self.mm_projector(merged)
+        return torch.split(embeds, self.vision_tower.tokens_per_item(image_grid_thw))
+
+    def get_video_features(self, pixel_values_videos: torch.Tensor,
+                           video_grid_thw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One tensor per video chunk; a chunk of ``t`` frames gives as many tokens as one frame (temporal mean)."""
+        return self.get_image_features(pixel_values_videos, video_grid_thw)
+
+    def merge_media(self, input_ids: torch.LongTensor, inputs_embeds: torch.Tensor,
+                    image_embeds: torch.Tensor | None, video_embeds: torch.Tensor | None,
+                    mm_token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        """Write media embeddings into the ``<|media_pad|>`` slots, row-major (sample by sample, left to right)."""
+        slots = input_ids == self.config.media_placeholder_token_id
+        pad_id = self.config.media_placeholder_token_id
+        if image_embeds is not None and video_embeds is not None and mm_token_type_ids is None:
+            raise ValueError(
+                "images and videos in one batch share the `<|media_pad|>` slots: pass `mm_token_type_ids` (returned "
+                "by KimiK3Processor) so that each feature goes to its own slot")
+        for name, embeds, type_id in (("image", image_embeds, IMAGE_TYPE_ID), ("video", video_embeds, VIDEO_TYPE_ID)):
+            mask = slots if mm_token_type_ids is None else slots & (mm_token_type_ids.to(slots.device) == type_id)
+            if embeds is None:
+                if mm_token_type_ids is not None and bool(mask.any()):
+                    raise KimiK3PlaceholderMismatchError(
+                        f"the input has {int(mask.sum())} {name} slots (`<|media_pad|>`, id {pad_id}) but no {name} "
+                        "inputs were given (0 features)")
+                continue
+            n_slots = int(mask.sum())
+            if n_slots != embeds.shape[0]:
+                raise KimiK3PlaceholderMismatchError(
+                    f"{name} placeholder tokens and {name} features do not match: the input has {n_slots} {name} "
+                    f"slots (`<|media_pad|>`, id {pad_id}) but the {name} inputs produce {embeds.shape[0]} "
+                    "features. Build prompts with KimiK3Processor (it expands one placeholder per item to the right "
+                    "count) and do not truncate them.")
+            inputs_embeds = inputs_embeds.masked_scatter(
+                mask.unsqueeze(-1).to(inputs_embeds.device), embeds.to(inputs_embeds.device, inputs_embeds.dtype))
+        return inputs_embeds
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values=None,
+                inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.LongTensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                video_grid_thw: torch.LongTensor | None = None, mm_token_type_ids: torch.Tensor | None = None,
+                logits_to_keep: int | torch.Tensor = 0, **kwargs) -> KimiK3CausalLMOutputWithPast:
+        has_media = pixel_values is not None or pixel_values_videos is not None
+        if inputs_embeds is None:
+            if input_ids is None:
+                raise ValueError("Pass `input_ids` (or `inputs_embeds`).")
+            inputs_embeds = self.get_input_embeddings()(input_ids)
+        if has_media:
+            if input_ids is None:
+                raise ValueError("With `pixel_values`/`pixel_values_videos`, pass `input_ids`: the `<|media_pad|>` "
+                                 "ids mark where the media embeddings go.")
+            for name, pixels, grid in (("pixel_values", pixel_values, image_grid_thw),
+                                       ("pixel_values_videos", pixel_values_videos, video_grid_thw)):
+                if pixels is not None and grid is None:
+                    raise ValueError(f"`{name}` needs its grid (`{'image' if name == 'pixel_values' else 'video'}"
+                                     "_grid_thw`)")
+            image_embeds = video_embeds = None
+            if pixel_values is not None:
+                image_embeds = torch.cat(self.get_image_features(pixel_values, image_grid_thw))
+            if pixel_values_videos is not None:
+                video_embeds = torch.cat(self.get_video_features(pixel_values_videos, video_grid_thw))
+            inputs_embeds = self.merge_media(input_ids, inputs_embeds, image_embeds, video_embeds, mm_token_type_ids)
+        elif input_ids is not None and self._is_prefill(past_key_values):
+            n_slots = int((input_ids == self.config.media_placeholder_token_id).sum())
+            if n_slots:
+                raise KimiK3PlaceholderMismatchError(
+                    f"the input has {n_slots} media placeholder tokens (`<|media_pad|>`, id "
+                    f"{self.config.media_placeholder_token_id}) but no pixel_values / pixel_values_videos were given "
+                    "(0 features)")
+        return self.language_model(
+            input_ids=None, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+        )
+
+    @staticmethod
+    def _is_prefill(past_key_values) -> bool:
+        return past_key_values is None or past_key_values.get_seq_length() == 0
+
+
+__all__ = [
+    "KimiK3ForConditionalGeneration",
+    "KimiK3PlaceholderMismatchError",
+    "KimiK3VLPreTrainedModel",
+]

@@ -1,0 +1,201 @@
+"""`KimiK3Processor`: image processor + video processor + tokenizer, and the K3 prompt format.
+
+The chat template writes one ``<|media_pad|>`` per image and one ``<|kimi_video_placeholder|>`` per video. The
+processor then expands them in text order (K3_SPEC.md 7.7):
+
+* image ``i`` -> ``<|media_begin|>image {W}x{H}<|media_content|>`` + ``N_i`` x ``<|media_pad|>`` + ``<|media_end|>``,
+  where ``W x H`` is the image's original (uploaded) size and ``N_i = gh * gw / 4``;
+* video ``j`` -> for each chunk of at most 4 frames, ``HH:MM:SS.mmm<|media_begin|>video<|media_content|>`` + the
+  chunk's ``<|media_pad|>`` tokens + ``<|media_end|>`` (K2.5-style; the release's video prompt is unknown).
+
+Images and videos share the one placeholder id, so the processor also returns ``mm_token_type_ids`` (1 for image
+slots, 2 for video slots) when a batch has media; the model uses it to put each feature in its slot.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.processing_utils import ProcessorMixin
+from transformers.utils import logging
+
+from .image_processing_kimi_k3 import KimiK3ImageProcessor, flatten_images
+from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, MEDIA_PAD, VIDEO_PLACEHOLDER
+from .video_processing_kimi_k3 import KimiK3VideoProcessor, format_timestamp
+
+logger = logging.get_logger(__name__)
+
+IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
+
+_TEXT_KWARGS = ("padding", "padding_side", "truncation", "max_length", "add_special_tokens", "pad_to_multiple_of",
+                "return_attention_mask", "return_token_type_ids", "return_length", "verbose")
+_VIDEO_KWARGS = ("fps", "num_frames", "do_sample_frames", "video_metadata")
+_IMAGE_KWARGS = ("do_resize",)
+
+
+class KimiK3ProcessorError(ValueError):
+    """The text and the media handed to the processor do not fit together."""
+
+
+class KimiK3Processor(ProcessorMixin):
+    r"""Kimi K3 processor.
+
+    Args:
+        image_processor ([`KimiK3ImageProcessor`]): resizes and patchifies images.
+        video_processor ([`KimiK3VideoProcessor`]): samples, chunks and patchifies videos.
+        tokenizer: the K3 tokenizer (any transformers tokenizer with the K3 special tokens).
+        chat_template (`str`, *optional*): defaults to the K3 template (`KIMI_K3_CHAT_TEMPLATE`).
+    """
+
+    image_token = MEDIA_PAD
+    video_token = VIDEO_PLACEHOLDER
+
+    def __init__(self, image_processor=None, video_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        if chat_template is None:
+            chat_template = getattr(tokenizer, "chat_template", None) or KIMI_K3_CHAT_TEMPLATE
+        super().__init__(image_processor, video_processor, tokenizer, chat_template=chat_template, **kwargs)
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        """transformers 5.23 resolves the expected base class by name, which fails for video processors
+        (``VideoProcessorMixin`` is not exported, and the lookup trips over backend-keyed registrations)."""
+        from transformers.image_processing_base import ImageProcessingMixin
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.video_processing_utils import VideoProcessorMixin
+
+        expected = {"image_processor": ImageProcessingMixin, "video_processor": VideoProcessorMixin,
+                    "tokenizer": PreTrainedTokenizerBase}[argument_name]
+        if not isinstance(argument, expected):
+            raise TypeError(f"Received a {type(argument).__name__} for argument {argument_name}, but a "
+                            f"{expected.__name__} was expected.")
+        return expected
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        """Our image and video processors are loaded by class (AutoVideoProcessor needs torchvision, which the K3
+        video processor does not); the tokenizer through AutoTokenizer."""
+        from transformers import AutoTokenizer
+
+        kwargs.pop("subfolder", None)
+        processor_dict = processor_dict or {}
+        image_processor = (KimiK3ImageProcessor(**_strip(processor_dict["image_processor"]))
+                           if "image_processor" in processor_dict
+                           else KimiK3ImageProcessor.from_pretrained(pretrained_model_name_or_path, **kwargs))
+        video_processor = (KimiK3VideoProcessor(**_strip(processor_dict["video_processor"]))
+                           if "video_processor" in processor_dict else KimiK3VideoProcessor())
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        return [image_processor, video_processor, tokenizer]
+
+    # ---------------------------------------------------------------------------------------------- call
+    def __call__(self, images: Any = None, text: str | list[str] | None = None, videos: Any = None,
+                 return_tensors: str | None = None, **kwargs) -> BatchFeature:
+        """Tokenise ``text`` with its media placeholders expanded, and preprocess the media.
+
+        Returns ``input_ids``, ``attention_mask``, and when there are media ``pixel_values`` / ``image_grid_thw``,
+        ``pixel_values_videos`` / ``video_grid_thw`` (one grid row per chunk) and ``mm_token_type_ids``."""
+        if text is None:
+            raise KimiK3ProcessorError("KimiK3Processor needs `text` (with one placeholder per image and per video)")
+        for key in ("text_kwargs", "images_kwargs", "videos_kwargs"):
+            kwargs.update(kwargs.pop(key, None) or {})
+        kwargs.pop("return_mm_token_type_ids", None)
+        text_kwargs = {k: kwargs.pop(k) for k in _TEXT_KWARGS if k in kwargs}
+        video_kwargs = {k: kwargs.pop(k) for k in _VIDEO_KWARGS if k in kwargs}
+        image_kwargs = {k: kwargs.pop(k) for k in _IMAGE_KWARGS if k in kwargs}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("audio", "return_dict")}
+        if kwargs:
+            logger.warning_once(f"KimiK3Processor ignores the arguments {sorted(kwargs)}")
+        texts = [text] if isinstance(text, str) else list(text)
+
+        images = flatten_images(images)
+        videos = self.video_processor.as_video_list(videos)
+        n_image_slots = sum(t.count(self.image_token) for t in texts)
+        n_video_slots = sum(t.count(self.video_token) for t in texts)
+        if n_image_slots != len(images):
+            raise KimiK3ProcessorError(
+                f"the text has {n_image_slots} image placeholders ({self.image_token}) but {len(images)} images were "
+                "given; put exactly one placeholder per image, in order")
+        if n_video_slots != len(videos):
+            raise KimiK3ProcessorError(
+                f"the text has {n_video_slots} video placeholders ({self.video_token}) but {len(videos)} videos were "
+                "given; put exactly one placeholder per video, in order")
+
+        processed_images = [self.image_processor.process_one(image, **image_kwargs) for image in images]
+        metadata = video_kwargs.pop("video_metadata", None)
+        metadata = metadata if isinstance(metadata, (list, tuple)) else [metadata] * len(videos)
+        processed_videos = [self.video_processor.process_video(video, meta, **video_kwargs)
+                            for video, meta in zip(videos, metadata)]
+
+        expanded, media_order = self._expand(texts, processed_images, processed_videos)
+        encoding = self.tokenizer(expanded, **text_kwargs)
+        data: dict[str, Any] = dict(encoding)
+        if processed_images:
+            data["pixel_values"] = torch.from_numpy(np.concatenate([item["patches"] for item in processed_images]))
+            data["image_grid_thw"] = torch.tensor([item["grid"] for item in processed_images], dtype=torch.long)
+        if processed_videos:
+            patches = np.concatenate([item["patches"] for item in processed_videos])
+            data["pixel_values_videos"] = torch.from_numpy(patches)
+            data["video_grid_thw"] = torch.tensor([g for item in processed_videos for g in item["grids"]],
+                                                  dtype=torch.long)
+        if processed_images or processed_videos:
+            data["mm_token_type_ids"] = self._token_types(encoding["input_ids"], media_order)
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def _expand(self, texts: list[str], images: list[dict], videos: list[dict]) -> tuple[list[str], list[list[int]]]:
+        """Replace the placeholders in text order; also return, per sample, the modality of each pad token."""
+        pattern = re.compile(f"({re.escape(self.image_token)}|{re.escape(self.video_token)})")
+        image_iter, video_iter = iter(images), iter(videos)
+        expanded, order = [], []
+        for sample in texts:
+            pieces, types = [], []
+            for piece in pattern.split(sample):
+                if piece == self.image_token:
+                    item = next(image_iter)
+                    width, height = item["original_size"]
+                    pieces.append(f"<|media_begin|>image {width}x{height}<|media_content|>"
+                                  f"{self.image_token * item['num_tokens']}<|media_end|>")
+                    types.extend([IMAGE_TYPE_ID] * item["num_tokens"])
+                elif piece == self.video_token:
+                    item = next(video_iter)
+                    for stamp, count in zip(item["timestamps"], item["num_tokens"]):
+                        pieces.append(f"{format_timestamp(stamp)}<|media_begin|>video<|media_content|>"
+                                      f"{self.image_token * count}<|media_end|>")
+                        types.extend([VIDEO_TYPE_ID] * count)
+                else:
+                    pieces.append(piece)
+            expanded.append("".join(pieces))
+            order.append(types)
+        return expanded, order
+
+    def _token_types(self, input_ids: list[list[int]], media_order: list[list[int]]) -> list[list[int]]:
+        """``mm_token_type_ids``: 0 for text, the modality for each ``<|media_pad|>`` in order (padding-safe)."""
+        out = []
+        for ids, types in zip(input_ids, media_order):
+            slots = iter(types)
+            row = [next(slots, 0) if token == self.image_token_id else 0 for token in ids]
+            out.append(row)
+        return out
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def get_number_of_image_tokens(self, width: int, height: int) -> int:
+        """``<|media_pad|>`` tokens of one ``width x height`` image."""
+        return self.image_processor.get_number_of_image_tokens(width, height)
+
+    def post_process_image_text_to_text(self, generated_outputs, skip_special_tokens=True, **kwargs):
+        return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens, **kwargs)
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+                "video_grid_thw", "mm_token_type_ids"]
+
+
+def _strip(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in ("image_processor_type", "video_processor_type",
+                                                          "processor_class", "_processor_class")}
+
+
+__all__ = ["KimiK3Processor", "KimiK3ProcessorError"]
