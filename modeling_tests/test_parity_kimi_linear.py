@@ -17,6 +17,7 @@ from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinear
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3.conversion import kimi_linear_to_k3_state_dict  # the in-tree -> K3 key map
 
 HIDDEN, LAYERS, HEADS, VOCAB = 64, 6, 4, 512
 KDA_HEADS, KDA_DIM = 4, 16
@@ -56,21 +57,6 @@ def k3_config_matching(kl: KimiLinearConfig) -> KimiK3TextConfig:
                             "head_dim": KDA_DIM, "short_conv_kernel_size": 4, "use_full_rank_gate": False,
                             "gate_lower_bound": None},
     )
-
-
-def kimi_linear_to_k3_state_dict(state: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in state.items():
-        if name.endswith("self_attn.conv1d.weight"):
-            prefix = name[: -len("conv1d.weight")]
-            for part, chunk in zip("qkv", tensor.chunk(3, dim=0)):
-                out[f"{prefix}{part}_conv1d.weight"] = chunk.clone()
-            continue
-        name = name.replace("self_attn.forget_gate.", "self_attn.")
-        if name.endswith("self_attn.A_log"):
-            tensor = tensor.reshape(num_heads)
-        out[name] = tensor.clone()
-    return out
 
 
 def build_pair(seed: int = 0, attn_implementation: str = "eager"):

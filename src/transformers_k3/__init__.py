@@ -5,7 +5,15 @@ place that does), so a saved directory loads with ``AutoModelForCausalLM.from_pr
 ``trust_remote_code``.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+)
+from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import (
@@ -15,7 +23,13 @@ from .configuration_kimi_k3 import (
     KimiK3VisionConfig,
     _route_kimi_linear_configs,
 )
+from .conversion import register_conversion_mappings
 from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
+from .image_processing_kimi_k3 import KimiK3ImageProcessor
+from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
+from .processing_kimi_k3 import KimiK3Processor
+from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, build_test_tokenizer
+from .video_processing_kimi_k3 import KimiK3VideoProcessor
 
 __version__ = "0.1.0"
 
@@ -28,11 +42,30 @@ AutoModelForCausalLM.register(KimiK3TextConfig, KimiK3ForCausalLM, exist_ok=True
 # uses its `text_config`. `register()` insists on `model.config_class is config`, so go to the mapping itself.
 AutoModelForCausalLM._model_mapping.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
 _route_kimi_linear_configs()
+# Official checkpoints load directly (fused experts, MXFP4 dequantised, name aliases): transformers' conversion
+# mappings for our model types; see `conversion/hf_mapping.py` for what loading and saving then do.
+register_conversion_mappings()
+# Vision: image-text-to-text model, image/video processors, processor (pipeline("image-text-to-text") works).
+AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
+AutoImageProcessor.register(KimiK3Config, image_processor_classes={"pil": KimiK3ImageProcessor}, exist_ok=True)
+# AutoVideoProcessor itself requires torchvision (ours does not, and KimiK3Processor loads it directly), and its
+# `register` is guarded by that requirement, so register through its mapping.
+VIDEO_PROCESSOR_MAPPING.register(
+    KimiK3Config, {"pil": KimiK3VideoProcessor, "torchvision": KimiK3VideoProcessor}, exist_ok=True
+)
+AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
 
 __all__ = [
     "KimiK3Config",
     "KimiK3ConfigError",
     "KimiK3ForCausalLM",
+    "KimiK3ForConditionalGeneration",
+    "KimiK3ImageProcessor",
+    "KimiK3Processor",
+    "KimiK3VideoProcessor",
+    "KimiK3VLPreTrainedModel",
+    "KIMI_K3_CHAT_TEMPLATE",
+    "build_test_tokenizer",
     "KimiK3HybridCache",
     "KimiK3Model",
     "KimiK3PreTrainedModel",

@@ -147,6 +147,9 @@ class KimiK3TextConfig(PreTrainedConfig):
     topk_group: int = 1
     router_fp32: bool = False
     output_router_logits: bool = False
+    # Optional DeepSeek-V3 sequence-wise balance loss added to the LM loss (0 = off; K3 balances with the
+    # selection bias instead, see transformers_k3.balancing).
+    router_aux_loss_coef: float = 0.0
     num_nextn_predict_layers: int = 0
     # Block Attention Residuals (None: classic residual stream, as in Kimi Linear)
     attn_res_block_size: int | None = 12
@@ -176,6 +179,7 @@ class KimiK3TextConfig(PreTrainedConfig):
         self.mlp_layer_types = [
             "sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)
         ]
+        _drop_dequantized_on_load_quantization(self)
         self.validate_k3()
 
     # ----------------------------------------------------------------------------------------------
@@ -323,6 +327,8 @@ class KimiK3TextConfig(PreTrainedConfig):
                    "first_k_dense_replace", f"must be a non-negative integer, got {self.first_k_dense_replace!r}")
             _check(isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0,
                    "routed_scaling_factor", f"must be a positive number, got {self.routed_scaling_factor!r}")
+            _check(isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0,
+                   "router_aux_loss_coef", f"must be a number >= 0, got {self.router_aux_loss_coef!r}")
         if any(t == "dense" for t in self.mlp_layer_types):
             positive("intermediate_size")
         _check(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers",
@@ -442,6 +448,7 @@ class KimiK3Config(PreTrainedConfig):
         kwargs.pop("model_type", None)
         has_vision = self.vision_config is not None
         super().__post_init__(**kwargs)
+        _drop_dequantized_on_load_quantization(self)
         if not has_vision:
             # A text-only composite: the sub-config machinery filled in defaults; drop them again.
             self.vision_config = None
@@ -466,6 +473,18 @@ class KimiK3Config(PreTrainedConfig):
                 qkv_hidden_size=32, merge_kernel_size=[2, 2], projector_ln_eps=1e-5, text_hidden_size=text.hidden_size,
             )
         return cls(text_config=text, vision_config=vision, media_placeholder_token_id=500, pad_token_id=0)
+
+
+def _drop_dequantized_on_load_quantization(config: PreTrainedConfig) -> None:
+    """The official release's ``quantization_config`` (compressed-tensors MXFP4 on the routed experts)
+    describes how the *checkpoint* stores experts. This package dequantises them while loading (the
+    conversion mapping registered in `transformers_k3.conversion.hf_mapping`), so the model in memory is
+    never quantized: drop the entry so that transformers does not build a compressed-tensors quantizer.
+    Any other quantization scheme is left for transformers to handle."""
+    from .conversion.quant import is_mxfp4_scheme
+
+    if is_mxfp4_scheme(getattr(config, "quantization_config", None)):
+        del config.quantization_config
 
 
 # --------------------------------------------------------------------------------------------------

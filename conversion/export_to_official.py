@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Export a transformers-k3 checkpoint (any layout this package writes) to the official Kimi K3 layout:
+per-expert w1/w2/w3 weights in bf16 and the official config.json, streaming one input shard at a time.
+
+    python conversion/export_to_official.py --input /ckpt/Kimi-K3-finetuned --output /ckpt/Kimi-K3-serve
+
+Converting an official bf16 checkpoint in and out again reproduces its tensors bit for bit.
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True, help="our checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--output", help="output directory (required unless --dry-run)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                        help="bf16 (the official dtype, default) or fp32; fp32 tensors of the official layout "
+                             "(A_log, dt_bias, conv weights, router bias) stay fp32")
+    parser.add_argument("--dry-run", action="store_true", help="check and print the mapping; write nothing")
+    parser.add_argument("--max-shard-size", default="5GB", help="output shard size (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not args.output:
+        parser.error("--output is required unless --dry-run")
+
+    from transformers_k3.conversion import CheckpointError, export_to_official
+    from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
+
+    try:
+        plan = export_to_official(args.input, args.output, dtype=args.dtype, dry_run=args.dry_run,
+                                  max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet)
+    except (CheckpointError, KimiK3ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(plan.describe())
+        print("dry run: nothing written")
+    else:
+        print(f"wrote {args.output}: {len(plan.outputs)} tensors, {plan.total_bytes / 1e9:.3f} GB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

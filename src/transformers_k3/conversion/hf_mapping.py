@@ -1,0 +1,227 @@
+"""Load-time conversion of official checkpoints: the mappings registered with transformers'
+conversion-mapping machinery (``transformers.conversion_mapping``), so that ``from_pretrained`` on an
+official directory builds our model directly (routed experts fused, MXFP4 dequantised, aliases resolved).
+
+Registered (by `register_conversion_mappings`, called once from ``transformers_k3/__init__.py``):
+
+* ``kimi_k3_text`` (our text models, also inside the multimodal one, where transformers scopes it to
+  ``language_model.``):
+
+  - ``language_model.`` prefix dropped when a text model reads a multimodal checkpoint;
+  - ``block_sparse_moe.`` -> ``mlp.``;
+  - ``A_log`` ``[1, 1, nh, 1]`` / longer 1-D -> ``[nh]``;
+  - per-expert ``w1``/``w3`` -> ``experts.gate_up_proj``, ``w2`` -> ``experts.down_proj``, from plain
+    ``weight`` tensors or MXFP4 ``weight_packed`` + ``weight_scale`` (dequantised exactly to the parameter
+    dtype) by `FuseExperts`. (transformers' Kimi Linear does the plain case with ``MergeModulelist`` +
+    ``Concatenate``; one op for both formats is needed because the reverse of a converter names its outputs
+    after the converter's first source pattern, and ``Chunk`` would split into one piece per pattern.)
+
+* ``kimi_k3`` (the multimodal model): ``language_model.layers.`` -> ``language_model.model.layers.``.
+
+What ``save_pretrained`` writes (transformers reverses the conversions a model was loaded with, or, for a
+model built from a config, every registered one; ``save_original_format=False`` reverses nothing):
+
+* a model built from a config, or loaded from an official directory: the **official layout**, bf16 or
+  the model dtype: per-expert ``mlp.experts.{e}.w1/w2/w3.weight`` (MXFP4 experts come back dequantised:
+  the reverse of `FuseExperts` writes plain per-expert weights, never re-quantised);
+* a model loaded from our converted layout (fused experts), or ``save_original_format=False``: **our
+  layout** (``experts.gate_up_proj`` / ``experts.down_proj``).
+
+The renamings of aliases and of the ``language_model.`` prefix are one-way: saving never writes
+``block_sparse_moe`` or re-adds a prefix the model does not have. Every layout above loads back with
+identical weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
+
+from .keymap import normalize_a_log
+from .quant import check_mxfp4_shapes, dequantize_mxfp4
+
+_GATE_UP = ("w1", "w3")
+_DOWN = ("w2",)
+
+
+def _expert_pattern(proj: str, kind: str) -> str:
+    # `mlp.` is part of the pattern on purpose: saving turns the target (`.mlp.experts.down_proj`) into a regex
+    # in which `.` matches any character, and `.experts.down_proj` would also match `shared_experts.down_proj`.
+    return rf"\.mlp\.experts.*.{proj}.{kind}"
+
+
+class OneWayRenaming(WeightRenaming):
+    """A renaming applied when loading and never reversed when saving (aliases, a dropped prefix)."""
+
+    __slots__ = ()
+
+    def reverse_transform(self) -> WeightRenaming:
+        return _NoRenaming(source_patterns=r"^\b$", target_patterns="")
+
+
+class _NoRenaming(WeightRenaming):
+    __slots__ = ()
+
+    def rename_source_key(self, source_key: str):
+        return source_key, None
+
+
+class _Identity(ConversionOps):
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        return {target_patterns[0]: next(iter(input_dict.values()))}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _Identity()
+
+
+class NormalizeALog(ConversionOps):
+    """``A_log`` as stored (``[nh]``, ``[1, 1, nh, 1]`` or longer 1-D) -> ``[nh]``; saved back as ``[nh]``."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        value = next(iter(input_dict.values()))
+        value = value[0] if isinstance(value, list) else value
+        num_heads = model.get_parameter(full_layer_name).shape[0] if model is not None else value.numel()
+        return {target_patterns[0]: normalize_a_log(value, num_heads)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _Identity()
+
+
+class FuseExperts(ConversionOps):
+    """Per-expert checkpoint tensors (lists in expert order) -> the fused expert parameter: ``[E, 2I, D]``
+    from w1 (gate rows) then w3 (up rows), or ``[E, D, I]`` from w2, in the parameter's dtype.
+
+    Each projection comes either as plain ``weight`` tensors (bf16 release, or our saved official layout)
+    or as MXFP4 ``weight_packed`` + ``weight_scale`` (the official release), dequantised exactly
+    (`dequantize_mxfp4`). Checks the number of experts, every block's shape and any ``weight_shape``."""
+
+    def __init__(self, projections: tuple[str, ...]):
+        self.projections = tuple(projections)
+
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        param = model.get_parameter(full_layer_name) if model is not None else None
+        per_proj = []  # (proj, [callables giving one expert's block])
+        for proj in self.projections:
+            dense = input_dict.pop(_expert_pattern(proj, "weight"), None)
+            packed = input_dict.pop(_expert_pattern(proj, "weight_packed"), None)
+            scale = input_dict.pop(_expert_pattern(proj, "weight_scale"), None)
+            shapes = input_dict.pop(_expert_pattern(proj, "weight_shape"), None)
+            if dense and (packed or scale):
+                raise ValueError(f"`{full_layer_name}`: the experts' {proj} mixes plain and MXFP4 tensors")
+            if dense:
+                blocks = [lambda t=t: t for t in dense]
+            else:
+                if not packed or not scale or len(packed) != len(scale):
+                    raise ValueError(
+                        f"`{full_layer_name}`: expected {proj} of every expert as `weight` or as MXFP4 "
+                        f"`weight_packed` + `weight_scale`, got {len(packed or [])} weight_packed and "
+                        f"{len(scale or [])} weight_scale tensors"
+                    )
+                for i, (p, s) in enumerate(zip(packed, scale)):
+                    check_mxfp4_shapes(p.shape, s.shape, shapes[i].reshape(-1).tolist() if shapes else None)
+                blocks = [lambda p=p, s=s: dequantize_mxfp4(p, s, torch.float32) for p, s in zip(packed, scale)]
+            if param is not None and len(blocks) != param.shape[0]:
+                raise ValueError(
+                    f"`{full_layer_name}`: found {proj} for {len(blocks)} experts, the model has {param.shape[0]}"
+                )
+            per_proj.append((proj, blocks))
+        # fill one pre-allocated fused tensor expert by expert: peak memory = the result + one expert
+        fused = None
+        row = 0
+        for proj, blocks in per_proj:
+            for e, get in enumerate(blocks):
+                block = get()
+                if fused is None:
+                    rows = block.shape[0] * len(per_proj)
+                    dtype = param.dtype if param is not None else block.dtype
+                    fused = torch.empty(len(blocks), rows, block.shape[1], dtype=dtype, device=block.device)
+                    if param is not None and tuple(fused.shape) != tuple(param.shape):
+                        raise ValueError(f"`{full_layer_name}`: the experts give shape {list(fused.shape)}, "
+                                         f"the model expects {list(param.shape)}")
+                if tuple(block.shape) != (fused.shape[1] // len(per_proj), fused.shape[2]):
+                    raise ValueError(f"`{full_layer_name}`: expert {e} {proj} has shape {list(block.shape)}, "
+                                     f"expected {[fused.shape[1] // len(per_proj), fused.shape[2]]}")
+                fused[e, row:row + block.shape[0]].copy_(block)
+            row += fused.shape[1] // len(per_proj)
+        return {target_patterns[0]: fused}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitFusedExperts(self.projections)
+
+
+class SplitFusedExperts(ConversionOps):
+    """Saving: the fused expert parameter -> plain per-expert ``….experts.{e}.{w}.weight`` tensors (the
+    official bf16 layout). The reverse of `FuseExperts`: MXFP4 weights are never re-quantised."""
+
+    def __init__(self, projections: tuple[str, ...]):
+        self.projections = tuple(projections)
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        fused = next(iter(input_dict.values()))
+        fused = fused[0] if isinstance(fused, list) else fused
+        parts = torch.chunk(fused, len(self.projections), dim=1)
+        out = {}
+        for proj, part in zip(self.projections, parts):
+            for e in range(part.shape[0]):
+                out[f".experts.{e}.{proj}.weight"] = part[e].contiguous()
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return FuseExperts(self.projections)
+
+
+def text_model_mapping() -> list[WeightRenaming | WeightConverter]:
+    """The conversions of a K3 text model (``KimiK3ForCausalLM`` / ``KimiK3Model``)."""
+    mxfp4_kinds = ("weight_packed", "weight_scale", "weight_shape")
+    return [
+        # a text model reading a multimodal checkpoint (AutoModelForCausalLM on the composite config)
+        OneWayRenaming(source_patterns=r"^language_model\.", target_patterns=""),
+        OneWayRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
+        WeightConverter(source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log",
+                        operations=[NormalizeALog()]),
+        # Routed experts, plain or MXFP4 per expert -> fused. The plain `weight` pattern comes first: saving
+        # reverses this converter and names its outputs after the first pattern.
+        WeightConverter(
+            source_patterns=[_expert_pattern(p, k) for p in _GATE_UP for k in ("weight",)]
+            + [_expert_pattern(p, k) for p in _GATE_UP for k in mxfp4_kinds],
+            target_patterns=".mlp.experts.gate_up_proj",
+            operations=[FuseExperts(_GATE_UP)],
+        ),
+        WeightConverter(
+            source_patterns=[_expert_pattern("w2", "weight")] + [_expert_pattern("w2", k) for k in mxfp4_kinds],
+            target_patterns=".mlp.experts.down_proj",
+            operations=[FuseExperts(_DOWN)],
+        ),
+    ]
+
+
+def multimodal_mapping() -> list[WeightRenaming | WeightConverter]:
+    """The conversions of the multimodal model's root; its ``language_model`` gets `text_model_mapping`,
+    scoped by transformers."""
+    return [
+        OneWayRenaming(source_patterns=r"^language_model\.layers\.", target_patterns="language_model.model.layers."),
+    ]
+
+
+def register_conversion_mappings() -> None:
+    """Registers both mappings (idempotent: re-registering replaces them)."""
+    from ..configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+
+    register_checkpoint_conversion_mapping(KimiK3TextConfig.model_type, text_model_mapping(), overwrite=True)
+    register_checkpoint_conversion_mapping(KimiK3Config.model_type, multimodal_mapping(), overwrite=True)
+
+
+__all__ = [
+    "FuseExperts",
+    "NormalizeALog",
+    "OneWayRenaming",
+    "SplitFusedExperts",
+    "multimodal_mapping",
+    "register_conversion_mappings",
+    "text_model_mapping",
+]

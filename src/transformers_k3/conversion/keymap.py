@@ -1,0 +1,240 @@
+"""Tensor names: the official K3 / Moonshot Kimi Linear layouts, transformers' in-tree Kimi Linear layout,
+and ours (K3_SPEC.md section 2).
+
+Ours follows the official names one for one, except that the routed experts are fused:
+
+=================================================  ======================================================
+official (per expert ``e``)                        ours
+=================================================  ======================================================
+``mlp.experts.{e}.w1.weight``  ``[I, D]`` (gate)   ``mlp.experts.gate_up_proj [E, 2I, D]``, rows ``[0, I)``
+``mlp.experts.{e}.w3.weight``  ``[I, D]`` (up)     ``mlp.experts.gate_up_proj``, rows ``[I, 2I)``
+``mlp.experts.{e}.w2.weight``  ``[D, I]`` (down)   ``mlp.experts.down_proj [E, D, I]``
+``…w{1,2,3}.weight_packed`` / ``weight_scale``     dequantised into the same fused tensors (MXFP4)
+``block_sparse_moe.`` (alias)                      ``mlp.``
+``language_model.layers.`` (alias)                 ``language_model.model.layers.``
+``self_attn.A_log`` ``[nh]``/``[1,1,nh,1]``/longer ``self_attn.A_log [nh]`` (the first ``nh`` entries)
+``rotary_emb.{inv_freq,cos_cached,sin_cached}``    dropped (K3 has no RoPE)
+=================================================  ======================================================
+
+A multimodal checkpoint keeps the text model under ``language_model.`` (``language_model.model.layers…``,
+``language_model.lm_head.weight``); ``vision_tower.*`` and ``mm_projector.*`` are the same in both layouts.
+A text-only checkpoint has no prefix.
+
+transformers' in-tree Kimi Linear (``KimiLinearForCausalLM`` state dict) differs from the official
+layout in two places: the three short convolutions are one ``self_attn.conv1d.weight [3P, 1, K]`` (q|k|v)
+and the forget-gate weights sit under ``self_attn.forget_gate.`` (with ``A_log`` as ``[1, 1, nh, 1]``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .quant import dequantize_mxfp4, quantize_mxfp4
+
+TEXT_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+GATE_UP_PROJS = ("w1", "w3")  # gate rows, then up rows (not interleaved)
+DOWN_PROJS = ("w2",)
+EXPERT_KINDS = ("weight", "weight_packed", "weight_scale", "weight_shape", "weight_scale_inv")
+
+_EXPERT_RE = re.compile(
+    r"^(?P<base>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)\.(?P<expert>\d+)\."
+    r"(?P<proj>w[123])\.(?P<kind>weight(?:_packed|_scale_inv|_scale|_shape)?)$"
+)
+_ROTARY_RE = re.compile(r"(?:^|\.)rotary_emb\.(?:inv_freq|cos_cached|sin_cached)$")
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Tensors the official checkpoint stores in fp32 (spec 2.2); converters never round them down.
+FP32_TENSOR_RE = re.compile(r"\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|e_score_correction_bias)$")
+
+
+def is_vision_name(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES)
+
+
+def is_rotary_cache(name: str) -> bool:
+    return _ROTARY_RE.search(name) is not None
+
+
+def canonical_text_name(name: str) -> str:
+    """An official / Moonshot text tensor name (with or without ``language_model.``, with either alias)
+    -> the name inside our text model (``model.layers.…``, ``lm_head.weight``)."""
+    if name.startswith(TEXT_PREFIX):
+        name = name[len(TEXT_PREFIX):]
+    if name.startswith("layers."):
+        name = "model." + name
+    return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def layer_index(name: str) -> int | None:
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class ExpertName:
+    """``{base}.{expert}.{proj}.{kind}`` with ``base`` ending in ``mlp.experts``."""
+
+    base: str
+    layer: int
+    expert: int
+    proj: str
+    kind: str
+
+    @property
+    def fused(self) -> str:
+        return fused_expert_name(self.base, self.proj)
+
+
+def parse_expert_name(name: str) -> ExpertName | None:
+    match = _EXPERT_RE.match(name)
+    if match is None:
+        return None
+    return ExpertName(match["base"], int(match["layer"]), int(match["expert"]), match["proj"], match["kind"])
+
+
+def fused_expert_name(base: str, proj: str) -> str:
+    return f"{base}.gate_up_proj" if proj in GATE_UP_PROJS else f"{base}.down_proj"
+
+
+def per_expert_name(base: str, expert: int, proj: str, kind: str = "weight") -> str:
+    return f"{base}.{expert}.{proj}.{kind}"
+
+
+def expert_block(proj: str, fused_shape: tuple[int, ...]) -> tuple[int, tuple[int, int]]:
+    """Row offset of ``proj`` inside one expert of the fused tensor, and that block's ``[rows, cols]``."""
+    _, rows, cols = fused_shape
+    if proj in GATE_UP_PROJS:
+        half = rows // 2
+        return (0 if proj == "w1" else half), (half, cols)
+    return 0, (rows, cols)
+
+
+def normalize_a_log(a_log: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``A_log`` stored as ``[nh]``, ``[1, 1, nh, 1]`` or a longer 1-D vector -> ``[nh]`` (spec section 12)."""
+    if a_log.dim() == 4 and tuple(a_log.shape) != (1, 1, num_heads, 1):
+        raise ValueError(f"A_log of shape {list(a_log.shape)}: a 4-D A_log must be [1, 1, {num_heads}, 1]")
+    if a_log.dim() not in (1, 4):
+        raise ValueError(f"A_log of shape {list(a_log.shape)}: expected [{num_heads}], [1, 1, {num_heads}, 1] or 1-D")
+    flat = a_log.reshape(-1)
+    if flat.numel() < num_heads:
+        raise ValueError(f"A_log has {flat.numel()} entries, fewer than the {num_heads} KDA heads")
+    return flat[:num_heads].clone()
+
+
+def a_log_shape_ok(shape: tuple[int, ...], num_heads: int) -> bool:
+    return (len(shape) == 1 and shape[0] >= num_heads) or tuple(shape) == (1, 1, num_heads, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# In-memory state-dict maps (tests, fixtures, small models). The converters stream instead.
+def official_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_kda_heads: int, composite: bool = False,
+                              num_hidden_layers: int | None = None,
+                              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Official-layout tensors -> our names: experts fused (MXFP4 dequantised), aliases resolved, A_log
+    normalised, rotary caches and layers >= ``num_hidden_layers`` dropped."""
+    prefix = TEXT_PREFIX if composite else ""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[tuple[int, str], dict[str, torch.Tensor]]] = {}
+    for name, tensor in state_dict.items():
+        if is_vision_name(name):
+            out[name] = tensor
+            continue
+        if is_rotary_cache(name):
+            continue
+        text = canonical_text_name(name)
+        layer = layer_index(text)
+        if num_hidden_layers is not None and layer is not None and layer >= num_hidden_layers:
+            continue
+        parsed = parse_expert_name(text)
+        if parsed is not None:
+            experts.setdefault(parsed.base, {}).setdefault((parsed.expert, parsed.proj), {})[parsed.kind] = tensor
+            continue
+        if text.endswith(".A_log"):
+            tensor = normalize_a_log(tensor, num_kda_heads)
+        out[prefix + text] = tensor
+    for base, parts in experts.items():
+        num_experts = 1 + max(e for e, _ in parts)
+        for projs in (GATE_UP_PROJS, DOWN_PROJS):
+            blocks = []
+            for e in range(num_experts):
+                halves = []
+                for proj in projs:
+                    kinds = parts.get((e, proj))
+                    if kinds is None:
+                        raise KeyError(f"missing tensor {per_expert_name(base, e, proj)}")
+                    if "weight" in kinds:
+                        halves.append(kinds["weight"])
+                    else:
+                        halves.append(dequantize_mxfp4(kinds["weight_packed"], kinds["weight_scale"],
+                                                       dtype or torch.bfloat16))
+                blocks.append(torch.cat(halves, dim=0))
+            out[prefix + fused_expert_name(base, projs[0])] = torch.stack(blocks)
+    if dtype is not None:
+        out = {k: (v.to(dtype) if v.is_floating_point() and not FP32_TENSOR_RE.search(k) else v) for k, v in out.items()}
+    return out
+
+
+def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_experts: bool = False,
+                              exact: bool = True) -> dict[str, torch.Tensor]:
+    """Our names -> the official layout: fused experts split per expert (``w1``/``w3``/``w2``), optionally
+    MXFP4-quantised (``weight_packed`` + ``weight_scale``; ``exact`` as in `quantize_mxfp4`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        match = re.match(r"^(?P<base>.*\.mlp\.experts)\.(?P<which>gate_up_proj|down_proj)$", name)
+        if match is None:
+            out[name] = tensor
+            continue
+        base = match["base"]
+        projs = GATE_UP_PROJS if match["which"] == "gate_up_proj" else DOWN_PROJS
+        for e in range(tensor.shape[0]):
+            for proj in projs:
+                offset, (rows, _) = expert_block(proj, tuple(tensor.shape))
+                block = tensor[e, offset:offset + rows].contiguous()
+                if quantize_experts:
+                    packed, scale = quantize_mxfp4(block, exact=exact)
+                    out[per_expert_name(base, e, proj, "weight_packed")] = packed
+                    out[per_expert_name(base, e, proj, "weight_scale")] = scale
+                else:
+                    out[per_expert_name(base, e, proj)] = block
+    return out
+
+
+def kimi_linear_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
+    """transformers' in-tree ``KimiLinearForCausalLM`` state dict -> our names: the fused ``conv1d`` (q|k|v)
+    split into ``q_conv1d``/``k_conv1d``/``v_conv1d``, ``forget_gate.`` weights moved onto the attention
+    module, ``A_log`` ``[1, 1, nh, 1]`` -> ``[nh]``. Experts are already fused the same way as ours."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if name.endswith("self_attn.conv1d.weight"):
+            prefix = name[: -len("conv1d.weight")]
+            for part, chunk in zip("qkv", tensor.chunk(3, dim=0)):
+                out[f"{prefix}{part}_conv1d.weight"] = chunk.clone()
+            continue
+        name = name.replace("self_attn.forget_gate.", "self_attn.")
+        if name.endswith("self_attn.A_log"):
+            tensor = normalize_a_log(tensor, num_heads)
+        out[name] = tensor.clone()
+    return out
+
+
+__all__ = [
+    "EXPERT_KINDS",
+    "FP32_TENSOR_RE",
+    "TEXT_PREFIX",
+    "ExpertName",
+    "canonical_text_name",
+    "expert_block",
+    "fused_expert_name",
+    "is_rotary_cache",
+    "is_vision_name",
+    "k3_to_official_state_dict",
+    "kimi_linear_to_k3_state_dict",
+    "layer_index",
+    "normalize_a_log",
+    "official_to_k3_state_dict",
+    "parse_expert_name",
+    "per_expert_name",
+]

@@ -1,0 +1,192 @@
+"""Quantised weight formats of K3 checkpoints (K3_SPEC.md section 10), dequantised exactly.
+
+MXFP4 (the official release, routed experts only; compressed-tensors "mxfp4-pack-quantized"):
+  * ``weight_packed`` uint8 ``[N, K/2]``: two E2M1 codes per byte, the **low nibble is the even index**;
+  * ``weight_scale``  uint8 ``[N, K/32]`` (or ``[N, 1, K/32, 1]``): E8M0 exponents, one per group of 32
+    consecutive input channels;
+  * ``W[n, k] = E2M1(code) * 2^(scale[n, k // 32] - 127)``.
+Every such value is exactly representable in bf16 (and fp32), so dequantisation is exact.
+
+FP8 block (third-party "FP8_PB_WO" variants): ``W[i, j] = Wq[i, j] * S[i // 128, j // 128]`` with e4m3
+``Wq`` and an fp32 scale per 128x128 block (multiplicative despite the ``weight_scale_inv`` name).
+
+Nothing here imports the model; the functions are plain tensor maps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MXFP4_GROUP_SIZE = 32
+# E2M1 magnitudes for codes 0..7; bit 3 is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127
+E8M0_NAN = 255
+FP8_BLOCK = 128
+
+
+class QuantFormatError(ValueError):
+    """A quantised tensor does not have the layout its format requires."""
+
+
+def _e2m1_table(device=None) -> torch.Tensor:
+    magnitudes = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat([magnitudes, -magnitudes])  # codes 8..15 are the negatives (-0.0 for code 8)
+
+
+def mxfp4_scale_2d(scale: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` view of an E8M0 scale stored as ``[N, G]`` or ``[N, 1, G, 1]`` (some exporters)."""
+    if scale.dim() == 4 and scale.shape[1] == 1 and scale.shape[3] == 1:
+        return scale[:, 0, :, 0]
+    if scale.dim() != 2:
+        raise QuantFormatError(f"MXFP4 weight_scale must be [N, K/32] or [N, 1, K/32, 1], got {list(scale.shape)}")
+    return scale
+
+
+def check_mxfp4_shapes(packed_shape, scale_shape, weight_shape=None) -> tuple[int, int]:
+    """Validates a (packed, scale) pair and returns the dequantised ``(N, K)``; raises `QuantFormatError`."""
+    packed_shape, scale_shape = list(packed_shape), list(scale_shape)
+    if len(scale_shape) == 4 and scale_shape[1] == 1 and scale_shape[3] == 1:
+        scale_shape = [scale_shape[0], scale_shape[2]]
+    if len(packed_shape) != 2 or len(scale_shape) != 2:
+        raise QuantFormatError(f"MXFP4 expects a 2-D weight_packed and weight_scale, got {packed_shape} and {scale_shape}")
+    rows, k = packed_shape[0], packed_shape[1] * 2
+    if k % MXFP4_GROUP_SIZE:
+        raise QuantFormatError(f"MXFP4 input width {k} (weight_packed {packed_shape}) is not a multiple of 32")
+    if scale_shape != [rows, k // MXFP4_GROUP_SIZE]:
+        raise QuantFormatError(
+            f"MXFP4 weight_scale has shape {scale_shape}; weight_packed {packed_shape} needs [{rows}, {k // 32}]"
+        )
+    if weight_shape is not None and [int(x) for x in weight_shape] != [rows, k]:
+        raise QuantFormatError(f"MXFP4 weight_shape says {list(weight_shape)}, the packed data holds [{rows}, {k}]")
+    return rows, k
+
+
+def _as_uint8(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The codes as uint8. transformers' loader may already have cast the uint8 checkpoint tensor to the
+    parameter's float dtype (exact: every integer 0..255 is representable in bf16/fp16/fp32); undo that."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return t.view(torch.uint8)  # E8M0 stored with its own dtype: the bits are the exponent code
+    if t.is_floating_point() or t.dtype in (torch.int16, torch.int32, torch.int64):
+        as_int = t.to(torch.int64)
+        if t.is_floating_point() and not torch.equal(as_int.to(t.dtype), t):
+            raise QuantFormatError(f"MXFP4 {what} holds non-integer values; it is not a uint8 code tensor")
+        if as_int.numel() and (int(as_int.min()) < 0 or int(as_int.max()) > 255):
+            raise QuantFormatError(f"MXFP4 {what} holds values outside 0..255")
+        return as_int.to(torch.uint8)
+    raise QuantFormatError(f"MXFP4 {what} must be uint8, got {t.dtype}")
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``weight_packed [N, K/2]`` + ``weight_scale [N, K/32]`` -> ``[N, K]`` in ``dtype``, computed in fp32
+    (exact for bf16/fp32 outputs)."""
+    packed = _as_uint8(packed, "weight_packed")
+    scale = _as_uint8(mxfp4_scale_2d(scale), "weight_scale")
+    rows, k = check_mxfp4_shapes(packed.shape, scale.shape)
+    if scale.numel() and bool((scale == E8M0_NAN).any()):
+        raise QuantFormatError("MXFP4 weight_scale contains 255 (the E8M0 NaN encoding)")
+    low = packed & 0x0F
+    high = packed >> 4
+    codes = torch.stack((low, high), dim=-1).reshape(rows, k)  # low nibble = even index
+    values = _e2m1_table(packed.device)[codes.long()]
+    exponents = (scale.to(torch.int32) - E8M0_BIAS).repeat_interleave(MXFP4_GROUP_SIZE, dim=1)
+    return torch.ldexp(values, exponents.to(torch.float32)).to(dtype)
+
+
+def quantize_mxfp4(weight: torch.Tensor, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``.
+
+    Each 32-group gets the smallest power-of-two scale that brings its largest magnitude to <= 6; values
+    are then rounded to the nearest E2M1 code (ties to the smaller magnitude). With ``exact=True`` (the default)
+    a value that is not exactly representable raises instead of being rounded: this is the quantiser
+    the tests use to build official-format fixtures, and for such inputs ``dequantize_mxfp4`` returns
+    the input bit for bit.
+    """
+    if weight.dim() != 2 or weight.shape[1] % MXFP4_GROUP_SIZE:
+        raise QuantFormatError(f"MXFP4 quantisation needs [N, K] with K a multiple of 32, got {list(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        raise QuantFormatError("cannot quantise non-finite values to MXFP4")
+    rows, k = w.shape
+    groups = w.reshape(rows, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    amax = groups.abs().amax(dim=-1)
+    # smallest e with amax / 2^e <= 6: amax/6 = m * 2^f with m in [0.5, 1), so e = f, or f - 1 when m = 0.5
+    mant, exp = torch.frexp(amax / 6.0)
+    exp = torch.where(mant == 0.5, exp - 1, exp).to(torch.int32)
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS))  # all-zero groups: smallest scale
+    exp = exp.clamp(-E8M0_BIAS, E8M0_NAN - 1 - E8M0_BIAS)
+    scaled = torch.ldexp(groups, (-exp).to(torch.float32).unsqueeze(-1))
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    magnitude = scaled.abs()
+    best = (magnitude.unsqueeze(-1) - table).abs().argmin(dim=-1)  # nearest; ties go to the smaller magnitude
+    codes = best.to(torch.uint8)
+    if exact and not torch.equal(table[best], magnitude):
+        bad = (table[best] != magnitude).nonzero()[0].tolist()
+        row, group, lane = bad
+        raise QuantFormatError(
+            f"value {float(w[row, group * 32 + lane])!r} at [{row}, {group * 32 + lane}] is not exactly representable "
+            "in MXFP4 with its group's scale (pass exact=False to round)"
+        )
+    codes = codes | ((scaled < 0) | ((scaled == 0) & torch.signbit(scaled))).to(torch.uint8) << 3
+    codes = codes.reshape(rows, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scale = (exp + E8M0_BIAS).to(torch.uint8).contiguous()
+    return packed, scale
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Block-scaled FP8 ``[N, K]`` (e4m3 or e5m2) with fp32 scales ``[ceil(N/bn), ceil(K/bk)]`` -> ``dtype``.
+    The last block row/column may be partial (e.g. KDA ``b_proj`` with 96 < 128 rows)."""
+    if weight.dim() != 2:
+        raise QuantFormatError(f"FP8 block dequantisation needs a 2-D weight, got {list(weight.shape)}")
+    rows, cols = weight.shape
+    bn, bk = block
+    want = [-(-rows // bn), -(-cols // bk)]
+    if scale.dim() == 0 or scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(*want)
+    if list(scale.shape) != want:
+        raise QuantFormatError(f"FP8 block scale has shape {list(scale.shape)}; weight {[rows, cols]} needs {want}")
+    full = scale.to(torch.float32).repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+    return (weight.to(torch.float32) * full).to(dtype)
+
+
+def is_mxfp4_scheme(quantization_config) -> bool:
+    """True for a compressed-tensors config whose weight scheme is MXFP4 (the official K3 release): the
+    format names mxfp4, or every config group quantises weights to 4-bit floats in symmetric groups of 32.
+    Anything else (FP8, int4, ...) is not dequantised by this package at load time."""
+    if quantization_config is None:
+        return False
+    qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    if str(qc.get("quant_method", "")).replace("_", "-") != "compressed-tensors":
+        return False
+    groups = qc.get("config_groups") or {}
+    if "mxfp4" in str(qc.get("format", "")).lower():
+        return True
+    if not groups:
+        return False
+    for group in groups.values():
+        weights = (group or {}).get("weights") or {}
+        if "mxfp4" in str((group or {}).get("format", "")).lower():
+            continue
+        if not (weights.get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "group"
+                and weights.get("group_size") == MXFP4_GROUP_SIZE and weights.get("symmetric", True)):
+            return False
+        if (group or {}).get("input_activations"):
+            return False
+    return True
+
+
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4_GROUP_SIZE",
+    "QuantFormatError",
+    "check_mxfp4_shapes",
+    "dequantize_fp8_block",
+    "dequantize_mxfp4",
+    "is_mxfp4_scheme",
+    "mxfp4_scale_2d",
+    "quantize_mxfp4",
+]

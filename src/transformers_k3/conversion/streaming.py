@@ -1,0 +1,545 @@
+"""Streaming safetensors checkpoints: read one input shard at a time, write sharded outputs in place.
+
+A converter describes its output as a *plan*: a list of `OutputTensor`s, each assembled from `Piece`s. A
+piece reads one or more input tensors (optionally a slice of the first), maps them through a function
+(rename-only, cast, dequantise, split, ...) and lands in a contiguous element range of its output tensor.
+`execute_plan` then
+
+* lays out every output shard up front (safetensors headers are computed from the plan) and pre-sizes the
+  files, so an output tensor never has to be assembled in memory: the pieces of a fused expert tensor
+  are written straight to their byte ranges as they arrive, whichever input shard they come from;
+* walks the input shards in order, opening one at a time with ``safe_open`` and reading tensor by tensor;
+  a piece whose secondary inputs sit in another shard (e.g. an MXFP4 scale) reads just those tensors;
+* checks that every byte of every output tensor was written exactly once.
+
+Peak memory is therefore about one input shard (the pages ``safe_open`` maps while it reads) plus the
+largest single piece, independent of model size and of the output shard size.
+
+Nothing is ever unpickled: inputs must be safetensors, and a pickle-format file is reported as such.
+Every error names the file and the tensor it is about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be converted; the message names the file and tensor concerned."""
+
+
+def dtype_from_safetensors(name: str, file: str | os.PathLike = "?", tensor: str = "?") -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"{file}: tensor `{tensor}` has dtype {name!r}, which this converter does not handle") from None
+
+
+def dtype_to_safetensors(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or an int -> bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    if not match:
+        raise ValueError(f"cannot parse size {size!r} (use e.g. 5GB, 500MB or a number of bytes)")
+    number, unit = float(match.group(1)), match.group(2).rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(number * base**power)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of an input checkpoint, known from its file header only."""
+
+    file: Path
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int = 0  # byte offset of the data in the file (reads in this order are sequential)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * element_size(self.dtype)
+
+    def where(self) -> str:
+        return f"{self.file.name}: tensor `{self.name}`"
+
+
+def _looks_like_pickle(head: bytes) -> bool:
+    # torch.save zip archives start with a local-file header; legacy pickles with the PROTO opcode + version.
+    return head.startswith(b"PK\x03\x04") or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Parses and validates a safetensors header without reading tensor data or unpickling anything:
+    the file must be safetensors (a pickle is reported as such), its header valid JSON, and every tensor's
+    byte range must lie inside the file (a truncated download names the first tensor it cuts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: shard file is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(9)
+        header_len = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else None
+        plausible = header_len is not None and header_len <= size - 8 and head[8:9] == b"{"
+        if not plausible:
+            if _looks_like_pickle(head):
+                raise CheckpointError(
+                    f"{path}: this is a pickle-format (torch.save) file, not safetensors; it is never unpickled "
+                    "here. Convert it to safetensors with a tool you trust first."
+                )
+            if header_len is not None and header_len > size - 8:
+                raise CheckpointError(
+                    f"{path}: file is truncated or not safetensors (header claims {header_len} bytes, file has {size})"
+                )
+            raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, no JSON header)")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({error})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    data_size = size - 8 - header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], tuple(int(x) for x in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor `{name}` has a malformed header entry {entry!r}") from None
+        dtype = dtype_from_safetensors(dtype_name, path, name)
+        info = TensorInfo(path, name, dtype, shape, int(begin))
+        if end - begin != info.nbytes:
+            raise CheckpointError(f"{path}: tensor `{name}` header is inconsistent ({end - begin} bytes for {dtype_name}{list(shape)})")
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: file is truncated: tensor `{name}` needs bytes up to {8 + header_len + end}, "
+                f"the file has {size}"
+            )
+        tensors[name] = info
+    return tensors
+
+
+class Checkpoint:
+    """A directory of safetensors shards (``model.safetensors`` or an index with its shards) plus its
+    ``config.json``. The constructor reads only headers and checks: no pickle files, no missing or
+    truncated shard, the index agrees with the shards, no tensor stored twice."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: input directory does not exist")
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: missing (the checkpoint's config is needed to check shapes)")
+        with open(config_path, encoding="utf-8") as f:
+            self.config: dict = json.load(f)
+
+        index_path = self.directory / SAFE_WEIGHTS_INDEX_NAME
+        single = self.directory / SAFE_WEIGHTS_NAME
+        self.index: dict[str, str] | None = None
+        if index_path.is_file():
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index_path}: has no `weight_map`")
+            for name, file in weight_map.items():
+                if str(file).endswith(PICKLE_SUFFIXES):
+                    raise CheckpointError(
+                        f"{index_path}: tensor `{name}` is stored in the pickle-format file {file}; only safetensors "
+                        "checkpoints are converted (nothing is ever unpickled)"
+                    )
+            self.index = weight_map
+            files = list(dict.fromkeys(weight_map.values()))
+        elif single.is_file():
+            files = [SAFE_WEIGHTS_NAME]
+        else:
+            pickles = sorted(p.name for p in self.directory.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+            shards = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if pickles and not shards:
+                raise CheckpointError(
+                    f"{self.directory / pickles[0]}: pickle-format checkpoint ({', '.join(pickles)}); only safetensors "
+                    "checkpoints are converted (nothing is ever unpickled)"
+                )
+            if len(shards) == 1:
+                files = shards
+            else:
+                raise CheckpointError(
+                    f"{self.directory}: no {SAFE_WEIGHTS_INDEX_NAME} and no {SAFE_WEIGHTS_NAME}"
+                    + (f" ({len(shards)} .safetensors files without an index)" if shards else "")
+                )
+
+        missing = [file for file in files if not (self.directory / file).is_file()]
+        if missing:
+            who = [name for name, file in (self.index or {}).items() if file == missing[0]]
+            listed = ", ".join(f"`{name}`" for name in who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
+            raise CheckpointError(
+                f"{self.directory / missing[0]}: shard file is missing"
+                + (f" (the index puts tensors {listed} there)" if who else "")
+                + (f"; {len(missing) - 1} more shard(s) missing" if len(missing) > 1 else "")
+            )
+        self.files: list[Path] = sorted((self.directory / file for file in files), key=lambda p: (len(p.name), p.name))
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in self.files:
+            for name, info in read_safetensors_header(path).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"{path}: tensor `{name}` is also stored in {self.tensors[name].file.name}")
+                if self.index is not None and self.index.get(name) not in (None, path.name):
+                    raise CheckpointError(f"{path}: tensor `{name}` is indexed under {self.index[name]}")
+                self.tensors[name] = info
+        if self.index is not None:
+            absent = [name for name in self.index if name not in self.tensors]
+            if absent:
+                raise CheckpointError(
+                    f"{self.directory / self.index[absent[0]]}: tensor `{absent[0]}` is listed in the index but not in "
+                    f"the shard" + (f" ({len(absent) - 1} more such tensors)" if len(absent) > 1 else "")
+                )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for info in self.tensors.values())
+
+
+class _Reader:
+    """Reads tensors from the input checkpoint: one main shard open at a time, plus short reads of single
+    tensors from other shards."""
+
+    def __init__(self):
+        self._main_path: Path | None = None
+        self._main = None
+        self._stack = contextlib.ExitStack()
+
+    def open_main(self, path: Path) -> None:
+        self.close()
+        self._stack = contextlib.ExitStack()
+        self._main = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        self._main_path = path
+
+    def read(self, info: TensorInfo, select=None) -> torch.Tensor:
+        try:
+            if info.file == self._main_path:
+                handle = self._main
+                return handle.get_slice(info.name)[select] if select is not None else handle.get_tensor(info.name)
+            with safe_open(str(info.file), framework="pt") as handle:
+                return handle.get_slice(info.name)[select] if select is not None else handle.get_tensor(info.name)
+        except CheckpointError:
+            raise
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(f"{info.where()}: cannot be read ({error})") from error
+
+    def close(self) -> None:
+        self._stack.close()
+        self._main = None
+        self._main_path = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans
+@dataclass
+class Piece:
+    """``fn([inputs...]) -> tensor`` written to elements ``[dst_offset, dst_offset + numel)`` of its output.
+    ``select`` indexes the first source before it is read (``get_slice``), so slicing a fused tensor reads
+    only the slice. ``expect_shape`` is the shape ``fn`` must return."""
+
+    sources: tuple[TensorInfo, ...]
+    expect_shape: tuple[int, ...]
+    dst_offset: int = 0
+    fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    select: tuple | None = None
+    note: str = ""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.expect_shape)
+
+
+@dataclass
+class OutputTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * element_size(self.dtype)
+
+
+def check_coverage(tensor: OutputTensor) -> str | None:
+    """None if the pieces tile the output exactly, else a description of the gap or overlap."""
+    total = math.prod(tensor.shape)
+    spans = sorted((p.dst_offset, p.dst_offset + p.numel) for p in tensor.pieces)
+    position = 0
+    for begin, end in spans:
+        if begin > position:
+            return f"elements [{position}, {begin}) have no source"
+        if begin < position:
+            return f"elements [{begin}, {min(position, end)}) are written twice"
+        position = end
+    if position != total:
+        return f"elements [{position}, {total}) have no source"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+@dataclass
+class _ShardLayout:
+    file_name: str
+    tensors: list[OutputTensor]
+    header: bytes
+    data_offsets: dict[str, int]
+    size: int
+
+
+def _layout_shards(tensors: Sequence[OutputTensor], max_shard_bytes: int) -> list[list[OutputTensor]]:
+    shards: list[list[OutputTensor]] = [[]]
+    current = 0
+    for tensor in tensors:
+        if shards[-1] and current + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            current = 0
+        shards[-1].append(tensor)
+        current += tensor.nbytes
+    return shards
+
+
+def _build_header(tensors: Sequence[OutputTensor], metadata: dict[str, str]) -> tuple[bytes, dict[str, int], int]:
+    entries: dict[str, dict] = {"__metadata__": dict(metadata)}
+    offsets: dict[str, int] = {}
+    position = 0
+    for tensor in tensors:
+        entries[tensor.name] = {
+            "dtype": dtype_to_safetensors(tensor.dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [position, position + tensor.nbytes],
+        }
+        offsets[tensor.name] = position
+        position += tensor.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    header += b" " * (-len(header) % 8)  # data starts 8-byte aligned, as the reference writer does
+    return header, offsets, position
+
+
+class _ShardedWriter:
+    """Pre-sized output shards with their headers written; `write` puts a piece's bytes in place."""
+
+    MAX_OPEN_FILES = 16
+
+    def __init__(self, directory: Path, tensors: Sequence[OutputTensor], max_shard_bytes: int,
+                 metadata: dict[str, str] | None = None):
+        if sys.byteorder != "little":
+            raise RuntimeError("safetensors is little-endian; this writer only runs on little-endian hosts")
+        self.directory = directory
+        groups = _layout_shards(tensors, max_shard_bytes)
+        metadata = {"format": "pt", **(metadata or {})}
+        self.shards: list[_ShardLayout] = []
+        for i, group in enumerate(groups):
+            name = SAFE_WEIGHTS_NAME if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            header, offsets, data_size = _build_header(group, metadata)
+            self.shards.append(_ShardLayout(name, list(group), header, offsets, 8 + len(header) + data_size))
+        self._location: dict[str, tuple[_ShardLayout, int]] = {}
+        for shard in self.shards:
+            for tensor in shard.tensors:
+                self._location[tensor.name] = (shard, 8 + len(shard.header) + shard.data_offsets[tensor.name])
+        self._files: OrderedDict[str, object] = OrderedDict()
+        for shard in self.shards:
+            with open(directory / shard.file_name, "wb") as f:
+                f.write(struct.pack("<Q", len(shard.header)))
+                f.write(shard.header)
+                f.truncate(shard.size)
+
+    def _file(self, shard: _ShardLayout):
+        handle = self._files.pop(shard.file_name, None)
+        if handle is None:
+            if len(self._files) >= self.MAX_OPEN_FILES:
+                _, oldest = self._files.popitem(last=False)
+                oldest.close()
+            handle = open(self.directory / shard.file_name, "r+b")
+        self._files[shard.file_name] = handle
+        return handle
+
+    def write(self, tensor: OutputTensor, piece: Piece, value: torch.Tensor) -> None:
+        shard, base = self._location[tensor.name]
+        value = value.detach().to("cpu").contiguous()
+        raw = value.reshape(-1).view(torch.uint8) if value.numel() else value.new_empty(0, dtype=torch.uint8)
+        handle = self._file(shard)
+        handle.seek(base + piece.dst_offset * value.element_size())
+        handle.write(memoryview(raw.numpy()))
+
+    def close(self) -> None:
+        while self._files:
+            _, handle = self._files.popitem()
+            handle.close()
+
+    def write_index(self, total_size: int) -> None:
+        if len(self.shards) == 1:
+            return
+        weight_map = {t.name: shard.file_name for shard in self.shards for t in shard.tensors}
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(self.directory / SAFE_WEIGHTS_INDEX_NAME, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+
+
+def _describe_sources(piece: Piece) -> str:
+    return " + ".join(info.where() for info in piece.sources)
+
+
+def execute_plan(plan: Sequence[OutputTensor], directory: str | os.PathLike, max_shard_size: int | str = "5GB",
+                 progress: bool = True, metadata: dict[str, str] | None = None, desc: str = "Converting",
+                 file_order: Sequence[Path] | None = None) -> list[str]:
+    """Writes ``plan`` as sharded safetensors (plus an index when there are several shards) into the
+    existing ``directory``; returns the shard file names. Input shards are visited one at a time, in
+    ``file_order`` (default: by name)."""
+    from tqdm.auto import tqdm
+
+    directory = Path(directory)
+    for tensor in plan:
+        problem = check_coverage(tensor)
+        if problem:
+            raise CheckpointError(f"output tensor `{tensor.name}`: {problem}")
+    writer = _ShardedWriter(directory, plan, parse_size(max_shard_size), metadata)
+
+    # group pieces by the shard of their first source, keeping the input order inside a shard
+    by_file: dict[Path, list[tuple[OutputTensor, Piece]]] = defaultdict(list)
+    for tensor in plan:
+        for piece in tensor.pieces:
+            by_file[piece.sources[0].file].append((tensor, piece))
+    order = [path for path in (file_order or sorted(by_file)) if path in by_file]
+    order += [path for path in by_file if path not in order]
+    total_bytes = sum(t.nbytes for t in plan)
+    reader = _Reader()
+    try:
+        with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
+            for path in order:
+                reader.open_main(path)
+                items = sorted(by_file[path], key=lambda item: item[1].sources[0].offset)
+                for tensor, piece in items:
+                    inputs = [reader.read(piece.sources[0], piece.select)]
+                    inputs += [reader.read(info) for info in piece.sources[1:]]
+                    try:
+                        value = piece.fn(inputs) if piece.fn is not None else inputs[0]
+                    except CheckpointError:
+                        raise
+                    except Exception as error:
+                        raise CheckpointError(f"{_describe_sources(piece)}: {error}") from error
+                    if tuple(value.shape) != tuple(piece.expect_shape):
+                        raise CheckpointError(
+                            f"{_describe_sources(piece)}: produced shape {list(value.shape)} for `{tensor.name}`, "
+                            f"expected {list(piece.expect_shape)}"
+                        )
+                    writer.write(tensor, piece, value.to(tensor.dtype))
+                    del inputs, value
+                    bar.update(piece.numel * element_size(tensor.dtype))
+                reader.close()
+    finally:
+        reader.close()
+        writer.close()
+    writer.write_index(total_bytes)
+    return [shard.file_name for shard in writer.shards]
+
+
+# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_output_dir(output: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yields a fresh temporary directory next to ``output``; renames it to ``output`` only when the body
+    finishes, and removes it on any error, so a failed conversion leaves nothing half-written."""
+    output = Path(output).absolute()
+    if output.exists() and not overwrite:
+        raise CheckpointError(f"{output}: output directory already exists (pass --overwrite to replace it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temporary = output.parent / f".{output.name}.tmp-{os.getpid()}"
+    if temporary.exists():
+        shutil.rmtree(temporary)
+    temporary.mkdir()
+    try:
+        yield temporary
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    if output.exists():
+        previous = output.parent / f".{output.name}.old-{os.getpid()}"
+        os.rename(output, previous)
+        os.rename(temporary, output)
+        shutil.rmtree(previous, ignore_errors=True)
+    else:
+        os.rename(temporary, output)
+
+
+def write_state_dict(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike,
+                     max_shard_size: int | str = "5GB", metadata: dict[str, str] | None = None) -> list[str]:
+    """Small helper for in-memory state dicts (fixtures, tests): sharded safetensors plus an index, in the
+    same layout `execute_plan` writes. Tensors are written in insertion order."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = [OutputTensor(name, t.dtype, tuple(t.shape)) for name, t in state_dict.items()]
+    writer = _ShardedWriter(directory, tensors, parse_size(max_shard_size), metadata)
+    try:
+        for tensor in tensors:
+            value = state_dict[tensor.name]
+            writer.write(tensor, Piece((), tuple(value.shape)), value)
+    finally:
+        writer.close()
+    writer.write_index(sum(t.nbytes for t in tensors))
+    return [shard.file_name for shard in writer.shards]
+
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "OutputTensor",
+    "Piece",
+    "TensorInfo",
+    "atomic_output_dir",
+    "check_coverage",
+    "execute_plan",
+    "parse_size",
+    "read_safetensors_header",
+    "write_state_dict",
+]
