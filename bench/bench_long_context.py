@@ -1,0 +1,279 @@
+"""Long-context decoding: K3's hybrid cache vs transformers' in-tree Kimi Linear and a same-size Llama.
+
+One run, same weights: a small model with the K3-only features off (so `KimiLinearForCausalLM` loads the very
+same weights through the in-tree key map), the ANCHORS.md shape (hidden 256, 8 layers at 3 KDA : 1 MLA, 4 heads,
+MLA kv_lora 128 / rope 32 / nope 64 / v 64, 8 experts top-2, vocab 4096). For each context N it prints, per
+model: cache bytes (ours also against the analytic value), the per-token decode latency (median of several
+steps) and the transient memory of one decode step (peak RSS during the step minus RSS before it, sampled every
+0.2 ms after returning freed memory to the OS). Each (model, context) runs in its own process.
+
+Decode cost does not depend on what the context says, so the caches are filled to N tokens directly (random
+latents / keys / values after an 8-token real prefill that initialises every layer) instead of prefilling N
+tokens, which would take the in-tree model hours at 128K.
+
+``--context N`` instead measures the real thing for our model alone: a chunked prefill of N random tokens
+(``--chunk``), then 32 decode steps; it prints prefill time, per-token decode time, peak RSS and cache bytes
+vs analytic.
+
+    python bench/bench_long_context.py                       # 4K, 32K, 128K
+    python bench/bench_long_context.py --contexts 4096 16384 # quicker
+    python bench/bench_long_context.py --context 262144      # million-token mode (our model only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+HIDDEN, LAYERS, HEADS, VOCAB = 256, 8, 4, 4096
+
+
+def kimi_linear_config():
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+
+    full = [i for i in range(1, LAYERS + 1) if i % 4 == 0]
+    return KimiLinearConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_shared_experts=1,
+        routed_scaling_factor=2.5, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32, v_head_dim=64,
+        qk_nope_head_dim=64, n_group=1, topk_group=1, num_experts_per_tok=2, norm_topk_prob=True,
+        hidden_act="silu", rms_norm_eps=1e-5, num_local_experts=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, first_k_dense_replace=1,
+        linear_attn_config={"kda_layers": [i for i in range(1, LAYERS + 1) if i not in full],
+                            "full_attn_layers": full, "num_heads": HEADS, "head_dim": 64,
+                            "short_conv_kernel_size": 4},
+    )
+
+
+def build(kind: str):
+    """The model of `kind` with the shared seeded weights."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    kl_config = kimi_linear_config()
+    kl_config._attn_implementation = "sdpa"
+    reference = KimiLinearForCausalLM(kl_config).eval()
+    if kind == "intree":
+        return reference
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
+                             num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=64)
+        config._attn_implementation = "sdpa"
+        return LlamaForCausalLM(config).eval()
+    from transformers_k3 import KimiK3ForCausalLM
+    from transformers_k3.conversion import kimi_linear_to_k3_state_dict
+    from transformers_k3.conversion.kimi_linear import kimi_linear_config_to_k3
+
+    config = kimi_linear_config_to_k3(kl_config)
+    config._attn_implementation = "sdpa"
+    model = KimiK3ForCausalLM(config).eval()
+    model.load_state_dict(kimi_linear_to_k3_state_dict(reference.state_dict(), HEADS), strict=True)
+    return model
+
+
+def fill_cache(kind: str, model, n: int):
+    """Prefill 8 real tokens (initialises every layer), then give every full-attention layer N cached tokens."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(3, VOCAB, (1, 8))
+    if kind == "ours":
+        from transformers_k3 import KimiK3HybridCache
+
+        cache = KimiK3HybridCache(model.config)
+    else:
+        cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        if kind == "ours" and hasattr(layer, "latent"):
+            layer.latent = torch.randn(1, n, layer.latent.shape[-1]) * 0.5
+            layer.length = n
+        elif getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
+            layer.keys = torch.randn(*layer.keys.shape[:2], n, layer.keys.shape[-1]) * 0.5
+            layer.values = torch.randn(*layer.values.shape[:2], n, layer.values.shape[-1]) * 0.5
+    return cache
+
+
+def cache_bytes(kind: str, cache) -> int:
+    if kind == "ours":
+        return cache.nbytes()
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.nbytes
+        for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+            total += sum(t.nbytes for t in states.values() if isinstance(t, torch.Tensor))
+    return total
+
+
+def analytic_cache_bytes(config, n: int) -> int:
+    kda = config.layer_types.count("linear_attention")
+    mla = config.layer_types.count("full_attention")
+    proj = config.linear_num_heads * config.linear_head_dim
+    per_kda = 3 * proj * (config.linear_conv_kernel_size - 1) * 4 + config.linear_num_heads * config.linear_head_dim ** 2 * 4
+    return mla * n * (config.kv_lora_rank + config.qk_rope_head_dim) * 4 + kda * per_kda
+
+
+class RssSampler:
+    """Peak resident set size while a block runs, sampled from /proc/self/statm."""
+
+    def __init__(self, period: float = 2e-4):
+        self.period, self.peak, self._stop = period, 0, threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.peak = self.rss()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+
+def release_free_memory():
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def child_decode(kind: str, n: int, steps: int) -> dict:
+    torch.set_num_threads(2)
+    model = build(kind)
+    cache = fill_cache(kind, model, n)
+    token = torch.tensor([[7]])
+    times, transients = [], []
+    with torch.no_grad():
+        model(token, past_key_values=cache, use_cache=True)  # warm-up
+        for _ in range(steps):
+            release_free_memory()
+            with RssSampler() as sampler:
+                before = sampler.rss()
+                start = time.perf_counter()
+                model(token, past_key_values=cache, use_cache=True)
+                times.append(time.perf_counter() - start)
+            transients.append(sampler.peak - before)
+    result = {"decode_ms": 1e3 * statistics.median(times), "transient_mb": max(transients) / 2**20,
+              "cache_mb": cache_bytes(kind, cache) / 2**20}
+    if kind == "ours":
+        result["analytic_mb"] = analytic_cache_bytes(model.config, cache.get_seq_length()) / 2**20
+    return result
+
+
+def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None) -> dict:
+    from transformers_k3 import KimiK3HybridCache
+
+    torch.set_num_threads(2)
+    if model_dir:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    else:
+        model = build("ours")
+    cache = KimiK3HybridCache(model.config)
+    ids = torch.randint(3, model.config.vocab_size, (1, n))
+    start = time.perf_counter()
+    last_report = start
+    with torch.no_grad():
+        for begin in range(0, n, chunk):
+            logits = model(ids[:, begin:begin + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            if time.perf_counter() - last_report > 30:
+                last_report = time.perf_counter()
+                print(f"  prefilled {begin + chunk:,}/{n:,} tokens, {last_report - start:.0f} s", file=sys.stderr,
+                      flush=True)
+        prefill_s = time.perf_counter() - start
+        token = logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(decode_steps):
+            t0 = time.perf_counter()
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - t0)
+    return {"context": n, "prefill_s": prefill_s, "decode_ms": 1e3 * statistics.median(times),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "cache_mb": cache.nbytes() / 2**20, "analytic_mb": analytic_cache_bytes(model.config, n + decode_steps) / 2**20}
+
+
+def run_child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", nargs="+", default=["ours", "intree", "llama"])
+    parser.add_argument("--context", type=int, help="million-token mode: real chunked prefill + 32 decode steps")
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--model", help="a saved K3 directory for --context (default: the bench model)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child == "context":
+        print(json.dumps(child_context(args.n, args.chunk, 32, args.model)))
+        return
+    if args.child:
+        print(json.dumps(child_decode(args.child, args.n, args.steps)))
+        return
+    if args.context:
+        extra = ["--model", args.model] if args.model else []
+        r = run_child(["--child", "context", "--n", str(args.context), "--chunk", str(args.chunk), *extra])
+        if "error" in r:
+            print("failed:", r["error"])
+            return
+        print(f"context {r['context']:,}: prefill {r['prefill_s']:.1f} s ({r['context'] / r['prefill_s']:.0f} tok/s), "
+              f"decode {r['decode_ms']:.1f} ms/token, peak RSS {r['peak_rss_mb']:.0f} MiB, cache {r['cache_mb']:.2f} MiB "
+              f"(analytic {r['analytic_mb']:.2f} MiB)")
+        return
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode = median of {args.steps} steps")
+    header = f"{'context':>8} {'model':>8} {'cache MiB':>10} {'analytic':>9} {'decode ms':>10} {'step transient MiB':>19}"
+    print(header)
+    for n in args.contexts:
+        rows = {}
+        for kind in args.models:
+            rows[kind] = r = run_child(["--child", kind, "--n", str(n), "--steps", str(args.steps)])
+            if "error" in r:
+                print(f"{n:>8} {kind:>8}  failed: {r['error']}")
+                continue
+            analytic = f"{r['analytic_mb']:.2f}" if "analytic_mb" in r else "-"
+            print(f"{n:>8} {kind:>8} {r['cache_mb']:>10.2f} {analytic:>9} {r['decode_ms']:>10.1f} {r['transient_mb']:>19.1f}",
+                  flush=True)
+        ours, intree = rows.get("ours", {}), rows.get("intree", {})
+        if "decode_ms" in ours and "decode_ms" in intree:
+            print(f"{n:>8}  in-tree / ours: decode {intree['decode_ms'] / ours['decode_ms']:.1f}x, step transient "
+                  f"{intree['transient_mb'] / max(ours['transient_mb'], 1e-3):.1f}x, cache "
+                  f"{intree['cache_mb'] / ours['cache_mb']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
