@@ -524,3 +524,17 @@ def test_init_moe_weights():
     assert torch.count_nonzero(moe.gate.e_score_correction_bias) == 0
     for p in (moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj):
         assert abs(p.std().item() - 0.02) < 0.002 and abs(p.mean().item()) < 0.002
+
+
+def test_default_experts_implementation_is_grouped_mm_and_all_are_selectable():
+    """transformers 5.23 picks `grouped_mm` when `experts_implementation` is not given and the model can set
+    it; on CPU it is also the fastest of the three here (bench/bench_moe.py), so no override is needed."""
+    import transformers_k3
+
+    model = transformers_k3.KimiK3ForCausalLM(transformers_k3.KimiK3TextConfig.tiny())
+    assert model.config._experts_implementation == "grouped_mm"
+    experts = model.model.layers[1].mlp.experts
+    assert experts.config is model.config
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        model.set_experts_implementation(impl)
+        assert experts.config._experts_implementation == impl

@@ -15,6 +15,7 @@ from transformers import (
 )
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
+from .balancing import QuantileBalancingCallback, RouterBalancer
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import (
     KimiK3Config,
@@ -56,6 +57,8 @@ VIDEO_PROCESSOR_MAPPING.register(
 AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
 
 __all__ = [
+    "QuantileBalancingCallback",
+    "RouterBalancer",
     "KimiK3Config",
     "KimiK3ConfigError",
     "KimiK3ForCausalLM",

@@ -23,8 +23,9 @@ from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.kda import KimiK3DeltaAttention
 from .layers.mla import KimiK3MLA
-from .layers.moe import KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE
+from .layers.moe import KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
+from .offload import onloaded
 
 
 @dataclass
@@ -255,12 +256,15 @@ class KimiK3Model(KimiK3PreTrainedModel):
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:
             mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask
-            state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens,
-                          **kwargs)
+            with onloaded(layer):  # accelerate offload: weights the layer reads without calling their module
+                state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens,
+                              **kwargs)
 
         partial, *bank = state
         if self.config.use_attn_res:
-            mix = self.output_read([*bank, partial], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight)[0]
+            with onloaded(self, recurse=False):
+                mix = self.output_read([*bank, partial], self.output_attn_res_proj.weight,
+                                       self.output_attn_res_norm.weight)[0]
         else:
             mix = self.output_read([partial])[0]
         return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), past_key_values=past_key_values)
@@ -283,14 +287,25 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        # Text-only use of a multimodal checkpoint (e.g. AutoModelForCausalLM on the composite config): its vision
+        # weights are not ours to load (the registered conversion mapping drops the text weights' `language_model.`
+        # prefix). Only runs when this class is the root model, never inside the multimodal one.
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        loading_info.unexpected_keys = {
+            key for key in loading_info.unexpected_keys if not key.startswith(("vision_tower.", "mm_projector."))
+        }
+
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
                 **kwargs) -> KimiK3CausalLMOutputWithPast:
+        aux_coef = self.config.router_aux_loss_coef  # optional balance loss (off by default; K3 uses the bias)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            **({"output_router_logits": True, **kwargs} if aux_coef else kwargs),
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = self.lm_head(hidden_states)
@@ -299,8 +314,18 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        aux_loss = None
+        if aux_coef and outputs.router_logits:
+            aux_loss = router_aux_loss(
+                outputs.router_logits, [m for m in self.model.modules() if isinstance(m, KimiK3Router)],
+                batch_size=outputs.last_hidden_state.shape[0],
+                attention_mask=attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None,
+            )
+            if loss is not None:
+                loss = loss + aux_coef * aux_loss.to(loss.device)
         return KimiK3CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, router_logits=outputs.router_logits,
             attn_res_weights=outputs.attn_res_weights,
         )

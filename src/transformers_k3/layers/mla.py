@@ -130,7 +130,10 @@ class KimiK3MLA(nn.Module):
             latent = past_key_values.update_latent(latent, self.layer_idx)
 
         if absorb is None:
-            absorb = past_len > 0 and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
+            # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
+            # or a quantized layer (bitsandbytes) computes something else, which the expanded path gets by calling it.
+            absorb = (past_len > 0 and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
+                      and type(self.kv_b_proj) is nn.Linear)
         attn_weights = None
         if absorb:
             attn_output = self._absorbed_attention(query, latent, attention_mask)

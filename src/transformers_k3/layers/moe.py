@@ -140,19 +140,21 @@ class KimiK3Experts(nn.Module):
         sorted_ids, perm = torch.sort(expert_ids, stable=True)
         routed_states = hidden_states[perm // top_k]
         counts = torch.bincount(sorted_ids, minlength=self.num_experts)[: self.num_experts].tolist()  # one sync
-
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            gate_up = F.linear(routed_states[start : start + count], self.gate_up_proj[expert])
-            outputs.append(F.linear(self._apply_gate(gate_up), self.down_proj[expert]))
-            start += count
         # Ids >= num_experts (expert-parallel sentinels, zero weight) sort last and contribute nothing.
-        num_valid = start
-        if num_valid < expert_ids.numel() or not outputs:
-            outputs.append(routed_states.new_zeros(expert_ids.numel() - num_valid, self.hidden_dim))
+        num_valid = sum(counts)
+        counts.append(expert_ids.numel() - num_valid)
+
+        # `split` / `unbind` rather than slicing and indexing: their backward assembles one gradient for the
+        # whole tensor, where a slice or `weight[e]` per expert would each materialise a full-size gradient.
+        chunks = routed_states.split(counts)
+        gate_up_proj, down_proj = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        outputs = [
+            F.linear(self._apply_gate(F.linear(chunks[expert], gate_up_proj[expert])), down_proj[expert])
+            for expert, count in enumerate(counts[:-1])
+            if count > 0
+        ]
+        if counts[-1] > 0 or not outputs:
+            outputs.append(routed_states.new_zeros(counts[-1], self.hidden_dim))
         expert_out = torch.cat(outputs)
 
         # Weights are fp32, so the weighted sum over the k slots accumulates in fp32 (as the
@@ -211,6 +213,49 @@ class KimiK3SparseMoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(y)
         return routed.view(orig_shape)
+
+
+def router_aux_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    routers: list[KimiK3Router],
+    batch_size: int = 1,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise auxiliary balance loss, averaged over the MoE layers (off by default in
+    K3, which balances with the selection bias instead; see `transformers_k3.balancing`).
+
+    For one layer and one sequence of ``T`` (unpadded) tokens, with ``s`` the router scores, ``E`` experts
+    and top-``k`` selection made exactly as the router does (biased scores, `e_score_correction_bias`)::
+
+        f_e = E / (k T) * #{t : e selected at t}        (load relative to perfect balance; no gradient)
+        P_e = 1/T * sum_t s_{t,e} / sum_j s_{t,j}         (mean normalised score; carries the gradient)
+        L   = sum_e f_e P_e                               (= 1 when the load is perfectly even)
+
+    ``router_logits``: one ``[batch_size * seq, E]`` tensor per MoE layer, in the order of ``routers`` (as
+    recorded with ``output_router_logits=True``). ``attention_mask [batch, seq]``: padding is left out.
+    Returns the mean over layers and sequences (a scalar with gradient to the router weights).
+    """
+    if len(router_logits) != len(routers):
+        raise ValueError(f"got router logits for {len(router_logits)} MoE layers but {len(routers)} routers")
+    losses = []
+    for logits, router in zip(router_logits, routers):
+        logits = logits.float().reshape(batch_size, -1, router.num_experts)
+        scores = logits.softmax(dim=-1) if router.use_softmax else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + router.e_score_correction_bias.float(), router.top_k, dim=-1).indices
+        mask = (
+            torch.ones(scores.shape[:2], device=scores.device)
+            if attention_mask is None
+            else attention_mask[:, -scores.shape[1] :].to(scores.device, torch.float32)
+        )
+        tokens = mask.sum(dim=1)  # [B]
+        picks = torch.zeros_like(scores).scatter_(-1, chosen, 1.0)  # [B, T, E]
+        f = (picks * mask[..., None]).sum(dim=1) * router.num_experts / (router.top_k * tokens.clamp_min(1))[:, None]
+        p = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        P = (p * mask[..., None]).sum(dim=1) / tokens.clamp_min(1)[:, None]
+        per_sequence = (f * P).sum(dim=-1)  # [B]
+        has_tokens = tokens > 0
+        losses.append(per_sequence[has_tokens].mean() if has_tokens.any() else per_sequence.sum() * 0)
+    return torch.stack(losses).mean()
 
 
 @torch.no_grad()

@@ -1,0 +1,295 @@
+"""MoE throughput at K3's routing scale (896 experts, top-16) on a scaled-down width, against transformers'
+in-tree MoE layers at the same shape, in one process.
+
+    python bench/bench_moe.py                       # 2,048 tokens, latent 128, intermediate 32
+    python bench/bench_moe.py --tokens 4096 --reps 5
+
+Two tables, each under every experts implementation (eager / grouped_mm / batched_mm):
+
+* experts only: `KimiK3Experts` vs transformers' `KimiLinearExperts` and `Qwen3_5MoeExperts` (DeepSeek-V3's
+  experts are the same code as Kimi Linear's) with the same weight shapes ``[E, 2I, D]`` / ``[E, D, I]`` and the
+  same routing (uniformly random distinct top-16 per token);
+* whole layer: our latent `KimiK3SparseMoE` (hidden ``2 x latent``, experts at the latent width, one shared
+  expert at full width, so it does strictly more work) vs `DeepseekV3MoE` whose hidden size equals our latent
+  size (same expert count, top-k, intermediate size, one shared expert).
+
+Throughput is tokens/s of the forward (no grad) and of forward+backward (sum of the output), the best of
+``--reps`` runs. Peak memory is the largest rise of the process RSS during one call, sampled every 0.2 ms
+(large tensors are mmapped, see `_fixed_mmap_threshold`). "roofline" is the measured fp32 GEMM rate of this
+machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a perfect
+grouped GEMM. The in-tree eager paths are slow enough that they run on ``--slow-tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import threading
+import time
+
+if __name__ == "__main__" and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+    # glibc raises its mmap threshold after large frees, after which freed tensors stay in the heap and RSS
+    # stops tracking live memory. A fixed threshold keeps every tensor >= 64 KiB in its own mapping.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+import torch
+from torch import nn
+
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+
+
+# --------------------------------------------------------------------------------------------------
+# Measurement
+# --------------------------------------------------------------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Largest RSS rise above the level at entry, sampled by a background thread."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.rise = self.peak - self.base
+
+
+def gemm_rate(size: int = 1024, reps: int = 3) -> float:
+    """Measured fp32 GEMM FLOP/s at ``size`` cubed."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(reps))
+    return 2 * size**3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def make_step(run, inputs_fn, backward: bool):
+    """One call of ``run`` on fresh inputs (+ backward of a fixed random projection of its output)."""
+    probe = {}
+
+    def step():
+        args = inputs_fn(backward)
+        if not backward:
+            with torch.no_grad():
+                return run(*args)
+        out = run(*args)
+        if "r" not in probe:
+            probe["r"] = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        (out.float() * probe["r"]).sum().backward()
+
+    return step
+
+
+def peak_rise(step) -> float:
+    with PeakRSS() as peak:
+        step()
+    return peak.rise
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules under test
+# --------------------------------------------------------------------------------------------------
+
+
+def set_impl(module: nn.Module, impl: str) -> None:
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(sub, "gate_up_proj"):
+            config._experts_implementation = impl
+
+
+@torch.no_grad()
+def init_(module: nn.Module, seed: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return module
+
+
+def build(args):
+    from transformers import DeepseekV3Config, KimiLinearConfig, Qwen3_5MoeTextConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from transformers_k3 import KimiK3TextConfig
+    from transformers_k3.layers.moe import KimiK3SparseMoE
+
+    E, k, D, I = args.experts, args.top_k, args.latent, args.intermediate
+    ours_cfg = KimiK3TextConfig.tiny(
+        hidden_size=2 * D, num_experts=E, num_experts_per_token=k, moe_intermediate_size=I,
+        routed_expert_hidden_size=D, num_shared_experts=1,
+    )
+    layers = {
+        "K3 latent MoE (ours)": KimiK3SparseMoE(ours_cfg),
+        "DeepseekV3MoE": DeepseekV3MoE(DeepseekV3Config(
+            hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k, n_shared_experts=1,
+            n_group=1, topk_group=1, norm_topk_prob=True)),
+        "KimiLinearMoE": KimiLinearMoE(KimiLinearConfig(
+            hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_token=k, num_shared_experts=1,
+            moe_renormalize=True, num_expert_group=1, topk_group=1)),
+        "Qwen3_5MoeSparseMoeBlock": Qwen3_5MoeSparseMoeBlock(Qwen3_5MoeTextConfig(
+            hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
+            shared_expert_intermediate_size=I)),
+    }
+    for seed, layer in enumerate(layers.values()):
+        init_(layer, seed)
+    return layers
+
+
+def layer_flops(name: str, args) -> float:
+    """Matmul FLOPs per token of the forward."""
+    E, k, D, I = args.experts, args.top_k, args.latent, args.intermediate
+    experts = 2 * k * 3 * D * I
+    if name == "experts":
+        return experts
+    if "ours" in name:
+        H = 2 * D
+        return experts + 2 * H * E + 2 * 3 * H * I + 2 * 2 * H * D  # router, shared, latent down+up
+    return experts + 2 * D * E + 2 * 3 * D * I + (2 * D if "Qwen" in name else 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--slow-tokens", type=int, default=32, help="tokens for the in-tree eager paths")
+    parser.add_argument("--experts", type=int, default=896)
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--latent", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-layers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    import transformers
+
+    rate = gemm_rate()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; "
+          f"fp32 GEMM {rate / 1e9:.1f} GFLOP/s (1024^3)")
+    print(f"{args.experts} experts, top-{args.top_k}, latent {args.latent}, intermediate {args.intermediate}, "
+          f"{args.tokens} tokens ({args.slow_tokens} for in-tree eager)\n")
+
+    layers = build(args)
+    E, k, D = args.experts, args.top_k, args.latent
+    gen = torch.Generator().manual_seed(1)
+    x_latent = torch.randn(args.tokens, D, generator=gen)
+    idx = torch.argsort(torch.rand(args.tokens, E, generator=gen), dim=-1)[:, :k]
+    w = torch.rand(args.tokens, k, generator=gen)
+
+    def experts_inputs(n):
+        def make(backward):
+            x = x_latent[:n].clone().requires_grad_(backward)
+            return x, idx[:n], w[:n].clone().requires_grad_(backward)
+        return make
+
+    def layer_inputs(n, width):
+        def make(backward):
+            return (torch.randn(1, n, width, generator=torch.Generator().manual_seed(2)).requires_grad_(backward),)
+        return make
+
+    results = {}  # (table, name, impl) -> (fwd tok/s, fwd+bwd tok/s, fwd MiB, fwd+bwd MiB)
+
+    def run_table(table, modules, inputs_for, flops_name):
+        """Every (module, implementation) pair, forward and forward+backward, timed round-robin over
+        ``--reps`` rounds (best of), so that load from other processes hits every row alike."""
+        rows = []
+        for name, module in modules.items():
+            for impl in IMPLEMENTATIONS:
+                slow = impl == "eager" and "ours" not in name
+                n = args.slow_tokens if slow else args.tokens
+                make = inputs_for(name, n)
+                rows.append((name, impl, n, slow, [make_step(module, make, b) for b in (False, True)], module))
+        best = {}
+        for rep in range(args.reps):
+            for name, impl, n, slow, steps, module in rows:
+                if slow and rep > 0:
+                    continue
+                set_impl(module, impl)
+                for b, step in enumerate(steps):
+                    if rep == 0:
+                        step()  # warm-up
+                    best[(name, impl, b)] = min(best.get((name, impl, b), math.inf), _timed(step))
+        print(f"== {table} ==")
+        print(f"{'module':26s} {'impl':10s} {'tokens':>6s} {'fwd tok/s':>10s} {'f+b tok/s':>10s} "
+              f"{'fwd MiB':>8s} {'f+b MiB':>8s} {'fwd roof':>8s} {'f+b roof':>8s}")
+        for name, impl, n, slow, steps, module in rows:
+            set_impl(module, impl)
+            flops = layer_flops(flops_name(name), args)
+            row = (n / best[(name, impl, 0)], n / best[(name, impl, 1)],
+                   peak_rise(steps[0]) / 2**20, peak_rise(steps[1]) / 2**20)
+            results[(table, name, impl)] = row
+            print(f"{name:26s} {impl:10s} {n:6d} {row[0]:10.0f} {row[1]:10.0f} {row[2]:8.1f} {row[3]:8.1f} "
+                  f"{100 * row[0] * flops / rate:7.1f}% {100 * row[1] * 3 * flops / rate:7.1f}%", flush=True)
+        print()
+
+    experts = {"K3 experts (ours)": layers["K3 latent MoE (ours)"].experts,
+               "KimiLinearExperts": layers["KimiLinearMoE"].experts,
+               "Qwen3_5MoeExperts": layers["Qwen3_5MoeSparseMoeBlock"].experts}
+    run_table("experts only", experts, lambda name, n: experts_inputs(n), lambda name: "experts")
+    if not args.skip_layers:
+        run_table("whole MoE layer", {name: layers[name] for name in ("K3 latent MoE (ours)", "DeepseekV3MoE")},
+                  lambda name, n: layer_inputs(n, 2 * D if "ours" in name else D), lambda name: name)
+
+    def best(table, ours: bool, column: int):
+        rows = [(v[column], impl, name) for (t, name, impl), v in results.items()
+                if t == table and (("ours" in name) == ours)]
+        return max(rows)
+
+    print("== ratios: our best implementation / the fastest in-tree (module, implementation) ==")
+    for table in sorted({t for t, _, _ in results}):
+        for column, label in ((0, "forward"), (1, "forward+backward")):
+            ours, theirs = best(table, True, column), best(table, False, column)
+            mem_col = 2 + column
+            ours_mem = results[(table, ours[2], ours[1])][mem_col]
+            theirs_mem = results[(table, theirs[2], theirs[1])][mem_col]
+            print(f"{table:28s} {label:17s} ours {ours[0]:8.0f} tok/s ({ours[1]}) vs {theirs[0]:8.0f} "
+                  f"({theirs[2]}, {theirs[1]}): x{ours[0] / theirs[0]:.2f}; "
+                  f"peak {ours_mem:.0f} vs {theirs_mem:.0f} MiB")
+    print("\n== ratios at equal implementation: ours / the fastest in-tree module under it ==")
+    for table in sorted({t for t, _, _ in results}):
+        for impl in IMPLEMENTATIONS:
+            rows = [(name, v) for (t, name, i), v in results.items() if t == table and i == impl]
+            ours = next(v for name, v in rows if "ours" in name)
+            theirs = [max(v[c] for name, v in rows if "ours" not in name) for c in (0, 1)]
+            print(f"{table:16s} {impl:10s} forward x{ours[0] / theirs[0]:8.2f}   "
+                  f"forward+backward x{ours[1] / theirs[1]:8.2f}"
+                  + ("   (in-tree eager measured on --slow-tokens)" if impl == "eager" else ""))
+
+
+if __name__ == "__main__":
+    main()
