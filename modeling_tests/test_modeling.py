@@ -448,3 +448,11 @@ def test_packed_sequences_equal_separate_sequences(tiny_model):
         got_cu = tiny_model(packed, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                             max_length_q=70, max_length_k=70).logits[0]
     assert_close_logits(got_cu, want)
+
+
+def test_bf16_load_keeps_fp32_parameters(tmp_path, tiny_model):
+    tiny_model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, tensor in model.state_dict().items():
+        want = torch.float32 if name.endswith(("A_log", "dt_bias", "e_score_correction_bias")) else torch.bfloat16
+        assert tensor.dtype == want, name
