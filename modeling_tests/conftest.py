@@ -12,6 +12,11 @@ import transformers_k3  # noqa: F401  (registers the Auto classes)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "distributed: starts several processes (torchrun); deselect with -m 'not distributed'")
+    config.addinivalue_line("markers", "slow: takes more than ~20 s on 2 CPU cores; deselect with -m 'not slow'")
+
+
 def load_fla_reference(relative_path: str):
     """Import `fla/<relative_path>` as a standalone module; skip the test if fla is not installed."""
     spec = importlib.util.find_spec("fla")

@@ -17,6 +17,14 @@ from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPI
 
 from .balancing import QuantileBalancingCallback, RouterBalancer
 from .cache import KimiK3HybridCache
+from .chat import (
+    KIMI_K3_RESPONSE_TEMPLATE,
+    KimiK3Response,
+    KimiK3ToolCall,
+    ThinkingBudgetLogitsProcessor,
+    format_kimi_k3_tool_calls,
+    parse_kimi_k3_response,
+)
 from .configuration_kimi_k3 import (
     KimiK3Config,
     KimiK3ConfigError,
@@ -29,6 +37,7 @@ from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedMo
 from .image_processing_kimi_k3 import KimiK3ImageProcessor
 from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
 from .processing_kimi_k3 import KimiK3Processor
+from .small import load_small
 from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, build_test_tokenizer
 from .video_processing_kimi_k3 import KimiK3VideoProcessor
 
@@ -57,6 +66,13 @@ VIDEO_PROCESSOR_MAPPING.register(
 AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
 
 __all__ = [
+    "load_small",
+    "KIMI_K3_RESPONSE_TEMPLATE",
+    "KimiK3Response",
+    "KimiK3ToolCall",
+    "ThinkingBudgetLogitsProcessor",
+    "format_kimi_k3_tool_calls",
+    "parse_kimi_k3_response",
     "QuantileBalancingCallback",
     "RouterBalancer",
     "KimiK3Config",

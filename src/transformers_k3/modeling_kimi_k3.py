@@ -44,6 +44,17 @@ class KimiK3CausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     attn_res_weights: tuple[torch.FloatTensor, ...] | None = None
 
 
+class KimiK3StoredWeight(nn.Module):
+    """A checkpoint tensor the computation never reads, kept as a persistent buffer named ``weight`` so that the
+    official key (e.g. ``layers.0.self_attention_res_proj.weight``) loads and saves unchanged."""
+
+    def __init__(self, shape: tuple[int, ...], initial: float):
+        super().__init__()
+        self.register_buffer("weight", torch.full(shape, initial))
+        self._initial = initial
+
+
+
 def packed_sequence_boundaries(position_ids, cu_seq_lens_q, attention_mask, past_key_values,
                                batch_size: int) -> torch.LongTensor | None:
     """``cu_seqlens`` of a packed batch (several sequences concatenated in one row, as transformers'
@@ -88,6 +99,13 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.self_attention_res_proj = nn.Linear(hidden, 1, bias=False)
             self.mlp_res_norm = KimiK3RMSNorm(hidden, eps=eps)
             self.mlp_res_proj = nn.Linear(hidden, 1, bias=False)
+            if layer_idx == 0:
+                # Layer 0's attention side reads a single candidate (the embeddings), whose softmax weight is 1
+                # whatever these hold. The checkpoint has them, so they are kept, as buffers: a parameter that
+                # never gets a gradient breaks DDP with `find_unused_parameters=False` (Trainer's choice under
+                # gradient checkpointing).
+                self.self_attention_res_norm = KimiK3StoredWeight((hidden,), 1.0)
+                self.self_attention_res_proj = KimiK3StoredWeight((1, hidden), 0.0)
         # The bank takes a snapshot at the attention side of every S-th layer, after that layer's read.
         self.snapshot = self.use_attn_res and layer_idx % config.attn_res_block_size == 0
         self.attn_side_read = KimiK3AttnResRead(eps)
@@ -170,9 +188,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, KimiK3GatedRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, KimiK3StoredWeight):
+            init.constant_(module.weight, module._initial)
         elif isinstance(module, KimiK3DecoderLayer) and module.use_attn_res:
             # The paper's init: zero pseudo-queries, so every read starts as the mean of its candidates.
-            init.zeros_(module.self_attention_res_proj.weight)
+            if isinstance(module.self_attention_res_proj, nn.Linear):
+                init.zeros_(module.self_attention_res_proj.weight)
             init.zeros_(module.mlp_res_proj.weight)
         elif isinstance(module, KimiK3Model) and module.config.use_attn_res:
             init.zeros_(module.output_attn_res_proj.weight)
