@@ -112,7 +112,8 @@ def causal_conv1d(
     else:
         y, final = _conv_varlen(xt[0], kernel, bounds, initial_state, history, output_final_state)
     y = _activate(y, activation).transpose(1, 2).to(x.dtype)
-    return y, (final.to(x.dtype) if final is not None else None)
+    # contiguous(): a bare slice would keep the whole padded prompt alive for as long as the cache lives
+    return y, (final.to(x.dtype).contiguous() if final is not None else None)
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> list[int]:

@@ -17,11 +17,15 @@ differentiable, and written to be fast on a small CPU:
 * packed variable-length batches (``cu_seqlens``) pad each sequence only to a multiple of the chunk
   size, and the hand-off loop advances all sequences together.
 
-Decays are handled without overflow: a cumulative log-decay reaches about -320 over a 64-token chunk
+Decays are handled without overflow: a cumulative log-decay reaches about -160 over a 32-token chunk
 at K3's gate bound (-5 per step), so the textbook factorisation ``(q e^{G}) (k e^{-G})^T`` would
-evaluate ``e^{320}``. Here every exponent is taken relative to a reference inside a 16-token sub-chunk
-(bounded by the sub-chunk's decay span, which is checked) and sub-chunks are linked by exact
-segment sums whose exponentials are <= 1; see :func:`_intra_chunk`.
+evaluate ``e^{160}``. Here the chunk is cut into 16-token sub-chunks: inside one, exponents are taken
+relative to its middle token and are bounded by its decay span (which is checked); between two, the
+decay is split at sub-chunk boundaries into factors that are all <= 1. See :func:`_intra_chunk`.
+
+On x86 CPUs subnormal floats (below ~1e-38) are ~100x slower, and strong decays produce them in bulk;
+values that small are dropped (set to 0) where they arise, which changes results by far less than fp32
+rounding, and the one step that creates them by chaining decays (the triangular solve) runs in float64.
 
 The backend can be forced per call (``backend=``), for a block of code (:func:`kda_backend`) or for the
 process (environment variable ``TRANSFORMERS_K3_KDA_BACKEND``), in that order of precedence.
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 __all__ = [
     "BACKEND_ENV_VAR",
     "RECURRENT_MAX_TOKENS",
+    "TORCH_CHUNK_SIZE",
     "chunk_kda",
     "fused_recurrent_kda",
     "kda",
@@ -54,23 +59,36 @@ _BACKENDS = ("torch", "fla")
 _forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("kda_backend", default=None)
 
 # kda() uses the token loop up to this many tokens per sequence. Measured on the reference 2-core CPU
-# (fp32, H=4, K=V=64): the loop costs ~25 us per token, the chunked path ~1 ms fixed plus ~20 us per
-# token, so they cross near 32 tokens.
+# (fp32, H=4, K=V=64, one thread): the chunked path costs ~0.9 ms even for one token (and pads every
+# sequence to a whole chunk), the loop ~25-40 us per token; they cross between 24 tokens (batch 1)
+# and ~48 (batch 8).
 RECURRENT_MAX_TOKENS = 32
+
+# Default chunk sizes when chunk_size is None. On CPU, 32 beats 64 (~80K vs ~52K tokens/s per core at
+# H=4, K=V=64): the intra-chunk matrices shrink with the chunk while the state work per token does not.
+TORCH_CHUNK_SIZE = 32
+_FLA_CHUNK_SIZE = 64
 
 # Largest sub-chunk; exponents inside a sub-chunk are bounded by its decay span, which must stay below
 # _SPAN_LIMIT so that e^{span} (and products of two such factors' masked-out partners) fit in fp32
 # (max ~e^88). K3's gate is > -5 per step, so 16 tokens span < 80 and the fast path always applies.
 _SUB_CHUNK = 16
 _SPAN_LIMIT = 80.0
-# Decay factors below e^-40 (4e-18) are set to exactly 0. They are ~1e-10 of fp32 resolution, so
-# results do not change, but left alone they decay further into subnormal floats, which x86 CPUs
-# process ~100x slower (measured: 2.3x slower end to end at K3's strongest decays).
+# Decay factors below e^-40 (4e-18) are set to exactly 0, and so are entries below _FLUSH of the
+# intra-chunk matrices that later multiply O(1) values. Both are ~1e-10 of fp32 resolution or less, so
+# results do not change, but left alone they turn into subnormal floats, which x86 CPUs process ~100x
+# slower (measured: 2-3x slower end to end at K3's strongest decays). _FLUSH^2 is still a normal float,
+# so products of two kept values cannot be subnormal.
 _EXP_CUTOFF = -40.0
 _EXP_FLOOR = math.exp(_EXP_CUTOFF) * (1 + 1e-5)
 _FLUSH = 1e-19
 # Rows (chunk x head) per batch of intra-chunk work, sized so its temporaries stay cache-resident.
 _GROUP_ELEMENTS = 1 << 18
+# The sequential loops run on one thread while a step's state is smaller than this many elements
+# (e.g. 4 heads of 64 x 64 = 16K). Such steps take microseconds and gain nothing from more threads,
+# but every parallel region waits for all its threads, and on an oversubscribed machine a descheduled
+# one costs a scheduler slice: measured 7.8 ms per 4 x 64 x 64 bmm on two threads vs 9 us on one.
+_SERIAL_STEP_ELEMENTS = 1 << 20
 
 
 @contextlib.contextmanager
@@ -107,6 +125,9 @@ def _load_fla() -> tuple[tuple | None, str | None]:
     return (fla_chunk_kda, fla_fused_recurrent_kda), None
 
 
+# Under torch.compile the choice is made once, while tracing (reading the ContextVar would break the graph at
+# every KDA call; the backend cannot change inside a compiled graph anyway).
+@torch.compiler.assume_constant_result
 def _select_backend(backend: str | None, device: torch.device) -> str:
     """Decide on the tensors' device: CPU tensors must never reach Triton, whether or not fla imports."""
     name = _normalise_backend(backend, "backend")
@@ -175,7 +196,7 @@ def chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     backend: str | None = None,
     *,
     use_gate_in_kernel: bool = False,
@@ -202,7 +223,9 @@ def chunk_kda(
         use_qk_l2norm_in_kernel: L2-normalise q and k in fp32 as ``x / sqrt(sum(x^2) + 1e-6)``.
         cu_seqlens: ``[N + 1]`` cumulative lengths of sequences packed along T (requires ``B == 1``); the
             state restarts from each sequence's own initial state at its start.
-        chunk_size: tokens per chunk (fla accepts 32 or 64; the PyTorch path any positive size).
+        chunk_size: tokens per chunk; it changes speed, not results. None picks each backend's best:
+            64 for fla (which accepts 32 or 64), ``TORCH_CHUNK_SIZE`` (32) for the PyTorch path, where
+            it measured ~1.5x faster than 64 on CPU. The PyTorch path accepts any positive size.
         backend: ``"torch"``, ``"fla"`` or None (automatic: fla for CUDA tensors when it imports).
         use_gate_in_kernel, A_log, dt_bias, lower_bound: compute ``g`` from the raw gate projection with
             :func:`kda_gate` (``A_log [HV]``, ``dt_bias [HV * K]``).
@@ -223,8 +246,8 @@ def chunk_kda(
         use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
         use_beta_sigmoid_in_kernel, allow_neg_eigval,
     )  # fmt: skip
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if _select_backend(backend, q.device) == "fla":
         fla_chunk_kda = _load_fla()[0][0]
         return fla_chunk_kda(
@@ -243,7 +266,7 @@ def chunk_kda(
             cu_seqlens_cpu=cu_seqlens_cpu,
             A_log=A_log,
             dt_bias=dt_bias,
-            chunk_size=chunk_size,
+            chunk_size=_FLA_CHUNK_SIZE if chunk_size is None else chunk_size,
             **kwargs,
         )  # fmt: skip
     _reject_fla_only(kwargs)
@@ -251,7 +274,7 @@ def chunk_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, n_seq, state_v_first,
         use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-        block=chunk_size,
+        block=TORCH_CHUNK_SIZE if chunk_size is None else chunk_size,
     )  # fmt: skip
 
 
@@ -328,36 +351,41 @@ def kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    *args,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str | None = None,
+    *,
+    chunk_size: int | None = None,
+    safe_gate: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     recurrent_max_tokens: int = RECURRENT_MAX_TOKENS,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run :func:`fused_recurrent_kda` when every sequence is short (decode, speculative verify) and
-    :func:`chunk_kda` otherwise, so callers need not care which form is faster for their input.
-
-    Takes :func:`chunk_kda`'s arguments (``chunk_size``/``safe_gate`` only reach the chunked form). fla's
-    recurrent kernel cannot backpropagate, so inputs that need grad go to the chunked form on fla.
+    """Run :func:`fused_recurrent_kda` when every sequence has at most ``recurrent_max_tokens`` tokens
+    (decode, speculative verify) and :func:`chunk_kda` otherwise, so callers need not know which form is
+    faster for their input. Arguments as for :func:`chunk_kda` (``chunk_size``/``safe_gate`` only reach
+    the chunked form). fla's recurrent kernel cannot backpropagate, so on fla inputs that need grad
+    always take the chunked form.
     """
     if cu_seqlens is None:
         longest = q.shape[1]
     else:
         bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
         longest = int(bounds.diff().max()) if bounds.numel() > 1 else 0
-    chunk_only = {key: kwargs.pop(key) for key in ("chunk_size", "safe_gate") if key in kwargs}
+    common = dict(
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, backend=backend,
+        cu_seqlens_cpu=cu_seqlens_cpu, **kwargs,
+    )  # fmt: skip
     use_recurrent = longest <= recurrent_max_tokens
-    if use_recurrent and q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, *args, *kwargs.values()):
+    if use_recurrent and q.device.type == "cuda" and _needs_grad(q, k, v, g, beta, initial_state, *kwargs.values()):
         use_recurrent = _select_backend(backend, q.device) == "torch"
     if use_recurrent:
-        return fused_recurrent_kda(
-            q, k, v, g, beta, *args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend, **kwargs
-        )
-    return chunk_kda(
-        q, k, v, g, beta, *args, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend,
-        **chunk_only, **kwargs,
-    )  # fmt: skip
+        return fused_recurrent_kda(q, k, v, g, beta, **common)
+    return chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, safe_gate=safe_gate, **common)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,11 +467,17 @@ def _validate(
         if A_log is not None and A_log.numel() != v_heads:
             raise ValueError(f"A_log must have HV = {v_heads} elements, got shape {tuple(A_log.shape)}")
         if dt_bias is not None and dt_bias.numel() != v_heads * key_dim:
-            raise ValueError(f"dt_bias must have HV * K = {v_heads * key_dim} elements, got shape {tuple(dt_bias.shape)}")
+            raise ValueError(
+                f"dt_bias must have HV * K = {v_heads * key_dim} elements, got shape {tuple(dt_bias.shape)}"
+            )
         if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
-            raise ValueError(f"safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), got {lower_bound}")
+            raise ValueError(
+                f"safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), got {lower_bound}"
+            )
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (it scales sigmoid(beta) by 2)")
+        raise ValueError(
+            "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (it scales sigmoid(beta) by 2)"
+        )
     return n_seq
 
 
@@ -456,7 +490,6 @@ def _host_bounds(cu_seqlens: torch.Tensor, length: int) -> list[int]:
 
 # --------------------------------------------------------------------------------------------------
 # PyTorch implementation
-
 
 
 def _torch_kda(
@@ -564,8 +597,9 @@ class _Layout:
         heads, dim = x.shape[2], x.shape[3]
         if self.token_rows is None:
             n_blocks = len(self.active)
-            x = F.pad(x, (0, 0, 0, 0, 0, n_blocks * self.block - self.length))
-            x = x.view(self.batch, n_blocks, self.block, heads, dim).permute(1, 0, 3, 2, 4)
+            if n_blocks * self.block != self.length:
+                x = F.pad(x, (0, 0, 0, 0, 0, n_blocks * self.block - self.length))
+            x = x.reshape(self.batch, n_blocks, self.block, heads, dim).permute(1, 0, 3, 2, 4)
             return x.reshape(self.n_slots, heads, self.block, dim)
         flat = x.new_zeros(self.n_slots * heads * self.block, dim)
         flat = flat.index_copy(0, self._rows(heads), x.reshape(-1, dim))
@@ -577,7 +611,7 @@ class _Layout:
         if self.token_rows is None:
             n_blocks = len(self.active)
             y = y.view(n_blocks, self.batch, heads, self.block, dim).permute(1, 0, 3, 2, 4)
-            return y.reshape(self.batch, n_blocks * self.block, heads, dim)[:, : self.length]
+            return y.reshape(self.batch, n_blocks * self.block, heads, dim)[:, : self.length].contiguous()
         rows = y.reshape(-1, dim).index_select(0, self._rows(heads))
         return rows.view(1, self.length, heads, dim)
 
@@ -617,20 +651,21 @@ def _recurrent(q, k, v, g, beta, state, layout):
     else:
         outs = []
     full, finished = state, []
-    for step, (count, read, bv, b, kq_t, d, k_t) in enumerate(steps):
-        if count < state.shape[0]:
-            if not in_place:
-                finished.append(state[count:])
-            state = state[:count]
-        s = state.view(count * heads, key_dim, value_dim)
-        both = torch.bmm(read, s)  # [(d k)^T S; (d q)^T S]
-        delta = torch.addcmul(bv, b, both[:, :1], value=-1)  # beta (v - (d k)^T S)
-        if in_place:
-            torch.addcmul(both[:, 1:], kq_t, delta, out=outs[step])
-            s.mul_(d).addcmul_(k_t, delta)
-        else:
-            outs.append(torch.addcmul(both[:, 1:], kq_t, delta))
-            state = torch.addcmul(s * d, k_t, delta).view(count, heads, key_dim, value_dim)
+    with _serial_if_small(state[:1].numel() * (layout.active[0] if layout.active else 0)):
+        for step, (count, read, bv, b, kq_t, d, k_t) in enumerate(steps):
+            if count < state.shape[0]:
+                if not in_place:
+                    finished.append(state[count:])
+                state = state[:count]
+            s = state.view(count * heads, key_dim, value_dim)
+            both = torch.bmm(read, s)  # [(d k)^T S; (d q)^T S]
+            delta = torch.addcmul(bv, b, both[:, :1], value=-1)  # beta (v - (d k)^T S)
+            if in_place:
+                torch.addcmul(both[:, 1:], kq_t, delta, out=outs[step])
+                s.mul_(d).addcmul_(k_t, delta)
+            else:
+                outs.append(torch.addcmul(both[:, 1:], kq_t, delta))
+                state = torch.addcmul(s * d, k_t, delta).view(count, heads, key_dim, value_dim)
     if in_place:
         return out.view(n_slots, heads, 1, value_dim), full
     out = torch.cat(outs) if outs else v.new_empty(0, 1, value_dim)
@@ -656,21 +691,21 @@ def _chunked(q, k, v, g, beta, state, layout):
     v = v.reshape(n_rows, chunk, value_dim)
     beta = beta.reshape(n_rows, chunk)
 
-    w = k.new_empty(n_rows, chunk, key_dim)
-    u = k.new_empty(n_rows, chunk, value_dim)
-    qg = k.new_empty(n_rows, chunk, key_dim)
-    kdec = k.new_empty(n_rows, chunk, key_dim)
-    decay = k.new_empty(n_rows, key_dim)
-    aqk = k.new_empty(n_rows, chunk, chunk)
-    group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
     sub = _SUB_CHUNK
     while chunk % sub:
         sub //= 2
-    for start in range(0, n_rows, group):
-        rows = slice(start, start + group)
-        results = _intra_chunk(q[rows], k[rows], v[rows], g[rows], beta[rows], sub)
-        for buffer, result in zip((w, u, qg, kdec, decay, aqk), results):
-            buffer[rows] = result  # also casts the float64 solve results back
+    group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
+    if n_rows <= group:
+        w, u, qg, kdec, decay, aqk = _intra_chunk(q, k, v, g, beta, sub)
+    else:
+        w, u, qg, kdec = (k.new_empty(n_rows, chunk, dim) for dim in (key_dim, value_dim, key_dim, key_dim))
+        decay = k.new_empty(n_rows, key_dim)
+        aqk = k.new_empty(n_rows, chunk, chunk)
+        for start in range(0, n_rows, group):
+            rows = slice(start, start + group)
+            results = _intra_chunk(q[rows], k[rows], v[rows], g[rows], beta[rows], sub)
+            for buffer, result in zip((w, u, qg, kdec, decay, aqk), results):
+                buffer[rows] = result
 
     out, final = _scan(w, u, qg, kdec, decay, aqk, state, layout)
     return out.view(n_slots, heads, chunk, value_dim), final
@@ -684,14 +719,15 @@ def _scan(w, u, qg, kdec, decay, aqk, state, layout):
     sizes = [count * heads for count in layout.active]
     steps = zip(layout.active, *(x.split(sizes) for x in (w, u, qg, kdec.transpose(1, 2), decay[:, :, None], aqk)))
     outs, finished = [], []
-    for count, w_t, u_t, qg_t, kdec_t, decay_t, aqk_t in steps:
-        if count < state.shape[0]:
-            finished.append(state[count:])
-            state = state[:count]
-        s = state.reshape(count * heads, key_dim, value_dim)
-        n = torch.baddbmm(u_t, w_t, s, alpha=-1)  # corrected values u - w S0
-        outs.append(torch.baddbmm(torch.bmm(aqk_t, n), qg_t, s))
-        state = torch.baddbmm(s * decay_t, kdec_t, n).view(count, heads, key_dim, value_dim)
+    with _serial_if_small(state[:1].numel() * (layout.active[0] if layout.active else 0)):
+        for count, w_t, u_t, qg_t, kdec_t, decay_t, aqk_t in steps:
+            if count < state.shape[0]:
+                finished.append(state[count:])
+                state = state[:count]
+            s = state.reshape(count * heads, key_dim, value_dim)
+            n = torch.baddbmm(u_t, w_t, s, alpha=-1)  # corrected values u - w S0
+            outs.append(torch.baddbmm(torch.bmm(aqk_t, n), qg_t, s))
+            state = torch.baddbmm(s * decay_t, kdec_t, n).view(count, heads, key_dim, value_dim)
     out = torch.cat(outs) if outs else u.new_empty(u.shape)
     final = torch.cat([state, *reversed(finished)]) if finished else state
     return out, final
@@ -723,7 +759,7 @@ def _intra_chunk(q, k, v, g, beta, sub):
     while True:
         n_sub = chunk // sub
         local = g.view(n, n_sub, sub, key_dim).cumsum(2)  # G_r - G_start(a), inclusive of r
-        if sub == 1:
+        if sub == 1 or not n:
             break
         low, high = torch.aminmax(local.detach(), dim=2)
         if float((high.clamp(min=0) - low.clamp(max=0)).max()) <= _SPAN_LIMIT:
@@ -777,6 +813,20 @@ def _intra_chunk(q, k, v, g, beta, sub):
     solved = F.hardshrink(inverse @ (torch.cat([v, k * growth], -1) * beta), _FLUSH)
     u, w = solved.split([value_dim, key_dim], -1)
     return w, u, q * growth, k * _exp_cut(suffix), growth[:, -1], aqk
+
+
+@contextlib.contextmanager
+def _serial_if_small(step_elements: int) -> Iterator[None]:
+    """Run a sequential loop on one intra-op thread when its steps are small (see _SERIAL_STEP_ELEMENTS)."""
+    threads = torch.get_num_threads()
+    if threads == 1 or step_elements >= _SERIAL_STEP_ELEMENTS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _exp_cut(x: torch.Tensor) -> torch.Tensor:

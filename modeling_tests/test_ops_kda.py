@@ -1,0 +1,468 @@
+"""Tests for the KDA core (spec section 4.6): our chunked and recurrent PyTorch paths against fla's
+naive recurrent reference (loaded by file path so fla's Triton-importing package init never runs) and
+against our own naive twin."""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformers_k3.ops import kda as kda_ops
+from transformers_k3.ops.kda import (
+    BACKEND_ENV_VAR,
+    chunk_kda,
+    fused_recurrent_kda,
+    kda,
+    kda_backend,
+    kda_gate,
+)
+from transformers_k3.ops.kda_naive import naive_recurrent_kda
+
+ATOL = 1e-5
+
+
+def _load_fla_naive():
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "flash-linear-attention (fla) is not installed"
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
+    if not path.is_file():
+        return None, f"fla has no {path}"
+    module_spec = importlib.util.spec_from_file_location("_fla_kda_naive_by_path", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except ImportError as error:  # naive.py needs einops
+        return None, f"cannot load fla's naive KDA: {error}"
+    return module, None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """These tensors are tiny: intra-op threads gain nothing, and on a shared, oversubscribed machine
+    every parallel region can stall for a scheduler time slice (measured: 60x slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def fla_naive():
+    module, reason = _load_fla_naive()
+    if module is None:
+        pytest.skip(reason)
+    return module.naive_recurrent_kda
+
+
+def make_inputs(batch, length, heads, key_dim, value_dim, decay="k3", seed=0, v_heads=None, normalise=True):
+    """Random KDA inputs. ``decay="k3"``: g = -5 sigmoid(.) as K3's gate produces (strongly negative
+    cumulative decays); ``"weak"``: near-zero decays (long memory); ``"extreme"``: beyond the gate bound."""
+    gen = torch.Generator().manual_seed(seed)
+    v_heads = v_heads or heads
+    q = torch.randn(batch, length, heads, key_dim, generator=gen)
+    k = torch.randn(batch, length, heads, key_dim, generator=gen)
+    if normalise:  # the delta rule is only stable for |k| ~ 1; without in-kernel l2norm, pass unit keys
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(batch, length, v_heads, value_dim, generator=gen)
+    raw = torch.randn(batch, length, v_heads, key_dim, generator=gen)
+    if decay == "k3":
+        g = -5.0 * torch.sigmoid(raw + 1.0)
+    elif decay == "weak":
+        g = -1e-3 * torch.sigmoid(raw)
+    else:
+        g = -40.0 - 80.0 * torch.rand(raw.shape, generator=gen)
+    beta = torch.rand(batch, length, v_heads, generator=gen)
+    h0 = torch.randn(batch, v_heads, key_dim, value_dim, generator=gen)
+    return q, k, v, g, beta, h0
+
+
+def assert_close(actual, expected, atol=ATOL):
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    diff = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
+    assert diff <= atol, f"max abs diff {diff:.3e} > {atol:.0e}"
+
+
+def chunk_kda_64(*args, **kwargs):
+    """fla's default chunk size (the PyTorch path defaults to 32)."""
+    return chunk_kda(*args, chunk_size=64, **kwargs)
+
+
+OURS = [chunk_kda, chunk_kda_64, fused_recurrent_kda]
+
+
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 300, 1000])
+@pytest.mark.parametrize("decay", ["k3", "weak"])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_matches_fla_naive_tiny(fla_naive, length, decay, with_state, l2norm):
+    q, k, v, g, beta, h0 = make_inputs(2, length, 4, 16, 16, decay, seed=length, normalise=not l2norm)
+    if l2norm:
+        q_ref = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k_ref = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    else:
+        q_ref, k_ref = q, k
+    initial = h0 if with_state else None
+    ref_o, ref_s = fla_naive(q_ref, k_ref, v, g, beta, initial_state=initial, output_final_state=True)
+    for fn in OURS:
+        o, s = fn(q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+        assert o.dtype == v.dtype and s.dtype == torch.float32
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
+@pytest.mark.parametrize("length", [65, 300])
+@pytest.mark.parametrize("decay", ["k3", "weak"])
+def test_matches_fla_naive_head_dim_128(fla_naive, length, decay):
+    q, k, v, g, beta, h0 = make_inputs(1, length, 2, 128, 128, decay, seed=7)
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn in OURS:
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
+def test_long_sequence_chunked(fla_naive):
+    q, k, v, g, beta, h0 = make_inputs(1, 4097, 2, 16, 16, "k3", seed=11)
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn in (chunk_kda, chunk_kda_64):
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
+@pytest.mark.parametrize("decay", ["k3", "extreme"])
+def test_decays_beyond_the_gate_bound(fla_naive, decay):
+    """-40..-120 per step: sub-chunks shrink (down to single tokens) until no exponent can overflow."""
+    q, k, v, g, beta, h0 = make_inputs(1, 150, 2, 16, 16, decay, seed=5)
+    g[:, :40] *= 20.0  # also spans > 80 within 16-token sub-chunks for the k3 case
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn in OURS:
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert torch.isfinite(o).all()
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
+def test_grouped_values_and_options(fla_naive):
+    """GVA (HV = 2H), state_v_first, beta sigmoid in kernel, a chunk of three 16-token sub-chunks."""
+    q, k, v, g, beta, h0 = make_inputs(2, 90, 2, 16, 8, "k3", seed=3, v_heads=4)
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn in OURS:
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+        o, s = fn(
+            q, k, v, g, torch.logit(beta), initial_state=h0.transpose(-1, -2), output_final_state=True,
+            state_v_first=True, use_beta_sigmoid_in_kernel=True,
+        )  # fmt: skip
+        assert_close(o, ref_o, atol=2e-5)
+        assert_close(s.transpose(-1, -2), ref_s, atol=2e-5)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=48)
+    assert_close(o, ref_o)
+    assert_close(s, ref_s)
+
+
+def test_our_naive_matches_fla_naive(fla_naive):
+    q, k, v, g, beta, h0 = make_inputs(2, 70, 2, 8, 8, "k3", seed=2)
+    ref = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    ours = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(ours[0], ref[0], atol=1e-6)
+    assert_close(ours[1], ref[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_varlen_equals_separate_runs(fla_naive, with_state):
+    lengths = [1, 63, 64, 130, 7]
+    total = sum(lengths)
+    q, k, v, g, beta, _ = make_inputs(1, total, 4, 16, 16, "k3", seed=9)
+    states = torch.randn(len(lengths), 4, 16, 16, generator=torch.Generator().manual_seed(4))
+    initial = states if with_state else None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    for fn in OURS:
+        o, s = fn(q, k, v, g, beta, initial_state=initial, output_final_state=True, cu_seqlens=cu)
+        for i, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+            piece = [x[:, start:end] for x in (q, k, v, g, beta)]
+            init_i = states[i : i + 1] if with_state else None
+            ref_o, ref_s = fla_naive(*piece, initial_state=init_i, output_final_state=True)
+            alone_o, alone_s = fn(*piece, initial_state=init_i, output_final_state=True)
+            assert_close(o[:, start:end], ref_o)
+            assert_close(s[i : i + 1], ref_s)
+            assert_close(o[:, start:end], alone_o, atol=1e-6)
+            assert_close(s[i : i + 1], alone_s, atol=1e-6)
+        # same answer from our naive twin, which handles cu_seqlens by looping over sequences
+        ref_o, ref_s = naive_recurrent_kda(
+            q, k, v, g, beta, initial_state=initial, output_final_state=True, cu_seqlens=cu
+        )
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
+def test_varlen_empty_sequences_and_empty_input():
+    q, k, v, g, beta, _ = make_inputs(1, 5, 2, 8, 8, "k3")
+    states = torch.randn(3, 2, 8, 8)
+    cu = torch.tensor([0, 0, 5, 5])
+    for fn in OURS:
+        o, s = fn(q, k, v, g, beta, initial_state=states, output_final_state=True, cu_seqlens=cu)
+        torch.testing.assert_close(s[0], states[0], atol=0, rtol=0)
+        torch.testing.assert_close(s[2], states[2], atol=0, rtol=0)
+        ref_o, ref_s = naive_recurrent_kda(q, k, v, g, beta, initial_state=states[1:2], output_final_state=True)
+        assert_close(o, ref_o)
+        assert_close(s[1:2], ref_s)
+        empty = [x[:, :0] for x in (q, k, v, g, beta)]
+        o, s = fn(*empty, initial_state=states[:1], output_final_state=True)
+        assert o.shape == (1, 0, 2, 8)
+        torch.testing.assert_close(s, states[:1], atol=0, rtol=0)
+
+
+def test_strided_inputs():
+    """Slices along T of a batch (as a caller splitting a prompt passes them) are not contiguous."""
+    q, k, v, g, beta, h0 = make_inputs(3, 60, 2, 8, 8, "k3", seed=8)
+    window = [x[:, 5:55] for x in (q, k, v, g, beta)]
+    assert not window[0].is_contiguous()
+    ref_o, ref_s = naive_recurrent_kda(*window, initial_state=h0, output_final_state=True)
+    for fn in OURS:
+        o, s = fn(*window, initial_state=h0, output_final_state=True)
+        assert o.is_contiguous()
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
+@pytest.mark.parametrize("fn", OURS)
+def test_bf16_inputs(fla_naive, fn):
+    q, k, v, g, beta, h0 = make_inputs(2, 130, 4, 16, 16, "k3", seed=12)
+    q, k, v, g, beta = (x.bfloat16() for x in (q, k, v, g, beta))
+    ref_o, ref_s = fla_naive(*(x.float() for x in (q, k, v, g, beta)), initial_state=h0, output_final_state=True)
+    o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert_close(o, ref_o, atol=2e-2)
+    assert_close(s, ref_s, atol=2e-2)
+
+
+@pytest.mark.parametrize("fn", OURS)
+def test_gradients_match_naive_autograd(fla_naive, fn):
+    q, k, v, g, beta, h0 = make_inputs(2, 70, 2, 8, 8, "k3", seed=21, normalise=False)
+    cotangent_o = torch.randn(2, 70, 2, 8, generator=torch.Generator().manual_seed(1))
+    cotangent_s = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(2))
+
+    def grads(run, l2norm_outside):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        qq, kk, vv, gg, bb, hh = leaves
+        if l2norm_outside:
+            qq = qq / torch.sqrt((qq * qq).sum(-1, keepdim=True) + 1e-6)
+            kk = kk / torch.sqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
+        o, s = run(qq, kk, vv, gg, bb, hh)
+        ((o * cotangent_o).sum() + (s * cotangent_s).sum()).backward()
+        return [leaf.grad for leaf in leaves]
+
+    expected = grads(lambda *a: fla_naive(*a[:5], initial_state=a[5], output_final_state=True), True)
+    actual = grads(
+        lambda *a: fn(*a[:5], initial_state=a[5], output_final_state=True, use_qk_l2norm_in_kernel=True), False
+    )
+    for name, got, want in zip("q k v g beta h0".split(), actual, expected):
+        diff = (got - want).abs().max().item()
+        assert diff <= 1e-4, f"grad {name}: max abs diff {diff:.2e}"
+
+
+def test_gradcheck_float64(monkeypatch):
+    """Tiny float64 case with four 2-token sub-chunks per chunk, so the sub-chunk links, the solve,
+    padding, varlen and the state hand-off are all differentiated."""
+    monkeypatch.setattr(kda_ops, "_SUB_CHUNK", 2)
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k, v = leaf(1, 9, 1, 3), leaf(1, 9, 1, 3), leaf(1, 9, 1, 2)
+    g = (-torch.rand(1, 9, 1, 3, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    beta = torch.rand(1, 9, 1, generator=gen, dtype=torch.float64).requires_grad_()
+    h0 = leaf(2, 1, 3, 2)
+    cu = torch.tensor([0, 6, 9])
+
+    for fn, extra in ((chunk_kda, {"chunk_size": 8}), (fused_recurrent_kda, {})):
+
+        def run(q, k, v, g, beta, h0, fn=fn, extra=extra):
+            return fn(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu, **extra,
+            )  # fmt: skip
+
+        assert torch.autograd.gradcheck(run, (q, k, v, g, beta, h0))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_gate_in_kernel_equals_gate_outside(lower_bound):
+    q, k, v, _, beta, h0 = make_inputs(1, 80, 2, 8, 8)
+    gen = torch.Generator().manual_seed(6)
+    raw = torch.randn(1, 80, 2, 8, generator=gen).bfloat16()
+    A_log = torch.randn(2, generator=gen)
+    dt_bias = torch.randn(16, generator=gen)
+    f, b = raw.float(), dt_bias.view(2, 8)
+    if lower_bound is None:  # spec 4.4, alternative form
+        explicit = -A_log.exp()[:, None] * F.softplus(f + b)
+    else:  # spec 4.4, K3 safe gate
+        explicit = lower_bound * torch.sigmoid(A_log.exp()[:, None] * (f + b))
+    torch.testing.assert_close(kda_gate(raw, A_log, dt_bias, lower_bound), explicit, atol=1e-6, rtol=1e-6)
+    for fn in OURS:
+        extra = {"safe_gate": True} if fn is chunk_kda and lower_bound is not None else {}
+        fused = fn(
+            q, k, v, raw, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **extra,
+        )  # fmt: skip
+        outside = fn(q, k, v, explicit, beta, initial_state=h0, output_final_state=True)
+        assert_close(fused[0], outside[0], atol=1e-6)
+        assert_close(fused[1], outside[1], atol=1e-6)
+
+
+def test_recurrent_leaves_initial_state_untouched():
+    q, k, v, g, beta, h0 = make_inputs(2, 3, 2, 8, 8)
+    before = h0.clone()
+    with torch.no_grad():
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(h0, before, atol=0, rtol=0)
+
+
+def test_loops_restore_thread_count():
+    """Small sequential loops drop to one intra-op thread and must hand the caller's setting back."""
+    q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 8)
+    expected = [fn(q, k, v, g, beta, initial_state=h0[:1], output_final_state=True) for fn in OURS]
+    torch.set_num_threads(2)
+    try:
+        for fn, (ref_o, ref_s) in zip(OURS, expected):
+            o, s = fn(q, k, v, g, beta, initial_state=h0[:1], output_final_state=True)
+            assert torch.get_num_threads() == 2
+            assert_close(o, ref_o, atol=1e-6)
+            assert_close(s, ref_s, atol=1e-6)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_kda_helper_picks_form(monkeypatch):
+    calls = []
+    for name in ("chunk_kda", "fused_recurrent_kda"):
+        original = getattr(kda_ops, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kda_ops, name, spy)
+    q, k, v, g, beta, h0 = make_inputs(1, 100, 2, 8, 8)
+    short = kda(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], initial_state=h0[:1], chunk_size=64)
+    long = kda(q, k, v, g, beta, initial_state=h0[:1], chunk_size=64)
+    assert calls == ["fused_recurrent_kda", "chunk_kda"]
+    head = [x[:, :4] for x in (q, k, v, g, beta)]
+    assert_close(short[0], fused_recurrent_kda(*head, initial_state=h0[:1])[0], 0)
+    assert_close(long[0], chunk_kda(q, k, v, g, beta, initial_state=h0[:1], chunk_size=64)[0], 0)
+
+
+def test_dispatch_on_cpu(monkeypatch):
+    q, k, v, g, beta, _ = make_inputs(1, 5, 2, 8, 8)
+
+    def no_fla():
+        raise AssertionError("CPU tensors must not even try to import fla")
+
+    monkeypatch.setattr(kda_ops, "_load_fla", no_fla)
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    for fn in OURS:
+        fn(q, k, v, g, beta)  # automatic -> torch path
+        with pytest.raises(ValueError, match="CUDA"):
+            fn(q, k, v, g, beta, backend="fla")
+        with kda_backend("fla"):
+            with pytest.raises(ValueError, match="CUDA"):
+                fn(q, k, v, g, beta)
+            fn(q, k, v, g, beta, backend="torch")  # explicit argument wins
+        monkeypatch.setenv(BACKEND_ENV_VAR, "fla")
+        with pytest.raises(ValueError, match="CUDA"):
+            fn(q, k, v, g, beta)
+        with kda_backend("torch"):
+            fn(q, k, v, g, beta)  # context manager beats the environment
+        monkeypatch.setenv(BACKEND_ENV_VAR, "cuda-please")
+        with pytest.raises(ValueError, match=BACKEND_ENV_VAR):
+            fn(q, k, v, g, beta)
+        monkeypatch.delenv(BACKEND_ENV_VAR)
+    with pytest.raises(ValueError, match="backend"):
+        chunk_kda(q, k, v, g, beta, backend="triton")
+
+
+def test_argument_errors():
+    q, k, v, g, beta, h0 = make_inputs(2, 5, 2, 8, 8)
+    cu = torch.tensor([0, 2, 5])
+    cases = [
+        (dict(cu_seqlens=cu), "batch size 1"),
+        (dict(g=g[..., :4]), "g must be"),
+        (dict(beta=beta[..., None]), "beta must be"),
+        (dict(k=k[:, :, :1]), "k must have q's shape"),
+        (dict(v=v[:, :3]), "v must be"),
+        (dict(initial_state=h0[:1]), "initial_state must be"),
+        (dict(q=q.long()), "floating-point"),
+        (dict(use_gate_in_kernel=True), "A_log"),
+        (dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), "A_log must have"),
+        (dict(allow_neg_eigval=True), "use_beta_sigmoid_in_kernel"),
+        (dict(cp_context=object()), "only apply to fla"),
+    ]
+    for fn in OURS:
+        for overrides, message in cases:
+            args = dict(q=q, k=k, v=v, g=g, beta=beta)
+            args.update(overrides)
+            with pytest.raises(ValueError, match=message):
+                fn(**args)
+    with pytest.raises(ValueError, match="end at T"):
+        chunk_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=0)
+
+
+def _fla_parameters(relative_path, function):
+    """Parameter names of an fla function, read from its source (importing fla needs Triton)."""
+    import ast
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None:
+        pytest.skip("flash-linear-attention (fla) is not installed")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / relative_path
+    tree = ast.parse(path.read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {a.arg for a in node.args.args + node.args.kwonlyargs}
+
+
+def test_fla_dispatch_forwards_known_arguments(monkeypatch):
+    """No GPU here: fake fla's kernels and check what the CUDA path would hand them."""
+    calls = {}
+
+    def fake(name):
+        def kernel(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return args[2], None
+
+        return kernel
+
+    monkeypatch.setattr(kda_ops, "_load_fla", lambda: ((fake("chunk"), fake("recurrent")), None))
+    monkeypatch.setattr(kda_ops, "_select_backend", lambda backend, device: "fla")
+    q, k, v, g, beta, h0 = make_inputs(1, 5, 2, 8, 8)
+    gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(16), lower_bound=-5.0)
+    chunk_kda(q, k, v, g, beta, initial_state=h0[:1].double(), safe_gate=True, **gate)
+    fused_recurrent_kda(q, k, v, g, beta, initial_state=h0[:1], **gate)
+
+    chunk_args = _fla_parameters("ops/kda/chunk.py", "chunk_kda") | {"A_log", "dt_bias", "chunk_size"}
+    recurrent_args = _fla_parameters("ops/kda/fused_recurrent.py", "fused_recurrent_kda")
+    assert set(calls["chunk"][1]) <= chunk_args, set(calls["chunk"][1]) - chunk_args
+    assert set(calls["recurrent"][1]) <= recurrent_args, set(calls["recurrent"][1]) - recurrent_args
+    assert calls["chunk"][1]["chunk_size"] == 64 and calls["chunk"][1]["initial_state"].dtype == torch.float32
+    assert calls["chunk"][1]["lower_bound"] == -5.0 and calls["recurrent"][1]["A_log"] is gate["A_log"]
+    with pytest.raises(ValueError, match="no backward"):
+        fused_recurrent_kda(q.requires_grad_(), k, v, g, beta)
+
+
+def test_backend_selection_for_cuda_tensors(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(kda_ops, "_load_fla", lambda: ((None, None), None))
+    assert kda_ops._select_backend(None, cuda) == "fla"
+    assert kda_ops._select_backend("torch", cuda) == "torch"
+    monkeypatch.setattr(kda_ops, "_load_fla", lambda: (None, "ModuleNotFoundError: No module named 'triton'"))
+    assert kda_ops._select_backend(None, cuda) == "torch"
+    with pytest.raises(ValueError, match="triton"):
+        kda_ops._select_backend("fla", cuda)
