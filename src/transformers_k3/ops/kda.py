@@ -817,7 +817,11 @@ def _intra_chunk(q, k, v, g, beta, sub):
 
 @contextlib.contextmanager
 def _serial_if_small(step_elements: int) -> Iterator[None]:
-    """Run a sequential loop on one intra-op thread when its steps are small (see _SERIAL_STEP_ELEMENTS)."""
+    """Run a sequential loop on one intra-op thread when its steps are small (see _SERIAL_STEP_ELEMENTS).
+    Not under torch.compile: the thread switch is a Python side effect that would break the graph."""
+    if torch.compiler.is_compiling():
+        yield
+        return
     threads = torch.get_num_threads()
     if threads == 1 or step_elements >= _SERIAL_STEP_ELEMENTS:
         yield
