@@ -1,4 +1,6 @@
-"""Command line: ``python -m transformers_k3 demo [--model DIR]``.
+"""Command line: ``python -m transformers_k3 generate "def fibonacci(n):"`` streams tokens from the small K3 shipped in
+the package (``--image PATH``, ``--thinking``, ``--max-new-tokens``, ``--model DIR``; see `generate_cli`), and
+``python -m transformers_k3 demo [--model DIR]``.
 
 ``demo`` runs the whole text stack end to end on CPU in a few seconds: it builds the tiny K3 (every feature
 on: KDA, gated NoPE MLA, Block AttnRes, latent MoE with SiTU-GLU) or loads ``--model DIR``, saves and reloads
@@ -73,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prompt-len", type=int, default=24)
     demo.add_argument("--max-new-tokens", type=int, default=20)
     demo.add_argument("--seed", type=int, default=0)
+    from . import generate_cli
+
+    generate_cli.add_parser(sub)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    if args.command == "generate":
+        return generate_cli.run(args)
     return _demo(args)
 
 
