@@ -103,20 +103,23 @@ class KimiK3MLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_kc, w_vc = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [n, dn, r], [n, dv, r]
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_latent = torch.matmul(q_nope, w_kc)  # [B, n, T, r]
-        # one matmul against [c_kv | k_pe] with the queries [q_latent | q_pe]
-        q_cat = torch.cat([q_latent, q_pe], dim=-1)  # [B, n, T, r+dr]
-        scores = torch.matmul(q_cat, latent.unsqueeze(1).transpose(-1, -2)) * self.scaling  # [B, n, T, S]
-        seq, q_len = latent.shape[1], query.shape[2]
+        batch, heads, q_len, _ = q_nope.shape
+        seq = latent.shape[1]
+        # Scores as latent @ queries^T: the (long) latent stays the row-major left operand, so no step ever copies
+        # or transposes the cache; one matmul covers [c_kv | k_pe] against [q_latent | q_pe].
+        q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
+        scores = torch.matmul(latent, q_cat.transpose(1, 2)) * self.scaling  # [B, S, n*T]
+        scores = scores.transpose(1, 2).reshape(batch, heads, q_len, seq)  # a view: [B, n, T, S]
         if attention_mask is not None:
             scores = _apply_mask(scores, attention_mask)
         elif q_len > 1:
             causal = torch.ones(q_len, seq, dtype=torch.bool, device=scores.device).tril(seq - q_len)
             scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        o_latent = torch.matmul(probs, c_kv.unsqueeze(1))  # [B, n, T, r]
-        out = torch.matmul(o_latent, w_vc.transpose(1, 2))  # [B, n, T, dv]
+        # probs @ [c_kv | k_pe] keeps the latent contiguous too; the k_pe columns of the result are dropped.
+        o_latent = torch.matmul(probs.reshape(batch, heads * q_len, seq), latent)[..., : self.kv_lora_rank]
+        out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
