@@ -17,6 +17,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~20 s on 2 CPU cores; deselect with -m 'not slow'")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: their ops are microseconds long, and with 2 threads on
+    shared, loaded cores they spend most of their time waiting for each other (a decode step measured 16x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def load_fla_reference(relative_path: str):
     """Import `fla/<relative_path>` as a standalone module; skip the test if fla is not installed."""
     spec = importlib.util.find_spec("fla")

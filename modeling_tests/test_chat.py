@@ -22,13 +22,8 @@ from transformers_k3.chat import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are tiny: one intra-op thread is many times faster on shared, loaded cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The tiny model's ops are microseconds long: see the `one_thread` fixture in conftest.py.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

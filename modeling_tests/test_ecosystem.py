@@ -41,14 +41,8 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are microseconds long; with 2 intra-op threads on shared, loaded cores they spend most
-    of their time waiting for each other (a decode step measured 16x slower than with 1 thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The tiny model's ops are microseconds long: see the `one_thread` fixture in conftest.py.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

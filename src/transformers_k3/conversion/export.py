@@ -32,9 +32,9 @@ from .keymap import (
     parse_expert_name,
     per_expert_name,
 )
-from .official import ConversionPlan, _raise_errors, resolve_dtype
+from .official import ConversionPlan, _raise_errors, resolve_dtype, writing_checkpoint
 from .quant import QuantFormatError, check_mxfp4_shapes, dequantize_mxfp4
-from .streaming import Checkpoint, OutputTensor, Piece, atomic_output_dir, execute_plan
+from .streaming import Checkpoint, OutputTensor, Piece
 
 # Keys of our config that official configs do not carry: derived from others, or ours with the official
 # behaviour as default (written only when they differ from it).
@@ -184,10 +184,7 @@ def official_config_dict(config, composite: bool) -> dict:
     return data
 
 
-def _copy_side_files(source_dir: Path, output_dir: Path) -> None:
-    from .official import _copy_side_files as copy_files
-
-    copy_files(source_dir, output_dir)
+def _restore_release_tokenizer(output_dir: Path) -> None:
     original = output_dir / "tokenizer_config.tiktoken.json"
     if original.is_file():  # the release's own tokenizer files, as the official converter kept them
         shutil.move(original, output_dir / "tokenizer_config.json")
@@ -202,12 +199,8 @@ def export_to_official(input_dir, output_dir=None, dtype: str = "bf16", dry_run:
     plan = plan_export(source, dtype)
     if dry_run:
         return plan
-    if output_dir is None:
-        raise ValueError("output_dir is required unless dry_run=True")
-    with atomic_output_dir(output_dir, overwrite) as tmp:
-        execute_plan(plan.outputs, tmp, max_shard_size, progress, file_order=source.files,
-                     desc=f"{source.directory.name} -> {Path(output_dir).name}")
-        _copy_side_files(source.directory, tmp)
+    with writing_checkpoint(source, plan, output_dir, overwrite, max_shard_size, progress) as tmp:
+        _restore_release_tokenizer(tmp)
         with open(tmp / "config.json", "w", encoding="utf-8") as f:
             json.dump(official_config_dict(plan.config, plan.composite), f, indent=2, sort_keys=True)
             f.write("\n")

@@ -16,11 +16,10 @@ then match ``KimiLinearForCausalLM`` on the same weights to fp32 rounding.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from ..configuration_kimi_k3 import KimiK3TextConfig, is_k3_text_config_dict
-from .official import ConversionPlan, _copy_side_files, plan_official_conversion, resolve_dtype, write_k3_config
-from .streaming import Checkpoint, CheckpointError, TensorInfo, atomic_output_dir, execute_plan
+from .official import ConversionPlan, plan_official_conversion, resolve_dtype, write_k3_config, writing_checkpoint
+from .streaming import Checkpoint, CheckpointError, TensorInfo
 
 
 def kimi_linear_config_to_k3(kimi_linear) -> KimiK3TextConfig:
@@ -93,12 +92,7 @@ def convert_kimi_linear_checkpoint(input_dir, output_dir=None, dtype: str = "bf1
     plan = plan_official_conversion(source, dtype, config=config, view=official_view(source, config))
     if dry_run:
         return plan
-    if output_dir is None:
-        raise ValueError("output_dir is required unless dry_run=True")
-    with atomic_output_dir(output_dir, overwrite) as tmp:
-        execute_plan(plan.outputs, tmp, max_shard_size, progress, file_order=source.files,
-                     desc=f"{source.directory.name} -> {Path(output_dir).name}")
-        _copy_side_files(source.directory, tmp)
+    with writing_checkpoint(source, plan, output_dir, overwrite, max_shard_size, progress) as tmp:
         write_k3_config(config, False, tmp, resolve_dtype(dtype))
     return plan
 

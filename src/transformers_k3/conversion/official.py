@@ -18,6 +18,7 @@ memory is never MXFP4 (this package has no MXFP4 compute path). The gain is disk
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections import defaultdict
@@ -396,6 +397,20 @@ def _copy_side_files(source_dir: Path, output_dir: Path) -> list[str]:
     return copied
 
 
+@contextlib.contextmanager
+def writing_checkpoint(source: Checkpoint, plan: "ConversionPlan", output_dir, overwrite: bool,
+                       max_shard_size: int | str, progress: bool):
+    """Streams the plan's tensors and the source's side files into a temporary directory, yields it for the
+    caller's config and tokenizer files, and renames it to `output_dir` only once everything is written."""
+    if output_dir is None:
+        raise ValueError("output_dir is required unless dry_run=True")
+    with atomic_output_dir(output_dir, overwrite) as tmp:
+        execute_plan(plan.outputs, tmp, max_shard_size, progress, file_order=source.files,
+                     desc=f"{source.directory.name} -> {Path(output_dir).name}")
+        _copy_side_files(source.directory, tmp)
+        yield tmp
+
+
 def write_k3_config(config, composite: bool, directory: Path, dtype: torch.dtype, quantization_config=None) -> None:
     """Our ``config.json``: the K3 config (official keys) without the release's ``auto_map`` and without
     a ``quantization_config`` unless experts were kept quantized (then it describes those tensors)."""
@@ -424,14 +439,9 @@ def convert_official_checkpoint(input_dir, output_dir=None, dtype: str = "bf16",
     plan = plan_official_conversion(source, dtype, keep_quantized)
     if dry_run:
         return plan
-    if output_dir is None:
-        raise ValueError("output_dir is required unless dry_run=True")
     target = resolve_dtype(dtype)
     kept = any(t.name.endswith("weight_packed") for t in plan.outputs)
-    with atomic_output_dir(output_dir, overwrite) as tmp:
-        execute_plan(plan.outputs, tmp, max_shard_size, progress, file_order=source.files,
-                     desc=f"{source.directory.name} -> {Path(output_dir).name}")
-        _copy_side_files(source.directory, tmp)
+    with writing_checkpoint(source, plan, output_dir, overwrite, max_shard_size, progress) as tmp:
         write_k3_config(plan.config, plan.composite, tmp, target,
                         _source_quantization_config(source.config) if kept else None)
         if convert_tokenizer and (tmp / "tiktoken.model").is_file():
