@@ -266,9 +266,6 @@ class KimiK3HybridCache(Cache):
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
 
-    def mla_layer(self, layer_idx: int) -> KimiK3MLACacheLayer:
-        return self.layers[layer_idx]
-
     def update_latent(self, latent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Append an MLA layer's new latent ``[B, T, kv_lora_rank + rope]``; return the whole latent."""
         return self.layers[layer_idx].update(latent_states)[0]
