@@ -230,6 +230,62 @@ def test_absorbed_decode_matches_expanded_attention(tiny_model):
     assert (results[0] - results[2]).abs().max() <= 1e-5
 
 
+def test_blockwise_context_attention_matches_masked_attention(tiny_model, monkeypatch):
+    """A chunk after cached tokens attends to the context block by block, merging by log-sum-exp (no [T, context]
+    mask): equal to expanded attention under the explicit causal mask, for blocks that split the context unevenly."""
+    import transformers_k3.layers.mla as mla_module
+
+    mla = next(layer.self_attn for layer in tiny_model.model.layers if layer.layer_type == "full_attention")
+    x = torch.randn(2, 60, tiny_model.config.hidden_size)
+    causal = torch.ones(25, 60, dtype=torch.bool).tril(35)[None, None]
+    results = []
+    with torch.no_grad():
+        for block, mask in ((None, causal), (7, None), (35, None), (1000, None)):
+            if block is not None:
+                monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", block)
+            cache = KimiK3HybridCache(tiny_model.config)
+            mla(x[:, :35], past_key_values=cache)
+            results.append(mla(x[:, 35:], attention_mask=mask, past_key_values=cache, absorb=False)[0])
+    for got in results[1:]:
+        assert (got - results[0]).abs().max() <= 1e-5
+
+
+def test_chunked_prefill_builds_no_context_mask(tiny_model, monkeypatch):
+    """The model hands MLA no mask for an unpadded chunk after cached tokens (the mask would be [T, context]: 4 GiB
+    at a million tokens), takes the blockwise path, and still equals one forward; a padded batch keeps the mask."""
+    import transformers_k3.layers.mla as mla_module
+    import transformers_k3.modeling_kimi_k3 as modeling
+
+    calls = {"blockwise": 0, "mask": 0}
+    blockwise, make_mask = mla_module.KimiK3MLA._blockwise_attention, modeling.create_causal_mask
+
+    def spy_blockwise(*args, **kwargs):
+        calls["blockwise"] += 1
+        return blockwise(*args, **kwargs)
+
+    def spy_mask(*args, **kwargs):
+        calls["mask"] += 1
+        return make_mask(*args, **kwargs)
+
+    monkeypatch.setattr(mla_module.KimiK3MLA, "_blockwise_attention", spy_blockwise)
+    monkeypatch.setattr(modeling, "create_causal_mask", spy_mask)
+    monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", 16)
+    ids = torch.randint(3, 512, (2, 100))
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        cache = KimiK3HybridCache(tiny_model.config)
+        parts = [tiny_model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in ((0, 40), (40, 100))]
+    assert_close_logits(torch.cat(parts, dim=1), full)
+    assert calls == {"blockwise": 2, "mask": 2}  # one blockwise call per MLA layer; masks only for the 2 full passes
+    with torch.no_grad():
+        mask = torch.ones(2, 100, dtype=torch.long)
+        mask[0, :3] = 0
+        cache = KimiK3HybridCache(tiny_model.config)
+        tiny_model(ids[:, :40], attention_mask=mask[:, :40], past_key_values=cache, use_cache=True)
+        tiny_model(ids[:, 40:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert calls["blockwise"] == 2
+
+
 def test_logits_do_not_depend_on_position_ids(tiny_model):
     ids = torch.randint(3, 512, (1, 10))
     with torch.no_grad():
@@ -456,3 +512,32 @@ def test_bf16_load_keeps_fp32_parameters(tmp_path, tiny_model):
     for name, tensor in model.state_dict().items():
         want = torch.float32 if name.endswith(("A_log", "dt_bias", "e_score_correction_bias")) else torch.bfloat16
         assert tensor.dtype == want, name
+
+
+def test_preallocated_cache_with_storage_dtype(tiny_model):
+    """A cache built explicitly (batch, max length, dtype, device) reserves its latent buffers at construction,
+    never regrows within max_cache_len, stores the latent in the requested dtype, and decodes like the default one
+    (bf16 storage within bf16 rounding of the latent)."""
+    ids = torch.randint(3, 512, (2, 20))
+    cache = KimiK3HybridCache(tiny_model.config, max_cache_len=32, batch_size=2, device="cpu")
+    buffers = [layer.latent for layer in cache.layers if hasattr(layer, "latent")]
+    assert all(b is not None and b.shape[:2] == (2, 32) for b in buffers)
+    out = greedy(tiny_model, ids, 10, past_key_values=cache)
+    assert torch.equal(out, greedy(tiny_model, ids, 10))
+    assert all(layer.latent is b for layer, b in zip((l for l in cache.layers if hasattr(l, "latent")), buffers))
+    assert cache.get_seq_length() == 29
+
+    with torch.no_grad():
+        want = tiny_model(ids, past_key_values=KimiK3HybridCache(tiny_model.config), use_cache=True)
+        half = KimiK3HybridCache(tiny_model.config, dtype=torch.bfloat16)
+        got = tiny_model(ids, past_key_values=half, use_cache=True)
+        step = torch.randint(3, 512, (2, 1))
+        a = tiny_model(step, past_key_values=want.past_key_values, use_cache=True).logits
+        b = tiny_model(step, past_key_values=half, use_cache=True).logits
+    assert all(layer.latent.dtype == torch.bfloat16 for layer in half.layers if hasattr(layer, "latent"))
+    assert (a - b).abs().max() <= 2e-2 * a.abs().max()
+
+    with pytest.raises(ValueError, match="preallocated for batch 3"):
+        tiny_model(ids, past_key_values=KimiK3HybridCache(tiny_model.config, batch_size=3), use_cache=True)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        KimiK3HybridCache(tiny_model.config, max_cache_len=0)

@@ -166,7 +166,8 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, initial_capacity: int = 256, storage_device: str | torch.device | None = None):
+    def __init__(self, initial_capacity: int = 256, storage_device: str | torch.device | None = None,
+                 storage_dtype: torch.dtype | None = None):
         super().__init__()
         self.latent: torch.Tensor | None = None  # [B, capacity, D]; rows >= length are scratch
         self.length = 0
@@ -174,6 +175,8 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         # Where the latent lives between steps (e.g. "cpu" to offload long contexts from a small GPU); None: with
         # the activations. Each step then copies the latent to the compute device.
         self.storage_device = None if storage_device is None else torch.device(storage_device)
+        # The latent's dtype (None: the activations'); another dtype is cast back for each step, like offloading.
+        self.storage_dtype = storage_dtype
         self.device = None
         self.dtype = None
 
@@ -181,19 +184,32 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     def batch_size(self) -> int:
         return self.latent.shape[0]
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        batch, _, dim = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.latent = torch.empty(batch, self.initial_capacity, dim, dtype=self.dtype,
-                                  device=self.storage_device or self.device)
+    def allocate(self, batch: int, dim: int, device: torch.device | None, dtype: torch.dtype | None = None) -> None:
+        """Reserve ``[batch, initial_capacity, dim]`` now (a preallocated cache fails at construction, not hours
+        into a long prefill, when memory is short)."""
+        dtype = self.storage_dtype or dtype or torch.get_default_dtype()
+        self.latent = torch.empty(batch, self.initial_capacity, dim, dtype=dtype, device=self.storage_device or device)
         self.length = 0
         self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        batch, _, dim = key_states.shape
+        self.allocate(batch, dim, key_states.device, key_states.dtype)
+        self.dtype, self.device = key_states.dtype, key_states.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
         """Append ``latent_states`` ``[B, T, D]``; return a view of the whole latent ``[B, S, D]``."""
         latent_states = key_states
         if not self.is_initialized:
             self.lazy_initialization(latent_states)
+        elif self.device is None:  # preallocated: the first step tells where compute happens
+            if tuple(latent_states.shape[::2]) != (self.latent.shape[0], self.latent.shape[2]):
+                raise ValueError(
+                    f"This cache was preallocated for batch {self.latent.shape[0]} and latent width "
+                    f"{self.latent.shape[2]}, got [batch {latent_states.shape[0]}, width {latent_states.shape[2]}]. "
+                    "Build it with the batch size you generate with (`batch_size=`) and the model's config."
+                )
+            self.dtype, self.device = latent_states.dtype, latent_states.device
         new_len = self.length + latent_states.shape[1]
         if new_len > self.latent.shape[1]:
             capacity = max(new_len, 2 * self.latent.shape[1])
@@ -202,7 +218,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
             self.latent = grown
         self.latent[:, self.length : new_len] = latent_states
         self.length = new_len
-        return self.latent[:, :new_len].to(latent_states.device, non_blocking=True), None
+        return self.latent[:, :new_len].to(latent_states.device, latent_states.dtype, non_blocking=True), None
 
     def get_seq_length(self) -> int:
         return self.length
@@ -252,15 +268,40 @@ class KimiK3HybridCache(Cache):
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
     yourself with ``KimiK3HybridCache(model.config)`` to keep and continue a conversation."""
 
-    def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_rollback: int = 64,
-                 offload_latents_to: str | torch.device | None = None, **kwargs):
+    def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_cache_len: int | None = None,
+                 batch_size: int | None = None, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, offload_latents_to: str | torch.device | None = None,
+                 max_rollback: int = 64, **kwargs):
+        """
+        Args:
+            config: the model's (text or composite) config.
+            max_cache_len: tokens each MLA latent buffer holds before it grows (by doubling); set it to the
+                context you will reach (prompt + new tokens) to reserve the memory once and never copy the cache.
+            batch_size: with it, every MLA latent buffer is allocated now (``max_cache_len`` or 256 rows), so a
+                cache that does not fit fails here; the first forward must then use this batch size.
+            dtype: storage dtype of the MLA latents (default: the activations'). KDA recurrent states are fp32
+                whatever this says (K3_SPEC), conv windows follow the activations.
+            device: where the latents are allocated when ``batch_size`` is given (default: CPU, or the offload
+                device); without ``batch_size`` everything lives with the activations.
+            offload_latents_to: keep the MLA latents on this device between steps (e.g. ``"cpu"`` for a long
+                context on a small GPU); each step copies them to the compute device.
+            max_rollback: tokens of KDA history kept while past recording is on (assisted/prompt-lookup decoding).
+        """
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         self.config = text_config
+        if max_cache_len is not None and max_cache_len < 1:
+            raise ValueError(f"`max_cache_len` must be a positive number of tokens, got {max_cache_len}")
         layers = [
             KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback)
-            if kind == "linear_attention" else KimiK3MLACacheLayer(storage_device=offload_latents_to)
+            if kind == "linear_attention" else
+            KimiK3MLACacheLayer(max_cache_len or 256, storage_device=offload_latents_to, storage_dtype=dtype)
             for kind in text_config.layer_types
         ]
+        if batch_size is not None:
+            width = text_config.kv_lora_rank + text_config.qk_rope_head_dim
+            for layer in layers:
+                if isinstance(layer, KimiK3MLACacheLayer):
+                    layer.allocate(batch_size, width, torch.device(device) if device is not None else None)
         super().__init__(layers=layers)
 
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:

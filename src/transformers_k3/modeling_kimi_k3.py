@@ -22,8 +22,8 @@ from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.kda import KimiK3DeltaAttention
-from .layers.mla import KimiK3MLA
-from .layers.moe import KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
+from .layers.mla import KimiK3MLA, uses_blockwise_attention
+from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
 from .offload import onloaded
 
@@ -171,6 +171,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         # transformers looks for the decorator's text in the model's own file; ours sits in layers/moe.py.
         return True
 
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Unset -> "k3_grouped_mm", the fastest correct one here (bench/bench_moe.py); an explicit choice is kept.
+        return super().get_correct_experts_implementation(
+            K3_GROUPED_MM if requested_experts is None else requested_experts
+        )
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -218,7 +224,9 @@ class KimiK3PreTrainedModel(PreTrainedModel):
             return
         if generation_config.use_cache is False:
             return
-        cache = KimiK3HybridCache(self.config.get_text_config())
+        # Latent buffers sized for the whole generation at once (prompt + new tokens): no regrowth copies.
+        cache = KimiK3HybridCache(self.config.get_text_config(),
+                                  max_cache_len=max_cache_length if max_cache_length and max_cache_length > 0 else None)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back after verification
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache
@@ -269,10 +277,16 @@ class KimiK3Model(KimiK3PreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         # The text model is position-free (NoPE MLA, no RoPE in KDA): positions only shape the MLA mask.
-        mla_mask = create_causal_mask(
-            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=past_key_values, position_ids=position_ids,
-        )
+        unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
+        if (unpadded and cu_seqlens is None and inputs_embeds.shape[1] > 1 and past_key_values is not None
+                and past_key_values.get_seq_length() > 0 and not kwargs.get("output_attentions")
+                and uses_blockwise_attention(self.config, inputs_embeds)):
+            mla_mask = None  # a chunk after cached tokens: MLA masks causally itself, no [T, context] mask
+        else:
+            mla_mask = create_causal_mask(
+                config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                past_key_values=past_key_values, position_ids=position_ids,
+            )
         kda_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if kda_mask is not None and bool(kda_mask.all()):
             kda_mask = None

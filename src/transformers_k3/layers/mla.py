@@ -20,6 +20,9 @@ from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
 ABSORB_MAX_QUERY_LEN = 16
+# A multi-token step on top of a cache (chunked prefill) attends to the cached context this many tokens at a time;
+# see `KimiK3MLA._blockwise_attention`.
+CONTEXT_BLOCK = 16384
 
 
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -39,6 +42,13 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return scores + mask
+
+
+def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
+    """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA on CPU); the
+    model then builds no ``[T, context]`` mask for it."""
+    return config._attn_implementation == "sdpa" and hidden_states.device.type == "cpu" and not (
+        hidden_states.requires_grad and torch.is_grad_enabled())
 
 
 class KimiK3MLA(nn.Module):
@@ -122,6 +132,33 @@ class KimiK3MLA(nn.Module):
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 
+    def _blockwise_attention(self, query: torch.Tensor, latent: torch.Tensor, past_len: int) -> torch.Tensor:
+        """Causal attention of ``T`` new queries to ``past_len`` cached tokens plus themselves, with memory bounded
+        by the step, not the context. Returns ``[B, T, n, dv]``.
+
+        The new tokens attend to each other with a causal kernel; the cached context is expanded through
+        ``kv_b_proj`` `CONTEXT_BLOCK` tokens at a time and attended without a mask; the partial results are merged
+        by their log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context
+        ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs the CPU flash
+        kernel's log-sum-exp output, so it serves CPU tensors."""
+        pad = self.qk_head_dim - self.v_head_dim
+
+        def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            key, value = self._expand(block)
+            if pad > 0:  # the fused kernel wants v's head dim == q/k's (as the prefill path above)
+                value = F.pad(value, (0, pad))
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, 0.0, causal, scale=self.scaling)[:2]
+            return out[..., : self.v_head_dim].float(), lse.float()  # [B, n, T, dv], [B, n, T]
+
+        out, lse = attend(latent[:, past_len:], causal=True)
+        for start in range(0, past_len, CONTEXT_BLOCK):
+            block_out, block_lse = attend(latent[:, start:min(start + CONTEXT_BLOCK, past_len)], causal=False)
+            merged = torch.logaddexp(lse, block_lse)
+            out = out * (lse - merged).exp().unsqueeze(-1) + block_out * (block_lse - merged).exp().unsqueeze(-1)
+            lse = merged
+        return out.to(query.dtype).transpose(1, 2)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, absorb: bool | None = None, **kwargs):
         batch, q_len, _ = hidden_states.shape
@@ -140,6 +177,10 @@ class KimiK3MLA(nn.Module):
         attn_weights = None
         if absorb:
             attn_output = self._absorbed_attention(query, latent, attention_mask)
+        elif attention_mask is None and past_len > 0 and q_len > 1 and uses_blockwise_attention(self.config,
+                                                                                              hidden_states):
+            # The model passes no mask here only when every row is unpadded: causal over past + step.
+            attn_output = self._blockwise_attention(query, latent, past_len)
         else:
             key, value = self._expand(latent)
             interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -162,4 +203,4 @@ class KimiK3MLA(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
 
-__all__ = ["KimiK3MLA", "eager_attention_forward"]
+__all__ = ["KimiK3MLA", "eager_attention_forward", "uses_blockwise_attention"]
