@@ -4,7 +4,9 @@ in-tree MoE layers at the same shape, in one process.
     python bench/bench_moe.py                       # 2,048 tokens, latent 128, intermediate 32
     python bench/bench_moe.py --tokens 4096 --reps 5
 
-Two tables, each under every experts implementation (eager / grouped_mm / batched_mm):
+Two tables. Our modules run under every experts implementation: transformers' eager / grouped_mm / batched_mm
+and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`); the in-tree modules under
+transformers' three.
 
 * experts only: `KimiK3Experts` vs transformers' `KimiLinearExperts` and `Qwen3_5MoeExperts` (DeepSeek-V3's
   experts are the same code as Kimi Linear's) with the same weight shapes ``[E, 2I, D]`` / ``[E, D, I]`` and the
@@ -14,8 +16,9 @@ Two tables, each under every experts implementation (eager / grouped_mm / batche
   size (same expert count, top-k, intermediate size, one shared expert).
 
 Throughput is tokens/s of the forward (no grad) and of forward+backward (sum of the output), the best of
-``--reps`` runs. Peak memory is the largest rise of the process RSS during one call, sampled every 0.2 ms
-(large tensors are mmapped, see `_fixed_mmap_threshold`). "roofline" is the measured fp32 GEMM rate of this
+``--reps`` runs. Peak memory is the largest total size of the tensors allocated during one call that are alive
+at once (saved activations, gradients and temporaries), replayed from the profiler's allocation record (exact,
+where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32 GEMM rate of this
 machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a perfect
 grouped GEMM. The in-tree eager paths are slow enough that they run on ``--slow-tokens`` tokens.
 """
@@ -25,52 +28,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-import threading
 import time
-
-if __name__ == "__main__" and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-    # glibc raises its mmap threshold after large frees, after which freed tensors stay in the heap and RSS
-    # stops tracking live memory. A fixed threshold keeps every tensor >= 64 KiB in its own mapping.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch
 from torch import nn
 
-IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' own; ours also run K3_GROUPED_MM
 
 
 # --------------------------------------------------------------------------------------------------
 # Measurement
 # --------------------------------------------------------------------------------------------------
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    """Largest RSS rise above the level at entry, sampled by a background thread."""
-
-    def __enter__(self):
-        self.base = self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.0002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        self.rise = self.peak - self.base
 
 
 def gemm_rate(size: int = 1024, reps: int = 3) -> float:
@@ -104,10 +72,23 @@ def make_step(run, inputs_fn, backward: bool):
     return step
 
 
-def peak_rise(step) -> float:
-    with PeakRSS() as peak:
-        step()
-    return peak.rise
+def peak_memory(step) -> float:
+    """Peak bytes of tensors allocated by one call of ``step`` and alive at the same time: each op's own
+    allocations counted at its start, each free when it happens, in the profiler's order."""
+    stderr = os.dup(2)  # the profiler logs every start and stop straight to fd 2: keep the tables readable
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,6 +179,8 @@ def main():
 
     import transformers
 
+    from transformers_k3.layers.moe import K3_GROUPED_MM
+
     rate = gemm_rate()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; "
           f"fp32 GEMM {rate / 1e9:.1f} GFLOP/s (1024^3)")
@@ -229,7 +212,7 @@ def main():
         ``--reps`` rounds (best of), so that load from other processes hits every row alike."""
         rows = []
         for name, module in modules.items():
-            for impl in IMPLEMENTATIONS:
+            for impl in IMPLEMENTATIONS + ((K3_GROUPED_MM,) if "ours" in name else ()):
                 slow = impl == "eager" and "ours" not in name
                 n = args.slow_tokens if slow else args.tokens
                 make = inputs_for(name, n)
@@ -245,15 +228,15 @@ def main():
                         step()  # warm-up
                     best[(name, impl, b)] = min(best.get((name, impl, b), math.inf), _timed(step))
         print(f"== {table} ==")
-        print(f"{'module':26s} {'impl':10s} {'tokens':>6s} {'fwd tok/s':>10s} {'f+b tok/s':>10s} "
+        print(f"{'module':26s} {'impl':13s} {'tokens':>6s} {'fwd tok/s':>10s} {'f+b tok/s':>10s} "
               f"{'fwd MiB':>8s} {'f+b MiB':>8s} {'fwd roof':>8s} {'f+b roof':>8s}")
         for name, impl, n, slow, steps, module in rows:
             set_impl(module, impl)
             flops = layer_flops(flops_name(name), args)
             row = (n / best[(name, impl, 0)], n / best[(name, impl, 1)],
-                   peak_rise(steps[0]) / 2**20, peak_rise(steps[1]) / 2**20)
+                   peak_memory(steps[0]) / 2**20, peak_memory(steps[1]) / 2**20)
             results[(table, name, impl)] = row
-            print(f"{name:26s} {impl:10s} {n:6d} {row[0]:10.0f} {row[1]:10.0f} {row[2]:8.1f} {row[3]:8.1f} "
+            print(f"{name:26s} {impl:13s} {n:6d} {row[0]:10.0f} {row[1]:10.0f} {row[2]:8.1f} {row[3]:8.1f} "
                   f"{100 * row[0] * flops / rate:7.1f}% {100 * row[1] * 3 * flops / rate:7.1f}%", flush=True)
         print()
 

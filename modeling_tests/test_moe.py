@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_k3.layers.moe import (
+    K3_GROUPED_MM,
     KimiK3Experts,
     KimiK3MLP,
     KimiK3Router,
@@ -15,7 +16,7 @@ from transformers_k3.layers.moe import (
     init_moe_weights,
 )
 
-IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
 
 def make_config(**overrides):
@@ -332,13 +333,87 @@ def test_experts_eager_matches_a_per_token_loop_and_handles_edge_cases():
     empty = experts(x[:0], idx[:0], w[:0])
     assert empty.shape == (0, 32)
     # expert-parallel sentinels (id == num_experts, weight 0) contribute nothing
+    experts._is_expert_parallel = True  # what transformers sets under expert parallelism
     sentinel_idx = torch.cat([idx, torch.full((9, 1), 8)], dim=1)
     sentinel_w = torch.cat([w, torch.zeros(9, 1)], dim=1)
     torch.testing.assert_close(experts(x, sentinel_idx, sentinel_w), out)
 
 
-def test_experts_keep_the_input_dtype():
-    cfg = make_config()
+def ref_experts(experts, x, idx, w, probe):
+    """Float64 per-token, per-slot loop: the output and the gradients of ``(output * probe).sum()`` with respect
+    to ``x``, ``w``, ``gate_up_proj`` and ``down_proj``."""
+    cfg, i = experts.config, experts.intermediate_dim
+    x, w = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    gate_up = experts.gate_up_proj.detach().double().requires_grad_()
+    down = experts.down_proj.detach().double().requires_grad_()
+    rows = [
+        sum(
+            w[t, j] * (down[e] @ ref_glu(gate_up[e, :i] @ x[t], gate_up[e, i:] @ x[t], cfg))
+            for j, e in enumerate(idx[t].tolist())
+        )
+        for t in range(x.shape[0])
+    ]
+    out = torch.stack(rows)
+    (out * probe.double()).sum().backward()
+    return out, (x.grad, w.grad, gate_up.grad, down.grad)
+
+
+def experts_case(case):
+    """(num_tokens, top_k, idx) for the named routing case; 16 experts, expert 3 never hit."""
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, top_k = {"many": (37, 4), "single_token": (1, 4), "top1": (20, 1)}[case]
+    idx = torch.stack([torch.randperm(15, generator=gen)[:top_k] for _ in range(num_tokens)])
+    return num_tokens, top_k, torch.where(idx >= 3, idx + 1, idx)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", ["many", "single_token", "top1"])
+def test_experts_outputs_and_gradients_match_the_per_token_loop(impl, case):
+    cfg = make_config(num_experts=16, _experts_implementation=impl)
+    experts = randomize(KimiK3Experts(cfg))
+    num_tokens, top_k, idx = experts_case(case)
+    x = inputs(num_tokens, 32).requires_grad_()
+    w = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    probe = inputs(num_tokens, 32, seed=5)
+    out = experts(x, idx, w)
+    (out * probe).sum().backward()
+    ref_out, ref_grads = ref_experts(experts, x, idx, w, probe)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    grads = (x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    for name, g, g_ref in zip(("x", "weights", "gate_up_proj", "down_proj"), grads, ref_grads):
+        torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    hit = torch.zeros(16, dtype=torch.bool)
+    hit[idx.unique()] = True
+    assert not hit[3] and (experts.gate_up_proj.grad[~hit] == 0).all() and (experts.down_proj.grad[~hit] == 0).all()
+
+
+def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens():
+    cfg = make_config(_experts_implementation=K3_GROUPED_MM)
+    experts = randomize(KimiK3Experts(cfg))
+    x = inputs(9, 32)
+    idx = torch.tensor([[0, 7]] * 4 + [[7, 0]] * 3 + [[2, 3]] * 2)
+    w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for ids, weights in ((idx, w), (torch.cat([idx, torch.full((9, 1), 8)], 1), torch.cat([w, torch.zeros(9, 1)], 1))):
+        experts._is_expert_parallel = ids.shape[1] == 3  # transformers sets it under expert parallelism
+        experts.zero_grad()
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts(xi, ids, wi)
+        out.sum().backward()
+        runs.append((out, xi.grad, wi.grad, experts.gate_up_proj.grad.clone()))
+    (out, *grads), (sentinel_out, *sentinel_grads) = runs
+    torch.testing.assert_close(sentinel_out, out)
+    torch.testing.assert_close(sentinel_grads[1][:, :2], grads[1])
+    assert (sentinel_grads[1][:, 2] == 0).all()
+    for g, g_ref in zip(sentinel_grads[::2], grads[::2]):
+        torch.testing.assert_close(g, g_ref)
+    empty = experts(x[:0].requires_grad_(), idx[:0], w[:0])
+    assert empty.shape == (0, 32)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_experts_keep_the_input_dtype(impl):
+    cfg = make_config(_experts_implementation=impl)
     experts = randomize(KimiK3Experts(cfg)).bfloat16()
     x = inputs(6, 32).bfloat16()
     idx = torch.tensor([[0, 1]] * 6)
@@ -526,15 +601,17 @@ def test_init_moe_weights():
         assert abs(p.std().item() - 0.02) < 0.002 and abs(p.mean().item()) < 0.002
 
 
-def test_default_experts_implementation_is_grouped_mm_and_all_are_selectable():
-    """transformers 5.23 picks `grouped_mm` when `experts_implementation` is not given and the model can set
-    it; on CPU it is also the fastest of the three here (bench/bench_moe.py), so no override is needed."""
+def test_default_experts_implementation_is_k3_grouped_mm_and_all_are_selectable():
+    """Without an explicit `experts_implementation` the model runs `k3_grouped_mm`, the fastest correct one
+    (bench/bench_moe.py); an explicit choice, transformers' three included, is kept."""
     import transformers_k3
 
     model = transformers_k3.KimiK3ForCausalLM(transformers_k3.KimiK3TextConfig.tiny())
-    assert model.config._experts_implementation == "grouped_mm"
+    assert model.config._experts_implementation == K3_GROUPED_MM
     experts = model.model.layers[1].mlp.experts
     assert experts.config is model.config
-    for impl in ("eager", "batched_mm", "grouped_mm"):
+    for impl in ("eager", "batched_mm", "grouped_mm", K3_GROUPED_MM):
         model.set_experts_implementation(impl)
         assert experts.config._experts_implementation == impl
+    config = transformers_k3.KimiK3TextConfig.tiny(experts_implementation="grouped_mm")
+    assert transformers_k3.KimiK3ForCausalLM(config).config._experts_implementation == "grouped_mm"

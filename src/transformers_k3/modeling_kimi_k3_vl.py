@@ -19,6 +19,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
 from .configuration_kimi_k3 import KimiK3Config
+from .layers.moe import K3_GROUPED_MM
 from .layers.vision import (
     KimiK3MultiModalProjector,
     KimiK3VisionPositionEmbedding,
@@ -51,6 +52,12 @@ class KimiK3VLPreTrainedModel(PreTrainedModel):
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         return True  # the experts live in layers/moe.py (see KimiK3PreTrainedModel)
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Unset -> "k3_grouped_mm", the fastest correct one here (bench/bench_moe.py); an explicit choice is kept.
+        return super().get_correct_experts_implementation(
+            K3_GROUPED_MM if requested_experts is None else requested_experts
+        )
 
     @torch.no_grad()
     def _init_weights(self, module):
