@@ -1,0 +1,134 @@
+"""Tests for the benchmark / device-check scripts in bench/: the CUDA check skips cleanly without a GPU,
+its CPU dry mode (every code path but the Triton calls) passes and detects a mismatch, and bench_kda's
+FLOP count and prefix rule are right. Shell entry points run as subprocesses on one thread; the dry runs
+call gpu_check.main() in this process (a subprocess would spend most of its time importing)."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _bench_module(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*command, timeout=120):
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout, result.stdout + result.stderr
+
+
+def _needs_fla_naive():
+    if importlib.util.find_spec("fla") is None or importlib.util.find_spec("einops") is None:
+        pytest.skip("fla's naive KDA reference (flash-linear-attention + einops) is not installed")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without a GPU")
+def test_gpu_check_skips_without_cuda():
+    code, stdout, output = _run("bash", "bench/gpu_check.sh")
+    assert code == 0, output
+    assert stdout.startswith("SKIP: no CUDA device"), output
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    """bench/gpu_check.py imported into this process, with everything its main() changes put back afterwards:
+    it reroutes the KDA dispatcher's "fla" backend (two module globals), sets TRITON_F32_DEFAULT and the
+    thread count."""
+    _needs_fla_naive()
+    from transformers_k3.ops import kda as kda_ops
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    for name in ("_load_fla", "_select_backend"):
+        monkeypatch.setattr(kda_ops, name, getattr(kda_ops, name))  # undone after the test
+    threads = torch.get_num_threads()
+    yield _bench_module("gpu_check")
+    torch.set_num_threads(threads)
+
+
+def test_gpu_check_dry_run_passes(gpu_check, capsys):
+    code = gpu_check.main(["--device", "cpu", "--dry", "--threads", "1"])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    for heading in ("== a. ops", "== b. model", "== c. speed", "decode step"):
+        assert heading in stdout, stdout
+    assert "KDA calls reaching fla kernels: torch run 0, fla run" in stdout
+    summary = stdout.strip().splitlines()[-1]
+    assert summary.startswith("PASS:") and " 0 failed, 0 not run" in summary, stdout
+
+
+def test_gpu_check_dry_run_detects_a_mismatch(gpu_check, capsys):
+    """A 5% error in the 'fla' side's outputs must fail every check, in fp32 and bf16 alike."""
+    code = gpu_check.main(["--device", "cpu", "--dry", "--threads", "1", "--sections", "ops", "--dry-fault", "0.05"])
+    stdout = capsys.readouterr().out
+    assert code == 1, stdout
+    assert stdout.strip().splitlines()[-1].startswith("FAIL: 0 passed"), stdout
+
+
+def test_gpu_check_budget_exhausted_is_not_a_pass(gpu_check, capsys):
+    code = gpu_check.main(["--device", "cpu", "--dry", "--sections", "ops,model", "--budget", "0"])
+    stdout = capsys.readouterr().out
+    assert code == 3, stdout
+    assert stdout.strip().splitlines()[-1].startswith("INCOMPLETE: 0 passed, 0 failed"), stdout
+
+
+def test_gpu_check_leaves_the_dispatcher_alone(gpu_check):
+    """After the dry runs above (their patches undone), CPU tensors are refused by the real 'fla' backend."""
+    from transformers_k3.ops import kda as kda_ops
+
+    with pytest.raises(ValueError, match="CUDA"):
+        kda_ops._select_backend("fla", torch.device("cpu"))
+
+
+def test_kda_flop_count_matches_a_counted_naive_run():
+    """fla's naive_chunk_kda does exactly the chunked algorithm's products except the triangular inverse
+    (an elementwise loop there), so torch's FLOP counter must see the formula minus its 2/3 C^3 term."""
+    _needs_fla_naive()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    bench = _bench_module("bench_kda")
+    naive = bench._load_fla_naive()
+    for length, heads, key_dim, value_dim, chunk in [(128, 2, 16, 16, 64), (96, 3, 16, 32, 32)]:
+        q, k, _, g, beta = bench._make_inputs(length, heads, key_dim)
+        v = torch.randn(1, length, heads, value_dim)
+        with FlopCounterMode(display=False) as counter:
+            naive.naive_chunk_kda(q, k, v, g, beta, chunk_size=chunk, output_final_state=True)
+        inverse = 2 / 3 * chunk**3 * (length // chunk) * heads
+        expected = bench.chunked_kda_flops(length, heads, key_dim, value_dim, chunk) - inverse
+        assert counter.get_total_flops() == pytest.approx(expected, rel=1e-12)
+    assert bench.chunked_kda_flops(65, 1, 8, 8, 64) == bench.chunked_kda_flops(128, 1, 8, 8, 64)  # padded chunks
+    assert bench.chunked_kda_flops(10, 3, 8, 4, None) == 6 * 8 * 4 * 3 * 10
+
+
+def test_bench_prefix_rule():
+    choose = _bench_module("bench_kda").choose_tokens
+    assert choose(4096, 256, 0.1, max_seconds=20, max_bytes=1e12, per_token_bytes=0) == 4096  # fits
+    assert choose(16384, 256, 1.0, max_seconds=20, max_bytes=1e12, per_token_bytes=0) == 5120  # time cap
+    assert choose(16384, 256, 0.01, max_seconds=20, max_bytes=2**30, per_token_bytes=2**20) == 1024  # memory cap
+    assert choose(16384, 256, 100.0, max_seconds=20, max_bytes=1e12, per_token_bytes=0) == 256  # never below the probe
+    assert choose(100, 100, 100.0, max_seconds=1, max_bytes=1e12, per_token_bytes=0) == 100
+
+
+@pytest.mark.slow
+def test_bench_kda_runs_at_a_tiny_size():
+    _needs_fla_naive()
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_kda.py", "--threads", "1", "--configs", "2x16", "--lengths", "128",
+        "--decode-steps", "4", "--max-seconds", "2", "--gemm-sizes", "64", timeout=300,
+    )  # fmt: skip
+    assert code == 0, output
+    assert "failed:" not in stdout, output
+    for label in ("ours chunk_kda", "in-tree chunk_kimi_delta_attention", "fla naive_chunk_kda",
+                  "ours fused_recurrent_kda, T=1", "matmul roofline"):  # fmt: skip
+        assert label in stdout, output
