@@ -99,14 +99,14 @@ def captions() -> list[str]:
 
 def draw_shape(shape: str, colour: str, size: int = 56, rng: random.Random | None = None):
     """One RGB image of ``size x size`` pixels: a light random background and the shape, at a random position and
-    scale (always at least a third of the canvas)."""
+    scale (at least half the canvas, so every shape spans several 14-pixel patches and its outline is visible)."""
     from PIL import Image, ImageDraw
 
     rng = rng or random.Random()
     bg = tuple(rng.randint(200, 255) for _ in range(3))
     image = Image.new("RGB", (size, size), bg)
     draw = ImageDraw.Draw(image)
-    side = rng.randint(size // 3, int(size * 0.8))
+    side = rng.randint(size // 2, int(size * 0.9))
     x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
     x1, y1 = x0 + side, y0 + side
     fill = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLOURS[colour])
