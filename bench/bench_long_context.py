@@ -11,13 +11,17 @@ Decode cost does not depend on what the context says, so the caches are filled t
 latents / keys / values after an 8-token real prefill that initialises every layer) instead of prefilling N
 tokens, which would take the in-tree model hours at 128K.
 
-``--context N`` instead measures the real thing for our model alone: a chunked prefill of N random tokens
-(``--chunk``), then 32 decode steps; it prints prefill time, per-token decode time, peak RSS and cache bytes
-vs analytic.
+``--context N`` instead measures the real thing for our model alone (the shipped small model unless ``--model``):
+a chunked prefill of N random tokens (``--chunk``) into a cache preallocated for N, then 32 decode steps; it prints
+prefill time, the last chunk's time, per-token decode time, peak RSS and cache bytes vs analytic. The prefill is
+quadratic in the MLA layers, so at a million tokens it takes hours on a laptop CPU; ``--synthetic-prefix S`` puts
+S synthetic latent rows in front instead of prefilling them, so the real chunks after them and the decode steps
+run at the full depth N.
 
     python bench/bench_long_context.py                       # 4K, 32K, 128K
     python bench/bench_long_context.py --contexts 4096 16384 # quicker
     python bench/bench_long_context.py --context 262144      # million-token mode (our model only)
+    python bench/bench_long_context.py --context 1048576 --synthetic-prefix 1040384   # decode at 1M
 """
 
 from __future__ import annotations
@@ -186,27 +190,45 @@ def child_decode(kind: str, n: int, steps: int) -> dict:
     return result
 
 
-def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None) -> dict:
+def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None, synthetic: int = 0) -> dict:
+    from transformers import AutoModelForCausalLM
+
     from transformers_k3 import KimiK3HybridCache
 
     torch.set_num_threads(2)
-    if model_dir:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    else:
+    if model_dir == "bench":
         model = build("ours")
-    cache = KimiK3HybridCache(model.config)
-    ids = torch.randint(3, model.config.vocab_size, (1, n))
+    else:
+        from transformers_k3.small import SMALL_DIR
+
+        # The text part of a saved K3 (the shipped small model by default): AutoModelForCausalLM on a composite
+        # checkpoint loads the language model alone.
+        model = AutoModelForCausalLM.from_pretrained(model_dir or SMALL_DIR).eval()
+    # Preallocated for the whole run: the latent buffers are reserved once and never regrown.
+    cache = KimiK3HybridCache(model.config, max_cache_len=n + decode_steps, batch_size=1)
+    if synthetic:
+        # The first `synthetic` context tokens are not run: each MLA layer gets latent rows at the scale of real
+        # (RMS-normed) ones. What follows is real: it attends to all of them and the decode cost is that of depth n.
+        gen = torch.Generator().manual_seed(0)
+        for layer in cache.layers:
+            if hasattr(layer, "latent"):
+                for begin in range(0, synthetic, 65536):
+                    end = min(begin + 65536, synthetic)
+                    layer.latent[:, begin:end] = torch.randn(1, end - begin, layer.latent.shape[-1], generator=gen)
+                layer.length = synthetic
+    ids = torch.randint(3, model.config.vocab_size, (1, n - synthetic))
+    chunk_times = []
     start = time.perf_counter()
     last_report = start
     with torch.no_grad():
-        for begin in range(0, n, chunk):
+        for begin in range(0, n - synthetic, chunk):
+            t0 = time.perf_counter()
             logits = model(ids[:, begin:begin + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            chunk_times.append(time.perf_counter() - t0)
             if time.perf_counter() - last_report > 30:
                 last_report = time.perf_counter()
-                print(f"  prefilled {begin + chunk:,}/{n:,} tokens, {last_report - start:.0f} s", file=sys.stderr,
-                      flush=True)
+                print(f"  prefilled {synthetic + begin + chunk:,}/{n:,} tokens, {last_report - start:.0f} s",
+                      file=sys.stderr, flush=True)
         prefill_s = time.perf_counter() - start
         token = logits[:, -1:].argmax(-1)
         times = []
@@ -214,7 +236,8 @@ def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None) 
             t0 = time.perf_counter()
             token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
-    return {"context": n, "prefill_s": prefill_s, "decode_ms": 1e3 * statistics.median(times),
+    return {"context": n, "synthetic": synthetic, "prefill_s": prefill_s, "last_chunk_s": chunk_times[-1],
+            "chunk": chunk, "decode_ms": 1e3 * statistics.median(times),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "cache_mb": cache.nbytes() / 2**20, "analytic_mb": analytic_cache_bytes(model.config, n + decode_steps) / 2**20}
 
@@ -233,26 +256,36 @@ def main():
     parser.add_argument("--models", nargs="+", default=["ours", "intree", "llama"])
     parser.add_argument("--context", type=int, help="million-token mode: real chunked prefill + 32 decode steps")
     parser.add_argument("--chunk", type=int, default=4096)
-    parser.add_argument("--model", help="a saved K3 directory for --context (default: the bench model)")
+    parser.add_argument("--synthetic-prefix", type=int, default=0,
+                        help="with --context: this many leading context tokens are synthetic latent rows instead of "
+                             "a real prefill (decode figures at a depth whose real prefill takes hours)")
+    parser.add_argument("--model", help="a saved K3 directory for --context (default: the shipped small model; "
+                                        "'bench' for the decode table's model)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child == "context":
-        print(json.dumps(child_context(args.n, args.chunk, 32, args.model)))
+        print(json.dumps(child_context(args.n, args.chunk, 32, args.model, args.synthetic_prefix)))
         return
     if args.child:
         print(json.dumps(child_decode(args.child, args.n, args.steps)))
         return
     if args.context:
         extra = ["--model", args.model] if args.model else []
-        r = run_child(["--child", "context", "--n", str(args.context), "--chunk", str(args.chunk), *extra])
+        if not 0 <= args.synthetic_prefix < args.context:
+            parser.error("--synthetic-prefix must be >= 0 and smaller than --context")
+        r = run_child(["--child", "context", "--n", str(args.context), "--chunk", str(args.chunk),
+                       "--synthetic-prefix", str(args.synthetic_prefix), *extra])
         if "error" in r:
             print("failed:", r["error"])
             return
-        print(f"context {r['context']:,}: prefill {r['prefill_s']:.1f} s ({r['context'] / r['prefill_s']:.0f} tok/s), "
-              f"decode {r['decode_ms']:.1f} ms/token, peak RSS {r['peak_rss_mb']:.0f} MiB, cache {r['cache_mb']:.2f} MiB "
-              f"(analytic {r['analytic_mb']:.2f} MiB)")
+        real = r["context"] - r["synthetic"]
+        what = (f"prefill {r['prefill_s']:.1f} s ({real / r['prefill_s']:.0f} tok/s)" if not r["synthetic"] else
+                f"{r['synthetic']:,} synthetic + {real:,} real tokens: real prefill {r['prefill_s']:.1f} s")
+        print(f"context {r['context']:,}: {what}, last {r['chunk']}-token chunk {r['last_chunk_s']:.1f} s, "
+              f"decode {r['decode_ms']:.1f} ms/token, peak RSS {r['peak_rss_mb']:.0f} MiB, "
+              f"cache {r['cache_mb']:.2f} MiB (analytic {r['analytic_mb']:.2f} MiB)")
         return
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode = median of {args.steps} steps")
