@@ -324,6 +324,34 @@ def test_recurrent_leaves_initial_state_untouched():
     torch.testing.assert_close(h0, before, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (2, 4)])
+def test_single_token_step_in_place_matches_fla_naive(fla_naive, state_v_first, heads):
+    """A decode step (T = 1) takes the lean single-token path; with ``inplace_final_state`` it writes the new
+    state into the caller's buffer (returning that very tensor), else it leaves it alone. Both equal fla's naive
+    reference (<= 1e-5), with grouped values (HV > H) and the transposed state layout too."""
+    h, hv = heads
+    q, k, v, g, beta, h0 = make_inputs(3, 1, h, 16, 16, v_heads=hv, seed=3)
+    q_ref, k_ref = (x.repeat_interleave(hv // h, dim=2) for x in (q, k))
+    ref_o, ref_s = fla_naive(q_ref, k_ref, v, g, beta, initial_state=h0, output_final_state=True)
+    given = h0.transpose(-1, -2).contiguous() if state_v_first else h0.clone()
+    before = given.clone()
+    with torch.no_grad():
+        o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=given, output_final_state=True,
+                                   state_v_first=state_v_first)
+        assert torch.equal(given, before)
+        o2, s2 = fused_recurrent_kda(q, k, v, g, beta, initial_state=given, output_final_state=True,
+                                     state_v_first=state_v_first, inplace_final_state=True)
+    assert s2 is given and torch.equal(o2, o) and torch.equal(s2, s)
+    assert_close(o, ref_o)
+    assert_close(s.transpose(-1, -2) if state_v_first else s, ref_s)
+    with pytest.raises(ValueError, match="inplace_final_state"):
+        fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, inplace_final_state=True)
+    with pytest.raises(ValueError, match="cannot be differentiated"):
+        fused_recurrent_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0, output_final_state=True,
+                            inplace_final_state=True)
+
+
 def test_loops_restore_thread_count():
     """Small sequential loops drop to one intra-op thread and must hand the caller's setting back."""
     q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 8)

@@ -140,9 +140,13 @@ class KimiK3DeltaAttention(nn.Module):
             final_state = states[-1]
         else:
             kda = fused_recurrent_kda if state is not None and seq_len <= RECURRENT_MAX_LEN else chunk_kda
+            # A decode step without autograd updates the cached state in place (no new state per token).
+            inplace = {"inplace_final_state": True} if kda is fused_recurrent_kda and not (
+                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))) else {}
             core, final_state = kda(
                 q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
                 output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                **inplace,
             )
         if cache_layer is not None:
             cache_layer.update_recurrent_state(final_state)

@@ -299,6 +299,7 @@ def fused_recurrent_kda(
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    inplace_final_state: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA (decode, short verify windows), semantics of fla's ``fused_recurrent_kda``.
@@ -307,7 +308,16 @@ def fused_recurrent_kda(
     path is differentiable and, when no gradient is needed, updates one state buffer in place instead of
     allocating a new state per token. fla's kernel has no backward pass, so the fla path refuses inputs
     that require grad (use :func:`chunk_kda` for training).
+
+    ``inplace_final_state=True`` (fla's kernel option of that name; no gradient allowed) writes the final state
+    into ``initial_state`` and returns that tensor: a single-token step on an fp32 ``[N, H, K, V]`` state then
+    allocates no state at all (other cases compute a new state and copy it back).
     """
+    if inplace_final_state:
+        if initial_state is None or not output_final_state:
+            raise ValueError("inplace_final_state=True needs an initial_state to update and output_final_state=True")
+        if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+            raise ValueError("inplace_final_state=True cannot be differentiated; run under torch.no_grad()")
     n_seq = _validate(
         q, k, v, g, beta, initial_state, cu_seqlens, state_v_first,
         use_gate_in_kernel, A_log, dt_bias, lower_bound, False,
@@ -320,7 +330,7 @@ def fused_recurrent_kda(
                 "training, run under torch.no_grad(), or pass backend='torch'"
             )
         fla_fused_recurrent_kda = _load_fla()[0][1]
-        return fla_fused_recurrent_kda(
+        o = fla_fused_recurrent_kda(
             q, k, v, g, beta,
             A_log=A_log,
             dt_bias=dt_bias,
@@ -336,13 +346,19 @@ def fused_recurrent_kda(
             cu_seqlens=cu_seqlens,
             **kwargs,
         )  # fmt: skip
+        if inplace_final_state:  # fla's public entry point never writes in place: copy the result back
+            return o[0], initial_state.copy_(o[1])
+        return o
     _reject_fla_only(kwargs)
-    return _torch_kda(
+    o, final = _torch_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
         cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, n_seq, state_v_first,
         use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-        block=None,
+        block=None, inplace=inplace_final_state,
     )  # fmt: skip
+    if inplace_final_state and final is not initial_state:
+        final = initial_state.copy_(final)
+    return o, final
 
 
 def kda(
@@ -495,9 +511,11 @@ def _host_bounds(cu_seqlens: torch.Tensor, length: int) -> list[int]:
 def _torch_kda(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
     state_v_first, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-    block,
+    block, inplace: bool = False,
 ):  # fmt: skip
-    """Shared front and back end of both PyTorch forms; ``block`` is the chunk size, None for the token loop."""
+    """Shared front and back end of both PyTorch forms; ``block`` is the chunk size, None for the token loop.
+    ``inplace``: the final state may be written into ``initial_state`` (the single-token path does so when the
+    layouts allow; the caller copies otherwise)."""
     batch, length, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     dtype = torch.float32
@@ -518,6 +536,21 @@ def _torch_kda(
     if v_heads != heads:
         q = q.repeat_interleave(v_heads // heads, dim=2)
         k = k.repeat_interleave(v_heads // heads, dim=2)
+
+    if block is None and length == 1 and cu_seqlens is None:
+        # A decode step: no layout, no token loop, a dozen ops (Python overhead dominated the generic path).
+        if initial_state is None:
+            state = q.new_zeros(batch, v_heads, key_dim, value_dim)
+        else:
+            state = initial_state.to(dtype)
+            if state_v_first:
+                state = state.transpose(-1, -2)
+        write = inplace and state is initial_state and not state_v_first and state.is_contiguous()
+        out, final = _single_token(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, write)
+        o = out.unsqueeze(1).to(out_dtype)
+        if not output_final_state:
+            return o, None
+        return o, final.transpose(-1, -2).contiguous() if state_v_first else final
 
     bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
     layout = _Layout(batch, length, bounds, block or 1, q.device)
@@ -620,6 +653,30 @@ class _Layout:
 
     def unsort_states(self, state: torch.Tensor) -> torch.Tensor:
         return state if self.inverse is None else state.index_select(0, self.inverse)
+
+
+def _single_token(q, k, v, g, beta, state, write: bool):
+    """One token per sequence: ``q`` (scaled), ``k``, ``g`` ``[B, H, K]``, ``v`` ``[B, H, V]``, ``beta`` ``[B, H]``,
+    ``state`` ``[B, H, K, V]``. The products of one step of `_recurrent`: ``[(d k)^T S; (d q)^T S]`` in one batched
+    product with the old state, ``delta = beta (v - (d k)^T S)``, output ``(d q)^T S + (k . q) delta``, new state
+    ``d S + k delta^T``. ``write``: update ``state`` itself (no gradient), else return a new tensor."""
+    batch, heads, key_dim = k.shape
+    rows = batch * heads
+    decay = g.exp()
+    s = state.reshape(rows, key_dim, -1)
+    both = torch.bmm(torch.stack([k * decay, q * decay], 2).view(rows, 2, key_dim), s)  # [rows, 2, V]
+    b = beta.reshape(rows, 1)
+    delta = torch.addcmul(v.reshape(rows, -1) * b, b, both[:, 0], value=-1)
+    out = torch.addcmul(both[:, 1], (k * q).sum(-1).view(rows, 1), delta)
+    d, k_col, delta_row = decay.view(rows, key_dim, 1), k.reshape(rows, key_dim, 1), delta.unsqueeze(1)
+    if write:
+        s.mul_(d).addcmul_(k_col, delta_row)
+        new = state
+    elif _needs_grad(q, k, v, g, beta, state):
+        new = torch.addcmul(s * d, k_col, delta_row).view_as(state)
+    else:
+        new = (s * d).addcmul_(k_col, delta_row).view_as(state)
+    return out.view(batch, heads, -1), new
 
 
 def _recurrent(q, k, v, g, beta, state, layout):
