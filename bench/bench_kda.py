@@ -167,8 +167,10 @@ def _load_method(name: str):
     if name in ("ours_recurrent", "ours_decode"):
         from transformers_k3.ops.kda import fused_recurrent_kda
 
+        # Decode as the KDA layer runs it: the state is updated in place.
+        inplace = name == "ours_decode"
         return lambda q, k, v, g, b, s: fused_recurrent_kda(q, k, v, g, b, initial_state=s, output_final_state=True,
-                                                            backend="torch")  # fmt: skip
+                                                            backend="torch", inplace_final_state=inplace)  # fmt: skip
     if name in ("intree_chunk", "intree_recurrent", "intree_decode"):
         fn = _intree("chunk_kimi_delta_attention" if name == "intree_chunk" else "recurrent_kimi_delta_attention")
         return lambda q, k, v, g, b, s: fn(q, k, v, g, b, initial_state=s, output_final_state=True)
@@ -222,10 +224,10 @@ def _child_decode(args) -> dict:
     step = lambda t, s: fn(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],  # noqa: E731
                            beta[:, t : t + 1], s)  # fmt: skip
     with torch.no_grad():
-        state = state0
+        state = state0.clone()  # a method may update its state in place
         for t in range(3):  # warm-up
             _, state = step(t, state)
-        state, outs, times, cpu = state0, [], [], 0.0
+        state, outs, times, cpu = state0.clone(), [], [], 0.0
         begin = time.perf_counter()
         for t in range(args.length):
             start, start_cpu = time.perf_counter(), time.process_time()
