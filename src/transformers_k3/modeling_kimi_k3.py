@@ -139,7 +139,22 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return (partial, *bank)
 
 
-class KimiK3PreTrainedModel(PreTrainedModel):
+class KimiK3ExpertsChoice:
+    """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen."""
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # transformers looks for the decorator's text in the model's own file; ours sits in layers/moe.py.
+        return True
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # Unset -> "k3_grouped_mm", the fastest correct one here (bench/bench_moe.py); an explicit choice is kept.
+        return super().get_correct_experts_implementation(
+            K3_GROUPED_MM if requested_experts is None else requested_experts
+        )
+
+
+class KimiK3PreTrainedModel(KimiK3ExpertsChoice, PreTrainedModel):
     config: KimiK3TextConfig
     config_class = KimiK3TextConfig
     base_model_prefix = "model"
@@ -165,17 +180,6 @@ class KimiK3PreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(KimiK3MLA, index=1),
         "attn_res_weights": OutputRecorder(KimiK3AttnResRead, index=1),
     }
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        # transformers looks for the decorator's text in the model's own file; ours sits in layers/moe.py.
-        return True
-
-    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # Unset -> "k3_grouped_mm", the fastest correct one here (bench/bench_moe.py); an explicit choice is kept.
-        return super().get_correct_experts_implementation(
-            K3_GROUPED_MM if requested_experts is None else requested_experts
-        )
 
     @torch.no_grad()
     def _init_weights(self, module):

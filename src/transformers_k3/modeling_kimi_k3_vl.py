@@ -19,14 +19,13 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
 from .configuration_kimi_k3 import KimiK3Config
-from .layers.moe import K3_GROUPED_MM
 from .layers.vision import (
     KimiK3MultiModalProjector,
     KimiK3VisionPositionEmbedding,
     KimiK3VisionTower,
     sincos_time_table,
 )
-from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM
+from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ExpertsChoice, KimiK3ForCausalLM
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
@@ -35,7 +34,7 @@ class KimiK3PlaceholderMismatchError(ValueError):
     """The number of ``<|media_pad|>`` slots in the input differs from the number of media embeddings."""
 
 
-class KimiK3VLPreTrainedModel(PreTrainedModel):
+class KimiK3VLPreTrainedModel(KimiK3ExpertsChoice, PreTrainedModel):
     config: KimiK3Config
     config_class = KimiK3Config
     base_model_prefix = "language_model"
@@ -48,16 +47,6 @@ class KimiK3VLPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _is_stateful = True
     _can_compile_fullgraph = False
-
-    @classmethod
-    def _can_set_experts_implementation(cls) -> bool:
-        return True  # the experts live in layers/moe.py (see KimiK3PreTrainedModel)
-
-    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        # Unset -> "k3_grouped_mm", the fastest correct one here (bench/bench_moe.py); an explicit choice is kept.
-        return super().get_correct_experts_implementation(
-            K3_GROUPED_MM if requested_experts is None else requested_experts
-        )
 
     @torch.no_grad()
     def _init_weights(self, module):
