@@ -537,14 +537,15 @@ def _torch_kda(
         q = q.repeat_interleave(v_heads // heads, dim=2)
         k = k.repeat_interleave(v_heads // heads, dim=2)
 
+    if initial_state is None:
+        state = q.new_zeros(n_seq, v_heads, key_dim, value_dim)
+    else:
+        state = initial_state.to(dtype)
+        if state_v_first:
+            state = state.transpose(-1, -2)
+
     if block is None and length == 1 and cu_seqlens is None:
         # A decode step: no layout, no token loop, a dozen ops (Python overhead dominated the generic path).
-        if initial_state is None:
-            state = q.new_zeros(batch, v_heads, key_dim, value_dim)
-        else:
-            state = initial_state.to(dtype)
-            if state_v_first:
-                state = state.transpose(-1, -2)
         write = inplace and state is initial_state and not state_v_first and state.is_contiguous()
         out, final = _single_token(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, write)
         o = out.unsqueeze(1).to(out_dtype)
@@ -554,14 +555,7 @@ def _torch_kda(
 
     bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
     layout = _Layout(batch, length, bounds, block or 1, q.device)
-    if initial_state is None:
-        state = q.new_zeros(n_seq, v_heads, key_dim, value_dim)
-    else:
-        state = initial_state.to(dtype)
-        if state_v_first:
-            state = state.transpose(-1, -2)
-        state = state.contiguous()
-    state = layout.sort_states(state)
+    state = layout.sort_states(state.contiguous())
 
     packed = [layout.pack(x) for x in (q, k, v, g, beta[..., None])]
     run = _recurrent if block is None else _chunked
