@@ -200,6 +200,47 @@ def test_varlen_equals_separate_runs(fla_naive, with_state):
         assert_close(s, ref_s)
 
 
+@pytest.mark.parametrize("group_elements", [1, 3 * 32 * 16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_groups_of_steps(fla_naive, monkeypatch, group_elements, grad):
+    """The chunked path gathers, solves and scans the sequence a group of consecutive steps at a time;
+    groups of one step and of a few steps (one that ends inside the padded last block, uneven counts
+    of active packed sequences) give fla's answer, with and without autograd (in-place state)."""
+    monkeypatch.setattr(kda_ops, "_GROUP_ELEMENTS", group_elements)
+    q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 16, "k3", seed=21)
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    with torch.set_grad_enabled(grad):
+        inputs = [x.clone().requires_grad_(grad) for x in (q, k, v, g, beta)]
+        o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
+    assert_close(o, ref_o)
+    assert_close(s, ref_s)
+    lengths = [70, 5, 33, 0, 42]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    flat = [x[:1, : sum(lengths)] for x in (q, k, v, g, beta)]
+    states = torch.randn(len(lengths), 2, 16, 16, generator=torch.Generator().manual_seed(5))
+    with torch.set_grad_enabled(grad):
+        inputs = [x.clone().requires_grad_(grad) for x in flat]
+        o, s = chunk_kda(*inputs, initial_state=states, output_final_state=True, cu_seqlens=cu)
+    for i, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+        piece = [x[:, start:end] for x in flat]
+        ref_o, ref_s = fla_naive(*piece, initial_state=states[i : i + 1], output_final_state=True)
+        assert_close(o[:, start:end], ref_o)
+        assert_close(s[i : i + 1], ref_s)
+
+
+def test_chunked_leaves_inputs_and_initial_state_untouched():
+    """Without gradients the chunked path updates its state in place and scales q as it gathers each
+    group: neither may write into the caller's tensors (a single head and sequence makes the gathered
+    blocks views of the inputs)."""
+    for batch, heads in ((1, 1), (2, 3)):
+        inputs = make_inputs(batch, 70, heads, 8, 8, "k3", seed=3)
+        before = [x.clone() for x in inputs]
+        with torch.no_grad():
+            chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+        for x, y in zip(inputs, before):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
 def test_varlen_empty_sequences_and_empty_input():
     q, k, v, g, beta, _ = make_inputs(1, 5, 2, 8, 8, "k3")
     states = torch.randn(3, 2, 8, 8)

@@ -82,13 +82,16 @@ _SPAN_LIMIT = 80.0
 _EXP_CUTOFF = -40.0
 _EXP_FLOOR = math.exp(_EXP_CUTOFF) * (1 + 1e-5)
 _FLUSH = 1e-19
-# Rows (chunk x head) per batch of intra-chunk work, sized so its temporaries stay cache-resident.
+# The chunked path works through the sequence in groups of consecutive steps of about this many
+# elements per [rows, C, D] tensor (rows = chunk x head), so that a group's gathered inputs and
+# intra-chunk temporaries stay cache-resident (1 MiB each in fp32).
 _GROUP_ELEMENTS = 1 << 18
 # The sequential loops run on one thread while a step's state is smaller than this many elements
 # (e.g. 4 heads of 64 x 64 = 16K). Such steps take microseconds and gain nothing from more threads,
 # but every parallel region waits for all its threads, and on an oversubscribed machine a descheduled
 # one costs a scheduler slice: measured 7.8 ms per 4 x 64 x 64 bmm on two threads vs 9 us on one.
-_SERIAL_STEP_ELEMENTS = 1 << 20
+# At 32 heads of 128 x 128 (512K elements) two threads win: the chunked op at T=4K ran 603 vs 756 ms.
+_SERIAL_STEP_ELEMENTS = 1 << 18
 
 
 @contextlib.contextmanager
@@ -529,7 +532,8 @@ def _torch_kda(
     if use_qk_l2norm_in_kernel:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    q = q * scale
+    if block is None:
+        q = q * scale  # the chunked path scales each group of chunks as it gathers it (one pass less)
     g = kda_gate(g, A_log, dt_bias, lower_bound).to(dtype) if use_gate_in_kernel else g.to(dtype)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
@@ -557,10 +561,13 @@ def _torch_kda(
     layout = _Layout(batch, length, bounds, block or 1, q.device)
     state = layout.sort_states(state.contiguous())
 
-    packed = [layout.pack(x) for x in (q, k, v, g, beta[..., None])]
-    run = _recurrent if block is None else _chunked
-    out, final = run(*packed, state, layout)
-    o = layout.unpack(out).to(out_dtype)
+    if block is None:
+        packed = [layout.pack(x) for x in (q, k, v, g, beta[..., None])]
+        out, final = _recurrent(*packed, state, layout)
+        o = layout.unpack(out).to(out_dtype)
+    else:
+        o, final = _chunked(q, k, v, g, beta[..., None], state, layout, scale)
+        o = o.to(out_dtype)
     if not output_final_state:
         return o, None
     final = layout.unsort_states(final)
@@ -641,6 +648,56 @@ class _Layout:
             return y.reshape(self.batch, n_blocks * self.block, heads, dim)[:, : self.length].contiguous()
         rows = y.reshape(-1, dim).index_select(0, self._rows(heads))
         return rows.view(1, self.length, heads, dim)
+
+    def chunk_source(self, x: torch.Tensor):
+        """``[B, T, H, D]`` -> what :meth:`rows` reads blocks from. Packed sequences are packed whole (one
+        gather); a plain batch is not copied at all: a permuted view of its whole blocks, plus the zero-padded
+        last block when T is not a multiple of the block size."""
+        if self.token_rows is not None:
+            return self.pack(x)
+        batch, block, heads, dim = self.batch, self.block, x.shape[2], x.shape[3]
+        whole = self.length // block
+        main = x[:, : whole * block].reshape(batch, whole, block, heads, dim).permute(1, 0, 3, 2, 4)
+        if whole * block == self.length:
+            return main, None
+        tail = F.pad(x[:, whole * block :], (0, 0, 0, 0, 0, (whole + 1) * block - self.length))
+        return main, tail.view(batch, 1, block, heads, dim).permute(1, 0, 3, 2, 4)
+
+    def rows(self, source, start: int, stop: int) -> torch.Tensor:
+        """Blocks of steps ``start .. stop - 1`` as ``[rows, block, D]``, in scan order (step, rank, head)."""
+        if self.token_rows is not None:
+            slots = source[self.offsets[start] : self.offsets[stop - 1] + self.active[stop - 1]]
+            return slots.reshape(-1, self.block, source.shape[-1])
+        main, tail = source
+        parts = [main[start : min(stop, main.shape[0])]] if start < main.shape[0] else []
+        if stop > main.shape[0]:
+            parts.append(tail)
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return blocks.reshape(-1, self.block, blocks.shape[-1])
+
+    def new_output(self, like: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        """Buffer that :meth:`store` fills and :meth:`finish` turns into ``[B, T, H, dim]``."""
+        if self.token_rows is not None:
+            return like.new_empty(self.n_slots * heads * self.block, dim)
+        return like.new_empty(self.batch, len(self.active) * self.block, heads, dim)
+
+    def store(self, out: torch.Tensor, start: int, stop: int, y: torch.Tensor) -> None:
+        """Write the ``[rows, block, dim]`` outputs of steps ``start .. stop - 1`` into ``out``."""
+        dim = out.shape[-1]
+        if self.token_rows is not None:
+            heads = y.shape[0] // (self.offsets[stop - 1] + self.active[stop - 1] - self.offsets[start])
+            first = self.offsets[start] * heads * self.block
+            out[first : first + y.shape[0] * self.block].copy_(y.reshape(-1, dim))
+            return
+        heads = out.shape[2]
+        steps = out.view(self.batch, len(self.active), self.block, heads, dim).permute(1, 0, 3, 2, 4)
+        steps[start:stop].copy_(y.view(stop - start, self.batch, heads, self.block, dim))
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        if self.token_rows is not None:
+            heads = out.shape[0] // (self.n_slots * self.block)
+            return out.index_select(0, self._rows(heads)).view(1, self.length, heads, out.shape[-1])
+        return out[:, : self.length].contiguous()
 
     def sort_states(self, state: torch.Tensor) -> torch.Tensor:
         return state if self.order is None else state.index_select(0, self.order)
@@ -723,8 +780,10 @@ def _recurrent(q, k, v, g, beta, state, layout):
     return out.view(n_slots, heads, 1, value_dim), torch.cat([state, *reversed(finished)])
 
 
-def _chunked(q, k, v, g, beta, state, layout):
-    """WY/UT-transform chunked KDA over packed ``[slots, H, C, D]`` inputs (``q`` already scaled).
+def _chunked(q, k, v, g, beta, state, layout, scale):
+    """WY/UT-transform chunked KDA over ``[B, T, H, D]`` inputs (``q`` not yet scaled, ``beta`` ``[B, T, H, 1]``)
+    from the rank-ordered states ``[N, H, K, V]``; returns ``[B, T, H, V]`` outputs and the rank-ordered final
+    states.
 
     Per chunk, with ``G_r`` the cumulative log-decay from the chunk start to token ``r`` (inclusive) and
     ``S0`` the state entering the chunk, the corrected values ``n_r = beta_r (v_r - k_r^T S_{r-1}')``
@@ -732,56 +791,66 @@ def _chunked(q, k, v, g, beta, state, layout):
     for ``s < r``; writing ``u = (I + A)^{-1} beta v`` and ``w = (I + A)^{-1} beta k e^{G}`` gives
     ``n = u - w S0``. Then ``o = (q e^{G}) S0 + Aqk n`` with ``Aqk[r, s] = q_r . (e^{G_r - G_s} k_s)``
     for ``s <= r``, and the state leaving the chunk is ``e^{G_C} S0 + (k e^{G_C - G})^T n``.
-    Everything but ``n`` and the state hand-off is independent per chunk, so it is computed for all
-    chunks at once (:func:`_intra_chunk`), in cache-sized groups.
-    """
-    n_slots, heads, chunk, key_dim = k.shape
-    value_dim = v.shape[-1]
-    n_rows = n_slots * heads
-    q, k, g = (x.reshape(n_rows, chunk, key_dim) for x in (q, k, g))
-    v = v.reshape(n_rows, chunk, value_dim)
-    beta = beta.reshape(n_rows, chunk)
 
+    Everything but ``n`` and the state hand-off is independent per chunk (:func:`_intra_chunk`). The chunks
+    are taken in groups of consecutive steps sized so that a group's inputs and temporaries stay in cache:
+    a group's blocks are gathered from the inputs, its intra-chunk work runs batched, then the state is
+    carried through its steps and the outputs are written straight into the result. Nothing of the size of
+    the whole input is materialised besides the output (this path is memory-bound on CPU otherwise).
+    Without gradients the state is updated in place (on a copy of the caller's).
+    """
+    heads, key_dim, value_dim = state.shape[1:]
+    chunk = layout.block
+    sources = [layout.chunk_source(x) for x in (q, k, v, g, beta)]
+    in_place = not _needs_grad(q, k, v, g, beta, state)
     sub = _SUB_CHUNK
     while chunk % sub:
         sub //= 2
     group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
-    if n_rows <= group:
-        w, u, qg, kdec, decay, aqk = _intra_chunk(q, k, v, g, beta, sub)
-    else:
-        w, u, qg, kdec = (k.new_empty(n_rows, chunk, dim) for dim in (key_dim, value_dim, key_dim, key_dim))
-        decay = k.new_empty(n_rows, key_dim)
-        aqk = k.new_empty(n_rows, chunk, chunk)
-        for start in range(0, n_rows, group):
-            rows = slice(start, start + group)
-            results = _intra_chunk(q[rows], k[rows], v[rows], g[rows], beta[rows], sub)
-            for buffer, result in zip((w, u, qg, kdec, decay, aqk), results):
-                buffer[rows] = result
 
-    out, final = _scan(w, u, qg, kdec, decay, aqk, state, layout)
-    return out.view(n_slots, heads, chunk, value_dim), final
-
-
-def _scan(w, u, qg, kdec, decay, aqk, state, layout):
-    """The only sequential part: carry every sequence's state from one chunk to the next, and emit each
-    chunk's output from the state entering it. Returns ``[rows, C, V]`` outputs and the rank-ordered
-    final states ``[N, H, K, V]``."""
-    heads, key_dim, value_dim = state.shape[1:]
-    sizes = [count * heads for count in layout.active]
-    steps = zip(layout.active, *(x.split(sizes) for x in (w, u, qg, kdec.transpose(1, 2), decay[:, :, None], aqk)))
-    outs, finished = [], []
-    with _serial_if_small(state[:1].numel() * (layout.active[0] if layout.active else 0)):
-        for count, w_t, u_t, qg_t, kdec_t, decay_t, aqk_t in steps:
-            if count < state.shape[0]:
-                finished.append(state[count:])
-                state = state[:count]
-            s = state.reshape(count * heads, key_dim, value_dim)
-            n = torch.baddbmm(u_t, w_t, s, alpha=-1)  # corrected values u - w S0
-            outs.append(torch.baddbmm(torch.bmm(aqk_t, n), qg_t, s))
-            state = torch.baddbmm(s * decay_t, kdec_t, n).view(count, heads, key_dim, value_dim)
-    out = torch.cat(outs) if outs else u.new_empty(u.shape)
+    if in_place:
+        state = state.clone()  # never write into the caller's initial_state
+        out = layout.new_output(v, heads, value_dim)
+    full, finished, outs = state, [], []
+    n_steps = len(layout.active)
+    serial_size = state[:1].numel() * (layout.active[0] if layout.active else 0)
+    start = 0
+    while start < n_steps:
+        stop, rows = start, 0
+        while stop < n_steps and (stop == start or rows + layout.active[stop] * heads <= group):
+            rows += layout.active[stop] * heads
+            stop += 1
+        q_g, k_g, v_g, g_g, b_g = (layout.rows(x, start, stop) for x in sources)
+        w, u, qg, kdec, decay, aqk = _intra_chunk(q_g * scale, k_g, v_g, g_g, b_g.squeeze(-1), sub)
+        kdec, decay = kdec.transpose(1, 2), decay[:, :, None]
+        sizes = [layout.active[step] * heads for step in range(start, stop)]
+        parts = (x.split(sizes) for x in (w, u, qg, kdec, decay, aqk))
+        group_outs = []
+        with _serial_if_small(serial_size):
+            for count, w_t, u_t, qg_t, kdec_t, decay_t, aqk_t in zip(layout.active[start:stop], *parts):
+                if count < state.shape[0]:
+                    if not in_place:
+                        finished.append(state[count:])
+                    state = state[:count]
+                s = state.view(count * heads, key_dim, value_dim)
+                n = torch.baddbmm(u_t, w_t, s, alpha=-1)  # corrected values u - w S0
+                group_outs.append(torch.baddbmm(torch.bmm(aqk_t, n), qg_t, s))
+                if in_place:
+                    s.mul_(decay_t).baddbmm_(kdec_t, n)
+                else:
+                    state = torch.baddbmm(s * decay_t, kdec_t, n).view(count, heads, key_dim, value_dim)
+        if in_place:
+            layout.store(out, start, stop, torch.cat(group_outs) if len(group_outs) > 1 else group_outs[0])
+        else:
+            outs.extend(group_outs)
+        start = stop
+    if in_place:
+        return layout.finish(out), full
     final = torch.cat([state, *reversed(finished)]) if finished else state
-    return out, final
+    if not outs:
+        return v.new_zeros(*v.shape[:-1], value_dim), final
+    packed = torch.cat(outs).view(layout.n_slots, heads, chunk, value_dim)
+    return layout.unpack(packed), final
 
 
 def _intra_chunk(q, k, v, g, beta, sub):
@@ -816,7 +885,14 @@ def _intra_chunk(q, k, v, g, beta, sub):
         if float((high.clamp(min=0) - low.clamp(max=0)).max()) <= _SPAN_LIMIT:
             break
         sub //= 2
+    return _intra_body(q, k, v, beta, local)
 
+
+def _intra_body(q, k, v, beta, local):
+    """:func:`_intra_chunk` once the sub-chunk size is fixed: ``local`` ``[n, n_sub, sub, K]`` holds the
+    log-decays summed from each sub-chunk's start."""
+    n, n_sub, sub, key_dim = local.shape
+    chunk, value_dim = n_sub * sub, v.shape[-1]
     total = local[:, :, -1]  # [n, n_sub, K]
     tail = total[:, :, None] - local  # G_end(b) - G_s
     zero = total.new_zeros(n, 1, key_dim)
