@@ -906,10 +906,11 @@ def _intra_body(q, k, v, beta, local):
     # scores[:, 0] = k_r . (e^{G_r - G_s} k_s) and scores[:, 1] = q_r . (...), both [n, C, C] in blocks.
     scores = k.new_zeros(n, 2, n_sub, sub, chunk)
     up = (local - local[:, :, (sub - 1) // 2, None]).exp()  # e^{G_r - G_m}
-    rows = torch.stack([k_sub * up, q_sub * up], 1)  # [n, 2, a, sub, K]
-    diagonal = rows @ (k_sub * up.reciprocal()).transpose(-1, -2)[:, None]  # [n, 2, a, sub, sub]
+    rows = torch.stack([k_sub * up, q_sub * up], 2).view(n * n_sub, 2 * sub, key_dim)  # k then q rows of a
+    cols = (k_sub * up.reciprocal()).reshape(n * n_sub, sub, key_dim)
+    diagonal = torch.bmm(rows, cols.transpose(1, 2)).view(n, n_sub, 2, sub, sub)
     blocks = scores.view(n, 2, n_sub, sub, n_sub, sub).diagonal(dim1=2, dim2=4)  # [n, 2, sub, sub, a]
-    blocks.copy_(diagonal.permute(0, 1, 3, 4, 2))
+    blocks.copy_(diagonal.permute(0, 2, 3, 4, 1))
     if n_sub > 1:
         into = _exp_cut(local[:, 1:])  # e^{G_r - G_start(a)}, row blocks a >= 1
         rows = torch.cat([k_sub[:, 1:] * into, q_sub[:, 1:] * into], 2)  # [n, a - 1, 2 sub, K]
@@ -937,8 +938,8 @@ def _intra_body(q, k, v, beta, local):
     inverse = F.hardshrink(inverse, _FLUSH).to(k.dtype)
 
     growth = _exp_cut(prefix)  # e^{G_r} <= 1
-    solved = F.hardshrink(inverse @ (torch.cat([v, k * growth], -1) * beta), _FLUSH)
-    u, w = solved.split([value_dim, key_dim], -1)
+    u = F.hardshrink(torch.bmm(inverse, v * beta), _FLUSH)
+    w = F.hardshrink(torch.bmm(inverse, k * (growth * beta)), _FLUSH)
     return w, u, q * growth, k * _exp_cut(suffix), growth[:, -1], aqk
 
 
