@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.conv import causal_conv1d, causal_conv1d_update
-from ..ops.kda import chunk_kda, fused_recurrent_kda
+from ..ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda
 from .norm import KimiK3GatedRMSNorm
 
-# New tokens at or below which a cached step runs the token-by-token recurrence instead of the chunked form.
-RECURRENT_MAX_LEN = 8
+# New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'
+# step update) instead of the chunked form: the op's measured crossover.
+RECURRENT_MAX_LEN = RECURRENT_MAX_TOKENS
 
 
 def kda_forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,

@@ -58,11 +58,12 @@ BACKEND_ENV_VAR = "TRANSFORMERS_K3_KDA_BACKEND"
 _BACKENDS = ("torch", "fla")
 _forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("kda_backend", default=None)
 
-# kda() uses the token loop up to this many tokens per sequence. Measured on the reference 2-core CPU
-# (fp32, H=4, K=V=64, one thread): the chunked path costs ~0.9 ms even for one token (and pads every
-# sequence to a whole chunk), the loop ~25-40 us per token; they cross between 24 tokens (batch 1)
-# and ~48 (batch 8).
-RECURRENT_MAX_TOKENS = 32
+# kda() and the KDA layer's cached steps use the token loop up to this many tokens per sequence.
+# Measured on the reference 2-core CPU (fp32, batch 1, K=V=128, 2 threads, from a state): the chunked
+# path costs ~1.2 ms (H=4) / 3.4 ms (H=32) / 11 ms (H=96, K3) even for two tokens, the loop grows by
+# ~40 / ~100 / ~500 us per token; at 16 tokens the loop wins at every H (0.9 vs 1.3, 2.2 vs 3.9,
+# 9.8 vs 18.3 ms), at 32 the chunked form does (1.2 vs 1.6, 3.1 vs 4.0, 17.1 vs 21.4 ms).
+RECURRENT_MAX_TOKENS = 16
 
 # Default chunk sizes when chunk_size is None. On CPU, 32 beats 64 (~80K vs ~52K tokens/s per core at
 # H=4, K=V=64): the intra-chunk matrices shrink with the chunk while the state work per token does not.
