@@ -173,6 +173,8 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-layers", action="store_true")
+    parser.add_argument("--decode-tokens", type=int, default=1, help="tokens per call in the decode-step table")
+    parser.add_argument("--decode-calls", type=int, default=100, help="calls timed per row (median) there; 0: skip")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -248,6 +250,9 @@ def main():
         run_table("whole MoE layer", {name: layers[name] for name in ("K3 latent MoE (ours)", "DeepseekV3MoE")},
                   lambda name, n: layer_inputs(n, 2 * D if "ours" in name else D), lambda name: name)
 
+    if args.decode_calls:
+        decode_table(args, experts, layers, experts_inputs, layer_inputs, K3_GROUPED_MM)
+
     def best(table, ours: bool, column: int):
         rows = [(v[column], impl, name) for (t, name, impl), v in results.items()
                 if t == table and (("ours" in name) == ours)]
@@ -272,6 +277,37 @@ def main():
             print(f"{table:16s} {impl:10s} forward x{ours[0] / theirs[0]:8.2f}   "
                   f"forward+backward x{ours[1] / theirs[1]:8.2f}"
                   + ("   (in-tree eager measured on --slow-tokens)" if impl == "eager" else ""))
+
+
+def decode_table(args, experts, layers, experts_inputs, layer_inputs, k3_impl):
+    """Latency of one forward call on ``--decode-tokens`` tokens (a decode step), per (module, implementation):
+    the median of ``--decode-calls`` calls, taken round-robin over the rows in 10 rounds."""
+    n = args.decode_tokens
+    tables = [("experts only", experts, lambda name: experts_inputs(n))]
+    if not args.skip_layers:
+        modules = {name: layers[name] for name in ("K3 latent MoE (ours)", "DeepseekV3MoE")}
+        tables.append(("whole MoE layer", modules, lambda name: layer_inputs(n, 2 * args.latent if "ours" in name else args.latent)))
+    print(f"== decode step: one forward call on {n} token(s), median of {args.decode_calls} calls ==")
+    for table, modules, inputs_for in tables:
+        rows = [(name, impl, module, make_step(module, inputs_for(name), False))
+                for name, module in modules.items()
+                for impl in IMPLEMENTATIONS + ((k3_impl,) if "ours" in name else ())]
+        times = {(name, impl): [] for name, impl, _, _ in rows}
+        for name, impl, module, step in rows:
+            set_impl(module, impl)
+            step()  # warm-up
+        per_round = max(1, args.decode_calls // 10)
+        for _ in range(10):
+            for name, impl, module, step in rows:
+                set_impl(module, impl)
+                times[(name, impl)] += [_timed(step) for _ in range(per_round)]
+        medians = {key: sorted(v)[len(v) // 2] * 1e6 for key, v in times.items()}
+        for (name, impl), us in medians.items():
+            print(f"{table:16s} {name:26s} {impl:13s} {us:10.0f} us")
+        ours = min((us, key) for key, us in medians.items() if "ours" in key[0])
+        theirs = min((us, key) for key, us in medians.items() if "ours" not in key[0])
+        print(f"{table:16s} ours {ours[0]:.0f} us ({ours[1][1]}) vs in-tree {theirs[0]:.0f} us ({theirs[1][0]}, "
+              f"{theirs[1][1]}): in-tree time / ours x{theirs[0] / ours[0]:.2f}\n")
 
 
 if __name__ == "__main__":

@@ -132,3 +132,16 @@ def test_bench_kda_runs_at_a_tiny_size():
     for label in ("ours chunk_kda", "in-tree chunk_kimi_delta_attention", "fla naive_chunk_kda",
                   "ours fused_recurrent_kda, T=1", "matmul roofline"):  # fmt: skip
         assert label in stdout, output
+
+
+@pytest.mark.slow
+def test_bench_moe_runs_at_a_tiny_size():
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_moe.py", "--threads", "1", "--experts", "16", "--top-k", "4", "--tokens", "64",
+        "--slow-tokens", "8", "--reps", "1", "--decode-calls", "10", "--latent", "32", "--intermediate", "8",
+        timeout=300,
+    )  # fmt: skip
+    assert code == 0, output
+    for label in ("== experts only ==", "== whole MoE layer ==", "== decode step: one forward call on 1 token(s)",
+                  "K3 experts (ours)          k3_grouped_mm", "DeepseekV3MoE", "in-tree time / ours x"):  # fmt: skip
+        assert label in stdout, output

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformers_k3.layers import moe as moe_module
 from transformers_k3.layers.moe import (
     K3_GROUPED_MM,
     KimiK3Experts,
@@ -17,6 +18,15 @@ from transformers_k3.layers.moe import (
 )
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
+
+
+@pytest.fixture(params=["grouped", "gathered"])
+def k3_path(request, monkeypatch):
+    """`k3_grouped_mm` has two paths, the grouped GEMM and (for few assignments) gathered expert weights; the
+    tests that take this fixture run it once with each forced."""
+    limit = 1e18 if request.param == "gathered" else -1
+    monkeypatch.setattr(moe_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", limit)
+    return request.param
 
 
 def make_config(**overrides):
@@ -288,7 +298,7 @@ def test_gate_rows_come_first_in_gate_up_proj():
 
 @pytest.mark.parametrize("hidden_act", ["situ", "silu"])
 @pytest.mark.parametrize("latent", [32, None])
-def test_experts_implementations_agree(hidden_act, latent):
+def test_experts_implementations_agree(hidden_act, latent, k3_path):
     cfg = make_config(hidden_act=hidden_act, routed_expert_hidden_size=latent, num_experts=16, num_experts_per_tok=4)
     experts = randomize(KimiK3Experts(cfg))
     d = experts.hidden_dim
@@ -368,7 +378,7 @@ def experts_case(case):
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", ["many", "single_token", "top1"])
-def test_experts_outputs_and_gradients_match_the_per_token_loop(impl, case):
+def test_experts_outputs_and_gradients_match_the_per_token_loop(impl, case, k3_path):
     cfg = make_config(num_experts=16, _experts_implementation=impl)
     experts = randomize(KimiK3Experts(cfg))
     num_tokens, top_k, idx = experts_case(case)
@@ -387,7 +397,7 @@ def test_experts_outputs_and_gradients_match_the_per_token_loop(impl, case):
     assert not hit[3] and (experts.gate_up_proj.grad[~hit] == 0).all() and (experts.down_proj.grad[~hit] == 0).all()
 
 
-def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens():
+def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens(k3_path):
     cfg = make_config(_experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg))
     x = inputs(9, 32)
@@ -412,7 +422,7 @@ def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens():
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_experts_keep_the_input_dtype(impl):
+def test_experts_keep_the_input_dtype(impl, k3_path):
     cfg = make_config(_experts_implementation=impl)
     experts = randomize(KimiK3Experts(cfg)).bfloat16()
     x = inputs(6, 32).bfloat16()
@@ -542,7 +552,7 @@ def test_latent_norm_cancels_the_routed_scaling_factor():
 
 
 @pytest.mark.parametrize("latent", [32, None])
-def test_moe_implementations_agree(latent):
+def test_moe_implementations_agree(latent, k3_path):
     cfg, moe = make_moe(routed_expert_hidden_size=latent, num_experts=16, num_experts_per_tok=4)
     x = inputs(2, 9, cfg.hidden_size)
     outs, grads = {}, {}
@@ -615,3 +625,24 @@ def test_default_experts_implementation_is_k3_grouped_mm_and_all_are_selectable(
         assert experts.config._experts_implementation == impl
     config = transformers_k3.KimiK3TextConfig.tiny(experts_implementation="grouped_mm")
     assert transformers_k3.KimiK3ForCausalLM(config).config._experts_implementation == "grouped_mm"
+
+
+def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
+    """The default rule: a decode step at K3's expert count gathers the 16 experts' weights (the grouped GEMM
+    would visit all 896 experts); a 2,048-token batch runs the grouped GEMM; both agree."""
+    cfg = make_config(num_experts=896, num_experts_per_tok=16, routed_expert_hidden_size=32,
+                      moe_intermediate_size=8, _experts_implementation=K3_GROUPED_MM)
+    experts = randomize(KimiK3Experts(cfg))
+    calls = []
+    gathered = moe_module._gathered_experts
+    monkeypatch.setattr(moe_module, "_gathered_experts", lambda *a: calls.append(a[2].shape[0]) or gathered(*a))
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 2048):
+        x = inputs(tokens, 32)
+        idx = torch.stack([torch.randperm(896, generator=gen)[:16] for _ in range(tokens)])
+        w = torch.rand(tokens, 16, generator=gen)
+        out = experts(x, idx, w)
+        cfg._experts_implementation = "grouped_mm"
+        torch.testing.assert_close(out, experts(x, idx, w), atol=1e-5, rtol=1e-5)
+        cfg._experts_implementation = K3_GROUPED_MM
+    assert calls == [1]

@@ -102,6 +102,14 @@ class KimiK3Router(nn.Module):
 
 
 K3_GROUPED_MM = "k3_grouped_mm"
+# `k3_grouped_mm` gathers each (token, expert) assignment's weights instead of running the grouped GEMM while
+# assignments x weights per expert <= this many elements x the number of experts (see `_gathered_experts`).
+# CPU cost model from bench measurements (2 threads, fp32): the grouped GEMM spends ~3.1 us per expert, hit or
+# not, the gather ~0.45 ns per copied weight element; the rule keeps a safety factor of about 2. Measured at
+# 896 experts, top-16, latent 128 / intermediate 32: 1 token 144 vs 2,822 us, 14 tokens 1,288 vs 3,826 us,
+# 28 tokens (the last gathered) 2,259 vs 4,387 us; latent 512 / intermediate 128: 1 token 1,149 vs 3,286 us, 7
+# tokens (grouped) 25,268 vs 7,567 us.
+GATHER_MAX_ELEMENTS_PER_EXPERT = 6144
 
 
 def k3_grouped_mm_experts_forward(
@@ -123,13 +131,17 @@ def k3_grouped_mm_experts_forward(
     if self.has_bias or not self.has_gate or self.has_post_expert_norm:
         raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
     num_tokens, top_k = top_k_index.shape
+    expert_parallel = getattr(self, "_is_expert_parallel", False)
+    per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
+    if num_tokens * top_k * per_expert <= GATHER_MAX_ELEMENTS_PER_EXPERT * self.num_experts and not expert_parallel:
+        return _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
     sorted_ids, perm = torch.sort(top_k_index.reshape(-1))
     # histc, not bincount: a static output shape, so torch.compile traces the step without a graph break. CPU's
     # histc wants floats (exact for expert ids < 2**24). Ids >= num_experts fall outside the bins.
     histc_input = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
     counts = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = counts.cumsum(0, dtype=torch.int32)
-    if getattr(self, "_is_expert_parallel", False):
+    if expert_parallel:
         perm = perm[: int(offsets[-1])]  # sentinel ids (other ranks' experts) sort last: drop them (a host sync)
     token_ids = perm // top_k
 
@@ -142,6 +154,25 @@ def k3_grouped_mm_experts_forward(
 
     out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
     return out.index_add_(0, token_ids, expert_out.float()).to(hidden_states.dtype)
+
+
+def _gathered_experts(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`k3_grouped_mm`'s path for few (token, expert) assignments, e.g. a decode step: each assignment's expert
+    weights are gathered and the two products run as batched ``[1, D] x [D, 2I]`` / ``[1, I] x [I, D]``
+    GEMMs. Its cost follows the assignments, while the grouped GEMM visits every expert, hit or not (on CPU
+    ~3 us per expert: 2.8 ms per layer for one token at 896 experts). Assignments stay in token order, so the
+    ``k`` outputs of a token are summed without a scatter. Static shapes (compile-friendly); plain autograd."""
+    num_tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    gate_up_proj, down_proj = self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids)
+    if not self.is_transposed:  # gathered [A, out, in] -> [A, in, out] views
+        gate_up_proj, down_proj = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+    rows = hidden_states.unsqueeze(1).expand(num_tokens, top_k, hidden_states.shape[-1]).reshape(-1, 1, hidden_states.shape[-1])
+    glu = self._apply_gate(torch.bmm(rows, gate_up_proj)) * top_k_weights.reshape(-1, 1, 1).to(rows.dtype)
+    expert_out = torch.bmm(glu, down_proj).view(num_tokens, top_k, -1)
+    return expert_out.float().sum(1).to(hidden_states.dtype)
 
 
 ALL_EXPERTS_FUNCTIONS.register(K3_GROUPED_MM, k3_grouped_mm_experts_forward)
