@@ -11,9 +11,11 @@ from transformers_k3.layers.activations import (
     SITU_BETA_WHEN_NONE,
     get_gate_act_fn,
     get_glu_fn,
+    get_packed_glu_fn,
     silu_glu,
     situ_gate,
     situ_glu,
+    situ_glu_packed,
 )
 
 BETA, LINEAR_BETA = 4.0, 25.0
@@ -167,3 +169,59 @@ def test_unknown_hidden_act_raises(act):
     assert "situ" in str(err.value) and "silu" in str(err.value)
     with pytest.raises(ValueError, match="hidden_act"):
         get_gate_act_fn(_cfg(act))
+
+
+def _packed(a, u):
+    """[N] gate and up values as one [N / 4, 8] gate/up tensor (gate half first)."""
+    return torch.cat([a.reshape(-1, 4), u.reshape(-1, 4)], -1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_packed_matches_the_formula_and_situ_glu(grad):
+    gen = torch.Generator().manual_seed(6)
+    a, u = torch.randn(400, generator=gen) * 5, torch.randn(400, generator=gen) * 30
+    gate_up = _packed(a, u).requires_grad_(grad)
+    out = situ_glu_packed(gate_up)
+    assert out.shape == (100, 4)
+    ref = torch.tensor([_situ_scalar(x, y) for x, y in zip(a.double().tolist(), u.double().tolist())], dtype=torch.float64)
+    torch.testing.assert_close(out.detach().reshape(-1).double(), ref, atol=2e-5, rtol=1e-6)
+    torch.testing.assert_close(out.detach().reshape(-1), situ_glu(a, u), atol=2e-5, rtol=1e-6)
+    torch.testing.assert_close(situ_glu_packed(_packed(a, u), BETA, None).reshape(-1), situ_glu(a, u, BETA, None))
+
+
+def test_packed_gradients_match_the_analytic_derivative_and_gradcheck():
+    gen = torch.Generator().manual_seed(7)
+    a, u = torch.randn(500, generator=gen) * 5, torch.randn(500, generator=gen) * 30
+    gate_up = _packed(a, u).requires_grad_()
+    probe = torch.randn(125, 4, generator=gen)
+    (situ_glu_packed(gate_up) * probe).sum().backward()
+    da, du = _analytic_grads(a, u)
+    torch.testing.assert_close(gate_up.grad[:, :4].reshape(-1), da * probe.reshape(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gate_up.grad[:, 4:].reshape(-1), du * probe.reshape(-1), atol=1e-5, rtol=1e-5)
+    x = torch.cat([torch.randn(6, 3, generator=gen, dtype=torch.float64) * 4,
+                   torch.randn(6, 3, generator=gen, dtype=torch.float64) * 30], -1).requires_grad_()
+    assert situ_glu_packed(x).dtype == torch.float64
+    assert torch.autograd.gradcheck(lambda t: situ_glu_packed(t, BETA, LINEAR_BETA), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_no_nan_for_huge_or_infinite_inputs(dtype):
+    big = torch.finfo(dtype).max
+    vals = torch.tensor([1e4, -1e4, big, -big, math.inf, -math.inf, 0.0], dtype=torch.float32).to(dtype)
+    a, u = torch.meshgrid(vals, vals, indexing="ij")
+    gate_up = torch.stack([a.reshape(-1), u.reshape(-1)], -1).requires_grad_()  # I = 1
+    out = situ_glu_packed(gate_up)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), situ_glu(a.reshape(-1, 1), u.reshape(-1, 1)).float())
+    out.float().sum().backward()
+    assert torch.isfinite(gate_up.grad).all()
+
+
+def test_packed_odd_width_and_get_packed_glu_fn():
+    with pytest.raises(ValueError, match="even"):
+        situ_glu_packed(torch.zeros(2, 5))
+    gate_up = torch.randn(7, 8)
+    torch.testing.assert_close(get_packed_glu_fn(_cfg())(gate_up), situ_glu(*gate_up.chunk(2, -1)))
+    torch.testing.assert_close(get_packed_glu_fn(_cfg(beta=2.0, linear_beta=10.0))(gate_up),
+                               situ_glu(*gate_up.chunk(2, -1), 2.0, 10.0))
+    assert torch.equal(get_packed_glu_fn(_cfg("silu"))(gate_up), silu_glu(*gate_up.chunk(2, -1)))

@@ -61,6 +61,32 @@ def situ_glu(
     return (gate_factor * up_factor).to(out_dtype)
 
 
+def situ_glu_packed(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """`situ_glu` of a packed ``gate_up [..., 2I]`` (gate half first), as an expert's fused ``gate_up_proj``
+    produces it: ``situ_glu(*gate_up.chunk(2, -1), beta, linear_beta)`` in six element-wise ops instead of nine.
+    Both halves' ``tanh`` run as one op over the packed tensor scaled by ``(1 / beta, 1 / linear_beta)`` and
+    the two caps are applied as one factor ``beta * linear_beta`` at the end; without autograd the last
+    products run in place. The same values up to fp32 rounding (a reciprocal multiply instead of a division):
+    measured +7-13 % on the routed experts' forward at 896 experts, latent 128, intermediate 32 (three
+    interleaved runs; forward+backward unchanged within noise). ``linear_beta=None`` falls back to `situ_glu`."""
+    if linear_beta is None:
+        return situ_glu(*gate_up.chunk(2, dim=-1), beta=beta, linear_beta=None)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even (gate half, then up half), got {gate_up.shape[-1]}")
+    out_dtype = gate_up.dtype
+    x = gate_up.to(_compute_dtype(out_dtype))
+    half = x.shape[-1] // 2
+    scale = x.new_empty(2, half)
+    scale[0], scale[1] = 1.0 / beta, 1.0 / linear_beta
+    tanhs = torch.tanh(x * scale.view(-1))
+    gate_t, up_t = tanhs[..., :half], tanhs[..., half:]
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        out = torch.sigmoid(x[..., :half]) * gate_t * up_t * (beta * linear_beta)
+    else:
+        out = torch.sigmoid(x[..., :half]).mul_(gate_t).mul_(up_t).mul_(beta * linear_beta)
+    return out.to(out_dtype)
+
+
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU-GLU ``silu(a) * u`` in the input dtype (no fp32 round trip), exactly as transformers' Kimi
     Linear computes it, so that `hidden_act="silu"` checkpoints match it bit for bit."""
@@ -94,6 +120,19 @@ def get_glu_fn(config) -> GLUFn:
         return silu_glu
     beta, linear_beta = _situ_betas(config)
     return functools.partial(situ_glu, beta=beta, linear_beta=linear_beta)
+
+
+def get_packed_glu_fn(config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The GLU of a packed ``[..., 2I]`` gate/up tensor (gate half first), as the fused experts produce it:
+    `situ_glu_packed` for "situ", ``silu(gate) * up`` of the two halves for "silu" (bitwise transformers')."""
+    if _check_hidden_act(config) == "silu":
+        return _silu_glu_packed
+    beta, linear_beta = _situ_betas(config)
+    return functools.partial(situ_glu_packed, beta=beta, linear_beta=linear_beta)
+
+
+def _silu_glu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_glu(*gate_up.chunk(2, dim=-1))
 
 
 def get_gate_act_fn(config) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -19,7 +19,7 @@ from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
-from .activations import get_gate_act_fn, get_glu_fn
+from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn
 from .norm import KimiK3RMSNorm
 
 
@@ -197,14 +197,13 @@ class KimiK3Experts(nn.Module):
         self.intermediate_dim = config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-        self.glu_fn = get_glu_fn(config)
+        self.glu_fn = get_packed_glu_fn(config)  # of the packed gate/up GEMM output
         # Only the gate half's activation; kept because the experts interface expects an `act_fn`.
         # The gated paths never use it: they call `_apply_gate`, which also caps the up half.
         self.act_fn = get_gate_act_fn(config)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up_out.chunk(2, dim=-1)
-        return self.glu_fn(gate, up)
+        return self.glu_fn(gate_up_out)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
