@@ -218,8 +218,9 @@ def test_packed_no_nan_for_huge_or_infinite_inputs(dtype):
 
 
 def test_packed_odd_width_and_get_packed_glu_fn():
-    with pytest.raises(ValueError, match="even"):
-        situ_glu_packed(torch.zeros(2, 5))
+    for linear_beta in (LINEAR_BETA, None):
+        with pytest.raises(ValueError, match="even"):
+            situ_glu_packed(torch.zeros(2, 5), BETA, linear_beta)
     gate_up = torch.randn(7, 8)
     torch.testing.assert_close(get_packed_glu_fn(_cfg())(gate_up), situ_glu(*gate_up.chunk(2, -1)))
     torch.testing.assert_close(get_packed_glu_fn(_cfg(beta=2.0, linear_beta=10.0))(gate_up),
