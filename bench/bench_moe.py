@@ -36,6 +36,13 @@ from torch import nn
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' own; ours also run K3_GROUPED_MM
 
 
+def implementations_for(name: str) -> tuple[str, ...]:
+    """The experts implementations a row's module runs under: ours (names with "ours") also `k3_grouped_mm`."""
+    from transformers_k3.layers.moe import K3_GROUPED_MM
+
+    return IMPLEMENTATIONS + ((K3_GROUPED_MM,) if "ours" in name else ())
+
+
 # --------------------------------------------------------------------------------------------------
 # Measurement
 # --------------------------------------------------------------------------------------------------
@@ -181,8 +188,6 @@ def main():
 
     import transformers
 
-    from transformers_k3.layers.moe import K3_GROUPED_MM
-
     rate = gemm_rate()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; "
           f"fp32 GEMM {rate / 1e9:.1f} GFLOP/s (1024^3)")
@@ -214,7 +219,7 @@ def main():
         ``--reps`` rounds (best of), so that load from other processes hits every row alike."""
         rows = []
         for name, module in modules.items():
-            for impl in IMPLEMENTATIONS + ((K3_GROUPED_MM,) if "ours" in name else ()):
+            for impl in implementations_for(name):
                 slow = impl == "eager" and "ours" not in name
                 n = args.slow_tokens if slow else args.tokens
                 make = inputs_for(name, n)
@@ -251,7 +256,7 @@ def main():
                   lambda name, n: layer_inputs(n, 2 * D if "ours" in name else D), lambda name: name)
 
     if args.decode_calls:
-        decode_table(args, experts, layers, experts_inputs, layer_inputs, K3_GROUPED_MM)
+        decode_table(args, experts, layers, experts_inputs, layer_inputs)
 
     def best(table, ours: bool, column: int):
         rows = [(v[column], impl, name) for (t, name, impl), v in results.items()
@@ -279,7 +284,7 @@ def main():
                   + ("   (in-tree eager measured on --slow-tokens)" if impl == "eager" else ""))
 
 
-def decode_table(args, experts, layers, experts_inputs, layer_inputs, k3_impl):
+def decode_table(args, experts, layers, experts_inputs, layer_inputs):
     """Latency of one forward call on ``--decode-tokens`` tokens (a decode step), per (module, implementation):
     the median of ``--decode-calls`` calls, taken round-robin over the rows in 10 rounds."""
     n = args.decode_tokens
@@ -291,7 +296,7 @@ def decode_table(args, experts, layers, experts_inputs, layer_inputs, k3_impl):
     for table, modules, inputs_for in tables:
         rows = [(name, impl, module, make_step(module, inputs_for(name), False))
                 for name, module in modules.items()
-                for impl in IMPLEMENTATIONS + ((k3_impl,) if "ours" in name else ())]
+                for impl in implementations_for(name)]
         times = {(name, impl): [] for name, impl, _, _ in rows}
         for name, impl, module, step in rows:
             set_impl(module, impl)

@@ -145,9 +145,7 @@ def k3_grouped_mm_experts_forward(
         perm = perm[: int(offsets[-1])]  # sentinel ids (other ranks' experts) sort last: drop them (a host sync)
     token_ids = perm // top_k
 
-    gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
-    if not self.is_transposed:  # the kernel takes [E, in, out]: transposed views, no copy
-        gate_up_proj, down_proj = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+    gate_up_proj, down_proj = _in_out(self, self.gate_up_proj, self.down_proj)  # the kernel takes [E, in, out]
     gate_up = _grouped_mm(hidden_states.index_select(0, token_ids), gate_up_proj, offsets)
     routing_weights = top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     expert_out = _grouped_mm(self._apply_gate(gate_up) * routing_weights, down_proj, offsets)
@@ -166,13 +164,19 @@ def _gathered_experts(
     ``k`` outputs of a token are summed without a scatter. Static shapes (compile-friendly); plain autograd."""
     num_tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
-    gate_up_proj, down_proj = self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids)
-    if not self.is_transposed:  # gathered [A, out, in] -> [A, in, out] views
-        gate_up_proj, down_proj = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+    gate_up_proj, down_proj = _in_out(self, self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids))
     rows = hidden_states.unsqueeze(1).expand(num_tokens, top_k, hidden_states.shape[-1]).reshape(-1, 1, hidden_states.shape[-1])
     glu = self._apply_gate(torch.bmm(rows, gate_up_proj)) * top_k_weights.reshape(-1, 1, 1).to(rows.dtype)
     expert_out = torch.bmm(glu, down_proj).view(num_tokens, top_k, -1)
     return expert_out.float().sum(1).to(hidden_states.dtype)
+
+
+def _in_out(self: nn.Module, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weight stacks (all experts or gathered ones) as ``[*, in, out]``: transposed views, no copy, unless
+    the module already stores them that way (``is_transposed``)."""
+    if self.is_transposed:
+        return gate_up_proj, down_proj
+    return gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
 
 
 ALL_EXPERTS_FUNCTIONS.register(K3_GROUPED_MM, k3_grouped_mm_experts_forward)
