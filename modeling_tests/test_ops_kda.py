@@ -1,6 +1,7 @@
 """Tests for the KDA core (spec section 4.6): our chunked and recurrent PyTorch paths against fla's
 naive recurrent reference (loaded by file path so fla's Triton-importing package init never runs) and
-against our own naive twin."""
+against our own naive twin. Every test runs twice: with the fused CPU kernel (which computes chunked
+calls without autograd) and with it turned off (the pure PyTorch path)."""
 
 import importlib.util
 import pathlib
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops import kda as kda_ops
 from transformers_k3.ops.kda import (
     BACKEND_ENV_VAR,
@@ -47,6 +49,16 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True, params=["fused", "pytorch"])
+def cpu_path(request):
+    """Run the test with the fused CPU kernel on, then off (where it is not built, the first run skips
+    and says why)."""
+    if request.param == "fused" and cpu_kernel.library() is None:
+        pytest.skip(f"fused CPU KDA kernel unavailable: {cpu_kernel.load_error()}")
+    with cpu_kernel.use_cpu_kernel(request.param == "fused"):
+        yield request.param
 
 
 @pytest.fixture(scope="module")

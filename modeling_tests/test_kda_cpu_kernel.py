@@ -1,0 +1,172 @@
+"""The fused CPU KDA kernel (transformers_k3/ops/csrc/kda_cpu.cpp): when it runs, that it matches fla's
+naive reference on its own code paths (factored and exact pairwise decays, several threads, packed
+sequences), and that building it is cached, atomic and falls back cleanly. The numerics of every public
+KDA entry point are also run with the kernel on and off in test_ops_kda.py."""
+
+import logging
+import os
+import pathlib
+import stat
+
+import pytest
+import torch
+
+from transformers_k3.ops import cpu_kernel
+from transformers_k3.ops import kda as kda_ops
+from transformers_k3.ops.kda import chunk_kda
+
+from test_ops_kda import assert_close, make_inputs
+
+
+@pytest.fixture(scope="module")
+def fla_naive():
+    from test_ops_kda import _load_fla_naive
+
+    module, reason = _load_fla_naive()
+    if module is None:
+        pytest.skip(reason)
+    return module.naive_recurrent_kda
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_kernel.library() is None:
+        pytest.skip(f"fused CPU KDA kernel unavailable: {cpu_kernel.load_error()}")
+    return cpu_kernel.library()
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A clean slate for the loader: nothing tried yet, an empty cache directory."""
+    monkeypatch.setitem(cpu_kernel._state, "tried", False)
+    monkeypatch.setitem(cpu_kernel._state, "lib", None)
+    monkeypatch.setitem(cpu_kernel._state, "error", None)
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _count_pytorch_chunked(monkeypatch):
+    calls = []
+    original = kda_ops._chunked
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kda_ops, "_chunked", counting)
+    return calls
+
+
+def test_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
+    """No autograd, fp32 compute (bf16 inputs are promoted), CPU, enabled: the kernel; with gradients or
+    when turned off: the PyTorch chunked path."""
+    calls = _count_pytorch_chunked(monkeypatch)
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
+    with torch.no_grad():
+        chunk_kda(q, k, v, g, beta, initial_state=h0)
+        chunk_kda(*(x.bfloat16() for x in (q, k, v)), g, beta, initial_state=h0)
+    assert calls == []
+    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+        chunk_kda(q, k, v, g, beta, initial_state=h0)
+    assert len(calls) == 1
+    chunk_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_and_packed_sequences_match_fla(kernel, fla_naive, threads):
+    """Tasks are (sequence, head) pairs spread over OpenMP threads; sequences of different lengths
+    (partial last chunks, an empty one) each give fla's answer, with head dim 128."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, g, beta, _ = make_inputs(1, 200, 3, 128, 64, "k3", seed=4)
+        lengths = [97, 0, 32, 1, 70]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        states = torch.randn(len(lengths), 3, 128, 64, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            o, s = chunk_kda(q, k, v, g, beta, initial_state=states, output_final_state=True, cu_seqlens=cu)
+        for i, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+            piece = [x[:, start:end] for x in (q, k, v, g, beta)]
+            ref_o, ref_s = fla_naive(*piece, initial_state=states[i : i + 1], output_final_state=True)
+            assert_close(o[:, start:end], ref_o)
+            assert_close(s[i : i + 1], ref_s)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_factored_and_exact_pairwise_decays_in_one_sequence(kernel, fla_naive):
+    """A chunk whose log-decays span more than the factored form allows (|G_r - G_mid| > 80) is computed
+    with one exponential per pair; chunks of both kinds follow each other in one sequence and share the
+    state."""
+    q, k, v, g, beta, h0 = make_inputs(2, 160, 2, 16, 16, "k3", seed=8)
+    g = g.clone()
+    g[:, 40:72] = -12.0  # chunk 1 (tokens 32..63) partly, chunk 2 (64..95) partly: spans of 12 x 16 = 192
+    g[:, 100] = -300.0  # one step that wipes the state in chunk 3
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    with torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(o, ref_o)
+    assert_close(s, ref_s)
+
+
+def test_non_finite_inputs_propagate(kernel):
+    """A NaN in a chunk's inputs shows up in that sequence's outputs (it is not silently dropped)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 64, 1, 8, 8, "k3", seed=2)
+    g = g.clone()
+    g[1, 10, 0, 3] = float("nan")
+    with torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o[0]).all() and torch.isfinite(s[0]).all()
+    assert torch.isnan(o[1, 10:]).any() and torch.isnan(s[1]).any()
+
+
+def test_build_is_cached_and_leaves_no_temporary_files(fresh_build):
+    lib = cpu_kernel.library()
+    if lib is None:
+        pytest.skip(f"no build possible here: {cpu_kernel.load_error()}")
+    built = sorted(os.listdir(fresh_build))
+    assert len(built) == 1 and built[0].startswith("kda_cpu_") and built[0].endswith(".so"), built
+    first = (fresh_build / built[0]).stat().st_mtime_ns
+    cpu_kernel._state.update(tried=False, lib=None, error=None)
+    assert cpu_kernel.library() is not None
+    assert sorted(os.listdir(fresh_build)) == built
+    assert (fresh_build / built[0]).stat().st_mtime_ns == first  # loaded, not rebuilt
+
+
+def test_no_compiler_falls_back_to_the_pytorch_path(fresh_build, monkeypatch, tmp_path, caplog, fla_naive):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__), torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert "no C++ compiler found" in cpu_kernel.load_error()
+    assert "using the PyTorch path" in caplog.text
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(o, ref_o)
+    assert_close(s, ref_s)
+
+
+def test_failed_build_reports_the_compiler_error(fresh_build, monkeypatch, tmp_path):
+    script = tmp_path / "broken-cxx"
+    script.write_text("#!/bin/sh\necho 'fatal error: simulated' >&2\nexit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(script))
+    assert cpu_kernel.library() is None
+    assert "simulated" in cpu_kernel.load_error()
+    assert os.listdir(fresh_build) == []  # the temporary output was removed
+
+
+def test_switch(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    assert not cpu_kernel.enabled()
+    with cpu_kernel.use_cpu_kernel(True):
+        assert cpu_kernel.enabled()
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=cpu_kernel.ENV_VAR):
+        cpu_kernel.enabled()
+
+
+def test_source_ships_with_the_package():
+    assert cpu_kernel.SOURCE.is_file()
+    assert pathlib.Path(cpu_kernel.SOURCE).suffix == ".cpp"

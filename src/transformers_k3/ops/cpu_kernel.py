@@ -1,0 +1,188 @@
+"""The fused CPU KDA kernel (``csrc/kda_cpu.cpp``): built on first use, loaded with ctypes.
+
+The chunked PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of its time in element-wise
+passes, one kernel launch each, over tensors that the C++ kernel keeps in cache per (sequence, head); it
+computes the same algorithm for inference (fp32, no autograd) with the matrix products in the BLAS sgemm
+torch already links. Training, other dtypes and machines where it cannot be built use the PyTorch path.
+
+The source is compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; about a
+second: it includes no torch headers) into ``$TRANSFORMERS_K3_CACHE`` (default
+``~/.cache/transformers_k3``), under a name that hashes the source, the compiler command, torch's
+version and location and this CPU's model and feature flags (it is built with ``-march=native``, so a
+cache shared between different machines never hands one the other's binary). It is written to a
+temporary name and renamed, so a concurrent or interrupted build never leaves a partial library behind.
+If no compiler is found or the build fails, the reason is logged once and the PyTorch path is used.
+
+``TRANSFORMERS_K3_CPU_KERNEL=0`` (or :func:`use_cpu_kernel`) turns the kernel off, e.g. to compare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
+CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
+SOURCE = pathlib.Path(__file__).with_name("csrc") / "kda_cpu.cpp"
+
+_lock = threading.Lock()
+_state: dict = {"tried": False, "lib": None, "error": None}
+_override: list[bool | None] = [None]
+
+
+@contextlib.contextmanager
+def use_cpu_kernel(enabled: bool) -> Iterator[None]:
+    """Force the fused CPU kernel on (where it can run) or off inside a ``with`` block (overrides
+    ``TRANSFORMERS_K3_CPU_KERNEL``)."""
+    previous = _override[0]
+    _override[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _override[0] = previous
+
+
+def enabled() -> bool:
+    if _override[0] is not None:
+        return _override[0]
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_VAR} must be 1 or 0 (on / off), got {value!r}")
+
+
+def load_error() -> str | None:
+    """Why the kernel could not be built or loaded (None if it loaded or was not tried yet)."""
+    return _state["error"]
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first call; None if that is impossible here."""
+    if _state["tried"]:
+        return _state["lib"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _state["lib"] = _load()
+            except Exception as error:  # no compiler, failed build, unloadable library: use the PyTorch path
+                _state["error"] = f"{type(error).__name__}: {error}"
+                logger.warning("transformers_k3: fused CPU KDA kernel unavailable, using the PyTorch path (%s)",
+                               _state["error"])
+            _state["tried"] = True
+    return _state["lib"]
+
+
+def _cache_dir() -> pathlib.Path:
+    if os.environ.get(CACHE_ENV_VAR):
+        return pathlib.Path(os.environ[CACHE_ENV_VAR])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "transformers_k3"
+
+
+def _cpu_identity() -> str:
+    """This CPU's model name and feature flags (what -march=native compiles for)."""
+    parts = [platform.machine(), platform.system()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
+                    parts.append(line.strip())
+                if line.strip() == "":
+                    break  # the first processor's block is enough
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def _command(compiler: str, torch_lib: str, output: str, native: bool) -> list[str]:
+    return [
+        compiler, "-O3", *(["-march=native"] if native else []), "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+        str(SOURCE), "-o", output, f"-L{torch_lib}", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}",
+        f"-Wl,-rpath-link,{torch_lib}",
+    ]  # fmt: skip
+
+
+def _load() -> ctypes.CDLL:
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    torch_lib = str(pathlib.Path(torch.__file__).parent / "lib")
+    source = SOURCE.read_bytes()
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for native in (True, False):
+        key = hashlib.sha256(
+            b"\0".join([source, " ".join(_command(compiler, torch_lib, "", native)).encode(),
+                        _cpu_identity().encode(), torch.__version__.encode()])
+        ).hexdigest()[:16]  # fmt: skip
+        path = cache / f"kda_cpu_{key}.so"
+        if not path.exists():
+            fd, tmp = tempfile.mkstemp(prefix=f".kda_cpu_{key}.", suffix=".so", dir=cache)
+            os.close(fd)
+            try:
+                done = subprocess.run(_command(compiler, torch_lib, tmp, native), capture_output=True, text=True)
+                if done.returncode != 0:
+                    errors.append(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
+                    continue
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(path))
+        function = lib.k3_kda_chunk_forward
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_float,
+                                                                                                 ctypes.c_int]
+        return lib
+    raise RuntimeError(f"building {SOURCE.name} failed:\n" + "\n---\n".join(errors))
+
+
+def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
+    """Chunked KDA forward with the fused kernel, or None when it cannot run here (then use the PyTorch path).
+
+    ``q, k, g`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, all fp32 on CPU, ``q`` not
+    yet scaled; ``state`` ``[N, H, K, V]`` fp32 in sequence order (not modified); ``bounds`` the host
+    ``cu_seqlens`` (then ``B == 1``) or None for ``N == B`` whole sequences. Returns ``(o [B, T, H, V],
+    final state [N, H, K, V])``.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    final = state.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(batch, length, heads, value_dim, dtype=torch.float32)
+    if bounds is None:
+        starts = torch.arange(batch, dtype=torch.int64) * length
+        lengths = torch.full((batch,), length, dtype=torch.int64)
+    else:
+        edges = torch.tensor(bounds, dtype=torch.int64)
+        starts, lengths = edges[:-1].contiguous(), (edges[1:] - edges[:-1]).contiguous()
+    status = lib.k3_kda_chunk_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), out.data_ptr(), final.data_ptr(),
+        starts.data_ptr(), lengths.data_ptr(), starts.numel(), heads, key_dim, value_dim, chunk, float(scale),
+        max(1, torch.get_num_threads()),
+    )  # fmt: skip
+    if status != 0:
+        logger.warning("transformers_k3: fused CPU KDA kernel returned status %d, using the PyTorch path", status)
+        return None
+    return out, final
