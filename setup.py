@@ -9,7 +9,7 @@ setup(
     package_dir={"": "src"},
     packages=find_packages("src"),
     include_package_data=True,
-    package_data={"transformers_k3": ["assets/**/*", "ops/csrc/*.cpp"]},
+    package_data={"transformers_k3": ["assets/**/*", "ops/csrc/*.cpp", "ops/csrc/*.h"]},
     python_requires=">=3.10",
     # torch is pinned loosely on purpose: a plain `torch` requirement on a machine without torch pulls a
     # multi-GB CUDA build; install the CPU wheel first (see README) and this range is already satisfied.

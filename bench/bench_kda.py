@@ -1,6 +1,7 @@
 """Throughput and memory of the CPU KDA implementations, on identical inputs.
 
-Compares our ``chunk_kda`` / ``fused_recurrent_kda`` (PyTorch path) with transformers' in-tree
+Compares our ``chunk_kda`` (the fused CPU kernel it uses for inference, and with that kernel turned off
+its pure PyTorch path, which training uses) and ``fused_recurrent_kda`` with transformers' in-tree
 ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (their PyTorch fallbacks) and fla's
 ``naive_chunk_kda`` / ``naive_recurrent_kda`` (loaded by file path: fla's package init needs Triton), at
 H = 4 and 32 heads of K = V = 128, batch 1, fp32, for prefill (T in {1K, 4K, 16K}) and for the single-token
@@ -64,7 +65,8 @@ import tempfile
 import time
 
 METHODS = {
-    "ours_chunk": "ours chunk_kda",
+    "ours_chunk": "ours chunk_kda (fused CPU kernel)",
+    "ours_chunk_pytorch": "ours chunk_kda, PyTorch path",
     "ours_recurrent": "ours fused_recurrent_kda",
     "intree_chunk": "in-tree chunk_kimi_delta_attention",
     "intree_recurrent": "in-tree recurrent_kimi_delta_attention",
@@ -97,7 +99,7 @@ def chunked_kda_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chu
 
 def method_chunk(method: str) -> int | None:
     """Chunk size the method computes with (None: a token loop), for its FLOP count."""
-    if method == "ours_chunk":
+    if method in ("ours_chunk", "ours_chunk_pytorch"):
         from transformers_k3.ops.kda import TORCH_CHUNK_SIZE
 
         return TORCH_CHUNK_SIZE
@@ -159,11 +161,19 @@ def _intree(name: str):
 
 def _load_method(name: str):
     """``fn(q, k, v, g, beta, state) -> (o, final_state)``; ``state`` is None for prefill."""
-    if name == "ours_chunk":
+    if name in ("ours_chunk", "ours_chunk_pytorch"):
+        from transformers_k3.ops import cpu_kernel
         from transformers_k3.ops.kda import chunk_kda
 
-        return lambda q, k, v, g, b, s: chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True,
-                                                  backend="torch")  # fmt: skip
+        fused = name == "ours_chunk"
+        if fused and cpu_kernel.library() is None:
+            raise RuntimeError(f"the fused CPU kernel is unavailable: {cpu_kernel.load_error()}")
+
+        def run(q, k, v, g, b, s):
+            with cpu_kernel.use_cpu_kernel(fused):
+                return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True, backend="torch")
+
+        return run
     if name in ("ours_recurrent", "ours_decode"):
         from transformers_k3.ops.kda import fused_recurrent_kda
 

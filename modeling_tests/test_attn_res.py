@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.layers.attn_res import KimiK3AttnResRead
+from transformers_k3.ops import cpu_kernel
 
 from conftest import load_fla_reference, randomize_
 
@@ -103,7 +104,9 @@ def test_stack_matches_a_literal_reimplementation_of_the_spec(tiny_model):
     config = model.config
     ids = torch.randint(3, 512, (2, 9))
     eps = config.rms_norm_eps
-    with torch.no_grad():
+    # The pure PyTorch sublayers: the fused CPU kernels round differently, which moves the fp32 gap between
+    # the two orders of the same sums from 8.7e-6 to 1.2e-5 (values up to ~3); they have their own tests.
+    with torch.no_grad(), cpu_kernel.use_cpu_kernel(False):
         bank, p = [], model.embed_tokens(ids)
         for l, layer in enumerate(model.layers):
             mix, _ = spec_attn_res(bank + [p], layer.self_attention_res_proj.weight[0],

@@ -131,6 +131,14 @@ def get_packed_glu_fn(config) -> Callable[[torch.Tensor], torch.Tensor]:
     return functools.partial(situ_glu_packed, beta=beta, linear_beta=linear_beta)
 
 
+def glu_spec(config) -> tuple:
+    """The configured GLU as plain values for the fused CPU experts kernel: ``("silu",)`` or
+    ``("situ", beta, linear_beta)`` (``linear_beta`` None: the up half is not capped)."""
+    if _check_hidden_act(config) == "silu":
+        return ("silu",)
+    return ("situ", *_situ_betas(config))
+
+
 def _silu_glu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_glu(*gate_up.chunk(2, dim=-1))
 

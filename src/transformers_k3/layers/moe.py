@@ -19,7 +19,8 @@ from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
-from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn
+from ..ops import cpu_kernel
+from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .norm import KimiK3RMSNorm
 
 
@@ -132,6 +133,14 @@ def k3_grouped_mm_experts_forward(
         raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
     num_tokens, top_k = top_k_index.shape
     expert_parallel = getattr(self, "_is_expert_parallel", False)
+    activation = getattr(self, "glu_activation", None)
+    if activation is not None and not expert_parallel and cpu_kernel.applies(
+        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj
+    ):
+        out = cpu_kernel.moe_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                                             self.down_proj, self.is_transposed, activation)  # fmt: skip
+        if out is not None:
+            return out
     per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
     if num_tokens * top_k * per_expert <= GATHER_MAX_ELEMENTS_PER_EXPERT * self.num_experts and not expert_parallel:
         return _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
@@ -202,6 +211,7 @@ class KimiK3Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.glu_fn = get_packed_glu_fn(config)  # of the packed gate/up GEMM output
+        self.glu_activation = glu_spec(config)  # the same GLU for the fused CPU kernel (`cpu_kernel`)
         # Only the gate half's activation; kept because the experts interface expects an `act_fn`.
         # The gated paths never use it: they call `_apply_gate`, which also caps the up half.
         self.act_fn = get_gate_act_fn(config)

@@ -1,11 +1,16 @@
-"""The fused CPU KDA kernel (``csrc/kda_cpu.cpp``): built on first use, loaded with ctypes.
+"""The fused CPU kernels (``csrc/*.cpp``): built on first use, loaded with ctypes.
 
-The chunked PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of its time in element-wise
-passes, one kernel launch each, over tensors that the C++ kernel keeps in cache per (sequence, head); it
-computes the same algorithm for inference (fp32, no autograd) with the matrix products in the BLAS sgemm
-torch already links. Training, other dtypes and machines where it cannot be built use the PyTorch path.
+* ``kda_cpu.cpp``: chunked KDA. The PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of
+  its time in element-wise passes, one kernel launch each, over tensors that the C++ kernel keeps in cache
+  per (sequence, head).
+* ``moe_cpu.cpp``: the routed experts (the ``"k3_grouped_mm"`` implementation). torch's CPU grouped GEMM
+  wraps one ``at::mm`` per expert, and gather, GLU, weighting and scatter are each a pass over ``[N k, *]``.
 
-The source is compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; about a
+Both compute the same algorithm as the PyTorch code they replace, for inference (fp32, no autograd), with
+the matrix products in the BLAS sgemm torch already links. Training, other dtypes and machines where the
+kernels cannot be built use the PyTorch path.
+
+The sources are compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; about a
 second: it includes no torch headers) into ``$TRANSFORMERS_K3_CACHE`` (default
 ``~/.cache/transformers_k3``), under a name that hashes the source, the compiler command, torch's
 version and location and this CPU's model and feature flags (it is built with ``-march=native``, so a
@@ -13,7 +18,7 @@ cache shared between different machines never hands one the other's binary). It 
 temporary name and renamed, so a concurrent or interrupted build never leaves a partial library behind.
 If no compiler is found or the build fails, the reason is logged once and the PyTorch path is used.
 
-``TRANSFORMERS_K3_CPU_KERNEL=0`` (or :func:`use_cpu_kernel`) turns the kernel off, e.g. to compare.
+``TRANSFORMERS_K3_CPU_KERNEL=0`` (or :func:`use_cpu_kernel`) turns the kernels off, e.g. to compare.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "kda_cpu.cpp"
+SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
+SOURCES = (SOURCE_DIR / "kda_cpu.cpp", SOURCE_DIR / "moe_cpu.cpp")
+HEADERS = (SOURCE_DIR / "common.h",)
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
@@ -65,6 +72,18 @@ def enabled() -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{ENV_VAR} must be 1 or 0 (on / off), got {value!r}")
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU, no autograd
+    (the kernels have no backward), not being traced by torch.compile (a ctypes call would break the graph).
+    The library is built on the first call that qualifies."""
+    return (
+        enabled()
+        and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
+        and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+        and not torch.compiler.is_compiling()
+    )
 
 
 def load_error() -> str | None:
@@ -113,9 +132,9 @@ def _cpu_identity() -> str:
 
 def _command(compiler: str, torch_lib: str, output: str, native: bool) -> list[str]:
     return [
-        compiler, "-O3", *(["-march=native"] if native else []), "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
-        str(SOURCE), "-o", output, f"-L{torch_lib}", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}",
-        f"-Wl,-rpath-link,{torch_lib}",
+        compiler, "-O3", *(["-march=native"] if native else []), "-fno-math-errno", "-fno-trapping-math",
+        "-fopenmp", "-std=c++17", "-shared", "-fPIC", *map(str, SOURCES), "-o", output, f"-L{torch_lib}",
+        "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath-link,{torch_lib}",
     ]  # fmt: skip
 
 
@@ -124,7 +143,7 @@ def _load() -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
     torch_lib = str(pathlib.Path(torch.__file__).parent / "lib")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     cache = _cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     errors = []
@@ -147,12 +166,14 @@ def _load() -> ctypes.CDLL:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         lib = ctypes.CDLL(str(path))
-        function = lib.k3_kda_chunk_forward
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_float,
-                                                                                                 ctypes.c_int]
+        pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        lib.k3_kda_chunk_forward.restype = i32
+        lib.k3_kda_chunk_forward.argtypes = [pointer] * 9 + [i64] + [i32] * 4 + [f32, i32]
+        lib.k3_moe_experts_forward.restype = i32
+        lib.k3_moe_experts_forward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
+                                               i64, i32, i32, f32, f32, pointer, pointer, i32]  # fmt: skip
         return lib
-    raise RuntimeError(f"building {SOURCE.name} failed:\n" + "\n---\n".join(errors))
+    raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
 
 def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
@@ -186,3 +207,42 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
         logger.warning("transformers_k3: fused CPU KDA kernel returned status %d, using the PyTorch path", status)
         return None
     return out, final
+
+
+def moe_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
+                        activation: tuple):  # fmt: skip
+    """Routed experts' forward with the fused kernel, or None when it cannot run here (then use the PyTorch path).
+
+    ``hidden_states [N, D]``, ``top_k_weights [N, k]`` fp32 and ``top_k_index [N, k]`` on CPU; ``gate_up_proj
+    [E, 2I, D]`` and ``down_proj [E, D, I]`` fp32 (``transposed``: stored ``[E, D, 2I]`` / ``[E, I, D]``);
+    ``activation`` ``("silu",)`` or ``("situ", beta, linear_beta or None)``. Returns ``out [N, D]`` fp32:
+    ``out[t] = sum_j w[t, j] * down_e(glu(gate_up_e(x[t])))``, ``e = top_k_index[t, j]``; ids outside
+    ``[0, E)`` contribute nothing.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
+        return None  # copying all experts' weights per call would cost more than the kernel saves
+    num_tokens, top_k = top_k_index.shape
+    num_experts = gate_up_proj.shape[0]
+    hidden = hidden_states.shape[-1]
+    inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
+    if activation[0] == "silu":
+        kind, beta, linear_beta = 0, 0.0, 0.0
+    else:
+        kind, beta, linear_beta = 1, float(activation[1]), float(activation[2] or 0.0)
+    x = hidden_states.contiguous()
+    index = top_k_index.to(torch.int64).contiguous()
+    weights = top_k_weights.contiguous()
+    sorted_rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32)
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    status = lib.k3_moe_experts_forward(
+        x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
+        int(transposed), down_proj.data_ptr(), int(transposed), num_experts, inter, kind, beta, linear_beta,
+        sorted_rows.data_ptr(), out.data_ptr(), max(1, torch.get_num_threads()),
+    )  # fmt: skip
+    if status != 0:
+        logger.warning("transformers_k3: fused CPU MoE kernel returned status %d, using the PyTorch path", status)
+        return None
+    return out

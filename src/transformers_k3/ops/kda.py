@@ -414,17 +414,6 @@ def kda(
 # Argument checking
 
 
-def _fused_cpu_applies(*tensors) -> bool:
-    """Whether the fused CPU kernel (:mod:`transformers_k3.ops.cpu_kernel`) may compute this call: fp32 CPU
-    tensors, no autograd, the kernel enabled. It is built on the first call that qualifies."""
-    return (
-        cpu_kernel.enabled()
-        and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
-        and not _needs_grad(*tensors)
-        and not torch.compiler.is_compiling()
-    )
-
-
 def _needs_grad(*values) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in values)
 
@@ -572,7 +561,7 @@ def _torch_kda(
         return o, final.transpose(-1, -2).contiguous() if state_v_first else final
 
     bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
-    if block is not None and _fused_cpu_applies(q, k, v, g, beta, state):
+    if block is not None and cpu_kernel.applies(q, k, v, g, beta, state):
         fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, block)
         if fused is not None:
             o, final = fused

@@ -1,0 +1,303 @@
+"""The fused CPU kernels (transformers_k3/ops/csrc): when each runs; the KDA kernel against fla's naive
+reference on its own code paths (factored and exact pairwise decays, several threads, packed sequences);
+the routed-experts kernel against a float64 per-token loop written from the spec (SiTU with and without
+the up cap, SiLU, experts split over several tasks, transposed weights, sentinels, no tokens); and that
+building them is cached, atomic and falls back cleanly. The numerics of every public KDA entry point are
+also run with the kernel on and off in test_ops_kda.py."""
+
+import logging
+import os
+import pathlib
+import stat
+
+import pytest
+import torch
+
+from transformers_k3.ops import cpu_kernel
+from transformers_k3.ops import kda as kda_ops
+from transformers_k3.layers import moe as moe_module
+from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
+from transformers_k3.ops.kda import chunk_kda
+
+from test_moe import make_config, randomize, ref_experts
+from test_ops_kda import assert_close, make_inputs
+
+
+@pytest.fixture(scope="module")
+def fla_naive():
+    from test_ops_kda import _load_fla_naive
+
+    module, reason = _load_fla_naive()
+    if module is None:
+        pytest.skip(reason)
+    return module.naive_recurrent_kda
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if cpu_kernel.library() is None:
+        pytest.skip(f"fused CPU KDA kernel unavailable: {cpu_kernel.load_error()}")
+    return cpu_kernel.library()
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A clean slate for the loader: nothing tried yet, an empty cache directory."""
+    monkeypatch.setitem(cpu_kernel._state, "tried", False)
+    monkeypatch.setitem(cpu_kernel._state, "lib", None)
+    monkeypatch.setitem(cpu_kernel._state, "error", None)
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _count_pytorch_chunked(monkeypatch):
+    calls = []
+    original = kda_ops._chunked
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kda_ops, "_chunked", counting)
+    return calls
+
+
+def test_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
+    """No autograd, fp32 compute (bf16 inputs are promoted), CPU, enabled: the kernel; with gradients or
+    when turned off: the PyTorch chunked path."""
+    calls = _count_pytorch_chunked(monkeypatch)
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
+    with torch.no_grad():
+        chunk_kda(q, k, v, g, beta, initial_state=h0)
+        chunk_kda(*(x.bfloat16() for x in (q, k, v)), g, beta, initial_state=h0)
+    assert calls == []
+    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+        chunk_kda(q, k, v, g, beta, initial_state=h0)
+    assert len(calls) == 1
+    chunk_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_and_packed_sequences_match_fla(kernel, fla_naive, threads):
+    """Tasks are (sequence, head) pairs spread over OpenMP threads; sequences of different lengths
+    (partial last chunks, an empty one) each give fla's answer, with head dim 128."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, g, beta, _ = make_inputs(1, 200, 3, 128, 64, "k3", seed=4)
+        lengths = [97, 0, 32, 1, 70]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        states = torch.randn(len(lengths), 3, 128, 64, generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            o, s = chunk_kda(q, k, v, g, beta, initial_state=states, output_final_state=True, cu_seqlens=cu)
+        for i, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+            piece = [x[:, start:end] for x in (q, k, v, g, beta)]
+            ref_o, ref_s = fla_naive(*piece, initial_state=states[i : i + 1], output_final_state=True)
+            assert_close(o[:, start:end], ref_o)
+            assert_close(s[i : i + 1], ref_s)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_factored_and_exact_pairwise_decays_in_one_sequence(kernel, fla_naive):
+    """A chunk whose log-decays span more than the factored form allows (|G_r - G_mid| > 80) is computed
+    with one exponential per pair; chunks of both kinds follow each other in one sequence and share the
+    state."""
+    q, k, v, g, beta, h0 = make_inputs(2, 160, 2, 16, 16, "k3", seed=8)
+    g = g.clone()
+    g[:, 40:72] = -12.0  # chunk 1 (tokens 32..63) partly, chunk 2 (64..95) partly: spans of 12 x 16 = 192
+    g[:, 100] = -300.0  # one step that wipes the state in chunk 3
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    with torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(o, ref_o)
+    assert_close(s, ref_s)
+
+
+def test_non_finite_inputs_propagate(kernel):
+    """A NaN in a chunk's inputs shows up in that sequence's outputs (it is not silently dropped)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 64, 1, 8, 8, "k3", seed=2)
+    g = g.clone()
+    g[1, 10, 0, 3] = float("nan")
+    with torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o[0]).all() and torch.isfinite(s[0]).all()
+    assert torch.isnan(o[1, 10:]).any() and torch.isnan(s[1]).any()
+
+
+def test_build_is_cached_and_leaves_no_temporary_files(fresh_build):
+    lib = cpu_kernel.library()
+    if lib is None:
+        pytest.skip(f"no build possible here: {cpu_kernel.load_error()}")
+    built = sorted(os.listdir(fresh_build))
+    assert len(built) == 1 and built[0].startswith("kda_cpu_") and built[0].endswith(".so"), built
+    first = (fresh_build / built[0]).stat().st_mtime_ns
+    cpu_kernel._state.update(tried=False, lib=None, error=None)
+    assert cpu_kernel.library() is not None
+    assert sorted(os.listdir(fresh_build)) == built
+    assert (fresh_build / built[0]).stat().st_mtime_ns == first  # loaded, not rebuilt
+
+
+def test_no_compiler_falls_back_to_the_pytorch_path(fresh_build, monkeypatch, tmp_path, caplog, fla_naive):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__), torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert "no C++ compiler found" in cpu_kernel.load_error()
+    assert "using the PyTorch path" in caplog.text
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(o, ref_o)
+    assert_close(s, ref_s)
+
+
+def test_failed_build_reports_the_compiler_error(fresh_build, monkeypatch, tmp_path):
+    script = tmp_path / "broken-cxx"
+    script.write_text("#!/bin/sh\necho 'fatal error: simulated' >&2\nexit 1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(script))
+    assert cpu_kernel.library() is None
+    assert "simulated" in cpu_kernel.load_error()
+    assert os.listdir(fresh_build) == []  # the temporary output was removed
+
+
+def test_switch(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
+    assert not cpu_kernel.enabled()
+    with cpu_kernel.use_cpu_kernel(True):
+        assert cpu_kernel.enabled()
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=cpu_kernel.ENV_VAR):
+        cpu_kernel.enabled()
+
+
+def test_sources_ship_with_the_package():
+    for path in (*cpu_kernel.SOURCES, *cpu_kernel.HEADERS):
+        assert pathlib.Path(path).is_file(), path
+
+
+# --------------------------------------------------------------------------------------------------
+# Routed experts
+
+
+def _forbid_pytorch_experts(monkeypatch):
+    """Make the PyTorch paths of k3_grouped_mm fail, so a passing call proves the kernel computed it."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the PyTorch path ran")
+
+    monkeypatch.setattr(moe_module, "_grouped_mm", fail)
+    monkeypatch.setattr(moe_module, "_gathered_experts", fail)
+
+
+def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
+    gen = torch.Generator().manual_seed(seed)
+    choices = [e for e in range(num_experts) if e != skip]
+    picks = [torch.randperm(len(choices), generator=gen)[:top_k] for _ in range(num_tokens)]
+    idx = torch.tensor(choices)[torch.stack(picks)] if picks else torch.zeros(0, top_k, dtype=torch.long)
+    w = torch.rand(num_tokens, top_k, generator=gen)
+    return idx, w
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # SiTU with both caps, latent 32
+        {"activation_situ_linear_beta": None},
+        {"hidden_act": "silu"},
+        {"routed_expert_hidden_size": None},  # full width 64
+    ],
+)
+@pytest.mark.parametrize("shape", [(37, 4), (1, 4), (20, 1), (300, 2)])
+def test_experts_kernel_matches_the_per_token_loop(kernel, monkeypatch, overrides, shape):
+    """Inference through k3_grouped_mm: the kernel's output equals the float64 spec loop <= 1e-5 (300 tokens
+    on top-2 of 16 experts gives experts more rows than one task takes)."""
+    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM, **overrides)
+    experts = randomize(KimiK3Experts(cfg))
+    num_tokens, top_k = shape
+    idx, w = _routing(num_tokens, top_k, 16, skip=3)
+    x = torch.randn(num_tokens, experts.hidden_dim, generator=torch.Generator().manual_seed(5))
+    _forbid_pytorch_experts(monkeypatch)
+    with torch.no_grad():
+        out = experts(x, idx, w)
+    ref, _ = ref_experts(experts, x, idx, w, torch.zeros(num_tokens, experts.hidden_dim))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_kernel_reads_transposed_weights(kernel):
+    cfg = make_config(num_experts=16)
+    experts = randomize(KimiK3Experts(cfg))
+    idx, w = _routing(40, 4, 16)
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(6))
+    expected = cpu_kernel.moe_experts_forward(x, idx, w, experts.gate_up_proj.data, experts.down_proj.data, False,
+                                              experts.glu_activation)  # fmt: skip
+    ref, _ = ref_experts(experts, x, idx, w, torch.zeros(40, 32))
+    torch.testing.assert_close(expected.double(), ref, atol=1e-5, rtol=1e-5)
+    gate_up_t = experts.gate_up_proj.data.transpose(1, 2).contiguous()
+    down_t = experts.down_proj.data.transpose(1, 2).contiguous()
+    out = cpu_kernel.moe_experts_forward(x, idx, w, gate_up_t, down_t, True, experts.glu_activation)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    # non-contiguous weights are not copied per call: the caller falls back to the PyTorch path
+    assert cpu_kernel.moe_experts_forward(x, idx, w, gate_up_t.transpose(1, 2), down_t, False,
+                                          experts.glu_activation) is None  # fmt: skip
+
+
+def test_experts_kernel_sentinels_and_no_tokens(kernel):
+    """Ids outside [0, E) (expert-parallel sentinels) contribute nothing; zero tokens give an empty output."""
+    cfg = make_config(num_experts=8)
+    experts = randomize(KimiK3Experts(cfg))
+    idx, w = _routing(9, 2, 8)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(7))
+    args = (experts.gate_up_proj.data, experts.down_proj.data, False, experts.glu_activation)
+    out = cpu_kernel.moe_experts_forward(x, idx, w, *args)
+    with_sentinels = cpu_kernel.moe_experts_forward(
+        x, torch.cat([idx, torch.full((9, 1), 8), torch.full((9, 1), -1)], 1),
+        torch.cat([w, torch.ones(9, 2)], 1), *args,
+    )  # fmt: skip
+    torch.testing.assert_close(with_sentinels, out, atol=0, rtol=0)
+    empty = cpu_kernel.moe_experts_forward(x[:0], idx[:0], w[:0], *args)
+    assert empty.shape == (0, 32)
+
+
+def test_experts_kernel_huge_activations_stay_bounded(kernel):
+    """SiTU caps both halves: activations of 1e30 and infinities give the PyTorch path's finite values."""
+    cfg = make_config(num_experts=8, _experts_implementation=K3_GROUPED_MM)
+    experts = randomize(KimiK3Experts(cfg))
+    idx, w = _routing(6, 2, 8)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(8)) * 1e30
+    x[0, 0] = float("inf")
+    with torch.no_grad():
+        fused = experts(x, idx, w)
+        with cpu_kernel.use_cpu_kernel(False):
+            reference = experts(x, idx, w)
+    assert torch.isfinite(reference).all()
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-5)
+
+
+def test_experts_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
+    """No autograd and fp32 weights and inputs: the kernel; under autograd (the parameters require grad),
+    in bf16, under expert parallelism or when turned off: the PyTorch path."""
+    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
+    experts = randomize(KimiK3Experts(cfg))
+    idx, w = _routing(37, 4, 16)
+    x = torch.randn(37, 32, generator=torch.Generator().manual_seed(9))
+    calls = []
+    grouped = moe_module._grouped_mm
+    monkeypatch.setattr(moe_module, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    monkeypatch.setattr(moe_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", -1)  # always the grouped GEMM
+    with torch.no_grad():
+        experts(x, idx, w)
+        assert calls == []
+        with cpu_kernel.use_cpu_kernel(False):
+            experts(x, idx, w)
+        assert len(calls) == 2
+        experts._is_expert_parallel = True
+        experts(x, idx, w)
+        assert len(calls) == 4
+        experts._is_expert_parallel = False
+        experts.bfloat16()(x.bfloat16(), idx, w)
+        assert len(calls) == 6
+    experts.float()(x, idx, w)  # grad enabled and the parameters require grad
+    assert len(calls) == 8

@@ -1,0 +1,58 @@
+// Helpers shared by the fused CPU kernels (kda_cpu.cpp, moe_cpu.cpp): row-major sgemm through the BLAS that
+// torch links, and element-wise functions written branch-free so that loops over them vectorise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define K3_HAVE_MXCSR 1
+#define K3_FTZ_DAZ 0x8040u  // MXCSR flush-to-zero and denormals-are-zero
+#endif
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace k3 {
+
+// C[M x N] = alpha op(A)[M x K] op(B)[K x N] + beta C, all row-major with leading dimensions.
+// A row-major matrix is its transpose in column-major order, so this is sgemm on C^T = op(B)^T op(A)^T.
+inline void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                 const float* b, int ldb, float beta, float* c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    for (int i = 0; i < m; ++i)
+      for (int j = 0; j < n; ++j) c[(int64_t)i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[(int64_t)i * ldc + j];
+    return;
+  }
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// exp(x) to ~1 ulp (Cephes' expf: range reduction by ln 2, degree-7 polynomial, exponent bits); written
+// branch-free so that loops over it vectorise. 0 below -87 (the result would be subnormal), +inf above
+// 88.5, NaN stays NaN.
+inline float fast_exp(float x) {
+  float xc = x < -87.0f ? -87.0f : (x > 88.5f ? 88.5f : x);
+  float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  float result = y * scale;
+  result = x < -87.0f ? 0.0f : result;
+  return x > 88.5f ? INFINITY : result;
+}
+
+}  // namespace k3

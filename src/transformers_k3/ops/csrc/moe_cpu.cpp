@@ -1,0 +1,185 @@
+// Routed-experts forward on CPU (fp32, no autograd): the same computation as the "k3_grouped_mm" experts
+// implementation (transformers_k3.layers.moe), fused per expert.
+//
+// torch's CPU grouped GEMM runs one at::mm per expert, with a tensor and a dispatch around each, and every
+// step around it (gather, GLU, weighting, scatter) is a separate pass over [N * k, *] tensors. Here the
+// (token, slot) assignments are counting-sorted by expert, then each task takes up to kTile rows of one
+// expert: gathers them, runs [rows, D] x [D, 2I] through sgemm, applies the GLU and the routing weight in
+// cache, and runs [rows, I] x [I, D] straight into the expert-sorted output rows. A last parallel pass sums
+// each token's k rows (fp32, in slot order).
+//
+// Layouts (row-major, fp32, contiguous): x [N, D]; top_k_index (int64) / top_k_weights [N, k];
+// gate_up [E, 2I, D] (gate rows, then up rows) or, transposed, [E, D, 2I]; down [E, D, I] or [E, I, D];
+// sorted (scratch) [N * k, D]; out [N, D]. Ids outside [0, E) (expert-parallel sentinels) contribute nothing.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using k3::fast_exp;
+using k3::gemm;
+
+constexpr int kTile = 128;  // rows per task: bounds the scratch; experts with more rows are split
+
+// tanh to a few ulp (Cephes' tanhf: odd polynomial below 0.625, 1 - 2 / (e^{2|x|} + 1) above), branch-free.
+// NaN stays NaN, +-inf gives +-1.
+inline float fast_tanh(float x) {
+  const float ax = std::fabs(x);
+  const float e = fast_exp(2.0f * (ax > 44.0f ? 44.0f : ax));
+  const float big = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
+  const float z = x * x;
+  const float small =
+      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+       3.33332819422e-1f) * z * x + x;
+  return ax < 0.625f ? small : big;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+
+struct Activation {
+  int kind;           // 0: silu(gate) * up; 1: SiTU
+  float beta;         // SiTU gate cap
+  float linear_beta;  // SiTU up cap; <= 0: the up half is not capped
+};
+
+// glu[r, i] = weight[r] * act(h[r, i], h[r, I + i]) for `rows` rows of h [rows, 2I].
+void apply_glu(const float* h, float* glu, const float* weight, int rows, int inter, const Activation& act) {
+  for (int r = 0; r < rows; ++r) {
+    const float* gate = h + (size_t)r * 2 * inter;
+    const float* up = gate + inter;
+    float* o = glu + (size_t)r * inter;
+    const float w = weight[r];
+    if (act.kind == 0) {
+#pragma omp simd
+      for (int i = 0; i < inter; ++i) o[i] = gate[i] * sigmoid(gate[i]) * up[i] * w;
+    } else if (act.linear_beta > 0.0f) {
+      const float inv_beta = 1.0f / act.beta, inv_linear = 1.0f / act.linear_beta;
+      const float cap = act.beta * act.linear_beta * w;
+#pragma omp simd
+      for (int i = 0; i < inter; ++i)
+        o[i] = fast_tanh(gate[i] * inv_beta) * sigmoid(gate[i]) * fast_tanh(up[i] * inv_linear) * cap;
+    } else {
+      const float inv_beta = 1.0f / act.beta, cap = act.beta * w;
+#pragma omp simd
+      for (int i = 0; i < inter; ++i) o[i] = fast_tanh(gate[i] * inv_beta) * sigmoid(gate[i]) * up[i] * cap;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be allocated.
+int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
+                           const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
+                           const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
+                           float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads) {
+  if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
+      (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
+    return 1;
+  const Activation act{act_kind, act_beta, act_linear_beta};
+  const int64_t n_assign = n_tokens * top_k;
+  std::vector<int64_t> offsets, order, position;
+  std::vector<int64_t> tiles;  // start row (in sorted order) of each task; its expert in tile_expert
+  std::vector<int64_t> tile_expert;
+  try {
+    // Counting sort of the assignments by expert (stable: token order within an expert).
+    offsets.assign(n_experts + 1, 0);
+    for (int64_t a = 0; a < n_assign; ++a) {
+      const int64_t e = top_k_index[a];
+      if (e >= 0 && e < n_experts) ++offsets[e + 1];
+    }
+    for (int64_t e = 0; e < n_experts; ++e) offsets[e + 1] += offsets[e];
+    order.resize(offsets[n_experts]);
+    position.assign(n_assign, -1);
+    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+    for (int64_t a = 0; a < n_assign; ++a) {
+      const int64_t e = top_k_index[a];
+      if (e >= 0 && e < n_experts) {
+        position[a] = fill[e];
+        order[fill[e]++] = a;
+      }
+    }
+    for (int64_t e = 0; e < n_experts; ++e)
+      for (int64_t start = offsets[e]; start < offsets[e + 1]; start += kTile) {
+        tiles.push_back(start);
+        tile_expert.push_back(e);
+      }
+  } catch (...) {
+    return 2;
+  }
+
+  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+  const int64_t n_tiles = (int64_t)tiles.size();
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+#ifdef K3_HAVE_MXCSR
+    const unsigned int saved = _mm_getcsr();
+    _mm_setcsr(saved | K3_FTZ_DAZ);
+#endif
+    // Every thread must reach both work-sharing loops (their barriers wait for all), so a failed
+    // allocation only marks the call as failed; the caller then falls back to the PyTorch path.
+    std::vector<float> rows_x, rows_h, rows_glu, weights;
+    bool ok = true;
+    try {
+      rows_x.resize((size_t)kTile * hidden);
+      rows_h.resize((size_t)kTile * 2 * inter);
+      rows_glu.resize((size_t)kTile * inter);
+      weights.resize(kTile);
+    } catch (...) {
+      ok = false;
+#pragma omp atomic write
+      status = 2;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      if (!ok) continue;
+      const int64_t e = tile_expert[t], start = tiles[t];
+      const int rows = (int)std::min<int64_t>(kTile, offsets[e + 1] - start);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t a = order[start + r];
+        std::memcpy(rows_x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
+        weights[r] = top_k_weights[a];
+      }
+      const float* wgu = gate_up + e * gate_up_size;
+      if (gate_up_transposed)
+        gemm(false, false, rows, 2 * inter, hidden, 1.0f, rows_x.data(), hidden, wgu, 2 * inter, 0.0f,
+             rows_h.data(), 2 * inter);
+      else
+        gemm(false, true, rows, 2 * inter, hidden, 1.0f, rows_x.data(), hidden, wgu, hidden, 0.0f, rows_h.data(),
+             2 * inter);
+      apply_glu(rows_h.data(), rows_glu.data(), weights.data(), rows, inter, act);
+      const float* wd = down + e * down_size;
+      float* y = sorted + start * hidden;
+      if (down_transposed)
+        gemm(false, false, rows, hidden, inter, 1.0f, rows_glu.data(), inter, wd, hidden, 0.0f, y, hidden);
+      else
+        gemm(false, true, rows, hidden, inter, 1.0f, rows_glu.data(), inter, wd, inter, 0.0f, y, hidden);
+    }
+    // out[t] = sum over the token's valid slots of its expert-sorted rows (fp32, slot order).
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      float* o = out + t * hidden;
+      for (int i = 0; i < hidden; ++i) o[i] = 0.0f;
+      for (int j = 0; j < top_k; ++j) {
+        const int64_t p = position[t * top_k + j];
+        if (p < 0) continue;
+        const float* y = sorted + p * hidden;
+#pragma omp simd
+        for (int i = 0; i < hidden; ++i) o[i] += y[i];
+      }
+    }
+#ifdef K3_HAVE_MXCSR
+    _mm_setcsr(saved);
+#endif
+  }
+  return status;
+}
+
+}  // extern "C"
