@@ -5,8 +5,9 @@ in-tree MoE layers at the same shape, in one process.
     python bench/bench_moe.py --tokens 4096 --reps 5
 
 Two tables. Our modules run under every experts implementation: transformers' eager / grouped_mm / batched_mm
-and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`); the in-tree modules under
-transformers' three.
+and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`; its forward without
+autograd runs the fused CPU kernel, ``csrc/moe_cpu.cpp``), plus ``k3_gmm_torch``, the same with the kernels
+turned off (its PyTorch path, which forward+backward always uses); the in-tree modules under transformers' three.
 
 * experts only: `KimiK3Experts` vs transformers' `KimiLinearExperts` and `Qwen3_5MoeExperts` (DeepSeek-V3's
   experts are the same code as Kimi Linear's) with the same weight shapes ``[E, 2I, D]`` / ``[E, D, I]`` and the
@@ -34,13 +35,16 @@ import torch
 from torch import nn
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' own; ours also run K3_GROUPED_MM
+# `k3_grouped_mm` with the fused CPU kernels turned off: its PyTorch path (the one autograd always uses).
+K3_PYTORCH = "k3_gmm_torch"
 
 
 def implementations_for(name: str) -> tuple[str, ...]:
-    """The experts implementations a row's module runs under: ours (names with "ours") also `k3_grouped_mm`."""
+    """The experts implementations a row's module runs under: ours (names with "ours") also `k3_grouped_mm`
+    (whose forward without autograd runs the fused CPU kernel) and its PyTorch path alone."""
     from transformers_k3.layers.moe import K3_GROUPED_MM
 
-    return IMPLEMENTATIONS + ((K3_GROUPED_MM,) if "ours" in name else ())
+    return IMPLEMENTATIONS + ((K3_GROUPED_MM, K3_PYTORCH) if "ours" in name else ())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,10 +108,14 @@ def peak_memory(step) -> float:
 
 
 def set_impl(module: nn.Module, impl: str) -> None:
+    from transformers_k3.layers.moe import K3_GROUPED_MM
+    from transformers_k3.ops import cpu_kernel
+
+    cpu_kernel.set_enabled(False if impl == K3_PYTORCH else None)
     for sub in module.modules():
         config = getattr(sub, "config", None)
         if config is not None and hasattr(sub, "gate_up_proj"):
-            config._experts_implementation = impl
+            config._experts_implementation = K3_GROUPED_MM if impl == K3_PYTORCH else impl
 
 
 @torch.no_grad()

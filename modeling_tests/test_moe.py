@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_k3.layers import moe as moe_module
+from transformers_k3.ops import cpu_kernel
 from transformers_k3.layers.moe import (
     K3_GROUPED_MM,
     KimiK3Experts,
@@ -20,13 +21,21 @@ from transformers_k3.layers.moe import (
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
 
-@pytest.fixture(params=["grouped", "gathered"])
+@pytest.fixture(params=["grouped", "gathered", "fused"])
 def k3_path(request, monkeypatch):
-    """`k3_grouped_mm` has two paths, the grouped GEMM and (for few assignments) gathered expert weights; the
-    tests that take this fixture run it once with each forced."""
+    """`k3_grouped_mm` has three paths on CPU: the fused C++ kernel (fp32, forward and backward), and with it
+    turned off the grouped GEMM and (for few assignments) gathered expert weights; the tests that take this
+    fixture run it once with each forced."""
+    if request.param == "fused":
+        if cpu_kernel.library() is None:
+            pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
+        with cpu_kernel.use_cpu_kernel(True):
+            yield request.param
+        return
     limit = 1e18 if request.param == "gathered" else -1
     monkeypatch.setattr(moe_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", limit)
-    return request.param
+    with cpu_kernel.use_cpu_kernel(False):
+        yield request.param
 
 
 def make_config(**overrides):
@@ -628,8 +637,10 @@ def test_default_experts_implementation_is_k3_grouped_mm_and_all_are_selectable(
 
 
 def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
-    """The default rule: a decode step at K3's expert count gathers the 16 experts' weights (the grouped GEMM
-    would visit all 896 experts); a 2,048-token batch runs the grouped GEMM; both agree."""
+    """The PyTorch path's default rule (with the fused CPU kernel turned off): a decode step at K3's expert
+    count gathers the 16 experts' weights (the grouped GEMM would visit all 896 experts); a 2,048-token batch
+    runs the grouped GEMM; both agree."""
+    monkeypatch.setattr(cpu_kernel, "enabled", lambda: False)
     cfg = make_config(num_experts=896, num_experts_per_tok=16, routed_expert_hidden_size=32,
                       moe_intermediate_size=8, _experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg))

@@ -135,10 +135,10 @@ def k3_grouped_mm_experts_forward(
     expert_parallel = getattr(self, "_is_expert_parallel", False)
     activation = getattr(self, "glu_activation", None)
     if activation is not None and not expert_parallel and cpu_kernel.applies(
-        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj
+        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, differentiable=True
     ):
-        out = cpu_kernel.moe_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                                             self.down_proj, self.is_transposed, activation)  # fmt: skip
+        out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                     self.is_transposed, activation)  # fmt: skip
         if out is not None:
             return out
     per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()

@@ -56,11 +56,16 @@ def use_cpu_kernel(enabled: bool) -> Iterator[None]:
     """Force the fused CPU kernel on (where it can run) or off inside a ``with`` block (overrides
     ``TRANSFORMERS_K3_CPU_KERNEL``)."""
     previous = _override[0]
-    _override[0] = bool(enabled)
+    set_enabled(enabled)
     try:
         yield
     finally:
         _override[0] = previous
+
+
+def set_enabled(value: bool | None) -> None:
+    """Turn the fused kernels on or off for the whole process (None: back to ``TRANSFORMERS_K3_CPU_KERNEL``)."""
+    _override[0] = None if value is None else bool(value)
 
 
 def enabled() -> bool:
@@ -74,14 +79,14 @@ def enabled() -> bool:
     raise ValueError(f"{ENV_VAR} must be 1 or 0 (on / off), got {value!r}")
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU, no autograd
-    (the kernels have no backward), not being traced by torch.compile (a ctypes call would break the graph).
-    The library is built on the first call that qualifies."""
+def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
+    """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU, not being traced
+    by torch.compile (a ctypes call would break the graph) and, unless the kernel has a backward
+    (``differentiable``), no autograd. The library is built on the first call that qualifies."""
     return (
         enabled()
         and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
-        and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+        and (differentiable or not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
         and not torch.compiler.is_compiling()
     )
 
@@ -172,6 +177,9 @@ def _load() -> ctypes.CDLL:
         lib.k3_moe_experts_forward.restype = i32
         lib.k3_moe_experts_forward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
                                                i64, i32, i32, f32, f32, pointer, pointer, i32]  # fmt: skip
+        lib.k3_moe_experts_backward.restype = i32
+        lib.k3_moe_experts_backward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
+                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32]  # fmt: skip
         return lib
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
@@ -209,40 +217,98 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
     return out, final
 
 
-def moe_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
-                        activation: tuple):  # fmt: skip
-    """Routed experts' forward with the fused kernel, or None when it cannot run here (then use the PyTorch path).
+def _activation_args(activation: tuple) -> tuple[int, float, float]:
+    if activation[0] == "silu":
+        return 0, 0.0, 0.0
+    return 1, float(activation[1]), float(activation[2] or 0.0)
+
+
+def _ptr(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
+                activation: tuple):  # fmt: skip
+    """The routed experts through the fused kernel, differentiable (the kernel has a backward), or None when it
+    cannot run here (then use the PyTorch path).
 
     ``hidden_states [N, D]``, ``top_k_weights [N, k]`` fp32 and ``top_k_index [N, k]`` on CPU; ``gate_up_proj
     [E, 2I, D]`` and ``down_proj [E, D, I]`` fp32 (``transposed``: stored ``[E, D, 2I]`` / ``[E, I, D]``);
     ``activation`` ``("silu",)`` or ``("situ", beta, linear_beta or None)``. Returns ``out [N, D]`` fp32:
     ``out[t] = sum_j w[t, j] * down_e(glu(gate_up_e(x[t])))``, ``e = top_k_index[t, j]``; ids outside
-    ``[0, E)`` contribute nothing.
+    ``[0, E)`` contribute nothing. Gradients reach ``hidden_states``, ``top_k_weights`` and both weights.
     """
+    if library() is None or not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
+        return None  # (copying all experts' weights per call would cost more than the kernel saves)
+    tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return _FusedExperts.apply(*tensors, top_k_index, transposed, activation)
+    return _experts_forward(*tensors, top_k_index, transposed, activation)
+
+
+def moe_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
+                        activation: tuple):  # fmt: skip
+    """:func:`moe_experts` without autograd (the result never requires grad)."""
+    with torch.no_grad():
+        return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed, activation)
+
+
+def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
     lib = library()
-    if lib is None:
-        return None
-    if not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
-        return None  # copying all experts' weights per call would cost more than the kernel saves
     num_tokens, top_k = top_k_index.shape
-    num_experts = gate_up_proj.shape[0]
     hidden = hidden_states.shape[-1]
     inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
-    if activation[0] == "silu":
-        kind, beta, linear_beta = 0, 0.0, 0.0
-    else:
-        kind, beta, linear_beta = 1, float(activation[1]), float(activation[2] or 0.0)
-    x = hidden_states.contiguous()
+    x, weights = hidden_states.detach().contiguous(), top_k_weights.detach().contiguous()
     index = top_k_index.to(torch.int64).contiguous()
-    weights = top_k_weights.contiguous()
     sorted_rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32)
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     status = lib.k3_moe_experts_forward(
         x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
-        int(transposed), down_proj.data_ptr(), int(transposed), num_experts, inter, kind, beta, linear_beta,
-        sorted_rows.data_ptr(), out.data_ptr(), max(1, torch.get_num_threads()),
+        int(transposed), down_proj.data_ptr(), int(transposed), gate_up_proj.shape[0], inter,
+        *_activation_args(activation), sorted_rows.data_ptr(), out.data_ptr(), max(1, torch.get_num_threads()),
     )  # fmt: skip
     if status != 0:
         logger.warning("transformers_k3: fused CPU MoE kernel returned status %d, using the PyTorch path", status)
         return None
     return out
+
+
+class _FusedExperts(torch.autograd.Function):
+    """Forward and backward of the routed experts in the fused kernel (``k3_moe_experts_forward`` /
+    ``_backward``). The backward recomputes the experts' first products instead of keeping them."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
+        out = _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed,
+                               activation)  # fmt: skip
+        if out is None:
+            raise RuntimeError("the fused CPU MoE kernel failed (see the warning above)")
+        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index)
+        ctx.transposed, ctx.activation = transposed, activation
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
+        need_x, need_w, need_gate_up, need_down = ctx.needs_input_grad[:4]
+        num_tokens, top_k = top_k_index.shape
+        hidden = hidden_states.shape[-1]
+        inter = (gate_up_proj.shape[1] if not ctx.transposed else gate_up_proj.shape[2]) // 2
+        grad_x = torch.empty(num_tokens, hidden) if need_x else None
+        grad_w = torch.empty(num_tokens, top_k) if need_w else None
+        grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
+        grad_down = torch.empty_like(down_proj) if need_down else None
+        scratch = torch.empty(num_tokens * top_k, hidden) if need_x else None
+        # Kept in variables: a temporary's memory would be freed before the call reads it.
+        x, weights, grad = hidden_states.contiguous(), top_k_weights.contiguous(), grad_out.contiguous()
+        index = top_k_index.to(torch.int64).contiguous()
+        status = library().k3_moe_experts_backward(
+            x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
+            int(ctx.transposed), down_proj.data_ptr(), int(ctx.transposed), gate_up_proj.shape[0], inter,
+            *_activation_args(ctx.activation), grad.data_ptr(), _ptr(grad_x), _ptr(grad_w),
+            _ptr(grad_gate_up), _ptr(grad_down), _ptr(scratch), max(1, torch.get_num_threads()),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the fused CPU MoE kernel's backward returned status {status} (out of memory?)")
+        return grad_x, grad_w, grad_gate_up, grad_down, None, None, None

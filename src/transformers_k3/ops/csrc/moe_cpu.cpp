@@ -70,25 +70,53 @@ void apply_glu(const float* h, float* glu, const float* weight, int rows, int in
   }
 }
 
-}  // namespace
+// For the backward of `apply_glu`, per row r and channel i: glu[r, i] = act(a, u) (without the routing weight)
+// and, given dglu = d loss / d (weight * act), dh[r, i] = weight * dglu * d act / d a, dh[r, I + i] = the same
+// for u. Returns nothing; `glu` and `dh` are [rows, I] and [rows, 2I].
+void glu_backward(const float* h, const float* dglu, const float* weight, float* glu, float* dh, int rows, int inter,
+                  const Activation& act) {
+  for (int r = 0; r < rows; ++r) {
+    const float* a = h + (size_t)r * 2 * inter;
+    const float* u = a + inter;
+    const float* d = dglu + (size_t)r * inter;
+    float* g = glu + (size_t)r * inter;
+    float* da = dh + (size_t)r * 2 * inter;
+    float* du = da + inter;
+    const float w = weight[r];
+    if (act.kind == 0) {  // silu(a) u: d/da = s (1 + a (1 - s)) u, d/du = a s
+#pragma omp simd
+      for (int i = 0; i < inter; ++i) {
+        const float s = sigmoid(a[i]);
+        const float f = a[i] * s;
+        g[i] = f * u[i];
+        da[i] = w * d[i] * s * (1.0f + a[i] * (1.0f - s)) * u[i];
+        du[i] = w * d[i] * f;
+      }
+    } else {  // f(a) = beta tanh(a / beta) sigmoid(a), h(u) = L tanh(u / L) (or u)
+      const float inv_beta = 1.0f / act.beta, beta = act.beta;
+      const bool capped = act.linear_beta > 0.0f;
+      const float linear = capped ? act.linear_beta : 1.0f, inv_linear = 1.0f / linear;
+#pragma omp simd
+      for (int i = 0; i < inter; ++i) {
+        const float t1 = fast_tanh(a[i] * inv_beta), s = sigmoid(a[i]);
+        const float f = beta * t1 * s;
+        const float df = (1.0f - t1 * t1) * s + beta * t1 * s * (1.0f - s);
+        const float t2 = fast_tanh(u[i] * inv_linear);
+        const float hu = capped ? linear * t2 : u[i];
+        const float dhu = capped ? 1.0f - t2 * t2 : 1.0f;
+        g[i] = f * hu;
+        da[i] = w * d[i] * df * hu;
+        du[i] = w * d[i] * f * dhu;
+      }
+    }
+  }
+}
 
-extern "C" {
-
-// Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be allocated.
-int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
-                           const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
-                           const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
-                           float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads) {
-  if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
-      (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
-    return 1;
-  const Activation act{act_kind, act_beta, act_linear_beta};
-  const int64_t n_assign = n_tokens * top_k;
+// The routing's counting sort shared by forward and backward: assignments (token * k + slot) by expert,
+// stable; position[a] = the assignment's row in that order (-1 for ids outside [0, E)).
+struct Sorted {
   std::vector<int64_t> offsets, order, position;
-  std::vector<int64_t> tiles;  // start row (in sorted order) of each task; its expert in tile_expert
-  std::vector<int64_t> tile_expert;
-  try {
-    // Counting sort of the assignments by expert (stable: token order within an expert).
+  Sorted(const int64_t* top_k_index, int64_t n_assign, int64_t n_experts) {
     offsets.assign(n_experts + 1, 0);
     for (int64_t a = 0; a < n_assign; ++a) {
       const int64_t e = top_k_index[a];
@@ -105,15 +133,58 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
         order[fill[e]++] = a;
       }
     }
+  }
+};
+
+// out[t] = sum over the token's valid slots of rows[position[t * k + j]] (fp32, slot order); inside a
+// parallel region.
+void sum_slots(const float* rows, const std::vector<int64_t>& position, int64_t n_tokens, int top_k, int hidden,
+               float* out) {
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    float* o = out + t * hidden;
+    for (int i = 0; i < hidden; ++i) o[i] = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t p = position[t * top_k + j];
+      if (p < 0) continue;
+      const float* y = rows + p * hidden;
+#pragma omp simd
+      for (int i = 0; i < hidden; ++i) o[i] += y[i];
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be allocated.
+int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
+                           const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
+                           const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
+                           float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads) {
+  if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
+      (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
+    return 1;
+  const Activation act{act_kind, act_beta, act_linear_beta};
+  const int64_t n_assign = n_tokens * top_k;
+  Sorted* sorted_ptr = nullptr;
+  std::vector<int64_t> tiles;  // start row (in sorted order) of each task; its expert in tile_expert
+  std::vector<int64_t> tile_expert;
+  try {
+    sorted_ptr = new Sorted(top_k_index, n_assign, n_experts);
     for (int64_t e = 0; e < n_experts; ++e)
-      for (int64_t start = offsets[e]; start < offsets[e + 1]; start += kTile) {
+      for (int64_t start = sorted_ptr->offsets[e]; start < sorted_ptr->offsets[e + 1]; start += kTile) {
         tiles.push_back(start);
         tile_expert.push_back(e);
       }
   } catch (...) {
+    delete sorted_ptr;
     return 2;
   }
-
+  const Sorted& routing = *sorted_ptr;
+  const std::vector<int64_t>& offsets = routing.offsets;
+  const std::vector<int64_t>& order = routing.order;
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int64_t n_tiles = (int64_t)tiles.size();
   int status = 0;
@@ -162,23 +233,142 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
       else
         gemm(false, true, rows, hidden, inter, 1.0f, rows_glu.data(), inter, wd, inter, 0.0f, y, hidden);
     }
-    // out[t] = sum over the token's valid slots of its expert-sorted rows (fp32, slot order).
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n_tokens; ++t) {
-      float* o = out + t * hidden;
-      for (int i = 0; i < hidden; ++i) o[i] = 0.0f;
-      for (int j = 0; j < top_k; ++j) {
-        const int64_t p = position[t * top_k + j];
-        if (p < 0) continue;
-        const float* y = sorted + p * hidden;
-#pragma omp simd
-        for (int i = 0; i < hidden; ++i) o[i] += y[i];
-      }
-    }
+    sum_slots(sorted, routing.position, n_tokens, top_k, hidden, out);
 #ifdef K3_HAVE_MXCSR
     _mm_setcsr(saved);
 #endif
   }
+  delete sorted_ptr;
+  return status;
+}
+
+// Gradients of k3_moe_experts_forward's output, given grad_out [N, D]. Each output pointer may be null (that
+// gradient is not needed). grad_gate_up / grad_down are written whole, in the weights' own layout (zero for
+// experts no token chose); grad_x [N, D]; grad_weights [N, k] (0 for ids outside [0, E)); scratch [N * k, D]
+// holds the per-assignment input gradients (expert-sorted) before each token's are summed. The expert
+// products are recomputed (one [rows, D] x [D, 2I] GEMM) rather than kept from the forward. One task per
+// expert, so its weight gradients are accumulated by one thread, kTile rows at a time.
+int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
+                            const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
+                            const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
+                            float act_beta, float act_linear_beta, const float* grad_out, float* grad_x,
+                            float* grad_weights, float* grad_gate_up, float* grad_down, float* scratch,
+                            int n_threads) {
+  if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
+      (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
+    return 1;
+  const Activation act{act_kind, act_beta, act_linear_beta};
+  const int64_t n_assign = n_tokens * top_k;
+  Sorted* sorted_ptr = nullptr;
+  try {
+    sorted_ptr = new Sorted(top_k_index, n_assign, n_experts);
+  } catch (...) {
+    return 2;
+  }
+  const Sorted& routing = *sorted_ptr;
+  if (grad_weights != nullptr)
+    for (int64_t a = 0; a < n_assign; ++a) grad_weights[a] = 0.0f;
+  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+  const int two_i = 2 * inter;
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+#ifdef K3_HAVE_MXCSR
+    const unsigned int saved = _mm_getcsr();
+    _mm_setcsr(saved | K3_FTZ_DAZ);
+#endif
+    std::vector<float> rows_x, rows_dy, rows_h, rows_g, rows_dg, rows_dh, weights;
+    bool ok = true;
+    try {
+      rows_x.resize((size_t)kTile * hidden);
+      rows_dy.resize((size_t)kTile * hidden);
+      rows_h.resize((size_t)kTile * two_i);
+      rows_g.resize((size_t)kTile * inter);
+      rows_dg.resize((size_t)kTile * inter);
+      rows_dh.resize((size_t)kTile * two_i);
+      weights.resize(kTile);
+    } catch (...) {
+      ok = false;
+#pragma omp atomic write
+      status = 2;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t e = 0; e < n_experts; ++e) {
+      if (!ok) continue;
+      const float* wgu = gate_up + e * gate_up_size;
+      const float* wd = down + e * down_size;
+      float* ggu = grad_gate_up ? grad_gate_up + e * gate_up_size : nullptr;
+      float* gd = grad_down ? grad_down + e * down_size : nullptr;
+      const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
+      if (begin == end) {
+        if (ggu) std::fill(ggu, ggu + gate_up_size, 0.0f);
+        if (gd) std::fill(gd, gd + down_size, 0.0f);
+        continue;
+      }
+      for (int64_t start = begin; start < end; start += kTile) {
+        const int rows = (int)std::min<int64_t>(kTile, end - start);
+        const float accumulate = start == begin ? 0.0f : 1.0f;
+        for (int r = 0; r < rows; ++r) {
+          const int64_t a = routing.order[start + r];
+          std::memcpy(rows_x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
+          std::memcpy(rows_dy.data() + (size_t)r * hidden, grad_out + (a / top_k) * hidden, sizeof(float) * hidden);
+          weights[r] = top_k_weights[a];
+        }
+        if (gate_up_transposed)
+          gemm(false, false, rows, two_i, hidden, 1.0f, rows_x.data(), hidden, wgu, two_i, 0.0f, rows_h.data(), two_i);
+        else
+          gemm(false, true, rows, two_i, hidden, 1.0f, rows_x.data(), hidden, wgu, hidden, 0.0f, rows_h.data(), two_i);
+        // d loss / d (weight * glu) = dY W_down (the down projection's input gradient)
+        if (down_transposed)
+          gemm(false, true, rows, inter, hidden, 1.0f, rows_dy.data(), hidden, wd, hidden, 0.0f, rows_dg.data(), inter);
+        else
+          gemm(false, false, rows, inter, hidden, 1.0f, rows_dy.data(), hidden, wd, inter, 0.0f, rows_dg.data(), inter);
+        glu_backward(rows_h.data(), rows_dg.data(), weights.data(), rows_g.data(), rows_dh.data(), rows, inter, act);
+        if (grad_weights != nullptr)
+          for (int r = 0; r < rows; ++r) {
+            const float* dg = rows_dg.data() + (size_t)r * inter;
+            const float* g = rows_g.data() + (size_t)r * inter;
+            float sum = 0.0f;
+            for (int i = 0; i < inter; ++i) sum += dg[i] * g[i];
+            grad_weights[routing.order[start + r]] = sum;
+          }
+        if (gd) {
+          for (int r = 0; r < rows; ++r) {
+            float* g = rows_g.data() + (size_t)r * inter;
+            const float w = weights[r];
+#pragma omp simd
+            for (int i = 0; i < inter; ++i) g[i] *= w;
+          }
+          if (down_transposed)  // [I, D] += (w glu)^T dY
+            gemm(true, false, inter, hidden, rows, 1.0f, rows_g.data(), inter, rows_dy.data(), hidden, accumulate, gd,
+                 hidden);
+          else  // [D, I] += dY^T (w glu)
+            gemm(true, false, hidden, inter, rows, 1.0f, rows_dy.data(), hidden, rows_g.data(), inter, accumulate, gd,
+                 inter);
+        }
+        if (ggu) {
+          if (gate_up_transposed)  // [D, 2I] += X^T dH
+            gemm(true, false, hidden, two_i, rows, 1.0f, rows_x.data(), hidden, rows_dh.data(), two_i, accumulate, ggu,
+                 two_i);
+          else  // [2I, D] += dH^T X
+            gemm(true, false, two_i, hidden, rows, 1.0f, rows_dh.data(), two_i, rows_x.data(), hidden, accumulate, ggu,
+                 hidden);
+        }
+        if (grad_x) {
+          float* dx = scratch + start * hidden;
+          if (gate_up_transposed)
+            gemm(false, true, rows, hidden, two_i, 1.0f, rows_dh.data(), two_i, wgu, two_i, 0.0f, dx, hidden);
+          else
+            gemm(false, false, rows, hidden, two_i, 1.0f, rows_dh.data(), two_i, wgu, hidden, 0.0f, dx, hidden);
+        }
+      }
+    }
+    if (grad_x) sum_slots(scratch, routing.position, n_tokens, top_k, hidden, grad_x);
+#ifdef K3_HAVE_MXCSR
+    _mm_setcsr(saved);
+#endif
+  }
+  delete sorted_ptr;
   return status;
 }
 
