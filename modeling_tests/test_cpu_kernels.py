@@ -139,6 +139,20 @@ def test_build_is_cached_and_leaves_no_temporary_files(fresh_build):
     assert (fresh_build / built[0]).stat().st_mtime_ns == first  # loaded, not rebuilt
 
 
+def test_unusable_cache_builds_in_a_private_temporary_directory(fresh_build, monkeypatch, tmp_path):
+    """A cache location that cannot be created (here: below a regular file; read-only home directories fail
+    the same way) does not turn the kernels off: they are built in a per-user temporary directory."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(blocker / "cache"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(cpu_kernel.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert cpu_kernel.library() is not None, cpu_kernel.load_error()
+    built = list((tmp_path / "tmp").glob("transformers_k3-*/kda_cpu_*.so"))
+    assert len(built) == 1, built
+    assert oct(built[0].parent.stat().st_mode & 0o777) == oct(0o700)
+
+
 def test_no_compiler_falls_back_to_the_pytorch_path(fresh_build, monkeypatch, tmp_path, caplog, fla_naive):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))

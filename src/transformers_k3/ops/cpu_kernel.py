@@ -119,6 +119,23 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "transformers_k3"
 
 
+def _writable(cache: pathlib.Path) -> pathlib.Path:
+    """``cache``, created if needed; when it cannot be written (a read-only home directory, say), a
+    per-user directory under the system's temporary directory instead (not shared between users)."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if os.access(cache, os.W_OK | os.X_OK):
+            return cache
+    except OSError:
+        pass
+    fallback = pathlib.Path(tempfile.gettempdir()) / f"transformers_k3-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    if fallback.stat().st_uid != (os.getuid() if hasattr(os, "getuid") else fallback.stat().st_uid):
+        raise RuntimeError(f"{cache} is not writable and {fallback} belongs to another user; set {CACHE_ENV_VAR}")
+    logger.info("transformers_k3: %s is not writable, building the CPU kernels in %s", cache, fallback)
+    return fallback
+
+
 def _cpu_identity() -> str:
     """This CPU's model name and feature flags (what -march=native compiles for)."""
     parts = [platform.machine(), platform.system()]
@@ -149,8 +166,7 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
     torch_lib = str(pathlib.Path(torch.__file__).parent / "lib")
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    cache = _cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = _writable(_cache_dir())
     errors = []
     for native in (True, False):
         key = hashlib.sha256(
