@@ -20,17 +20,7 @@ from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops.kda import chunk_kda
 
 from test_moe import make_config, randomize, ref_experts
-from test_ops_kda import assert_close, make_inputs
-
-
-@pytest.fixture(scope="module")
-def fla_naive():
-    from test_ops_kda import _load_fla_naive
-
-    module, reason = _load_fla_naive()
-    if module is None:
-        pytest.skip(reason)
-    return module.naive_recurrent_kda
+from test_ops_kda import assert_close, fla_naive, make_inputs  # noqa: F401 (fla_naive is a fixture)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -53,6 +55,34 @@ inline float fast_exp(float x) {
   float result = y * scale;
   result = x < -87.0f ? 0.0f : result;
   return x > 88.5f ? INFINITY : result;
+}
+
+// Flush-to-zero / denormals-are-zero on this thread while in scope (x86): long decay chains and products of
+// small weights produce values ~1e-40, ~100x slower as subnormal floats and far below fp32's resolution of
+// the results. The thread's previous mode is restored on exit.
+class FlushDenormals {
+ public:
+#ifdef K3_HAVE_MXCSR
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | K3_FTZ_DAZ); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned int saved_;
+#endif
+};
+
+// A thread's scratch, allocated inside a parallel region. Every thread must still reach the work-sharing
+// loops (their barriers wait for all of them), so a failed allocation returns null and sets `status` to 2;
+// the thread then skips its work and the caller falls back to the PyTorch path.
+template <class T, class... Args>
+std::unique_ptr<T> new_scratch(int& status, Args&&... args) {
+  try {
+    return std::make_unique<T>(std::forward<Args>(args)...);
+  } catch (...) {
+#pragma omp atomic write
+    status = 2;
+    return nullptr;
+  }
 }
 
 }  // namespace k3

@@ -236,19 +236,8 @@ int k3_kda_chunk_forward(const float* q, const float* k, const float* v, const f
   // products here are far too small to split), but would spread each over all threads outside it.
 #pragma omp parallel num_threads(n_threads)
   {
-#ifdef K3_HAVE_MXCSR
-    const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(saved | K3_FTZ_DAZ);
-#endif
-    // Every thread must reach the work-sharing loop below (its barrier waits for all of them), so a
-    // failed allocation only marks the call as failed; the caller then falls back to the PyTorch path.
-    Scratch* scratch = nullptr;
-    try {
-      scratch = new Scratch(d);
-    } catch (...) {
-#pragma omp atomic write
-      status = 2;
-    }
+    const k3::FlushDenormals flush;
+    const std::unique_ptr<Scratch> scratch = k3::new_scratch<Scratch>(status, d);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       if (scratch == nullptr) continue;
@@ -262,10 +251,6 @@ int k3_kda_chunk_forward(const float* q, const float* k, const float* v, const f
         chunk_step(q, k, v, g, beta, out, st, starts[n] + c0, len, next_len, h, d, scale, *scratch);
       }
     }
-    delete scratch;
-#ifdef K3_HAVE_MXCSR
-    _mm_setcsr(saved);
-#endif
   }
   return status;
 }

@@ -46,6 +46,20 @@ struct Activation {
   float linear_beta;  // SiTU up cap; <= 0: the up half is not capped
 };
 
+// A thread's rows of one task (up to kTile): inputs, gate/up products, GLU outputs, routing weights; the
+// backward also the output gradients, the GLU input gradient and the gate/up gradients.
+struct Rows {
+  std::vector<float> x, h, glu, weight, dy, dglu, dh;
+  Rows(int hidden, int inter, bool backward)
+      : x((size_t)kTile * hidden), h((size_t)kTile * 2 * inter), glu((size_t)kTile * inter), weight(kTile) {
+    if (backward) {
+      dy.resize((size_t)kTile * hidden);
+      dglu.resize((size_t)kTile * inter);
+      dh.resize((size_t)kTile * 2 * inter);
+    }
+  }
+};
+
 // glu[r, i] = weight[r] * act(h[r, i], h[r, I + i]) for `rows` rows of h [rows, 2I].
 void apply_glu(const float* h, float* glu, const float* weight, int rows, int inter, const Activation& act) {
   for (int r = 0; r < rows; ++r) {
@@ -190,53 +204,34 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
   {
-#ifdef K3_HAVE_MXCSR
-    const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(saved | K3_FTZ_DAZ);
-#endif
-    // Every thread must reach both work-sharing loops (their barriers wait for all), so a failed
-    // allocation only marks the call as failed; the caller then falls back to the PyTorch path.
-    std::vector<float> rows_x, rows_h, rows_glu, weights;
-    bool ok = true;
-    try {
-      rows_x.resize((size_t)kTile * hidden);
-      rows_h.resize((size_t)kTile * 2 * inter);
-      rows_glu.resize((size_t)kTile * inter);
-      weights.resize(kTile);
-    } catch (...) {
-      ok = false;
-#pragma omp atomic write
-      status = 2;
-    }
+    const k3::FlushDenormals flush;
+    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, false);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < n_tiles; ++t) {
-      if (!ok) continue;
+      if (scratch == nullptr) continue;
+      Rows& s = *scratch;
       const int64_t e = tile_expert[t], start = tiles[t];
       const int rows = (int)std::min<int64_t>(kTile, offsets[e + 1] - start);
       for (int r = 0; r < rows; ++r) {
         const int64_t a = order[start + r];
-        std::memcpy(rows_x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
-        weights[r] = top_k_weights[a];
+        std::memcpy(s.x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
+        s.weight[r] = top_k_weights[a];
       }
       const float* wgu = gate_up + e * gate_up_size;
       if (gate_up_transposed)
-        gemm(false, false, rows, 2 * inter, hidden, 1.0f, rows_x.data(), hidden, wgu, 2 * inter, 0.0f,
-             rows_h.data(), 2 * inter);
-      else
-        gemm(false, true, rows, 2 * inter, hidden, 1.0f, rows_x.data(), hidden, wgu, hidden, 0.0f, rows_h.data(),
+        gemm(false, false, rows, 2 * inter, hidden, 1.0f, s.x.data(), hidden, wgu, 2 * inter, 0.0f, s.h.data(),
              2 * inter);
-      apply_glu(rows_h.data(), rows_glu.data(), weights.data(), rows, inter, act);
+      else
+        gemm(false, true, rows, 2 * inter, hidden, 1.0f, s.x.data(), hidden, wgu, hidden, 0.0f, s.h.data(), 2 * inter);
+      apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
       const float* wd = down + e * down_size;
       float* y = sorted + start * hidden;
       if (down_transposed)
-        gemm(false, false, rows, hidden, inter, 1.0f, rows_glu.data(), inter, wd, hidden, 0.0f, y, hidden);
+        gemm(false, false, rows, hidden, inter, 1.0f, s.glu.data(), inter, wd, hidden, 0.0f, y, hidden);
       else
-        gemm(false, true, rows, hidden, inter, 1.0f, rows_glu.data(), inter, wd, inter, 0.0f, y, hidden);
+        gemm(false, true, rows, hidden, inter, 1.0f, s.glu.data(), inter, wd, inter, 0.0f, y, hidden);
     }
     sum_slots(sorted, routing.position, n_tokens, top_k, hidden, out);
-#ifdef K3_HAVE_MXCSR
-    _mm_setcsr(saved);
-#endif
   }
   delete sorted_ptr;
   return status;
@@ -244,7 +239,7 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
 
 // Gradients of k3_moe_experts_forward's output, given grad_out [N, D]. Each output pointer may be null (that
 // gradient is not needed). grad_gate_up / grad_down are written whole, in the weights' own layout (zero for
-// experts no token chose); grad_x [N, D]; grad_weights [N, k] (0 for ids outside [0, E)); scratch [N * k, D]
+// experts no token chose); grad_x [N, D]; grad_weights [N, k] (0 for ids outside [0, E)); dx_rows [N * k, D]
 // holds the per-assignment input gradients (expert-sorted) before each token's are summed. The expert
 // products are recomputed (one [rows, D] x [D, 2I] GEMM) rather than kept from the forward. One task per
 // expert, so its weight gradients are accumulated by one thread, kTile rows at a time.
@@ -252,7 +247,7 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
                             const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
                             const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
                             float act_beta, float act_linear_beta, const float* grad_out, float* grad_x,
-                            float* grad_weights, float* grad_gate_up, float* grad_down, float* scratch,
+                            float* grad_weights, float* grad_gate_up, float* grad_down, float* dx_rows,
                             int n_threads) {
   if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
       (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
@@ -273,28 +268,12 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
   {
-#ifdef K3_HAVE_MXCSR
-    const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(saved | K3_FTZ_DAZ);
-#endif
-    std::vector<float> rows_x, rows_dy, rows_h, rows_g, rows_dg, rows_dh, weights;
-    bool ok = true;
-    try {
-      rows_x.resize((size_t)kTile * hidden);
-      rows_dy.resize((size_t)kTile * hidden);
-      rows_h.resize((size_t)kTile * two_i);
-      rows_g.resize((size_t)kTile * inter);
-      rows_dg.resize((size_t)kTile * inter);
-      rows_dh.resize((size_t)kTile * two_i);
-      weights.resize(kTile);
-    } catch (...) {
-      ok = false;
-#pragma omp atomic write
-      status = 2;
-    }
+    const k3::FlushDenormals flush;
+    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, true);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < n_experts; ++e) {
-      if (!ok) continue;
+      if (scratch == nullptr) continue;
+      Rows& s = *scratch;
       const float* wgu = gate_up + e * gate_up_size;
       const float* wd = down + e * down_size;
       float* ggu = grad_gate_up ? grad_gate_up + e * gate_up_size : nullptr;
@@ -310,63 +289,60 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
         const float accumulate = start == begin ? 0.0f : 1.0f;
         for (int r = 0; r < rows; ++r) {
           const int64_t a = routing.order[start + r];
-          std::memcpy(rows_x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
-          std::memcpy(rows_dy.data() + (size_t)r * hidden, grad_out + (a / top_k) * hidden, sizeof(float) * hidden);
-          weights[r] = top_k_weights[a];
+          std::memcpy(s.x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
+          std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + (a / top_k) * hidden, sizeof(float) * hidden);
+          s.weight[r] = top_k_weights[a];
         }
         if (gate_up_transposed)
-          gemm(false, false, rows, two_i, hidden, 1.0f, rows_x.data(), hidden, wgu, two_i, 0.0f, rows_h.data(), two_i);
+          gemm(false, false, rows, two_i, hidden, 1.0f, s.x.data(), hidden, wgu, two_i, 0.0f, s.h.data(), two_i);
         else
-          gemm(false, true, rows, two_i, hidden, 1.0f, rows_x.data(), hidden, wgu, hidden, 0.0f, rows_h.data(), two_i);
+          gemm(false, true, rows, two_i, hidden, 1.0f, s.x.data(), hidden, wgu, hidden, 0.0f, s.h.data(), two_i);
         // d loss / d (weight * glu) = dY W_down (the down projection's input gradient)
         if (down_transposed)
-          gemm(false, true, rows, inter, hidden, 1.0f, rows_dy.data(), hidden, wd, hidden, 0.0f, rows_dg.data(), inter);
+          gemm(false, true, rows, inter, hidden, 1.0f, s.dy.data(), hidden, wd, hidden, 0.0f, s.dglu.data(), inter);
         else
-          gemm(false, false, rows, inter, hidden, 1.0f, rows_dy.data(), hidden, wd, inter, 0.0f, rows_dg.data(), inter);
-        glu_backward(rows_h.data(), rows_dg.data(), weights.data(), rows_g.data(), rows_dh.data(), rows, inter, act);
+          gemm(false, false, rows, inter, hidden, 1.0f, s.dy.data(), hidden, wd, inter, 0.0f, s.dglu.data(), inter);
+        glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
         if (grad_weights != nullptr)
           for (int r = 0; r < rows; ++r) {
-            const float* dg = rows_dg.data() + (size_t)r * inter;
-            const float* g = rows_g.data() + (size_t)r * inter;
+            const float* dg = s.dglu.data() + (size_t)r * inter;
+            const float* g = s.glu.data() + (size_t)r * inter;
             float sum = 0.0f;
             for (int i = 0; i < inter; ++i) sum += dg[i] * g[i];
             grad_weights[routing.order[start + r]] = sum;
           }
         if (gd) {
           for (int r = 0; r < rows; ++r) {
-            float* g = rows_g.data() + (size_t)r * inter;
-            const float w = weights[r];
+            float* g = s.glu.data() + (size_t)r * inter;
+            const float w = s.weight[r];
 #pragma omp simd
             for (int i = 0; i < inter; ++i) g[i] *= w;
           }
           if (down_transposed)  // [I, D] += (w glu)^T dY
-            gemm(true, false, inter, hidden, rows, 1.0f, rows_g.data(), inter, rows_dy.data(), hidden, accumulate, gd,
+            gemm(true, false, inter, hidden, rows, 1.0f, s.glu.data(), inter, s.dy.data(), hidden, accumulate, gd,
                  hidden);
           else  // [D, I] += dY^T (w glu)
-            gemm(true, false, hidden, inter, rows, 1.0f, rows_dy.data(), hidden, rows_g.data(), inter, accumulate, gd,
+            gemm(true, false, hidden, inter, rows, 1.0f, s.dy.data(), hidden, s.glu.data(), inter, accumulate, gd,
                  inter);
         }
         if (ggu) {
           if (gate_up_transposed)  // [D, 2I] += X^T dH
-            gemm(true, false, hidden, two_i, rows, 1.0f, rows_x.data(), hidden, rows_dh.data(), two_i, accumulate, ggu,
+            gemm(true, false, hidden, two_i, rows, 1.0f, s.x.data(), hidden, s.dh.data(), two_i, accumulate, ggu,
                  two_i);
           else  // [2I, D] += dH^T X
-            gemm(true, false, two_i, hidden, rows, 1.0f, rows_dh.data(), two_i, rows_x.data(), hidden, accumulate, ggu,
+            gemm(true, false, two_i, hidden, rows, 1.0f, s.dh.data(), two_i, s.x.data(), hidden, accumulate, ggu,
                  hidden);
         }
         if (grad_x) {
-          float* dx = scratch + start * hidden;
+          float* dx = dx_rows + start * hidden;
           if (gate_up_transposed)
-            gemm(false, true, rows, hidden, two_i, 1.0f, rows_dh.data(), two_i, wgu, two_i, 0.0f, dx, hidden);
+            gemm(false, true, rows, hidden, two_i, 1.0f, s.dh.data(), two_i, wgu, two_i, 0.0f, dx, hidden);
           else
-            gemm(false, false, rows, hidden, two_i, 1.0f, rows_dh.data(), two_i, wgu, hidden, 0.0f, dx, hidden);
+            gemm(false, false, rows, hidden, two_i, 1.0f, s.dh.data(), two_i, wgu, hidden, 0.0f, dx, hidden);
         }
       }
     }
-    if (grad_x) sum_slots(scratch, routing.position, n_tokens, top_k, hidden, grad_x);
-#ifdef K3_HAVE_MXCSR
-    _mm_setcsr(saved);
-#endif
+    if (grad_x) sum_slots(dx_rows, routing.position, n_tokens, top_k, hidden, grad_x);
   }
   delete sorted_ptr;
   return status;
