@@ -121,7 +121,7 @@ def test_build_is_cached_and_leaves_no_temporary_files(fresh_build):
     if lib is None:
         pytest.skip(f"no build possible here: {cpu_kernel.load_error()}")
     built = sorted(os.listdir(fresh_build))
-    assert len(built) == 1 and built[0].startswith("kda_cpu_") and built[0].endswith(".so"), built
+    assert len(built) == 1 and built[0].startswith("cpu_kernels_") and built[0].endswith(".so"), built
     first = (fresh_build / built[0]).stat().st_mtime_ns
     cpu_kernel._state.update(tried=False, lib=None, error=None)
     assert cpu_kernel.library() is not None
@@ -138,7 +138,7 @@ def test_unusable_cache_builds_in_a_private_temporary_directory(fresh_build, mon
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(cpu_kernel.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert cpu_kernel.library() is not None, cpu_kernel.load_error()
-    built = list((tmp_path / "tmp").glob("transformers_k3-*/kda_cpu_*.so"))
+    built = list((tmp_path / "tmp").glob("transformers_k3-*/cpu_kernels_*.so"))
     assert len(built) == 1, built
     assert oct(built[0].parent.stat().st_mode & 0o777) == oct(0o700)
 

@@ -92,12 +92,12 @@ def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
 
 
 def load_error() -> str | None:
-    """Why the kernel could not be built or loaded (None if it loaded or was not tried yet)."""
+    """Why the kernels could not be built or loaded (None if they loaded or were not tried yet)."""
     return _state["error"]
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first call; None if that is impossible here."""
+    """The loaded kernel library (both kernels), building it on first call; None if that is impossible here."""
     if _state["tried"]:
         return _state["lib"]
     with _lock:
@@ -106,8 +106,8 @@ def library() -> ctypes.CDLL | None:
                 _state["lib"] = _load()
             except Exception as error:  # no compiler, failed build, unloadable library: use the PyTorch path
                 _state["error"] = f"{type(error).__name__}: {error}"
-                logger.warning("transformers_k3: fused CPU KDA kernel unavailable, using the PyTorch path (%s)",
-                               _state["error"])
+                logger.warning("transformers_k3: fused CPU kernels (KDA, experts) unavailable, using the PyTorch "
+                               "path (%s)", _state["error"])
             _state["tried"] = True
     return _state["lib"]
 
@@ -128,9 +128,10 @@ def _writable(cache: pathlib.Path) -> pathlib.Path:
             return cache
     except OSError:
         pass
-    fallback = pathlib.Path(tempfile.gettempdir()) / f"transformers_k3-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    uid = os.getuid() if hasattr(os, "getuid") else None  # (no uids on Windows)
+    fallback = pathlib.Path(tempfile.gettempdir()) / f"transformers_k3-{uid or 0}"
     fallback.mkdir(mode=0o700, exist_ok=True)
-    if fallback.stat().st_uid != (os.getuid() if hasattr(os, "getuid") else fallback.stat().st_uid):
+    if uid is not None and fallback.stat().st_uid != uid:
         raise RuntimeError(f"{cache} is not writable and {fallback} belongs to another user; set {CACHE_ENV_VAR}")
     logger.info("transformers_k3: %s is not writable, building the CPU kernels in %s", cache, fallback)
     return fallback
@@ -173,9 +174,9 @@ def _load() -> ctypes.CDLL:
             b"\0".join([source, " ".join(_command(compiler, torch_lib, "", native)).encode(),
                         _cpu_identity().encode(), torch.__version__.encode()])
         ).hexdigest()[:16]  # fmt: skip
-        path = cache / f"kda_cpu_{key}.so"
+        path = cache / f"cpu_kernels_{key}.so"
         if not path.exists():
-            fd, tmp = tempfile.mkstemp(prefix=f".kda_cpu_{key}.", suffix=".so", dir=cache)
+            fd, tmp = tempfile.mkstemp(prefix=f".cpu_kernels_{key}.", suffix=".so", dir=cache)
             os.close(fd)
             try:
                 done = subprocess.run(_command(compiler, torch_lib, tmp, native), capture_output=True, text=True)
