@@ -201,13 +201,14 @@ def _load() -> ctypes.CDLL:
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
 
-def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
+def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int, inplace: bool = False):
     """Chunked KDA forward with the fused kernel, or None when it cannot run here (then use the PyTorch path).
 
     ``q, k, g`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, all fp32 on CPU, ``q`` not
     yet scaled; ``state`` ``[N, H, K, V]`` fp32 in sequence order (not modified); ``bounds`` the host
     ``cu_seqlens`` (then ``B == 1``) or None for ``N == B`` whole sequences. Returns ``(o [B, T, H, V],
-    final state [N, H, K, V])``.
+    final state [N, H, K, V])``; with ``inplace`` the final state is written into ``state`` (which must then
+    be contiguous) and returned, otherwise ``state`` is left untouched.
     """
     lib = library()
     if lib is None:
@@ -215,7 +216,9 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    final = state.clone(memory_format=torch.contiguous_format)
+    if inplace and not state.is_contiguous():
+        raise ValueError("chunk_forward(inplace=True) needs a contiguous state")
+    final = state if inplace else state.clone(memory_format=torch.contiguous_format)
     out = torch.empty(batch, length, heads, value_dim, dtype=torch.float32)
     if bounds is None:
         starts = torch.arange(batch, dtype=torch.int64) * length
@@ -228,7 +231,7 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int):
         starts.data_ptr(), lengths.data_ptr(), starts.numel(), heads, key_dim, value_dim, chunk, float(scale),
         max(1, torch.get_num_threads()),
     )  # fmt: skip
-    if status != 0:
+    if status != 0:  # nothing was written (the kernel checks its scratch before touching any state)
         logger.warning("transformers_k3: fused CPU KDA kernel returned status %d, using the PyTorch path", status)
         return None
     return out, final

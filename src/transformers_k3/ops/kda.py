@@ -27,10 +27,12 @@ On x86 CPUs subnormal floats (below ~1e-38) are ~100x slower, and strong decays 
 values that small are dropped (set to 0) where they arise, which changes results by far less than fp32
 rounding, and the one step that creates them by chaining decays (the triangular solve) runs in float64.
 
-For inference on CPU (fp32 compute, no autograd) the chunked form runs in a fused C++ kernel instead
-(:mod:`transformers_k3.ops.cpu_kernel`, ``csrc/kda_cpu.cpp``): the same algorithm, one task per (sequence,
-head) walking its chunks with cache-resident buffers, 2.5-4x faster than the PyTorch code here, which stays
-the path for training, other compute dtypes, ``torch.compile`` and machines without a C++ compiler.
+For inference on CPU (fp32 compute, no autograd) both entry points run a fused C++ kernel instead
+(:mod:`transformers_k3.ops.cpu_kernel`, ``csrc/kda_cpu.cpp``): the chunked algorithm, one task per (sequence,
+head) walking its chunks with cache-resident buffers; 2.5-4x faster than the PyTorch chunked code here for
+prefill, and faster than the token loop from a single token on (decode steps update the state in place). The
+PyTorch code stays the path for training, other compute dtypes, ``torch.compile`` and machines without a C++
+compiler.
 
 The backend can be forced per call (``backend=``), for a block of code (:func:`kda_backend`) or for the
 process (environment variable ``TRANSFORMERS_K3_KDA_BACKEND``), in that order of precedence.
@@ -65,7 +67,8 @@ BACKEND_ENV_VAR = "TRANSFORMERS_K3_KDA_BACKEND"
 _BACKENDS = ("torch", "fla")
 _forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("kda_backend", default=None)
 
-# kda() and the KDA layer's cached steps use the token loop up to this many tokens per sequence.
+# kda() and the KDA layer's cached steps use the token loop up to this many tokens per sequence (on the
+# PyTorch path; where the fused CPU kernel applies, both forms run it).
 # Measured on the reference 2-core CPU (fp32, batch 1, K=V=128, 2 threads, from a state): the chunked
 # path costs ~1.2 ms (H=4) / 3.4 ms (H=32) / 11 ms (H=96, K3) even for two tokens, the loop grows by
 # ~40 / ~100 / ~500 us per token; at 16 tokens the loop wins at every H (0.9 vs 1.3, 2.2 vs 3.9,
@@ -556,24 +559,30 @@ def _torch_kda(
         if state_v_first:
             state = state.transpose(-1, -2)
 
-    if block is None and length == 1 and cu_seqlens is None:
-        # A decode step: no layout, no token loop, a dozen ops (Python overhead dominated the generic path).
-        write = inplace and state is initial_state and not state_v_first and state.is_contiguous()
-        out, final = _single_token(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, write)
-        o = out.unsqueeze(1).to(out_dtype)
-        if not output_final_state:
-            return o, None
-        return o, final.transpose(-1, -2).contiguous() if state_v_first else final
-
+    # The final state may be written into the caller's (the single-token path and the kernel do so).
+    write = inplace and state is initial_state and not state_v_first and state.is_contiguous()
     bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
-    if block is not None and cpu_kernel.applies(q, k, v, g, beta, state):
-        fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, block)
+    if cpu_kernel.applies(q, k, v, g, beta, state):
+        # The fused kernel computes the chunked form for any length: measured faster than the token loop from
+        # one token on (H=4, K=V=128: 101 vs 263 us for 1 token, 194 vs 1,593 us for 16; H=32: 424 vs 529 us,
+        # 860 vs 3,808 us), so the recurrent entry points use it too (q is already scaled for those).
+        fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale if block else 1.0,
+                                         block or TORCH_CHUNK_SIZE, inplace=write)  # fmt: skip
         if fused is not None:
             o, final = fused
             o = o.to(out_dtype)
             if not output_final_state:
                 return o, None
             return o, final.transpose(-1, -2).contiguous() if state_v_first else final
+
+    if block is None and length == 1 and cu_seqlens is None:
+        # A decode step: no layout, no token loop, a dozen ops (Python overhead dominated the generic path).
+        out, final = _single_token(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, write)
+        o = out.unsqueeze(1).to(out_dtype)
+        if not output_final_state:
+            return o, None
+        return o, final.transpose(-1, -2).contiguous() if state_v_first else final
+
     layout = _Layout(batch, length, bounds, block or 1, q.device)
     state = layout.sort_states(state.contiguous())
 

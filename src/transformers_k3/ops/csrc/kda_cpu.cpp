@@ -11,7 +11,8 @@
 // Plain C ABI (called through ctypes): no torch headers, so it compiles in about a second.
 // Layouts (all row-major, fp32, contiguous):
 //   q, k, g: [tokens, H, K]    v, out: [tokens, H, V]    beta: [tokens, H]
-//   state:   [n_seq, H, K, V], read as the initial state and overwritten with the final state.
+//   state:   [n_seq, H, K, V], read as the initial state and overwritten with the final state (on failure,
+//            nonzero return, it is left as it was).
 // Sequence n covers tokens starts[n] .. starts[n] + lengths[n] - 1.
 //
 // Numerics (see _chunked / _intra_chunk in kda.py for the derivation):
@@ -238,9 +239,15 @@ int k3_kda_chunk_forward(const float* q, const float* k, const float* v, const f
   {
     const k3::FlushDenormals flush;
     const std::unique_ptr<Scratch> scratch = k3::new_scratch<Scratch>(status, d);
+    // The states may be the caller's (updated in place): no thread starts until every thread has its
+    // scratch, so a failed call has written nothing.
+#pragma omp barrier
+    int failed;
+#pragma omp atomic read
+    failed = status;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      if (scratch == nullptr) continue;
+      if (failed) continue;
       const int64_t n = task / heads;
       const int h = (int)(task % heads);
       float* st = state + task * (int64_t)key_dim * value_dim;
