@@ -60,6 +60,32 @@ struct Rows {
   }
 };
 
+// The part of a task that forward and backward share: gathers the rows of assignments order[0 .. rows) (input
+// rows, routing weights and, if `grad_out` is given, the output gradient rows) into `s`, and computes the
+// gate/up product s.h = s.x W_gate_up^T (W_gate_up [2I, D], or [D, 2I] when `transposed`).
+void gather_and_project(Rows& s, const int64_t* order, int rows, int top_k, int hidden, int inter, const float* x,
+                        const float* top_k_weights, const float* grad_out, const float* wgu, bool transposed) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t a = order[r], token = a / top_k;
+    std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
+    if (grad_out != nullptr)
+      std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
+    s.weight[r] = top_k_weights[a];
+  }
+  const int two_i = 2 * inter;
+  if (transposed)
+    gemm(false, false, rows, two_i, hidden, 1.0f, s.x.data(), hidden, wgu, two_i, 0.0f, s.h.data(), two_i);
+  else
+    gemm(false, true, rows, two_i, hidden, 1.0f, s.x.data(), hidden, wgu, hidden, 0.0f, s.h.data(), two_i);
+}
+
+// The shape and activation arguments both entry points take are usable.
+bool valid(int64_t n_tokens, int hidden, int top_k, int64_t n_experts, int inter, int n_threads, int act_kind,
+           float act_beta) {
+  return n_tokens >= 0 && hidden > 0 && top_k > 0 && n_experts > 0 && inter > 0 && n_threads > 0 &&
+         (act_kind == 0 || (act_kind == 1 && act_beta > 0.0f));
+}
+
 // glu[r, i] = weight[r] * act(h[r, i], h[r, I + i]) for `rows` rows of h [rows, 2I].
 void apply_glu(const float* h, float* glu, const float* weight, int rows, int inter, const Activation& act) {
   for (int r = 0; r < rows; ++r) {
@@ -177,23 +203,20 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
                            const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
                            const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
                            float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads) {
-  if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
-      (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
-    return 1;
+  if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
-  Sorted* sorted_ptr = nullptr;
+  std::unique_ptr<Sorted> sorted_ptr;
   std::vector<int64_t> tiles;  // start row (in sorted order) of each task; its expert in tile_expert
   std::vector<int64_t> tile_expert;
   try {
-    sorted_ptr = new Sorted(top_k_index, n_assign, n_experts);
+    sorted_ptr = std::make_unique<Sorted>(top_k_index, n_assign, n_experts);
     for (int64_t e = 0; e < n_experts; ++e)
       for (int64_t start = sorted_ptr->offsets[e]; start < sorted_ptr->offsets[e + 1]; start += kTile) {
         tiles.push_back(start);
         tile_expert.push_back(e);
       }
   } catch (...) {
-    delete sorted_ptr;
     return 2;
   }
   const Sorted& routing = *sorted_ptr;
@@ -212,17 +235,8 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
       Rows& s = *scratch;
       const int64_t e = tile_expert[t], start = tiles[t];
       const int rows = (int)std::min<int64_t>(kTile, offsets[e + 1] - start);
-      for (int r = 0; r < rows; ++r) {
-        const int64_t a = order[start + r];
-        std::memcpy(s.x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
-        s.weight[r] = top_k_weights[a];
-      }
-      const float* wgu = gate_up + e * gate_up_size;
-      if (gate_up_transposed)
-        gemm(false, false, rows, 2 * inter, hidden, 1.0f, s.x.data(), hidden, wgu, 2 * inter, 0.0f, s.h.data(),
-             2 * inter);
-      else
-        gemm(false, true, rows, 2 * inter, hidden, 1.0f, s.x.data(), hidden, wgu, hidden, 0.0f, s.h.data(), 2 * inter);
+      gather_and_project(s, order.data() + start, rows, top_k, hidden, inter, x, top_k_weights, nullptr,
+                         gate_up + e * gate_up_size, gate_up_transposed);
       apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
       const float* wd = down + e * down_size;
       float* y = sorted + start * hidden;
@@ -233,7 +247,6 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
     }
     sum_slots(sorted, routing.position, n_tokens, top_k, hidden, out);
   }
-  delete sorted_ptr;
   return status;
 }
 
@@ -249,14 +262,12 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
                             float act_beta, float act_linear_beta, const float* grad_out, float* grad_x,
                             float* grad_weights, float* grad_gate_up, float* grad_down, float* dx_rows,
                             int n_threads) {
-  if (n_tokens < 0 || hidden <= 0 || top_k <= 0 || n_experts <= 0 || inter <= 0 || n_threads <= 0 ||
-      (act_kind != 0 && act_kind != 1) || (act_kind == 1 && !(act_beta > 0.0f)))
-    return 1;
+  if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
-  Sorted* sorted_ptr = nullptr;
+  std::unique_ptr<Sorted> sorted_ptr;
   try {
-    sorted_ptr = new Sorted(top_k_index, n_assign, n_experts);
+    sorted_ptr = std::make_unique<Sorted>(top_k_index, n_assign, n_experts);
   } catch (...) {
     return 2;
   }
@@ -287,16 +298,8 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
       for (int64_t start = begin; start < end; start += kTile) {
         const int rows = (int)std::min<int64_t>(kTile, end - start);
         const float accumulate = start == begin ? 0.0f : 1.0f;
-        for (int r = 0; r < rows; ++r) {
-          const int64_t a = routing.order[start + r];
-          std::memcpy(s.x.data() + (size_t)r * hidden, x + (a / top_k) * hidden, sizeof(float) * hidden);
-          std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + (a / top_k) * hidden, sizeof(float) * hidden);
-          s.weight[r] = top_k_weights[a];
-        }
-        if (gate_up_transposed)
-          gemm(false, false, rows, two_i, hidden, 1.0f, s.x.data(), hidden, wgu, two_i, 0.0f, s.h.data(), two_i);
-        else
-          gemm(false, true, rows, two_i, hidden, 1.0f, s.x.data(), hidden, wgu, hidden, 0.0f, s.h.data(), two_i);
+        gather_and_project(s, routing.order.data() + start, rows, top_k, hidden, inter, x, top_k_weights, grad_out,
+                           wgu, gate_up_transposed);
         // d loss / d (weight * glu) = dY W_down (the down projection's input gradient)
         if (down_transposed)
           gemm(false, true, rows, inter, hidden, 1.0f, s.dy.data(), hidden, wd, hidden, 0.0f, s.dglu.data(), inter);
@@ -344,7 +347,6 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
     }
     if (grad_x) sum_slots(dx_rows, routing.position, n_tokens, top_k, hidden, grad_x);
   }
-  delete sorted_ptr;
   return status;
 }
 
