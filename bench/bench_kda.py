@@ -1,7 +1,8 @@
 """Throughput and memory of the CPU KDA implementations, on identical inputs.
 
 Compares our ``chunk_kda`` (the fused CPU kernel it uses for inference, and with that kernel turned off
-its pure PyTorch path, which training uses) and ``fused_recurrent_kda`` with transformers' in-tree
+its pure PyTorch path, which training uses) and ``fused_recurrent_kda`` (on CPU without autograd it runs the
+same chunked kernel, so its prefill rows are charged the chunked FLOPs) with transformers' in-tree
 ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` (their PyTorch fallbacks) and fla's
 ``naive_chunk_kda`` / ``naive_recurrent_kda`` (loaded by file path: fla's package init needs Triton), at
 H = 4 and 32 heads of K = V = 128, batch 1, fp32, for prefill (T in {1K, 4K, 16K}) and for the single-token
@@ -67,7 +68,7 @@ import time
 METHODS = {
     "ours_chunk": "ours chunk_kda (fused CPU kernel)",
     "ours_chunk_pytorch": "ours chunk_kda, PyTorch path",
-    "ours_recurrent": "ours fused_recurrent_kda",
+    "ours_recurrent": "ours fused_recurrent_kda (kernel, chunked)",
     "intree_chunk": "in-tree chunk_kimi_delta_attention",
     "intree_recurrent": "in-tree recurrent_kimi_delta_attention",
     "fla_naive_chunk": "fla naive_chunk_kda",
@@ -99,7 +100,7 @@ def chunked_kda_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chu
 
 def method_chunk(method: str) -> int | None:
     """Chunk size the method computes with (None: a token loop), for its FLOP count."""
-    if method in ("ours_chunk", "ours_chunk_pytorch"):
+    if method in ("ours_chunk", "ours_chunk_pytorch", "ours_recurrent"):  # (ours_recurrent runs the chunked kernel)
         from transformers_k3.ops.kda import TORCH_CHUNK_SIZE
 
         return TORCH_CHUNK_SIZE
