@@ -56,7 +56,7 @@ def cpu_path(request):
     """Run the test with the fused CPU kernel on, then off (where it is not built, the first run skips
     and says why)."""
     if request.param == "fused" and cpu_kernel.library() is None:
-        pytest.skip(f"fused CPU KDA kernel unavailable: {cpu_kernel.load_error()}")
+        pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
     with cpu_kernel.use_cpu_kernel(request.param == "fused"):
         yield request.param
 
