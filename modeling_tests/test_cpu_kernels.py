@@ -234,16 +234,16 @@ def test_experts_kernel_reads_transposed_weights(kernel):
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(40, 4, 16)
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(6))
-    expected = cpu_kernel.moe_experts_forward(x, idx, w, experts.gate_up_proj.data, experts.down_proj.data, False,
+    expected = cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj.data, experts.down_proj.data, False,
                                               experts.glu_activation)  # fmt: skip
     ref, _ = ref_experts(experts, x, idx, w, torch.zeros(40, 32))
     torch.testing.assert_close(expected.double(), ref, atol=1e-5, rtol=1e-5)
     gate_up_t = experts.gate_up_proj.data.transpose(1, 2).contiguous()
     down_t = experts.down_proj.data.transpose(1, 2).contiguous()
-    out = cpu_kernel.moe_experts_forward(x, idx, w, gate_up_t, down_t, True, experts.glu_activation)
+    out = cpu_kernel.moe_experts(x, idx, w, gate_up_t, down_t, True, experts.glu_activation)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
     # non-contiguous weights are not copied per call: the caller falls back to the PyTorch path
-    assert cpu_kernel.moe_experts_forward(x, idx, w, gate_up_t.transpose(1, 2), down_t, False,
+    assert cpu_kernel.moe_experts(x, idx, w, gate_up_t.transpose(1, 2), down_t, False,
                                           experts.glu_activation) is None  # fmt: skip
 
 
@@ -254,13 +254,13 @@ def test_experts_kernel_sentinels_and_no_tokens(kernel):
     idx, w = _routing(9, 2, 8)
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(7))
     args = (experts.gate_up_proj.data, experts.down_proj.data, False, experts.glu_activation)
-    out = cpu_kernel.moe_experts_forward(x, idx, w, *args)
-    with_sentinels = cpu_kernel.moe_experts_forward(
+    out = cpu_kernel.moe_experts(x, idx, w, *args)
+    with_sentinels = cpu_kernel.moe_experts(
         x, torch.cat([idx, torch.full((9, 1), 8), torch.full((9, 1), -1)], 1),
         torch.cat([w, torch.ones(9, 2)], 1), *args,
     )  # fmt: skip
     torch.testing.assert_close(with_sentinels, out, atol=0, rtol=0)
-    empty = cpu_kernel.moe_experts_forward(x[:0], idx[:0], w[:0], *args)
+    empty = cpu_kernel.moe_experts(x[:0], idx[:0], w[:0], *args)
     assert empty.shape == (0, 32)
 
 

@@ -205,7 +205,7 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int, inp
     """Chunked KDA forward with the fused kernel, or None when it cannot run here (then use the PyTorch path).
 
     ``q, k, g`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, all fp32 on CPU, ``q`` not
-    yet scaled; ``state`` ``[N, H, K, V]`` fp32 in sequence order (not modified); ``bounds`` the host
+    yet scaled; ``state`` ``[N, H, K, V]`` fp32 in sequence order; ``bounds`` the host
     ``cu_seqlens`` (then ``B == 1``) or None for ``N == B`` whole sequences. Returns ``(o [B, T, H, V],
     final state [N, H, K, V])``; with ``inplace`` the final state is written into ``state`` (which must then
     be contiguous) and returned, otherwise ``state`` is left untouched.
@@ -266,20 +266,22 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     return _experts_forward(*tensors, top_k_index, transposed, activation)
 
 
-def moe_experts_forward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
-                        activation: tuple):  # fmt: skip
-    """:func:`moe_experts` without autograd (the result never requires grad)."""
-    with torch.no_grad():
-        return moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed, activation)
+def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed):
+    """What both kernel entry points take besides the weights: contiguous ``x``, routing weights and int64 ids
+    (held by the caller until the call returns: a temporary's memory would be freed before the kernel reads
+    it), and ``N, k, D, I``."""
+    num_tokens, top_k = top_k_index.shape
+    inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
+    x, weights = hidden_states.detach().contiguous(), top_k_weights.detach().contiguous()
+    index = top_k_index.to(torch.int64).contiguous()
+    return x, weights, index, num_tokens, top_k, hidden_states.shape[-1], inter
 
 
 def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
     lib = library()
-    num_tokens, top_k = top_k_index.shape
-    hidden = hidden_states.shape[-1]
-    inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
-    x, weights = hidden_states.detach().contiguous(), top_k_weights.detach().contiguous()
-    index = top_k_index.to(torch.int64).contiguous()
+    x, weights, index, num_tokens, top_k, hidden, inter = _experts_operands(
+        hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed
+    )
     sorted_rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32)
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     status = lib.k3_moe_experts_forward(
@@ -312,17 +314,15 @@ class _FusedExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
         need_x, need_w, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        num_tokens, top_k = top_k_index.shape
-        hidden = hidden_states.shape[-1]
-        inter = (gate_up_proj.shape[1] if not ctx.transposed else gate_up_proj.shape[2]) // 2
+        x, weights, index, num_tokens, top_k, hidden, inter = _experts_operands(
+            hidden_states, top_k_weights, gate_up_proj, top_k_index, ctx.transposed
+        )
         grad_x = torch.empty(num_tokens, hidden) if need_x else None
         grad_w = torch.empty(num_tokens, top_k) if need_w else None
         grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
         grad_down = torch.empty_like(down_proj) if need_down else None
         scratch = torch.empty(num_tokens * top_k, hidden) if need_x else None
-        # Kept in variables: a temporary's memory would be freed before the call reads it.
-        x, weights, grad = hidden_states.contiguous(), top_k_weights.contiguous(), grad_out.contiguous()
-        index = top_k_index.to(torch.int64).contiguous()
+        grad = grad_out.contiguous()  # held in a variable, like the operands
         status = library().k3_moe_experts_backward(
             x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
             int(ctx.transposed), down_proj.data_ptr(), int(ctx.transposed), gate_up_proj.shape[0], inter,
