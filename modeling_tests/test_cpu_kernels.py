@@ -184,6 +184,17 @@ def test_sources_ship_with_the_package():
 # Routed experts
 
 
+@pytest.fixture(params=["small_gemm", "sgemm"])
+def experts_kernel(kernel, request, monkeypatch):
+    """The experts kernel has two paths: register-blocked AVX-512 products with per-thread accumulators (small
+    experts, AVX-512 builds) and sgemm with expert-sorted rows; every experts test runs each, forced."""
+    if request.param == "small_gemm" and not kernel.k3_moe_small_gemm_available():
+        pytest.skip("this build of the kernels has no small-GEMM path (no AVX-512)")
+    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", request.param == "small_gemm")
+    return request.param
+
+
+
 def _forbid_pytorch_experts(monkeypatch):
     """Make the PyTorch paths of k3_grouped_mm fail, so a passing call proves the kernel computed it."""
 
@@ -210,10 +221,11 @@ def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
         {"activation_situ_linear_beta": None},
         {"hidden_act": "silu"},
         {"routed_expert_hidden_size": None},  # full width 64
+        {"routed_expert_hidden_size": 40, "moe_intermediate_size": 12},  # widths no multiple of 16
     ],
 )
 @pytest.mark.parametrize("shape", [(37, 4), (1, 4), (20, 1), (300, 2)])
-def test_experts_kernel_matches_the_per_token_loop(kernel, monkeypatch, overrides, shape):
+def test_experts_kernel_matches_the_per_token_loop(experts_kernel, monkeypatch, overrides, shape):
     """Inference through k3_grouped_mm: the kernel's output equals the float64 spec loop <= 1e-5 (300 tokens
     on top-2 of 16 experts gives experts more rows than one task takes)."""
     cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM, **overrides)
@@ -229,14 +241,21 @@ def test_experts_kernel_matches_the_per_token_loop(kernel, monkeypatch, override
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_experts_kernel_reads_transposed_weights(kernel):
-    cfg = make_config(num_experts=16)
+# (latent width, intermediate size): the tiny config's, and widths that are no multiple of 16 and differ, so that
+# a transposed copy with rows and columns swapped cannot pass
+WIDTHS = [(32, 32), (40, 12)]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_experts_kernel_reads_transposed_weights(experts_kernel, width):
+    latent, inter = width
+    cfg = make_config(num_experts=16, routed_expert_hidden_size=latent, moe_intermediate_size=inter)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(40, 4, 16)
-    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(40, latent, generator=torch.Generator().manual_seed(6))
     expected = cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj.data, experts.down_proj.data, False,
                                               experts.glu_activation)  # fmt: skip
-    ref, _ = ref_experts(experts, x, idx, w, torch.zeros(40, 32))
+    ref, _ = ref_experts(experts, x, idx, w, torch.zeros(40, latent))
     torch.testing.assert_close(expected.double(), ref, atol=1e-5, rtol=1e-5)
     gate_up_t = experts.gate_up_proj.data.transpose(1, 2).contiguous()
     down_t = experts.down_proj.data.transpose(1, 2).contiguous()
@@ -247,7 +266,7 @@ def test_experts_kernel_reads_transposed_weights(kernel):
                                           experts.glu_activation) is None  # fmt: skip
 
 
-def test_experts_kernel_sentinels_and_no_tokens(kernel):
+def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
     """Ids outside [0, E) (expert-parallel sentinels) contribute nothing; zero tokens give an empty output."""
     cfg = make_config(num_experts=8)
     experts = randomize(KimiK3Experts(cfg))
@@ -264,7 +283,7 @@ def test_experts_kernel_sentinels_and_no_tokens(kernel):
     assert empty.shape == (0, 32)
 
 
-def test_experts_kernel_huge_activations_stay_bounded(kernel):
+def test_experts_kernel_huge_activations_stay_bounded(experts_kernel):
     """SiTU caps both halves: activations of 1e30 and infinities give the PyTorch path's finite values."""
     cfg = make_config(num_experts=8, _experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg))
@@ -279,7 +298,7 @@ def test_experts_kernel_huge_activations_stay_bounded(kernel):
     torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-5)
 
 
-def test_experts_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
+def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatch):
     """fp32 weights and inputs, with or without autograd: the kernel; in bf16, under expert parallelism or
     when turned off: the PyTorch path."""
     cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
@@ -306,9 +325,17 @@ def test_experts_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
     assert len(calls) == 6 and type(out.grad_fn).__name__ == "_FusedExpertsBackward"
 
 
-@pytest.mark.parametrize("overrides", [{}, {"activation_situ_linear_beta": None}, {"hidden_act": "silu"}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"activation_situ_linear_beta": None},
+        {"hidden_act": "silu"},
+        {"routed_expert_hidden_size": 40, "moe_intermediate_size": 12},
+    ],
+)
 @pytest.mark.parametrize("shape", [(37, 4), (300, 2)])
-def test_experts_kernel_backward_matches_the_per_token_loop(kernel, monkeypatch, overrides, shape):
+def test_experts_kernel_backward_matches_the_per_token_loop(experts_kernel, monkeypatch, overrides, shape):
     """Gradients of the kernel's backward (input, routing weights, both expert weights) equal the float64 spec
     loop's <= 1e-5; 300 tokens on top-2 of 16 experts accumulate an expert's weight gradient over several
     row tiles; expert 3 is never chosen and gets exactly zero."""
@@ -329,21 +356,75 @@ def test_experts_kernel_backward_matches_the_per_token_loop(kernel, monkeypatch,
     assert (experts.gate_up_proj.grad[3] == 0).all() and (experts.down_proj.grad[3] == 0).all()
 
 
-def test_experts_kernel_backward_transposed_weights_and_partial_needs(kernel):
-    """Weights stored [E, in, out] get their gradients in that layout; only the tensors that require grad get
-    one (here the weights alone, as with frozen inputs)."""
-    cfg = make_config(num_experts=16)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_experts_kernel_backward_transposed_weights_and_partial_needs(experts_kernel, width):
+    """Weights stored [E, in, out] get their gradients in that layout, and the input and routing weights the
+    same gradients as with [E, out, in]; only the tensors that require grad get one (the weights alone, as
+    with frozen inputs)."""
+    latent, inter = width
+    cfg = make_config(num_experts=16, routed_expert_hidden_size=latent, moe_intermediate_size=inter)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(40, 4, 16)
-    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(12))
-    probe = torch.randn(40, 32, generator=torch.Generator().manual_seed(13))
-    gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
-    down = experts.down_proj.detach().clone().requires_grad_()
-    (cpu_kernel.moe_experts(x, idx, w, gate_up, down, False, experts.glu_activation) * probe).sum().backward()
-    gate_up_t = experts.gate_up_proj.detach().transpose(1, 2).contiguous().requires_grad_()
-    down_t = experts.down_proj.detach().transpose(1, 2).contiguous().requires_grad_()
-    out = cpu_kernel.moe_experts(x, idx, w, gate_up_t, down_t, True, experts.glu_activation)
-    (out * probe).sum().backward()
-    torch.testing.assert_close(gate_up_t.grad, gate_up.grad.transpose(1, 2), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(down_t.grad, down.grad.transpose(1, 2), atol=1e-6, rtol=1e-5)
-    assert x.grad is None and w.grad is None
+    x = torch.randn(40, latent, generator=torch.Generator().manual_seed(12))
+    probe = torch.randn(40, latent, generator=torch.Generator().manual_seed(13))
+
+    def grads(transposed, inputs_need_grad):
+        gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        if transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        gate_up, down = gate_up.contiguous().requires_grad_(), down.contiguous().requires_grad_()
+        xs, ws = x.clone().requires_grad_(inputs_need_grad), w.clone().requires_grad_(inputs_need_grad)
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu_activation)
+        (out * probe).sum().backward()
+        if transposed:
+            return xs.grad, ws.grad, gate_up.grad.transpose(1, 2), down.grad.transpose(1, 2)
+        return xs.grad, ws.grad, gate_up.grad, down.grad
+
+    expected = grads(False, True)
+    for got, want in zip(grads(True, True), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    weights_only = grads(True, False)
+    assert weights_only[0] is None and weights_only[1] is None
+    for got, want in zip(weights_only[2:], expected[2:]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_experts_kernel_thread_counts_and_repeatability(experts_kernel, threads):
+    """Any thread count gives the same outputs and gradients (the small-GEMM path splits the experts among the
+    threads and sums per-thread accumulators), and repeating a call gives bitwise the same result."""
+    cfg = make_config(num_experts=16)
+    experts = randomize(KimiK3Experts(cfg))
+    idx, w = _routing(300, 4, 16)
+    x = torch.randn(300, 32, generator=torch.Generator().manual_seed(14))
+    probe = torch.randn(300, 32, generator=torch.Generator().manual_seed(15))
+
+    def run():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
+        down = experts.down_proj.detach().clone().requires_grad_()
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu_activation)
+        (out * probe).sum().backward()
+        return out.detach(), xs.grad, ws.grad, gate_up.grad, down.grad
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run()
+        torch.set_num_threads(threads)
+        first, second = run(), run()
+    finally:
+        torch.set_num_threads(previous)
+    for a, b, c in zip(single, first, second):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
+        assert torch.equal(b, c)
+
+
+def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
+    """The default: small experts (a transposed copy fits in L2) take the small-GEMM path on AVX-512 builds,
+    unless its per-thread accumulators would outgrow the sorted rows (threads - 1 > top-k); K3's full-size
+    experts (latent 3584, intermediate 3072) go through sgemm."""
+    available = bool(kernel.k3_moe_small_gemm_available())
+    assert cpu_kernel.experts_small_gemm(128, 32, 16, 2) is available
+    assert cpu_kernel.experts_small_gemm(128, 32, 2, 4) is False
+    assert cpu_kernel.experts_small_gemm(3584, 3072, 16, 2) is False

@@ -21,14 +21,17 @@ from transformers_k3.layers.moe import (
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
 
-@pytest.fixture(params=["grouped", "gathered", "fused"])
+@pytest.fixture(params=["grouped", "gathered", "fused", "fused_sgemm"])
 def k3_path(request, monkeypatch):
-    """`k3_grouped_mm` has three paths on CPU: the fused C++ kernel (fp32, forward and backward), and with it
-    turned off the grouped GEMM and (for few assignments) gathered expert weights; the tests that take this
-    fixture run it once with each forced."""
-    if request.param == "fused":
+    """`k3_grouped_mm` has these paths on CPU: the fused C++ kernel (fp32, forward and backward; for small
+    experts on AVX-512 its own register-blocked products, else sgemm: "fused_sgemm" forces the latter), and
+    with it turned off the grouped GEMM and (for few assignments) gathered expert weights; the tests that take
+    this fixture run it once with each forced."""
+    if request.param.startswith("fused"):
         if cpu_kernel.library() is None:
             pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
+        if request.param == "fused_sgemm":
+            monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)
         with cpu_kernel.use_cpu_kernel(True):
             yield request.param
         return

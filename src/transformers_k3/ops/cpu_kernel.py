@@ -44,7 +44,7 @@ ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = (SOURCE_DIR / "kda_cpu.cpp", SOURCE_DIR / "moe_cpu.cpp")
-HEADERS = (SOURCE_DIR / "common.h",)
+HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "small_gemm.h")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
@@ -193,10 +193,12 @@ def _load() -> ctypes.CDLL:
         lib.k3_kda_chunk_forward.argtypes = [pointer] * 9 + [i64] + [i32] * 4 + [f32, i32]
         lib.k3_moe_experts_forward.restype = i32
         lib.k3_moe_experts_forward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                               i64, i32, i32, f32, f32, pointer, pointer, i32]  # fmt: skip
+                                               i64, i32, i32, f32, f32, pointer, pointer, i32, i32]  # fmt: skip
         lib.k3_moe_experts_backward.restype = i32
         lib.k3_moe_experts_backward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32]  # fmt: skip
+                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32]  # fmt: skip
+        lib.k3_moe_small_gemm_available.restype = i32
+        lib.k3_moe_small_gemm_available.argtypes = []
         return lib
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
@@ -277,17 +279,41 @@ def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, t
     return x, weights, index, num_tokens, top_k, hidden_states.shape[-1], inter
 
 
+# The experts kernel's small-GEMM path (register-blocked AVX-512 products, each thread adding its experts' rows
+# into its own [N, D] accumulator) is taken for experts whose three weight matrices hold at most this many floats
+# (a transposed copy of one expert stays in a core's L2 cache) and when the extra accumulators, (threads - 1) x
+# [N, D], take no more memory than the other path's expert-sorted rows, [N k, D]. Larger experts go through
+# sgemm, where packing costs little next to the products.
+SMALL_EXPERT_FLOATS = 3 * 64 * 1024
+_small_gemm_override: bool | None = None  # tests force one path (None: the rule below)
+
+
+def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int) -> bool:
+    """Whether the experts kernel takes its small-GEMM path for these sizes on this machine (AVX-512 build)."""
+    if _small_gemm_override is not None:
+        return _small_gemm_override and bool(library().k3_moe_small_gemm_available())
+    return (bool(library().k3_moe_small_gemm_available()) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
+            and threads - 1 <= top_k)  # fmt: skip
+
+
+def _experts_scratch(small: bool, num_tokens: int, top_k: int, hidden: int, threads: int) -> torch.Tensor:
+    """The kernel's [*, D] scratch: per-thread accumulators (small-GEMM path) or expert-sorted rows."""
+    return torch.empty((threads - 1) * num_tokens if small else num_tokens * top_k, hidden, dtype=torch.float32)
+
+
 def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
     lib = library()
     x, weights, index, num_tokens, top_k, hidden, inter = _experts_operands(
         hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed
     )
-    sorted_rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32)
+    threads = max(1, torch.get_num_threads())
+    small = experts_small_gemm(hidden, inter, top_k, threads)
+    scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads)
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     status = lib.k3_moe_experts_forward(
         x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
         int(transposed), down_proj.data_ptr(), int(transposed), gate_up_proj.shape[0], inter,
-        *_activation_args(activation), sorted_rows.data_ptr(), out.data_ptr(), max(1, torch.get_num_threads()),
+        *_activation_args(activation), scratch.data_ptr(), out.data_ptr(), threads, int(small),
     )  # fmt: skip
     if status != 0:
         logger.warning("transformers_k3: fused CPU MoE kernel returned status %d, using the PyTorch path", status)
@@ -321,13 +347,15 @@ class _FusedExperts(torch.autograd.Function):
         grad_w = torch.empty(num_tokens, top_k) if need_w else None
         grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
         grad_down = torch.empty_like(down_proj) if need_down else None
-        scratch = torch.empty(num_tokens * top_k, hidden) if need_x else None
+        threads = max(1, torch.get_num_threads())
+        small = experts_small_gemm(hidden, inter, top_k, threads)
+        scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads) if need_x else None
         grad = grad_out.contiguous()  # held in a variable, like the operands
         status = library().k3_moe_experts_backward(
             x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
             int(ctx.transposed), down_proj.data_ptr(), int(ctx.transposed), gate_up_proj.shape[0], inter,
             *_activation_args(ctx.activation), grad.data_ptr(), _ptr(grad_x), _ptr(grad_w),
-            _ptr(grad_gate_up), _ptr(grad_down), _ptr(scratch), max(1, torch.get_num_threads()),
+            _ptr(grad_gate_up), _ptr(grad_down), _ptr(scratch), threads, int(small),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the fused CPU MoE kernel's backward returned status {status} (out of memory?)")

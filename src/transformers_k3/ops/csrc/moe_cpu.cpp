@@ -12,11 +12,14 @@
 // gate_up [E, 2I, D] (gate rows, then up rows) or, transposed, [E, D, 2I]; down [E, D, I] or [E, I, D];
 // sorted (scratch) [N * k, D]; out [N, D]. Ids outside [0, E) (expert-parallel sentinels) contribute nothing.
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "common.h"
+#include "small_gemm.h"
 
 namespace {
 
@@ -49,13 +52,21 @@ struct Activation {
 // A thread's rows of one task (up to kTile): inputs, gate/up products, GLU outputs, routing weights; the
 // backward also the output gradients, the GLU input gradient and the gate/up gradients.
 struct Rows {
-  std::vector<float> x, h, glu, weight, dy, dglu, dh;
-  Rows(int hidden, int inter, bool backward)
+  k3::aligned_vector<float> x, h, glu, weight, dy, dglu, dh;
+  // small-GEMM path: the rows' token ids (where their outputs are added) and one expert's weights transposed
+  std::vector<int64_t> token;
+  k3::aligned_vector<float> wa, wb;
+  Rows(int hidden, int inter, bool backward, bool small = false)
       : x((size_t)kTile * hidden), h((size_t)kTile * 2 * inter), glu((size_t)kTile * inter), weight(kTile) {
     if (backward) {
       dy.resize((size_t)kTile * hidden);
       dglu.resize((size_t)kTile * inter);
       dh.resize((size_t)kTile * 2 * inter);
+    }
+    if (small) {
+      token.resize(kTile);
+      wa.resize((size_t)2 * inter * hidden);
+      wb.resize((size_t)2 * inter * hidden);
     }
   }
 };
@@ -152,6 +163,27 @@ void glu_backward(const float* h, const float* dglu, const float* weight, float*
   }
 }
 
+// grad_weights[order[r]] = dglu[r] . glu[r] (the routing weight's gradient) for the rows of a backward task.
+void weight_gradients(const Rows& s, int rows, int inter, const int64_t* order, float* grad_weights) {
+  for (int r = 0; r < rows; ++r) {
+    const float* dg = s.dglu.data() + (size_t)r * inter;
+    const float* g = s.glu.data() + (size_t)r * inter;
+    float sum = 0.0f;
+    for (int i = 0; i < inter; ++i) sum += dg[i] * g[i];
+    grad_weights[order[r]] = sum;
+  }
+}
+
+// glu[r] *= weight[r]: the down projection's input, for its weight gradient.
+void scale_rows(Rows& s, int rows, int inter) {
+  for (int r = 0; r < rows; ++r) {
+    float* g = s.glu.data() + (size_t)r * inter;
+    const float w = s.weight[r];
+#pragma omp simd
+    for (int i = 0; i < inter; ++i) g[i] *= w;
+  }
+}
+
 // The routing's counting sort shared by forward and backward: assignments (token * k + slot) by expert,
 // stable; position[a] = the assignment's row in that order (-1 for ids outside [0, E)).
 struct Sorted {
@@ -194,16 +226,205 @@ void sum_slots(const float* rows, const std::vector<int64_t>& position, int64_t 
   }
 }
 
+
+#if K3_HAVE_SMALL_GEMM
+// The small-GEMM path (AVX-512; experts small enough that a transposed copy of one expert's weights stays in
+// cache): no expert-sorted [N k, D] rows. Each thread owns a contiguous range of experts, chosen so that the
+// ranges cost about the same (rows plus a per-expert constant for transposing the weights: about 8 rows' worth
+// of multiply-adds), and adds its experts' output rows straight into its own [N, D] accumulator (thread 0's is
+// `out` itself); the accumulators are summed at the end. Every token's sum is thus taken in a fixed order for a
+// given thread count: the results do not depend on scheduling.
+constexpr int64_t kExpertCostRows = 8;
+
+void expert_range(const std::vector<int64_t>& offsets, int64_t n_experts, int team, int me, int64_t& lo,
+                  int64_t& hi) {
+  auto cost = [&](int64_t e) { return offsets[e] + kExpertCostRows * e; };
+  const int64_t total = cost(n_experts);
+  auto first = [&](int part) {  // the first expert e with cost(e) >= total * part / team
+    const int64_t target = (int64_t)((double)total * part / team);
+    int64_t a = 0, b = n_experts;
+    while (a < b) {
+      const int64_t mid = (a + b) / 2;
+      if (cost(mid) < target) a = mid + 1; else b = mid;
+    }
+    return a;
+  };
+  lo = me == 0 ? 0 : first(me);
+  hi = me == team - 1 ? n_experts : first(me + 1);
+}
+
+// The gathered rows' tokens (for the scatter into the accumulators).
+void gather_tokens(Rows& s, const int64_t* order, int rows, int top_k) {
+  for (int r = 0; r < rows; ++r) s.token[r] = order[r] / top_k;
+}
+
+// `w` [rows, cols] as [cols, rows] in `buffer` if `need` (else `w` itself).
+const float* maybe_transposed(const float* w, int rows, int cols, bool need, k3::aligned_vector<float>& buffer) {
+  if (!need) return w;
+  k3::transpose(w, rows, cols, cols, buffer.data());
+  return buffer.data();
+}
+
+// acc (thread 0's, i.e. `out`) += the other threads' accumulators, token by token; inside a parallel region,
+// after a barrier.
+void sum_accumulators(float* out, const float* others, int n_others, int64_t n_tokens, int hidden) {
+  const int64_t size = n_tokens * hidden;
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    float* o = out + t * hidden;
+    for (int b = 0; b < n_others; ++b) {
+      const float* y = others + b * size + t * hidden;
+#pragma omp simd
+      for (int i = 0; i < hidden; ++i) o[i] += y[i];
+    }
+  }
+}
+
+// Forward of the small-GEMM path (see above); `accumulators` [(n_threads - 1) N, D].
+int small_forward(const float* x, int64_t n_tokens, int hidden, const Sorted& routing, const float* top_k_weights,
+                  int top_k, const float* gate_up, bool gate_up_transposed, const float* down, bool down_transposed,
+                  int64_t n_experts, int inter, const Activation& act, float* accumulators, float* out,
+                  int n_threads) {
+  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+  const int two_i = 2 * inter;
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    const k3::FlushDenormals flush;
+    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, false, true);
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    float* acc = me == 0 ? out : accumulators + (me - 1) * n_tokens * hidden;
+    std::fill(acc, acc + n_tokens * hidden, 0.0f);
+    int64_t lo, hi;
+    expert_range(routing.offsets, n_experts, team, me, lo, hi);
+    for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
+      Rows& s = *scratch;
+      const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
+      if (begin == end) continue;
+      // B operands [k, n]: W_gate_up^T [D, 2I] and W_down^T [I, D] (stored that way when transposed)
+      const float* wgu = maybe_transposed(gate_up + e * gate_up_size, two_i, hidden, !gate_up_transposed, s.wa);
+      const float* wd = maybe_transposed(down + e * down_size, hidden, inter, !down_transposed, s.wb);
+      // the next expert's weights, read into L2 while this one computes (its transposes would wait on them)
+      const bool more = e + 1 < hi;
+      k3::Prefetch next_gate_up, next_down;
+      if (more) next_gate_up = k3::Prefetch(gate_up + (e + 1) * gate_up_size, gate_up_size);
+      if (more) next_down = k3::Prefetch(down + (e + 1) * down_size, down_size);
+      for (int64_t start = begin; start < end; start += kTile) {
+        const int rows = (int)std::min<int64_t>(kTile, end - start);
+        const int64_t* order = routing.order.data() + start;
+        for (int r = 0; r < rows; ++r) {
+          std::memcpy(s.x.data() + (size_t)r * hidden, x + order[r] / top_k * hidden, sizeof(float) * hidden);
+          s.weight[r] = top_k_weights[order[r]];
+        }
+        gather_tokens(s, order, rows, top_k);
+        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu, two_i, s.h.data(), two_i, nullptr, false,
+                       next_gate_up);
+        apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
+        k3::small_gemm(rows, hidden, inter, s.glu.data(), inter, 1, wd, hidden, acc, hidden, s.token.data(), true,
+                       next_down);
+      }
+    }
+#pragma omp barrier
+    sum_accumulators(out, accumulators, team - 1, n_tokens, hidden);
+  }
+  return status;
+}
+
+// Backward of the small-GEMM path: as k3_moe_experts_backward, with the input gradient rows added into
+// per-thread accumulators `accumulators` [(n_threads - 1) N, D] (thread 0's is grad_x).
+int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& routing, const float* top_k_weights,
+                   int top_k, const float* gate_up, bool gate_up_transposed, const float* down, bool down_transposed,
+                   int64_t n_experts, int inter, const Activation& act, const float* grad_out, float* grad_x,
+                   float* grad_weights, float* grad_gate_up, float* grad_down, float* accumulators, int n_threads) {
+  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+  const int two_i = 2 * inter;
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    const k3::FlushDenormals flush;
+    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, true, true);
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    float* dx_acc = grad_x == nullptr ? nullptr : me == 0 ? grad_x : accumulators + (me - 1) * n_tokens * hidden;
+    if (dx_acc != nullptr) std::fill(dx_acc, dx_acc + n_tokens * hidden, 0.0f);
+    int64_t lo, hi;
+    expert_range(routing.offsets, n_experts, team, me, lo, hi);
+    for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
+      Rows& s = *scratch;
+      const float* wgu_raw = gate_up + e * gate_up_size;
+      const float* wd_raw = down + e * down_size;
+      float* ggu = grad_gate_up ? grad_gate_up + e * gate_up_size : nullptr;
+      float* gd = grad_down ? grad_down + e * down_size : nullptr;
+      const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
+      if (begin == end) {
+        if (ggu) std::fill(ggu, ggu + gate_up_size, 0.0f);
+        if (gd) std::fill(gd, gd + down_size, 0.0f);
+        continue;
+      }
+      // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product), W_down [D, I] (dY W_down) and
+      // W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
+      const float* wgu_t = maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
+      const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
+      const float* wgu = grad_x == nullptr ? nullptr
+                         : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
+                                              : wgu_raw;
+      for (int64_t start = begin; start < end; start += kTile) {
+        const int rows = (int)std::min<int64_t>(kTile, end - start);
+        const bool accumulate = start != begin;
+        const int64_t* order = routing.order.data() + start;
+        for (int r = 0; r < rows; ++r) {
+          const int64_t token = order[r] / top_k;
+          std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
+          std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
+          s.weight[r] = top_k_weights[order[r]];
+        }
+        gather_tokens(s, order, rows, top_k);
+        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr, false);
+        k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false);
+        glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
+        if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
+        if (gd) {
+          scale_rows(s, rows, inter);
+          if (down_transposed)  // [I, D] (+)= (w glu)^T dY
+            k3::small_gemm(inter, hidden, rows, s.glu.data(), 1, inter, s.dy.data(), hidden, gd, hidden, nullptr,
+                           accumulate);
+          else  // [D, I] (+)= dY^T (w glu)
+            k3::small_gemm(hidden, inter, rows, s.dy.data(), 1, hidden, s.glu.data(), inter, gd, inter, nullptr,
+                           accumulate);
+        }
+        if (ggu) {
+          if (gate_up_transposed)  // [D, 2I] (+)= X^T dH
+            k3::small_gemm(hidden, two_i, rows, s.x.data(), 1, hidden, s.dh.data(), two_i, ggu, two_i, nullptr,
+                           accumulate);
+          else  // [2I, D] (+)= dH^T X
+            k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, s.x.data(), hidden, ggu, hidden, nullptr,
+                           accumulate);
+        }
+        if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
+          k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),
+                         true);
+      }
+    }
+#pragma omp barrier
+    if (grad_x != nullptr) sum_accumulators(grad_x, accumulators, team - 1, n_tokens, hidden);
+  }
+  return status;
+}
+#endif
 }  // namespace
 
 extern "C" {
+
+// 1 if this build has the small-GEMM path (AVX-512), else 0.
+int k3_moe_small_gemm_available() { return K3_HAVE_SMALL_GEMM; }
 
 // Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be allocated.
 int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
                            const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
                            const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
-                           float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads) {
+                           float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads,
+                           int small) {
   if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
+  if (small && !K3_HAVE_SMALL_GEMM) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
   std::unique_ptr<Sorted> sorted_ptr;
@@ -211,6 +432,11 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   std::vector<int64_t> tile_expert;
   try {
     sorted_ptr = std::make_unique<Sorted>(top_k_index, n_assign, n_experts);
+#if K3_HAVE_SMALL_GEMM
+    if (small)
+      return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up, gate_up_transposed,
+                           down, down_transposed, n_experts, inter, act, sorted, out, n_threads);
+#endif
     for (int64_t e = 0; e < n_experts; ++e)
       for (int64_t start = sorted_ptr->offsets[e]; start < sorted_ptr->offsets[e + 1]; start += kTile) {
         tiles.push_back(start);
@@ -261,8 +487,9 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
                             const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
                             float act_beta, float act_linear_beta, const float* grad_out, float* grad_x,
                             float* grad_weights, float* grad_gate_up, float* grad_down, float* dx_rows,
-                            int n_threads) {
+                            int n_threads, int small) {
   if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
+  if (small && !K3_HAVE_SMALL_GEMM) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
   std::unique_ptr<Sorted> sorted_ptr;
@@ -274,6 +501,12 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
   const Sorted& routing = *sorted_ptr;
   if (grad_weights != nullptr)
     for (int64_t a = 0; a < n_assign; ++a) grad_weights[a] = 0.0f;
+#if K3_HAVE_SMALL_GEMM
+  if (small)
+    return small_backward(x, n_tokens, hidden, routing, top_k_weights, top_k, gate_up, gate_up_transposed, down,
+                          down_transposed, n_experts, inter, act, grad_out, grad_x, grad_weights, grad_gate_up,
+                          grad_down, dx_rows, n_threads);
+#endif
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
   int status = 0;
@@ -306,21 +539,9 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
         else
           gemm(false, false, rows, inter, hidden, 1.0f, s.dy.data(), hidden, wd, inter, 0.0f, s.dglu.data(), inter);
         glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
-        if (grad_weights != nullptr)
-          for (int r = 0; r < rows; ++r) {
-            const float* dg = s.dglu.data() + (size_t)r * inter;
-            const float* g = s.glu.data() + (size_t)r * inter;
-            float sum = 0.0f;
-            for (int i = 0; i < inter; ++i) sum += dg[i] * g[i];
-            grad_weights[routing.order[start + r]] = sum;
-          }
+        if (grad_weights != nullptr) weight_gradients(s, rows, inter, routing.order.data() + start, grad_weights);
         if (gd) {
-          for (int r = 0; r < rows; ++r) {
-            float* g = s.glu.data() + (size_t)r * inter;
-            const float w = s.weight[r];
-#pragma omp simd
-            for (int i = 0; i < inter; ++i) g[i] *= w;
-          }
+          scale_rows(s, rows, inter);
           if (down_transposed)  // [I, D] += (w glu)^T dY
             gemm(true, false, inter, hidden, rows, 1.0f, s.glu.data(), inter, s.dy.data(), hidden, accumulate, gd,
                  hidden);

@@ -1,0 +1,158 @@
+// Register-blocked fp32 GEMM and transpose for the small per-expert products of the experts kernel
+// (moe_cpu.cpp), AVX-512 only (K3_HAVE_SMALL_GEMM is 0 without it, and the callers use sgemm).
+//
+// A routed expert at K3's routing scale sees a few dozen rows per call (2,048 tokens x top-16 over 896 experts:
+// ~37), and at the scaled-down widths the products are [37, 128] x [128, 64]. There sgemm spends much of its
+// time packing operands and dispatching; these kernels keep an MR x (16 NR) block of C in registers and stream
+// A (one broadcast per row and step) and B (NR vector loads per step) straight from where they lie.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define K3_HAVE_SMALL_GEMM 1
+#else
+#define K3_HAVE_SMALL_GEMM 0
+#endif
+
+#if K3_HAVE_SMALL_GEMM
+namespace k3 {
+
+// Memory to pull into L2 while a product computes (e.g. the next expert's weights): one cache line per step of
+// the product's inner loop, so that the requests spread over its arithmetic instead of stalling in a burst.
+struct Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  Prefetch() = default;
+  Prefetch(const float* p, int64_t n) : next(reinterpret_cast<const char*>(p)), end(next + n * sizeof(float)) {}
+  void step() {
+    if (next < end) {
+      _mm_prefetch(next, _MM_HINT_T1);
+      next += 64;
+    }
+  }
+};
+
+// C[m, 0 : 16 NR] (+)= sum_p A(m, p) B[p, 0 : 16 NR] for MR rows: A(m, p) = a[m * sam + p * sap] (any strides,
+// so A may be a transposed view), B rows ldb apart, C row m at c[m]; `mask` selects the columns present in
+// each of the NR vectors.
+template <int MR, int NR>
+inline void small_gemm_block(int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
+                             float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
+  // (every loop over i and j is unrolled, so that acc lives in registers: unrolled only partly, gcc keeps
+  // the array on the stack and stores it back on every step)
+  __m512 acc[MR][NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int p = 0; p < k; ++p) {
+    prefetch.step();
+    __m512 bv[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) bv[j] = _mm512_maskz_loadu_ps(mask[j], b + p * ldb + 16 * j);
+    const float* ap = a + p * sap;
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(ap[i * sam]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      float* dst = c[i] + 16 * j;
+      __m512 v = acc[i][j];
+      if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[j], dst));
+      _mm512_mask_storeu_ps(dst, mask[j], v);
+    }
+}
+
+// Rows per block for NR vectors: MR x NR accumulators plus NR B vectors and a broadcast fit the 32 registers.
+constexpr int block_rows(int nr) { return nr >= 4 ? 6 : nr == 3 ? 8 : 12; }
+
+template <int NR, int MR = block_rows(NR)>
+inline void small_gemm_rows(int mr, int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
+                            float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
+  if constexpr (MR >= 1) {
+    if (mr == MR)
+      small_gemm_block<MR, NR>(k, a, sam, sap, b, ldb, c, mask, accumulate, prefetch);
+    else
+      small_gemm_rows<NR, MR - 1>(mr, k, a, sam, sap, b, ldb, c, mask, accumulate, prefetch);
+  }
+}
+
+// C[m, n] (+)= sum_p A(m, p) B[p, n], A(m, p) = a[m * sam + p * sap], B [k, n] rows ldb apart; C row m is
+// c + row(m) * ldc with row(m) = rows[m] (a scatter, e.g. into token rows) or m when `rows` is null. Issues
+// `prefetch`'s requests along the way.
+inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
+                       float* c, int64_t ldc, const int64_t* rows, bool accumulate, Prefetch prefetch = {}) {
+  if (m <= 0 || n <= 0) return;
+  for (int n0 = 0; n0 < n; n0 += 64) {
+    const int nb = std::min(64, n - n0), nr = (nb + 15) / 16;
+    __mmask16 mask[4];
+    for (int j = 0; j < 4; ++j) {
+      const int left = nb - 16 * j;
+      mask[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+    }
+    const int step = block_rows(nr);
+    for (int m0 = 0; m0 < m; m0 += step) {
+      const int mr = std::min(step, m - m0);
+      float* crow[12];
+      for (int i = 0; i < mr; ++i) crow[i] = c + (rows ? rows[m0 + i] : (int64_t)(m0 + i)) * ldc + n0;
+      const float* am = a + m0 * sam;
+      const float* bn = b + n0;
+      switch (nr) {
+        case 1: small_gemm_rows<1>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        case 2: small_gemm_rows<2>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        case 3: small_gemm_rows<3>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        default: small_gemm_rows<4>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+      }
+    }
+  }
+}
+
+// dst[c, r] = src[r, c] for src [rows, cols] with rows lds apart, dst [cols, rows] contiguous: 16 x 16 blocks
+// transposed in registers, the edges element by element.
+inline void transpose(const float* src, int rows, int cols, int64_t lds, float* dst) {
+  const int rb = rows / 16 * 16, cb = cols / 16 * 16;
+  for (int r0 = 0; r0 < rb; r0 += 16)
+    for (int c0 = 0; c0 < cb; c0 += 16) {
+      __m512 v[16], t[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(src + (r0 + i) * lds + c0);
+      // 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of 128-bit lane shuffles
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; ++j) {
+          const __m512d lo = _mm512_castps_pd(t[i + j]), hi = _mm512_castps_pd(t[i + j + 2]);
+          v[i + j] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+          v[i + j + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+        }
+      for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; ++j) {
+          t[i + j] = _mm512_shuffle_f32x4(v[i + j], v[i + j + 4], 0x88);
+          t[i + j + 4] = _mm512_shuffle_f32x4(v[i + j], v[i + j + 4], 0xDD);
+        }
+      for (int j = 0; j < 8; ++j) {
+        v[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        v[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+      }
+      // v[q] now holds column c0 + perm(q) of the block's 16 rows
+      static constexpr int column[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+      for (int q = 0; q < 16; ++q) _mm512_storeu_ps(dst + (int64_t)(c0 + column[q]) * rows + r0, v[q]);
+    }
+  for (int r = 0; r < rows; ++r) {
+    const int c_start = r < rb ? cb : 0;
+    for (int c = c_start; c < cols; ++c) dst[(int64_t)c * rows + r] = src[r * lds + c];
+  }
+}
+
+}  // namespace k3
+#endif
