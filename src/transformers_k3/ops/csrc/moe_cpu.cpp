@@ -312,13 +312,11 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const Sorted& ro
       for (int64_t start = begin; start < end; start += kTile) {
         const int rows = (int)std::min<int64_t>(kTile, end - start);
         const int64_t* order = routing.order.data() + start;
-        for (int r = 0; r < rows; ++r) {
-          std::memcpy(s.x.data() + (size_t)r * hidden, x + order[r] / top_k * hidden, sizeof(float) * hidden);
-          s.weight[r] = top_k_weights[order[r]];
-        }
+        for (int r = 0; r < rows; ++r) s.weight[r] = top_k_weights[order[r]];
         gather_tokens(s, order, rows, top_k);
-        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu, two_i, s.h.data(), two_i, nullptr, false,
-                       next_gate_up);
+        // the input rows are read in place (token rows of x)
+        k3::small_gemm(rows, two_i, hidden, x, hidden, 1, wgu, two_i, s.h.data(), two_i, nullptr, false,
+                       next_gate_up, s.token.data());
         apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
         k3::small_gemm(rows, hidden, inter, s.glu.data(), inter, 1, wd, hidden, acc, hidden, s.token.data(), true,
                        next_down);
@@ -364,6 +362,11 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
       // W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
       const float* wgu_t = maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
       const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
+      // the next expert's weights, read into L2 during this one's products (as in the forward)
+      const bool more = e + 1 < hi;
+      k3::Prefetch next_gate_up, next_down;
+      if (more) next_gate_up = k3::Prefetch(gate_up + (e + 1) * gate_up_size, gate_up_size);
+      if (more) next_down = k3::Prefetch(down + (e + 1) * down_size, down_size);
       const float* wgu = grad_x == nullptr ? nullptr
                          : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
                                               : wgu_raw;
@@ -379,7 +382,8 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
         }
         gather_tokens(s, order, rows, top_k);
         k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr, false);
-        k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false);
+        k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
+                       next_down);
         glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
         if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
         if (gd) {
@@ -397,7 +401,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
                            accumulate);
           else  // [2I, D] (+)= dH^T X
             k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, s.x.data(), hidden, ggu, hidden, nullptr,
-                           accumulate);
+                           accumulate, next_gate_up);
         }
         if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
           k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),

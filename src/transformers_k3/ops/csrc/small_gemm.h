@@ -35,11 +35,10 @@ struct Prefetch {
   }
 };
 
-// C[m, 0 : 16 NR] (+)= sum_p A(m, p) B[p, 0 : 16 NR] for MR rows: A(m, p) = a[m * sam + p * sap] (any strides,
-// so A may be a transposed view), B rows ldb apart, C row m at c[m]; `mask` selects the columns present in
-// each of the NR vectors.
+// C[m, 0 : 16 NR] (+)= sum_p A(m, p) B[p, 0 : 16 NR] for MR rows: A(m, p) = a[m][p * sap], B rows ldb apart,
+// C row m at c[m]; `mask` selects the columns present in each of the NR vectors.
 template <int MR, int NR>
-inline void small_gemm_block(int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
+inline void small_gemm_block(int k, const float* const* a, int64_t sap, const float* b, int64_t ldb,
                              float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
   // (every loop over i and j is unrolled, so that acc lives in registers: unrolled only partly, gcc keeps
   // the array on the stack and stores it back on every step)
@@ -53,10 +52,10 @@ inline void small_gemm_block(int k, const float* a, int64_t sam, int64_t sap, co
     __m512 bv[NR];
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) bv[j] = _mm512_maskz_loadu_ps(mask[j], b + p * ldb + 16 * j);
-    const float* ap = a + p * sap;
+    const int64_t ap = p * sap;
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      const __m512 av = _mm512_set1_ps(ap[i * sam]);
+      const __m512 av = _mm512_set1_ps(a[i][ap]);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
     }
@@ -76,21 +75,23 @@ inline void small_gemm_block(int k, const float* a, int64_t sam, int64_t sap, co
 constexpr int block_rows(int nr) { return nr >= 4 ? 6 : nr == 3 ? 8 : 12; }
 
 template <int NR, int MR = block_rows(NR)>
-inline void small_gemm_rows(int mr, int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
+inline void small_gemm_rows(int mr, int k, const float* const* a, int64_t sap, const float* b, int64_t ldb,
                             float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
   if constexpr (MR >= 1) {
     if (mr == MR)
-      small_gemm_block<MR, NR>(k, a, sam, sap, b, ldb, c, mask, accumulate, prefetch);
+      small_gemm_block<MR, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
     else
-      small_gemm_rows<NR, MR - 1>(mr, k, a, sam, sap, b, ldb, c, mask, accumulate, prefetch);
+      small_gemm_rows<NR, MR - 1>(mr, k, a, sap, b, ldb, c, mask, accumulate, prefetch);
   }
 }
 
-// C[m, n] (+)= sum_p A(m, p) B[p, n], A(m, p) = a[m * sam + p * sap], B [k, n] rows ldb apart; C row m is
-// c + row(m) * ldc with row(m) = rows[m] (a scatter, e.g. into token rows) or m when `rows` is null. Issues
-// `prefetch`'s requests along the way.
+// C[m, n] (+)= sum_p A(m, p) B[p, n], A(m, p) = a[a_row(m) * sam + p * sap] (any strides, so A may be a
+// transposed view) with a_row(m) = a_rows[m] (a gather, e.g. of token rows) or m when `a_rows` is null; B [k, n]
+// rows ldb apart; C row m is c + row(m) * ldc with row(m) = rows[m] (a scatter) or m when `rows` is null.
+// Issues `prefetch`'s requests along the way.
 inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
-                       float* c, int64_t ldc, const int64_t* rows, bool accumulate, Prefetch prefetch = {}) {
+                       float* c, int64_t ldc, const int64_t* rows, bool accumulate, Prefetch prefetch = {},
+                       const int64_t* a_rows = nullptr) {
   if (m <= 0 || n <= 0) return;
   for (int n0 = 0; n0 < n; n0 += 64) {
     const int nb = std::min(64, n - n0), nr = (nb + 15) / 16;
@@ -103,14 +104,17 @@ inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t
     for (int m0 = 0; m0 < m; m0 += step) {
       const int mr = std::min(step, m - m0);
       float* crow[12];
-      for (int i = 0; i < mr; ++i) crow[i] = c + (rows ? rows[m0 + i] : (int64_t)(m0 + i)) * ldc + n0;
-      const float* am = a + m0 * sam;
+      const float* arow[12];
+      for (int i = 0; i < mr; ++i) {
+        crow[i] = c + (rows ? rows[m0 + i] : (int64_t)(m0 + i)) * ldc + n0;
+        arow[i] = a + (a_rows ? a_rows[m0 + i] : (int64_t)(m0 + i)) * sam;
+      }
       const float* bn = b + n0;
       switch (nr) {
-        case 1: small_gemm_rows<1>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
-        case 2: small_gemm_rows<2>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
-        case 3: small_gemm_rows<3>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
-        default: small_gemm_rows<4>(mr, k, am, sam, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        case 1: small_gemm_rows<1>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        case 2: small_gemm_rows<2>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        case 3: small_gemm_rows<3>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        default: small_gemm_rows<4>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
       }
     }
   }
