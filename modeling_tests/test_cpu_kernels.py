@@ -428,3 +428,72 @@ def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
     assert cpu_kernel.experts_small_gemm(128, 32, 16, 2) is available
     assert cpu_kernel.experts_small_gemm(128, 32, 2, 4) is False
     assert cpu_kernel.experts_small_gemm(3584, 3072, 16, 2) is False
+
+
+# --------------------------------------------------------------------------------------------------
+# Router top-k
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 16, 17])
+@pytest.mark.parametrize("num_experts", [17, 40, 896])
+def test_router_topk_matches_torch_topk(kernel, num_experts, top_k):
+    """The k largest biased scores in torch.topk's (sorted) order, for k in and beyond one register (16), rows
+    shorter than and not a multiple of 16 experts, several threads."""
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    scores = torch.rand(300, num_experts, generator=gen)
+    bias = torch.randn(num_experts, generator=gen) * 0.05
+    expected = torch.topk(scores + bias, top_k, dim=-1).indices
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_kernel.router_topk(scores, bias, top_k), expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("top_k", [3, 17])
+def test_router_topk_ties_nan_and_infinities(kernel, top_k):
+    """Equal biased scores rank the lower expert id first (all-equal rows give experts 0 .. k-1); NaN ranks
+    above every number and -inf below, as in torch.topk; a row of -inf still yields k distinct experts."""
+    num_experts = 40
+    scores = torch.zeros(4, num_experts)
+    scores[1, [7, 30, 33]] = 2.0  # a tie above the rest
+    scores[2, 25] = float("nan")
+    scores[2, 5] = float("-inf")
+    scores[3] = float("-inf")
+    index = cpu_kernel.router_topk(scores, torch.zeros(num_experts), top_k)
+    assert index[0].tolist() == list(range(top_k))
+    assert index[1, :3].tolist() == [7, 30, 33] and index[1, 3:].tolist() == [e for e in range(num_experts)
+                                                                                if e not in (7, 30, 33)][: top_k - 3]
+    assert index[2, 0] == 25 and 5 not in index[2].tolist()
+    assert index[3].tolist() == list(range(top_k))
+    reference = torch.topk(scores[2:3], top_k, dim=-1).indices
+    assert reference[0, 0] == 25  # torch.topk agrees on NaN
+
+
+def test_router_uses_the_kernel_and_agrees_with_torch_topk(kernel, monkeypatch):
+    """KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
+    the same experts and weights as with the kernels off; grouped routing keeps torch.topk."""
+    from test_moe import make_config as moe_config
+    from transformers_k3.layers.moe import KimiK3Router
+
+    router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.e_score_correction_bias.normal_(std=0.1)
+    x = torch.randn(50, router.hidden_size, generator=torch.Generator().manual_seed(16))
+    with cpu_kernel.use_cpu_kernel(False):
+        _, ref_weights, ref_index = router(x)
+    calls = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(1) or topk(*a, **k))
+    logits, weights, index = router(x)  # router.weight requires grad: autograd on
+    assert calls == []
+    order = ref_index.sort(-1)
+    torch.testing.assert_close(index.sort(-1).values, order.values, atol=0, rtol=0)
+    torch.testing.assert_close(weights.gather(1, index.sort(-1).indices), ref_weights.gather(1, order.indices))
+    weights.sum().backward()  # the weights stay differentiable to the router weight
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    grouped = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4, topk_group=2))
+    grouped(x)
+    assert calls != []

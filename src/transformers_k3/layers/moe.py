@@ -48,7 +48,9 @@ class KimiK3Router(nn.Module):
     """Sigmoid (or softmax) top-k router with a selection-only correction bias (spec 6.3, step 1).
 
     ``e_score_correction_bias`` is the aux-loss-free balancing bias: it shifts which experts are chosen
-    but never the weight a chosen expert receives. Everything is computed in fp32.
+    but never the weight a chosen expert receives. Everything is computed in fp32. On CPU the ungrouped
+    top-k selection runs in a fused kernel (`cpu_kernel.router_topk`: the same ranking as ``torch.topk``, in
+    descending order, ties to the lower expert id); with the kernels off, ``torch.topk``.
     """
 
     def __init__(self, config) -> None:
@@ -74,10 +76,15 @@ class KimiK3Router(nn.Module):
         router_logits = F.linear(hidden_states.float(), self.weight.float())
         scores = router_logits.softmax(dim=-1) if self.use_softmax else router_logits.sigmoid()
 
-        scores_for_choice = scores + self.e_score_correction_bias.float()
-        if self.num_expert_group > 1:
-            scores_for_choice = self._keep_best_groups(scores_for_choice)
-        topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
+        bias = self.e_score_correction_bias.float()
+        topk_indices = None
+        if self.num_expert_group == 1 and cpu_kernel.applies(scores, bias, differentiable=True):
+            topk_indices = cpu_kernel.router_topk(scores, bias, self.top_k)  # (indices carry no gradient)
+        if topk_indices is None:
+            scores_for_choice = scores + bias
+            if self.num_expert_group > 1:
+                scores_for_choice = self._keep_best_groups(scores_for_choice)
+            topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
 
         topk_weights = scores.gather(1, topk_indices)  # unbiased scores
         if self.renormalize:

@@ -3,6 +3,8 @@
 * ``kda_cpu.cpp``: chunked KDA. The PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of
   its time in element-wise passes, one kernel launch each, over tensors that the C++ kernel keeps in cache
   per (sequence, head).
+* ``router_cpu.cpp``: the sigmoid router's top-k selection (torch.topk's general partial sort costs more than
+  the experts themselves at 896 experts).
 * ``moe_cpu.cpp``: the routed experts (the ``"k3_grouped_mm"`` implementation). torch's CPU grouped GEMM
   wraps one ``at::mm`` per expert, and gather, GLU, weighting and scatter are each a pass over ``[N k, *]``.
 
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
-SOURCES = (SOURCE_DIR / "kda_cpu.cpp", SOURCE_DIR / "moe_cpu.cpp")
+SOURCES = (SOURCE_DIR / "kda_cpu.cpp", SOURCE_DIR / "moe_cpu.cpp", SOURCE_DIR / "router_cpu.cpp")
 HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "small_gemm.h")
 
 _lock = threading.Lock()
@@ -199,6 +201,8 @@ def _load() -> ctypes.CDLL:
                                                 i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32]  # fmt: skip
         lib.k3_moe_small_gemm_available.restype = i32
         lib.k3_moe_small_gemm_available.argtypes = []
+        lib.k3_router_topk.restype = i32
+        lib.k3_router_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, i32]
         return lib
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
@@ -237,6 +241,24 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int, inp
         logger.warning("transformers_k3: fused CPU KDA kernel returned status %d, using the PyTorch path", status)
         return None
     return out, final
+
+
+def router_topk(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor | None:
+    """Indices ``[N, k]`` (int64) of the ``k`` largest ``scores + bias`` per row, or None when the kernel cannot
+    run here. ``scores [N, E]`` and ``bias [E]`` fp32 on CPU. Rows come out in descending order of the biased
+    score; equal scores rank the lower expert id first; NaN ranks above every number (as in torch.topk)."""
+    lib = library()
+    if lib is None:
+        return None
+    num_tokens, num_experts = scores.shape
+    values, shift = scores.detach().contiguous(), bias.detach().contiguous()  # held until the call returns
+    index = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    status = lib.k3_router_topk(values.data_ptr(), shift.data_ptr(), num_tokens, num_experts, top_k,
+                                index.data_ptr(), max(1, torch.get_num_threads()))  # fmt: skip
+    if status != 0:
+        logger.warning("transformers_k3: fused CPU router kernel returned status %d, using torch.topk", status)
+        return None
+    return index
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:

@@ -1,0 +1,165 @@
+// Top-k expert selection of the sigmoid router on CPU (spec 6.3, step 1): for each token, the k experts with the
+// largest biased scores s[e] + bias[e] (s = sigmoid(logits), computed by torch; the sum is the same fp32 add as
+// `scores + bias`, so the ranking is the PyTorch path's). torch.topk over [N, E] with E = 896 spends ~6 us per
+// token in a general partial sort; here one pass per token keeps the k best in a small sorted array (a new
+// candidate rarely beats the current k-th, so the pass is mostly one add and one compare per expert).
+//
+// Order: descending by biased score; equal scores rank the lower expert id first; NaN ranks above every
+// number (as in torch.topk). Layouts: scores [N, E] fp32 row-major, bias [E] fp32, out [N, k] int64.
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// a ranks above b (NaN above numbers; equal values: neither, so the earlier id keeps its place)
+inline bool ranks_above(float a, float b) { return a > b || (std::isnan(a) && !std::isnan(b)); }
+
+// The k best of one row into index[0 .. k), using val / idx (k each) as the sorted working set.
+void row_topk(const float* scores, const float* bias, int64_t n_experts, int top_k, float* val, int64_t* idx,
+              int64_t* index) {
+  int filled = 0;
+  auto insert = [&](float v, int64_t e) {
+    int pos = filled < top_k ? filled++ : top_k - 1;  // a full set drops its last
+    while (pos > 0 && ranks_above(v, val[pos - 1])) {
+      val[pos] = val[pos - 1];
+      idx[pos] = idx[pos - 1];
+      --pos;
+    }
+    val[pos] = v;
+    idx[pos] = e;
+  };
+  int64_t e = 0;
+  for (; e < n_experts && filled < top_k; ++e) insert(scores[e] + bias[e], e);
+  for (; e < n_experts; ++e) {
+    const float v = scores[e] + bias[e];
+    if (ranks_above(v, val[top_k - 1])) insert(v, e);
+  }
+  for (int j = 0; j < top_k; ++j) index[j] = idx[j];
+}
+
+#if defined(__AVX512F__)
+// The same for top_k <= 16 with the working set in two registers (values, ids), so that an insertion is a few
+// masked moves instead of a loop with an unpredictable exit, and 16 experts at a time are checked against the
+// current k-th with one compare.
+class Best16 {
+ public:
+  explicit Best16(int top_k) : top_k_(top_k), used_((__mmask16)((1u << top_k) - 1)) {}
+
+  // v (broadcast in vb) of expert e enters if the set is not full or it ranks above one of the k
+  void insert(__m512 vb, int e) {
+    __mmask16 above = ranks_above(vb, vals_) & (full() ? used_ : (__mmask16)((1u << filled_) - 1));
+    if (!full()) above |= (__mmask16)(1u << filled_++);
+    if (above == 0) return;
+    // `above` is a run of lanes [p, end): lane p takes v, the lanes after it move one down
+    const __mmask16 after = above & (__mmask16)(above - 1), at = above & (__mmask16)~after;
+    const __m512i down = _mm512_set_epi32(14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0);
+    vals_ = _mm512_mask_permutexvar_ps(vals_, after, down, vals_);
+    ids_ = _mm512_mask_permutexvar_epi32(ids_, after, down, ids_);
+    vals_ = _mm512_mask_mov_ps(vals_, at, vb);
+    ids_ = _mm512_mask_mov_epi32(ids_, at, _mm512_set1_epi32(e));
+  }
+
+  bool full() const { return filled_ >= top_k_; }
+  // the current k-th value in every lane
+  __m512 kth() const { return _mm512_permutexvar_ps(_mm512_set1_epi32(top_k_ - 1), vals_); }
+
+  void store(int64_t* index) const {
+    alignas(64) int32_t ids[16];
+    _mm512_store_si512(ids, ids_);
+    for (int j = 0; j < top_k_; ++j) index[j] = ids[j];
+  }
+
+  // lanes of `x` that a (broadcast) v ranks above: greater, or v NaN and the lane not
+  static __mmask16 ranks_above(__m512 vb, __m512 x) {
+    const __mmask16 greater = _mm512_cmp_ps_mask(vb, x, _CMP_GT_OQ);
+    const __mmask16 v_nan = _mm512_cmp_ps_mask(vb, vb, _CMP_UNORD_Q);
+    return greater | (v_nan & (__mmask16)~_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q));
+  }
+
+ private:
+  int top_k_, filled_ = 0;
+  __mmask16 used_;
+  __m512 vals_ = _mm512_setzero_ps();
+  __m512i ids_ = _mm512_setzero_si512();
+};
+
+// Biased scores of experts [e, e + 16) (lanes past the row's end: -inf, never candidates), and which are present.
+inline __m512 chunk(const float* scores, const float* bias, int64_t n_experts, int64_t e, __mmask16& present) {
+  const int64_t n = n_experts - e < 16 ? n_experts - e : 16;
+  present = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+  const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(present, scores + e), _mm512_maskz_loadu_ps(present, bias + e));
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), present, v);
+}
+
+void row_topk16(const float* scores, const float* bias, int64_t n_experts, int top_k, int64_t* index) {
+  // A first pass takes each lane's maximum over the row: 16 distinct experts (for rows of >= 16) score at least
+  // the smallest of them, so the k best do too and nothing below it needs looking at. This leaves a few dozen
+  // candidates of 896 for the second pass instead of every expert that beats a k-th still settling.
+  __mmask16 present;
+  __m512 lane_max = _mm512_set1_ps(-INFINITY);
+  for (int64_t e = 0; e < n_experts; e += 16)
+    lane_max = _mm512_max_ps(chunk(scores, bias, n_experts, e, present), lane_max);  // (NaN lanes skipped)
+  const __m512 floor = _mm512_set1_ps(_mm512_reduce_min_ps(lane_max));
+  Best16 best(top_k);
+  __m512 kth = floor;
+  for (int64_t e = 0; e < n_experts; e += 16) {
+    const __m512 v = chunk(scores, bias, n_experts, e, present);
+    // candidates: until the set is full, at least the floor (or NaN); then above the k-th (or NaN): equal
+    // values never displace an earlier expert
+    auto candidates = [&]() {
+      return best.full() ? _mm512_mask_cmp_ps_mask(present, v, kth, _CMP_NLE_UQ)
+                         : _mm512_mask_cmp_ps_mask(present, v, floor, _CMP_NLT_UQ);
+    };
+    for (__mmask16 m = candidates(); m != 0; m &= candidates()) {
+      const int lane = __builtin_ctz(m);
+      best.insert(_mm512_permutexvar_ps(_mm512_set1_epi32(lane), v), (int)(e + lane));
+      if (best.full()) kth = best.kth();
+      m &= (__mmask16)(m - 1);  // (then the lanes left are checked again against the new k-th)
+    }
+  }
+  best.store(index);
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 on invalid arguments (top_k outside [1, E]), 2 if scratch could not be allocated.
+int k3_router_topk(const float* scores, const float* bias, int64_t n_tokens, int64_t n_experts, int top_k,
+                   int64_t* out_index, int n_threads) {
+  if (n_tokens < 0 || top_k < 1 || top_k > n_experts || n_threads < 1) return 1;
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    std::vector<float> val;
+    std::vector<int64_t> idx;
+    try {
+      val.resize(top_k);
+      idx.resize(top_k);
+    } catch (...) {
+#pragma omp atomic write
+      status = 2;
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      if ((int)val.size() != top_k) continue;
+#if defined(__AVX512F__)
+      if (top_k <= 16 && n_experts < ((int64_t)1 << 31)) {
+        row_topk16(scores + t * n_experts, bias, n_experts, top_k, out_index + t * top_k);
+        continue;
+      }
+#endif
+      row_topk(scores + t * n_experts, bias, n_experts, top_k, val.data(), idx.data(), out_index + t * top_k);
+    }
+  }
+  return status;
+}
+
+}  // extern "C"
