@@ -472,28 +472,49 @@ def test_router_topk_ties_nan_and_infinities(kernel, top_k):
     assert reference[0, 0] == 25  # torch.topk agrees on NaN
 
 
-def test_router_uses_the_kernel_and_agrees_with_torch_topk(kernel, monkeypatch):
+def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch):
     """KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
-    the same experts and weights as with the kernels off; grouped routing keeps torch.topk."""
+    the same experts and weights as with the kernels off; under autograd the chosen scores' sparse backward
+    gives the dense path's gradients for the input and the router weight (<= 1e-5), and the returned logits
+    keep their own graph (an auxiliary loss on them still reaches the router); grouped routing keeps
+    torch.topk."""
     from test_moe import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3Router
 
     router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
     torch.nn.init.normal_(router.weight, std=0.5)
     router.e_score_correction_bias.normal_(std=0.1)
-    x = torch.randn(50, router.hidden_size, generator=torch.Generator().manual_seed(16))
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn(50, router.hidden_size, generator=gen)
+    probe, logit_probe = torch.randn(50, 6, generator=gen), torch.randn(50, 64, generator=gen)
+
+    def run():
+        router.weight.grad = None
+        xs = x.clone().requires_grad_()
+        logits, weights, index = router(xs)
+        order = index.sort(-1)
+        (weights.gather(1, order.indices) * probe).sum().backward(retain_graph=True)
+        grads = (xs.grad.clone(), router.weight.grad.clone())
+        (logits * logit_probe).sum().backward()  # as an auxiliary loss on the recorded logits would
+        return order.values, weights.gather(1, order.indices).detach(), grads, router.weight.grad.clone()
+
     with cpu_kernel.use_cpu_kernel(False):
-        _, ref_weights, ref_index = router(x)
+        ref_index, ref_weights, ref_grads, ref_aux = run()
     calls = []
     topk = torch.topk
     monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(1) or topk(*a, **k))
-    logits, weights, index = router(x)  # router.weight requires grad: autograd on
+    index, weights, grads, aux = run()
     assert calls == []
-    order = ref_index.sort(-1)
-    torch.testing.assert_close(index.sort(-1).values, order.values, atol=0, rtol=0)
-    torch.testing.assert_close(weights.gather(1, index.sort(-1).indices), ref_weights.gather(1, order.indices))
-    weights.sum().backward()  # the weights stay differentiable to the router weight
-    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    assert torch.equal(index, ref_index)
+    # (the renormalising sum adds the k scores in another order: the kernel lists them in descending order)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got.abs().sum() > 0
+    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        _, weights_no_grad, index_no_grad = router(x)
+    assert torch.equal(index_no_grad.sort(-1).values, ref_index)
     grouped = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4, topk_group=2))
     grouped(x)
     assert calls != []

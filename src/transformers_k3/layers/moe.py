@@ -50,7 +50,8 @@ class KimiK3Router(nn.Module):
     ``e_score_correction_bias`` is the aux-loss-free balancing bias: it shifts which experts are chosen
     but never the weight a chosen expert receives. Everything is computed in fp32. On CPU the ungrouped
     top-k selection runs in a fused kernel (`cpu_kernel.router_topk`: the same ranking as ``torch.topk``, in
-    descending order, ties to the lower expert id); with the kernels off, ``torch.topk``.
+    descending order, ties to the lower expert id), and the chosen sigmoid scores' backward touches only the
+    chosen logits (`cpu_kernel.selected_scores`); with the kernels off, ``torch.topk`` and dense autograd.
     """
 
     def __init__(self, config) -> None:
@@ -73,20 +74,29 @@ class KimiK3Router(nn.Module):
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
         topk_indices [N, k] int64)`` with ``N`` the number of tokens."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
-        router_logits = F.linear(hidden_states.float(), self.weight.float())
-        scores = router_logits.softmax(dim=-1) if self.use_softmax else router_logits.sigmoid()
-
+        h, weight = hidden_states.float(), self.weight.float()
+        router_logits = F.linear(h, weight)
         bias = self.e_score_correction_bias.float()
-        topk_indices = None
-        if self.num_expert_group == 1 and cpu_kernel.applies(scores, bias, differentiable=True):
-            topk_indices = cpu_kernel.router_topk(scores, bias, self.top_k)  # (indices carry no gradient)
+        # CPU kernels (ungrouped routing): the top-k selection, and for sigmoid scores under autograd a backward
+        # through the N k chosen logits only (the dense logits keep their own graph for auxiliary losses)
+        fused = self.num_expert_group == 1 and cpu_kernel.applies(router_logits, bias, differentiable=True)
+        sparse_backward = fused and not self.use_softmax and router_logits.requires_grad
+        logits = router_logits.detach() if sparse_backward else router_logits
+        scores = logits.softmax(dim=-1) if self.use_softmax else logits.sigmoid()
+
+        topk_indices = cpu_kernel.router_topk(scores, bias, self.top_k) if fused else None  # (no gradient)
         if topk_indices is None:
+            if sparse_backward:  # the kernel could not run after all: autograd through the dense scores
+                scores, sparse_backward = router_logits.sigmoid(), False
             scores_for_choice = scores + bias
             if self.num_expert_group > 1:
                 scores_for_choice = self._keep_best_groups(scores_for_choice)
             topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
 
-        topk_weights = scores.gather(1, topk_indices)  # unbiased scores
+        if sparse_backward:
+            topk_weights = cpu_kernel.selected_scores(h, weight, topk_indices, scores)
+        else:
+            topk_weights = scores.gather(1, topk_indices)  # unbiased scores
         if self.renormalize:
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
         topk_weights = topk_weights * self.routed_scaling_factor

@@ -203,6 +203,8 @@ def _load() -> ctypes.CDLL:
         lib.k3_moe_small_gemm_available.argtypes = []
         lib.k3_router_topk.restype = i32
         lib.k3_router_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, i32]
+        lib.k3_router_backward.restype = i32
+        lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         return lib
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
@@ -259,6 +261,40 @@ def router_topk(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.T
         logger.warning("transformers_k3: fused CPU router kernel returned status %d, using torch.topk", status)
         return None
     return index
+
+
+def selected_scores(hidden_states, weight, top_k_index, scores):
+    """``scores.gather(1, top_k_index)`` (the router's chosen sigmoid scores, ``scores = sigmoid(hidden_states
+    weight^T)``, passed in without autograd) as a differentiable function of ``hidden_states [N, H]`` and
+    ``weight [E, H]`` (fp32, CPU) whose backward touches only the ``N k`` chosen logits (`k3_router_backward`)
+    instead of autograd's dense ``[N, E]`` products."""
+    return _SelectedScores.apply(hidden_states, weight, top_k_index, scores)
+
+
+class _SelectedScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, weight, top_k_index, scores):
+        selected = scores.detach().gather(1, top_k_index)
+        ctx.save_for_backward(hidden_states, weight, top_k_index, selected)
+        return selected
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_selected):
+        hidden_states, weight, top_k_index, selected = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        (num_tokens, hidden), (num_experts, top_k) = hidden_states.shape, (weight.shape[0], top_k_index.shape[1])
+        h, w, index = hidden_states.detach().contiguous(), weight.detach().contiguous(), top_k_index.contiguous()
+        grad, chosen = grad_selected.contiguous(), selected.contiguous()  # (all held until the call returns)
+        grad_h = torch.empty(num_tokens, hidden) if need_h else None
+        grad_w = torch.empty(num_experts, hidden) if need_w else None
+        status = library().k3_router_backward(
+            h.data_ptr(), num_tokens, hidden, w.data_ptr(), num_experts, index.data_ptr(), top_k, chosen.data_ptr(),
+            grad.data_ptr(), _ptr(grad_h), _ptr(grad_w), max(1, torch.get_num_threads()),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"the fused CPU router kernel's backward returned status {status}")
+        return grad_h, grad_w, None, None
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:

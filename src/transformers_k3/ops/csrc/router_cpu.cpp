@@ -162,4 +162,69 @@ int k3_router_topk(const float* scores, const float* bias, int64_t n_tokens, int
   return status;
 }
 
+// Backward of the selected routing scores s[n, j] = sigmoid(h[n] . W[index[n, j]]) (the router's top-k weights
+// before normalisation), given grad_sel = d loss / d s [N, k] and the scores [N, k] themselves. Only N k logits
+// have a gradient, so instead of the dense [N, E] x [E, H] and [E, N] x [N, H] products of autograd:
+//   g[n, j] = grad_sel[n, j] s (1 - s);  grad_h[n] = sum_j g[n, j] W[index[n, j]];  grad_W[e] = sum of g h[n]
+// over the (n, j) that chose e (accumulated per expert in token order by the thread owning e, so the result does
+// not depend on scheduling; experts no token chose get zeros). Either output may be null (not needed).
+// Returns 0, 1 on invalid arguments (an index outside [0, E)), 2 if scratch could not be allocated.
+int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float* weight, int64_t n_experts,
+                       const int64_t* index, int top_k, const float* selected, const float* grad_sel, float* grad_h,
+                       float* grad_weight, int n_threads) {
+  if (n_tokens < 0 || hidden < 1 || top_k < 1 || n_experts < 1 || n_threads < 1) return 1;
+  const int64_t n_assign = n_tokens * top_k;
+  for (int64_t a = 0; a < n_assign; ++a)
+    if (index[a] < 0 || index[a] >= n_experts) return 1;
+  std::vector<float> g;
+  std::vector<int64_t> offsets, order;
+  try {
+    g.resize(n_assign);
+    if (grad_weight != nullptr) {
+      offsets.assign(n_experts + 1, 0);
+      order.resize(n_assign);
+    }
+  } catch (...) {
+    return 2;
+  }
+  for (int64_t a = 0; a < n_assign; ++a) g[a] = grad_sel[a] * selected[a] * (1.0f - selected[a]);
+  if (grad_weight != nullptr) {  // counting sort of the assignments by expert (stable: token order)
+    for (int64_t a = 0; a < n_assign; ++a) ++offsets[index[a] + 1];
+    for (int64_t e = 0; e < n_experts; ++e) offsets[e + 1] += offsets[e];
+    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+    for (int64_t a = 0; a < n_assign; ++a) order[fill[index[a]]++] = a;
+  }
+#pragma omp parallel num_threads(n_threads)
+  {
+    if (grad_h != nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < n_tokens; ++n) {
+        float* out = grad_h + n * hidden;
+        for (int i = 0; i < hidden; ++i) out[i] = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+          const float c = g[n * top_k + j];
+          const float* w = weight + index[n * top_k + j] * hidden;
+#pragma omp simd
+          for (int i = 0; i < hidden; ++i) out[i] += c * w[i];
+        }
+      }
+    }
+    if (grad_weight != nullptr) {
+#pragma omp for schedule(static)
+      for (int64_t e = 0; e < n_experts; ++e) {
+        float* out = grad_weight + e * hidden;
+        for (int i = 0; i < hidden; ++i) out[i] = 0.0f;
+        for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p) {
+          const int64_t a = order[p];
+          const float c = g[a];
+          const float* x = h + (a / top_k) * hidden;
+#pragma omp simd
+          for (int i = 0; i < hidden; ++i) out[i] += c * x[i];
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"
