@@ -421,13 +421,15 @@ def test_experts_kernel_thread_counts_and_repeatability(experts_kernel, threads)
 
 
 def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
-    """The default: small experts (a transposed copy fits in L2) take the small-GEMM path on AVX-512 builds,
-    unless its per-thread accumulators would outgrow the sorted rows (threads - 1 > top-k); K3's full-size
-    experts (latent 3584, intermediate 3072) go through sgemm."""
+    """The default: small experts (a transposed copy fits in L2) seeing >= 3 rows each on average take the
+    small-GEMM path on AVX-512 builds, unless its per-thread accumulators would outgrow the sorted rows
+    (threads - 1 > top-k); decode steps (a token or a few over 896 experts) and K3's full-size experts (latent
+    3584, intermediate 3072) go through sgemm."""
     available = bool(kernel.k3_moe_small_gemm_available())
-    assert cpu_kernel.experts_small_gemm(128, 32, 16, 2) is available
-    assert cpu_kernel.experts_small_gemm(128, 32, 2, 4) is False
-    assert cpu_kernel.experts_small_gemm(3584, 3072, 16, 2) is False
+    assert cpu_kernel.experts_small_gemm(128, 32, 16, 2, 2048, 896) is available
+    assert cpu_kernel.experts_small_gemm(128, 32, 16, 2, 1, 896) is False
+    assert cpu_kernel.experts_small_gemm(128, 32, 2, 4, 2048, 8) is False
+    assert cpu_kernel.experts_small_gemm(3584, 3072, 16, 2, 2048, 896) is False
 
 
 # --------------------------------------------------------------------------------------------------

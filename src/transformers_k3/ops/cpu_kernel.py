@@ -337,21 +337,26 @@ def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, t
     return x, weights, index, num_tokens, top_k, hidden_states.shape[-1], inter
 
 
-# The experts kernel's small-GEMM path (register-blocked AVX-512 products, each thread adding its experts' rows
-# into its own [N, D] accumulator) is taken for experts whose three weight matrices hold at most this many floats
-# (a transposed copy of one expert stays in a core's L2 cache) and when the extra accumulators, (threads - 1) x
-# [N, D], take no more memory than the other path's expert-sorted rows, [N k, D]. Larger experts go through
-# sgemm, where packing costs little next to the products.
+# The experts kernel's small-GEMM path (register-blocked AVX-512 products on in-cache transposed copies of each
+# expert's weights, each thread adding its experts' rows into its own [N, D] accumulator) is taken when
+# * an expert's three weight matrices hold at most SMALL_EXPERT_FLOATS (its transposed copy stays in a core's L2;
+#   larger experts go through sgemm, where packing costs little next to the products),
+# * the experts see at least SMALL_MIN_ROWS_PER_EXPERT rows on average (the transposes cost about as much as 8
+#   rows' products: measured at 896 experts, top-16, latent 128 / intermediate 32, 2 threads, the two paths
+#   break even at ~2.3 rows per expert, 128 tokens; 1 token (decode) 51 vs 39 us, 512 tokens 2.5 vs 3.3 ms), and
+# * the extra accumulators, (threads - 1) x [N, D], take no more memory than the other path's expert-sorted rows,
+#   [N k, D].
 SMALL_EXPERT_FLOATS = 3 * 64 * 1024
-_small_gemm_override: bool | None = None  # tests force one path (None: the rule below)
+SMALL_MIN_ROWS_PER_EXPERT = 3
+_small_gemm_override: bool | None = None  # tests force one path (None: the rule above)
 
 
-def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int) -> bool:
+def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_tokens: int, num_experts: int) -> bool:
     """Whether the experts kernel takes its small-GEMM path for these sizes on this machine (AVX-512 build)."""
     if _small_gemm_override is not None:
         return _small_gemm_override and bool(library().k3_moe_small_gemm_available())
     return (bool(library().k3_moe_small_gemm_available()) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
-            and threads - 1 <= top_k)  # fmt: skip
+            and num_tokens * top_k >= SMALL_MIN_ROWS_PER_EXPERT * num_experts and threads - 1 <= top_k)  # fmt: skip
 
 
 def _experts_scratch(small: bool, num_tokens: int, top_k: int, hidden: int, threads: int) -> torch.Tensor:
@@ -365,7 +370,7 @@ def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_
         hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed
     )
     threads = max(1, torch.get_num_threads())
-    small = experts_small_gemm(hidden, inter, top_k, threads)
+    small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
     scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads)
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     status = lib.k3_moe_experts_forward(
@@ -406,7 +411,7 @@ class _FusedExperts(torch.autograd.Function):
         grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
         grad_down = torch.empty_like(down_proj) if need_down else None
         threads = max(1, torch.get_num_threads())
-        small = experts_small_gemm(hidden, inter, top_k, threads)
+        small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
         scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads) if need_x else None
         grad = grad_out.contiguous()  # held in a variable, like the operands
         status = library().k3_moe_experts_backward(
