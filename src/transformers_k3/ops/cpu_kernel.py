@@ -3,17 +3,20 @@
 * ``kda_cpu.cpp``: chunked KDA. The PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of
   its time in element-wise passes, one kernel launch each, over tensors that the C++ kernel keeps in cache
   per (sequence, head).
-* ``router_cpu.cpp``: the sigmoid router's top-k selection (torch.topk's general partial sort costs more than
-  the experts themselves at 896 experts).
-* ``moe_cpu.cpp``: the routed experts (the ``"k3_grouped_mm"`` implementation). torch's CPU grouped GEMM
-  wraps one ``at::mm`` per expert, and gather, GLU, weighting and scatter are each a pass over ``[N k, *]``.
+* ``router_cpu.cpp``: the sigmoid router's top-k selection (torch.topk's general partial sort cost more than
+  the experts themselves at 896 experts) and, under autograd, the backward of the chosen scores through the
+  ``N k`` chosen logits only (autograd's would run dense ``[N, E]`` products).
+* ``moe_cpu.cpp``: the routed experts (the ``"k3_grouped_mm"`` implementation), forward and backward. torch's
+  CPU grouped GEMM wraps one ``at::mm`` per expert, and gather, GLU, weighting and scatter are each a pass over
+  ``[N k, *]``. Small experts (the scaled-down widths) use register-blocked AVX-512 products
+  (``small_gemm.h``) where sgemm would spend its time packing a few dozen rows; larger ones call sgemm.
 
-Both compute the same algorithm as the PyTorch code they replace, for inference (fp32, no autograd), with
-the matrix products in the BLAS sgemm torch already links. Training, other dtypes and machines where the
-kernels cannot be built use the PyTorch path.
+Each computes the same algorithm as the PyTorch code it replaces, in fp32 (the KDA kernel for inference only,
+without autograd); other dtypes, KDA training and machines where the kernels cannot be built use the PyTorch
+path.
 
-The sources are compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; about a
-second: it includes no torch headers) into ``$TRANSFORMERS_K3_CACHE`` (default
+The sources are compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; a few
+seconds: they include no torch headers) into ``$TRANSFORMERS_K3_CACHE`` (default
 ``~/.cache/transformers_k3``), under a name that hashes the source, the compiler command, torch's
 version and location and this CPU's model and feature flags (it is built with ``-march=native``, so a
 cache shared between different machines never hands one the other's binary). It is written to a

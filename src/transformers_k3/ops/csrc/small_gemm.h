@@ -74,15 +74,28 @@ inline void small_gemm_block(int k, const float* const* a, int64_t sap, const fl
 // Rows per block for NR vectors: MR x NR accumulators plus NR B vectors and a broadcast fit the 32 registers.
 constexpr int block_rows(int nr) { return nr >= 4 ? 6 : nr == 3 ? 8 : 12; }
 
-template <int NR, int MR = block_rows(NR)>
+// Blocks of mr in {block_rows(NR), 8, 4, 2, 1} rows (the row loop splits a remainder into these: fewer
+// instantiations keep the build at a few seconds).
+template <int NR>
 inline void small_gemm_rows(int mr, int k, const float* const* a, int64_t sap, const float* b, int64_t ldb,
                             float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
-  if constexpr (MR >= 1) {
-    if (mr == MR)
-      small_gemm_block<MR, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
-    else
-      small_gemm_rows<NR, MR - 1>(mr, k, a, sap, b, ldb, c, mask, accumulate, prefetch);
-  }
+  constexpr int full = block_rows(NR);
+  if (mr == full)
+    small_gemm_block<full, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+  else if (mr == 8)
+    // (rows_for gives 8 only where full > 8; the 1 keeps the other NR from instantiating an 8-row block)
+    small_gemm_block<(full > 8 ? 8 : 1), NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+  else if (mr == 4)
+    small_gemm_block<4, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+  else if (mr == 2)
+    small_gemm_block<2, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+  else
+    small_gemm_block<1, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+}
+
+// The largest block size small_gemm_rows<NR> has that fits `left` rows.
+inline int rows_for(int left, int full) {
+  return left >= full ? full : left >= 8 && full > 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
 // C[m, n] (+)= sum_p A(m, p) B[p, n], A(m, p) = a[a_row(m) * sam + p * sap] (any strides, so A may be a
@@ -100,9 +113,9 @@ inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t
       const int left = nb - 16 * j;
       mask[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
     }
-    const int step = block_rows(nr);
-    for (int m0 = 0; m0 < m; m0 += step) {
-      const int mr = std::min(step, m - m0);
+    const int full = block_rows(nr);
+    for (int m0 = 0, mr; m0 < m; m0 += mr) {
+      mr = rows_for(m - m0, full);
       float* crow[12];
       const float* arow[12];
       for (int i = 0; i < mr; ++i) {
