@@ -5,9 +5,10 @@ in-tree MoE layers at the same shape, in one process.
     python bench/bench_moe.py --tokens 4096 --reps 5
 
 Two tables. Our modules run under every experts implementation: transformers' eager / grouped_mm / batched_mm
-and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`; its forward without
-autograd runs the fused CPU kernel, ``csrc/moe_cpu.cpp``), plus ``k3_gmm_torch``, the same with the kernels
-turned off (its PyTorch path, which forward+backward always uses); the in-tree modules under transformers' three.
+and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`; on CPU in fp32 it runs
+the fused experts kernel, ``csrc/moe_cpu.cpp``, forward and backward, and in the whole layer the router's top-k
+and sparse backward run ``csrc/router_cpu.cpp``), plus ``k3_gmm_torch``, the same with the kernels turned off
+(the PyTorch path); the in-tree modules under transformers' three.
 
 * experts only: `KimiK3Experts` vs transformers' `KimiLinearExperts` and `Qwen3_5MoeExperts` (DeepSeek-V3's
   experts are the same code as Kimi Linear's) with the same weight shapes ``[E, 2I, D]`` / ``[E, D, I]`` and the
@@ -41,7 +42,7 @@ K3_PYTORCH = "k3_gmm_torch"
 
 def implementations_for(name: str) -> tuple[str, ...]:
     """The experts implementations a row's module runs under: ours (names with "ours") also `k3_grouped_mm`
-    (whose forward without autograd runs the fused CPU kernel) and its PyTorch path alone."""
+    (with the fused CPU kernels) and its PyTorch path alone (kernels off)."""
     from transformers_k3.layers.moe import K3_GROUPED_MM
 
     return IMPLEMENTATIONS + ((K3_GROUPED_MM, K3_PYTORCH) if "ours" in name else ())
