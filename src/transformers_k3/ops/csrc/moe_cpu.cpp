@@ -10,7 +10,8 @@
 //
 // Layouts (row-major, fp32, contiguous): x [N, D]; top_k_index (int64) / top_k_weights [N, k];
 // gate_up [E, 2I, D] (gate rows, then up rows) or, transposed, [E, D, 2I]; down [E, D, I] or [E, I, D];
-// sorted (scratch) [N * k, D]; out [N, D]. Ids outside [0, E) (expert-parallel sentinels) contribute nothing.
+// out [N, D]; scratch: the expert-sorted rows [N * k, D] (sgemm path) or the per-thread accumulators
+// [(threads - 1) N, D] (small-GEMM path, below). Ids outside [0, E) (expert-parallel sentinels) contribute nothing.
 
 #include <omp.h>
 
@@ -57,7 +58,8 @@ struct Rows {
   std::vector<int64_t> token;
   k3::aligned_vector<float> wa, wb;
   Rows(int hidden, int inter, bool backward, bool small = false)
-      : x((size_t)kTile * hidden), h((size_t)kTile * 2 * inter), glu((size_t)kTile * inter), weight(kTile) {
+      : h((size_t)kTile * 2 * inter), glu((size_t)kTile * inter), weight(kTile) {
+    if (backward || !small) x.resize((size_t)kTile * hidden);  // (the small-GEMM forward reads x in place)
     if (backward) {
       dy.resize((size_t)kTile * hidden);
       dglu.resize((size_t)kTile * inter);
@@ -226,7 +228,6 @@ void sum_slots(const float* rows, const std::vector<int64_t>& position, int64_t 
   }
 }
 
-
 #if K3_HAVE_SMALL_GEMM
 // The small-GEMM path (AVX-512; experts small enough that a transposed copy of one expert's weights stays in
 // cache): no expert-sorted [N k, D] rows. Each thread owns a contiguous range of experts, chosen so that the
@@ -253,10 +254,17 @@ void expert_range(const std::vector<int64_t>& offsets, int64_t n_experts, int te
   hi = me == team - 1 ? n_experts : first(me + 1);
 }
 
-// The gathered rows' tokens (for the scatter into the accumulators).
-void gather_tokens(Rows& s, const int64_t* order, int rows, int top_k) {
-  for (int r = 0; r < rows; ++r) s.token[r] = order[r] / top_k;
-}
+// Prefetches of expert e + 1's weights (none past `hi`), issued during expert e's products: read into L2 while
+// this one computes, they are in cache when its transposes start.
+struct NextExpert {
+  k3::Prefetch gate_up, down;
+  NextExpert(const float* gate_up_all, const float* down_all, int64_t gate_up_size, int64_t down_size, int64_t e,
+             int64_t hi) {
+    if (e + 1 >= hi) return;
+    gate_up = k3::Prefetch(gate_up_all + (e + 1) * gate_up_size, gate_up_size);
+    down = k3::Prefetch(down_all + (e + 1) * down_size, down_size);
+  }
+};
 
 // `w` [rows, cols] as [cols, rows] in `buffer` if `need` (else `w` itself).
 const float* maybe_transposed(const float* w, int rows, int cols, bool need, k3::aligned_vector<float>& buffer) {
@@ -304,22 +312,20 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const Sorted& ro
       // B operands [k, n]: W_gate_up^T [D, 2I] and W_down^T [I, D] (stored that way when transposed)
       const float* wgu = maybe_transposed(gate_up + e * gate_up_size, two_i, hidden, !gate_up_transposed, s.wa);
       const float* wd = maybe_transposed(down + e * down_size, hidden, inter, !down_transposed, s.wb);
-      // the next expert's weights, read into L2 while this one computes (its transposes would wait on them)
-      const bool more = e + 1 < hi;
-      k3::Prefetch next_gate_up, next_down;
-      if (more) next_gate_up = k3::Prefetch(gate_up + (e + 1) * gate_up_size, gate_up_size);
-      if (more) next_down = k3::Prefetch(down + (e + 1) * down_size, down_size);
+      const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi);
       for (int64_t start = begin; start < end; start += kTile) {
         const int rows = (int)std::min<int64_t>(kTile, end - start);
         const int64_t* order = routing.order.data() + start;
-        for (int r = 0; r < rows; ++r) s.weight[r] = top_k_weights[order[r]];
-        gather_tokens(s, order, rows, top_k);
+        for (int r = 0; r < rows; ++r) {
+          s.token[r] = order[r] / top_k;
+          s.weight[r] = top_k_weights[order[r]];
+        }
         // the input rows are read in place (token rows of x)
         k3::small_gemm(rows, two_i, hidden, x, hidden, 1, wgu, two_i, s.h.data(), two_i, nullptr, false,
-                       next_gate_up, s.token.data());
+                       next.gate_up, s.token.data());
         apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
         k3::small_gemm(rows, hidden, inter, s.glu.data(), inter, 1, wd, hidden, acc, hidden, s.token.data(), true,
-                       next_down);
+                       next.down);
       }
     }
 #pragma omp barrier
@@ -362,11 +368,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
       // W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
       const float* wgu_t = maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
       const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
-      // the next expert's weights, read into L2 during this one's products (as in the forward)
-      const bool more = e + 1 < hi;
-      k3::Prefetch next_gate_up, next_down;
-      if (more) next_gate_up = k3::Prefetch(gate_up + (e + 1) * gate_up_size, gate_up_size);
-      if (more) next_down = k3::Prefetch(down + (e + 1) * down_size, down_size);
+      const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi);
       const float* wgu = grad_x == nullptr ? nullptr
                          : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
                                               : wgu_raw;
@@ -375,15 +377,14 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
         const bool accumulate = start != begin;
         const int64_t* order = routing.order.data() + start;
         for (int r = 0; r < rows; ++r) {
-          const int64_t token = order[r] / top_k;
+          const int64_t token = s.token[r] = order[r] / top_k;
           std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
           std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
           s.weight[r] = top_k_weights[order[r]];
         }
-        gather_tokens(s, order, rows, top_k);
         k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr, false);
         k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
-                       next_down);
+                       next.down);
         glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
         if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
         if (gd) {
@@ -401,7 +402,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
                            accumulate);
           else  // [2I, D] (+)= dH^T X
             k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, s.x.data(), hidden, ggu, hidden, nullptr,
-                           accumulate, next_gate_up);
+                           accumulate, next.gate_up);
         }
         if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
           k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),
