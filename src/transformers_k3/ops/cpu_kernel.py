@@ -332,12 +332,14 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed):
     """What both kernel entry points take besides the weights: contiguous ``x``, routing weights and int64 ids
     (held by the caller until the call returns: a temporary's memory would be freed before the kernel reads
-    it), and ``N, k, D, I``."""
+    it), ``N, k, D, I``, the thread count and whether the small-GEMM path runs."""
     num_tokens, top_k = top_k_index.shape
-    inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
+    hidden, inter = hidden_states.shape[-1], (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
     x, weights = hidden_states.detach().contiguous(), top_k_weights.detach().contiguous()
     index = top_k_index.to(torch.int64).contiguous()
-    return x, weights, index, num_tokens, top_k, hidden_states.shape[-1], inter
+    threads = max(1, torch.get_num_threads())
+    small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
+    return x, weights, index, num_tokens, top_k, hidden, inter, threads, small
 
 
 # The experts kernel's small-GEMM path (register-blocked AVX-512 products on in-cache transposed copies of each
@@ -369,11 +371,9 @@ def _experts_scratch(small: bool, num_tokens: int, top_k: int, hidden: int, thre
 
 def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
     lib = library()
-    x, weights, index, num_tokens, top_k, hidden, inter = _experts_operands(
+    x, weights, index, num_tokens, top_k, hidden, inter, threads, small = _experts_operands(
         hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed
     )
-    threads = max(1, torch.get_num_threads())
-    small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
     scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads)
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
     status = lib.k3_moe_experts_forward(
@@ -406,15 +406,13 @@ class _FusedExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
         need_x, need_w, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        x, weights, index, num_tokens, top_k, hidden, inter = _experts_operands(
+        x, weights, index, num_tokens, top_k, hidden, inter, threads, small = _experts_operands(
             hidden_states, top_k_weights, gate_up_proj, top_k_index, ctx.transposed
         )
         grad_x = torch.empty(num_tokens, hidden) if need_x else None
         grad_w = torch.empty(num_tokens, top_k) if need_w else None
         grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
         grad_down = torch.empty_like(down_proj) if need_down else None
-        threads = max(1, torch.get_num_threads())
-        small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
         scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads) if need_x else None
         grad = grad_out.contiguous()  # held in a variable, like the operands
         status = library().k3_moe_experts_backward(
