@@ -210,6 +210,27 @@ struct Sorted {
   }
 };
 
+// Expert e's weights and weight-gradient slices in the backward (gradients null where not wanted). An expert no
+// row chose gets zero weight gradients here (`chosen` false: nothing else to do for it).
+struct ExpertSlices {
+  const float* gate_up;
+  const float* down;
+  float* grad_gate_up;
+  float* grad_down;
+  bool chosen;
+  ExpertSlices(int64_t e, const Sorted& routing, const float* gate_up_all, const float* down_all,
+               float* grad_gate_up_all, float* grad_down_all, int64_t gate_up_size, int64_t down_size)
+      : gate_up(gate_up_all + e * gate_up_size),
+        down(down_all + e * down_size),
+        grad_gate_up(grad_gate_up_all ? grad_gate_up_all + e * gate_up_size : nullptr),
+        grad_down(grad_down_all ? grad_down_all + e * down_size : nullptr),
+        chosen(routing.offsets[e + 1] > routing.offsets[e]) {
+    if (chosen) return;
+    if (grad_gate_up) std::fill(grad_gate_up, grad_gate_up + gate_up_size, 0.0f);
+    if (grad_down) std::fill(grad_down, grad_down + down_size, 0.0f);
+  }
+};
+
 // out[t] = sum over the token's valid slots of rows[position[t * k + j]] (fp32, slot order); inside a
 // parallel region.
 void sum_slots(const float* rows, const std::vector<int64_t>& position, int64_t n_tokens, int top_k, int hidden,
@@ -354,16 +375,11 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& r
     expert_range(routing.offsets, n_experts, team, me, lo, hi);
     for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
       Rows& s = *scratch;
-      const float* wgu_raw = gate_up + e * gate_up_size;
-      const float* wd_raw = down + e * down_size;
-      float* ggu = grad_gate_up ? grad_gate_up + e * gate_up_size : nullptr;
-      float* gd = grad_down ? grad_down + e * down_size : nullptr;
+      const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, gate_up_size, down_size);
+      if (!expert.chosen) continue;
+      const float *wgu_raw = expert.gate_up, *wd_raw = expert.down;
+      float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
       const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
-      if (begin == end) {
-        if (ggu) std::fill(ggu, ggu + gate_up_size, 0.0f);
-        if (gd) std::fill(gd, gd + down_size, 0.0f);
-        continue;
-      }
       // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product), W_down [D, I] (dY W_down) and
       // W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
       const float* wgu_t = maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
@@ -523,16 +539,11 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
     for (int64_t e = 0; e < n_experts; ++e) {
       if (scratch == nullptr) continue;
       Rows& s = *scratch;
-      const float* wgu = gate_up + e * gate_up_size;
-      const float* wd = down + e * down_size;
-      float* ggu = grad_gate_up ? grad_gate_up + e * gate_up_size : nullptr;
-      float* gd = grad_down ? grad_down + e * down_size : nullptr;
+      const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, gate_up_size, down_size);
+      if (!expert.chosen) continue;
+      const float *wgu = expert.gate_up, *wd = expert.down;
+      float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
       const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
-      if (begin == end) {
-        if (ggu) std::fill(ggu, ggu + gate_up_size, 0.0f);
-        if (gd) std::fill(gd, gd + down_size, 0.0f);
-        continue;
-      }
       for (int64_t start = begin; start < end; start += kTile) {
         const int rows = (int)std::min<int64_t>(kTile, end - start);
         const float accumulate = start == begin ? 0.0f : 1.0f;
