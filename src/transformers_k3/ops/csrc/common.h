@@ -105,4 +105,29 @@ std::unique_ptr<T> new_scratch(int& status, Args&&... args) {
   }
 }
 
+// The routing's counting sort (experts kernel forward and backward, router backward): assignments
+// (token * k + slot) by expert, stable (token order within an expert); position[a] = the assignment's row in
+// that order (-1 for ids outside [0, E)).
+struct Sorted {
+  std::vector<int64_t> offsets, order, position;
+  Sorted(const int64_t* top_k_index, int64_t n_assign, int64_t n_experts) {
+    offsets.assign(n_experts + 1, 0);
+    for (int64_t a = 0; a < n_assign; ++a) {
+      const int64_t e = top_k_index[a];
+      if (e >= 0 && e < n_experts) ++offsets[e + 1];
+    }
+    for (int64_t e = 0; e < n_experts; ++e) offsets[e + 1] += offsets[e];
+    order.resize(offsets[n_experts]);
+    position.assign(n_assign, -1);
+    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+    for (int64_t a = 0; a < n_assign; ++a) {
+      const int64_t e = top_k_index[a];
+      if (e >= 0 && e < n_experts) {
+        position[a] = fill[e];
+        order[fill[e]++] = a;
+      }
+    }
+  }
+};
+
 }  // namespace k3

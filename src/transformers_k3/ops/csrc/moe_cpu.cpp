@@ -186,30 +186,6 @@ void scale_rows(Rows& s, int rows, int inter) {
   }
 }
 
-// The routing's counting sort shared by forward and backward: assignments (token * k + slot) by expert,
-// stable; position[a] = the assignment's row in that order (-1 for ids outside [0, E)).
-struct Sorted {
-  std::vector<int64_t> offsets, order, position;
-  Sorted(const int64_t* top_k_index, int64_t n_assign, int64_t n_experts) {
-    offsets.assign(n_experts + 1, 0);
-    for (int64_t a = 0; a < n_assign; ++a) {
-      const int64_t e = top_k_index[a];
-      if (e >= 0 && e < n_experts) ++offsets[e + 1];
-    }
-    for (int64_t e = 0; e < n_experts; ++e) offsets[e + 1] += offsets[e];
-    order.resize(offsets[n_experts]);
-    position.assign(n_assign, -1);
-    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (int64_t a = 0; a < n_assign; ++a) {
-      const int64_t e = top_k_index[a];
-      if (e >= 0 && e < n_experts) {
-        position[a] = fill[e];
-        order[fill[e]++] = a;
-      }
-    }
-  }
-};
-
 // Expert e's weights and weight-gradient slices in the backward (gradients null where not wanted). An expert no
 // row chose gets zero weight gradients here (`chosen` false: nothing else to do for it).
 struct ExpertSlices {
@@ -218,7 +194,7 @@ struct ExpertSlices {
   float* grad_gate_up;
   float* grad_down;
   bool chosen;
-  ExpertSlices(int64_t e, const Sorted& routing, const float* gate_up_all, const float* down_all,
+  ExpertSlices(int64_t e, const k3::Sorted& routing, const float* gate_up_all, const float* down_all,
                float* grad_gate_up_all, float* grad_down_all, int64_t gate_up_size, int64_t down_size)
       : gate_up(gate_up_all + e * gate_up_size),
         down(down_all + e * down_size),
@@ -310,10 +286,10 @@ void sum_accumulators(float* out, const float* others, int n_others, int64_t n_t
 }
 
 // Forward of the small-GEMM path (see above); `accumulators` [(n_threads - 1) N, D].
-int small_forward(const float* x, int64_t n_tokens, int hidden, const Sorted& routing, const float* top_k_weights,
-                  int top_k, const float* gate_up, bool gate_up_transposed, const float* down, bool down_transposed,
-                  int64_t n_experts, int inter, const Activation& act, float* accumulators, float* out,
-                  int n_threads) {
+int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted& routing,
+                  const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
+                  const float* down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
+                  float* accumulators, float* out, int n_threads) {
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
   int status = 0;
@@ -357,10 +333,11 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const Sorted& ro
 
 // Backward of the small-GEMM path: as k3_moe_experts_backward, with the input gradient rows added into
 // per-thread accumulators `accumulators` [(n_threads - 1) N, D] (thread 0's is grad_x).
-int small_backward(const float* x, int64_t n_tokens, int hidden, const Sorted& routing, const float* top_k_weights,
-                   int top_k, const float* gate_up, bool gate_up_transposed, const float* down, bool down_transposed,
-                   int64_t n_experts, int inter, const Activation& act, const float* grad_out, float* grad_x,
-                   float* grad_weights, float* grad_gate_up, float* grad_down, float* accumulators, int n_threads) {
+int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted& routing,
+                   const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
+                   const float* down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
+                   const float* grad_out, float* grad_x, float* grad_weights, float* grad_gate_up, float* grad_down,
+                   float* accumulators, int n_threads) {
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
   int status = 0;
@@ -448,11 +425,11 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
-  std::unique_ptr<Sorted> sorted_ptr;
+  std::unique_ptr<k3::Sorted> sorted_ptr;
   std::vector<int64_t> tiles;  // start row (in sorted order) of each task; its expert in tile_expert
   std::vector<int64_t> tile_expert;
   try {
-    sorted_ptr = std::make_unique<Sorted>(top_k_index, n_assign, n_experts);
+    sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts);
 #if K3_HAVE_SMALL_GEMM
     if (small)
       return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up, gate_up_transposed,
@@ -466,7 +443,7 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   } catch (...) {
     return 2;
   }
-  const Sorted& routing = *sorted_ptr;
+  const k3::Sorted& routing = *sorted_ptr;
   const std::vector<int64_t>& offsets = routing.offsets;
   const std::vector<int64_t>& order = routing.order;
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
@@ -513,13 +490,13 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
-  std::unique_ptr<Sorted> sorted_ptr;
+  std::unique_ptr<k3::Sorted> sorted_ptr;
   try {
-    sorted_ptr = std::make_unique<Sorted>(top_k_index, n_assign, n_experts);
+    sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts);
   } catch (...) {
     return 2;
   }
-  const Sorted& routing = *sorted_ptr;
+  const k3::Sorted& routing = *sorted_ptr;
   if (grad_weights != nullptr)
     for (int64_t a = 0; a < n_assign; ++a) grad_weights[a] = 0.0f;
 #if K3_HAVE_SMALL_GEMM

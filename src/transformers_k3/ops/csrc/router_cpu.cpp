@@ -1,15 +1,19 @@
 // Top-k expert selection of the sigmoid router on CPU (spec 6.3, step 1): for each token, the k experts with the
 // largest biased scores s[e] + bias[e] (s = sigmoid(logits), computed by torch; the sum is the same fp32 add as
 // `scores + bias`, so the ranking is the PyTorch path's). torch.topk over [N, E] with E = 896 spends ~6 us per
-// token in a general partial sort; here one pass per token keeps the k best in a small sorted array (a new
-// candidate rarely beats the current k-th, so the pass is mostly one add and one compare per expert).
+// token in a general partial sort. Here, with AVX-512 and k <= 16, a first pass finds a floor that the k best
+// must reach and a second keeps the k best in two registers, checking 16 experts per compare (see row_topk16);
+// otherwise one pass keeps them in a small sorted array (a new candidate rarely beats the current k-th).
 //
 // Order: descending by biased score; equal scores rank the lower expert id first; NaN ranks above every
 // number (as in torch.topk). Layouts: scores [N, E] fp32 row-major, bias [E] fp32, out [N, k] int64.
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "common.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -19,6 +23,13 @@ namespace {
 
 // a ranks above b (NaN above numbers; equal values: neither, so the earlier id keeps its place)
 inline bool ranks_above(float a, float b) { return a > b || (std::isnan(a) && !std::isnan(b)); }
+
+// A thread's working set for row_topk (k values and ids).
+struct TopK {
+  std::vector<float> val;
+  std::vector<int64_t> idx;
+  explicit TopK(int top_k) : val(top_k), idx(top_k) {}
+};
 
 // The k best of one row into index[0 .. k), using val / idx (k each) as the sorted working set.
 void row_topk(const float* scores, const float* bias, int64_t n_experts, int top_k, float* val, int64_t* idx,
@@ -138,25 +149,18 @@ int k3_router_topk(const float* scores, const float* bias, int64_t n_tokens, int
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
   {
-    std::vector<float> val;
-    std::vector<int64_t> idx;
-    try {
-      val.resize(top_k);
-      idx.resize(top_k);
-    } catch (...) {
-#pragma omp atomic write
-      status = 2;
-    }
+    const std::unique_ptr<TopK> scratch = k3::new_scratch<TopK>(status, top_k);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_tokens; ++t) {
-      if ((int)val.size() != top_k) continue;
+      if (scratch == nullptr) continue;
 #if defined(__AVX512F__)
       if (top_k <= 16 && n_experts < ((int64_t)1 << 31)) {
         row_topk16(scores + t * n_experts, bias, n_experts, top_k, out_index + t * top_k);
         continue;
       }
 #endif
-      row_topk(scores + t * n_experts, bias, n_experts, top_k, val.data(), idx.data(), out_index + t * top_k);
+      row_topk(scores + t * n_experts, bias, n_experts, top_k, scratch->val.data(), scratch->idx.data(),
+               out_index + t * top_k);
     }
   }
   return status;
@@ -177,23 +181,14 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
   for (int64_t a = 0; a < n_assign; ++a)
     if (index[a] < 0 || index[a] >= n_experts) return 1;
   std::vector<float> g;
-  std::vector<int64_t> offsets, order;
+  std::unique_ptr<k3::Sorted> by_expert;  // (only for grad_weight)
   try {
     g.resize(n_assign);
-    if (grad_weight != nullptr) {
-      offsets.assign(n_experts + 1, 0);
-      order.resize(n_assign);
-    }
+    if (grad_weight != nullptr) by_expert = std::make_unique<k3::Sorted>(index, n_assign, n_experts);
   } catch (...) {
     return 2;
   }
   for (int64_t a = 0; a < n_assign; ++a) g[a] = grad_sel[a] * selected[a] * (1.0f - selected[a]);
-  if (grad_weight != nullptr) {  // counting sort of the assignments by expert (stable: token order)
-    for (int64_t a = 0; a < n_assign; ++a) ++offsets[index[a] + 1];
-    for (int64_t e = 0; e < n_experts; ++e) offsets[e + 1] += offsets[e];
-    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (int64_t a = 0; a < n_assign; ++a) order[fill[index[a]]++] = a;
-  }
 #pragma omp parallel num_threads(n_threads)
   {
     if (grad_h != nullptr) {
@@ -214,8 +209,8 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
       for (int64_t e = 0; e < n_experts; ++e) {
         float* out = grad_weight + e * hidden;
         for (int i = 0; i < hidden; ++i) out[i] = 0.0f;
-        for (int64_t p = offsets[e]; p < offsets[e + 1]; ++p) {
-          const int64_t a = order[p];
+        for (int64_t p = by_expert->offsets[e]; p < by_expert->offsets[e + 1]; ++p) {
+          const int64_t a = by_expert->order[p];
           const float c = g[a];
           const float* x = h + (a / top_k) * hidden;
 #pragma omp simd
