@@ -251,15 +251,21 @@ void expert_range(const std::vector<int64_t>& offsets, int64_t n_experts, int te
   hi = me == team - 1 ? n_experts : first(me + 1);
 }
 
-// Prefetches of expert e + 1's weights (none past `hi`), issued during expert e's products: read into L2 while
-// this one computes, they are in cache when its transposes start.
+// Prefetches of expert e + 1's weights and, in the backward, its weight-gradient slices (none past `hi`; null
+// gradients: none), issued during expert e's products: the weights are read into L2 while this one computes, so
+// they are in cache when its transposes start, and the gradient lines are taken for writing (prefetchw), so that
+// its gradient products do not wait on them (backward at 896 experts, latent 128, intermediate 32, 2,048 tokens,
+// in-process A/B against no gradient prefetches: 0.86-0.99x the time over six runs; the gain varies with how
+// busy the memory system is).
 struct NextExpert {
-  k3::Prefetch gate_up, down;
+  k3::Prefetch gate_up, down, grad_gate_up, grad_down;
   NextExpert(const float* gate_up_all, const float* down_all, int64_t gate_up_size, int64_t down_size, int64_t e,
-             int64_t hi) {
+             int64_t hi, float* grad_gate_up_all = nullptr, float* grad_down_all = nullptr) {
     if (e + 1 >= hi) return;
     gate_up = k3::Prefetch(gate_up_all + (e + 1) * gate_up_size, gate_up_size);
     down = k3::Prefetch(down_all + (e + 1) * down_size, down_size);
+    if (grad_gate_up_all) grad_gate_up = k3::Prefetch(grad_gate_up_all + (e + 1) * gate_up_size, gate_up_size, true);
+    if (grad_down_all) grad_down = k3::Prefetch(grad_down_all + (e + 1) * down_size, down_size, true);
   }
 };
 
@@ -361,7 +367,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
       // W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
       const float* wgu_t = maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
       const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
-      const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi);
+      const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi, grad_gate_up, grad_down);
       const float* wgu = grad_x == nullptr ? nullptr
                          : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
                                               : wgu_raw;
@@ -375,19 +381,26 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
           std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
           s.weight[r] = top_k_weights[order[r]];
         }
-        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr, false);
+        // prefetches: the next expert's weights and gradient slices, and the input-gradient rows that the last
+        // product adds into (taken for writing during the down-gradient product, else during dY W_down)
+        const k3::Prefetch dx_rows =
+            dx_acc ? k3::Prefetch(dx_acc, s.token.data(), rows, hidden, hidden, true) : k3::Prefetch();
+        k3::Prefetch on_dglu = next.down;
+        if (!gd) on_dglu.then(&dx_rows);
+        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr, false,
+                       next.grad_down);
         k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
-                       next.down);
+                       on_dglu);
         glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
         if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
         if (gd) {
           scale_rows(s, rows, inter);
           if (down_transposed)  // [I, D] (+)= (w glu)^T dY
             k3::small_gemm(inter, hidden, rows, s.glu.data(), 1, inter, s.dy.data(), hidden, gd, hidden, nullptr,
-                           accumulate);
+                           accumulate, dx_rows);
           else  // [D, I] (+)= dY^T (w glu)
             k3::small_gemm(hidden, inter, rows, s.dy.data(), 1, hidden, s.glu.data(), inter, gd, inter, nullptr,
-                           accumulate);
+                           accumulate, dx_rows);
         }
         if (ggu) {
           if (gate_up_transposed)  // [D, 2I] (+)= X^T dH
@@ -399,7 +412,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
         }
         if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
           k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),
-                         true);
+                         true, next.grad_gate_up);
       }
     }
 #pragma omp barrier

@@ -20,19 +20,59 @@
 #if K3_HAVE_SMALL_GEMM
 namespace k3 {
 
-// Memory to pull into L2 while a product computes (e.g. the next expert's weights): one cache line per step of
-// the product's inner loop, so that the requests spread over its arithmetic instead of stalling in a burst.
+// Memory to pull into cache while a product computes (e.g. the next expert's weights, or the rows the product
+// will write next): one cache line per step of the product's inner loop, so that the requests spread over its
+// arithmetic instead of stalling in a burst. A stream is a contiguous range or a list of rows (row i at base +
+// rows[i] stride, its first row_floats floats), walked as one contiguous segment after another; then() appends
+// a second stream. Lines to be written are prefetched for ownership (prefetchw), so the stores find them owned.
 struct Prefetch {
-  const char* next = nullptr;
-  const char* end = nullptr;
   Prefetch() = default;
-  Prefetch(const float* p, int64_t n) : next(reinterpret_cast<const char*>(p)), end(next + n * sizeof(float)) {}
-  void step() {
-    if (next < end) {
-      _mm_prefetch(next, _MM_HINT_T1);
-      next += 64;
+  Prefetch(const float* p, int64_t n, bool for_write = false)
+      : next_(reinterpret_cast<const char*>(p)), end_(next_ + n * sizeof(float)), write_(for_write) {}
+  Prefetch(const float* base, const int64_t* rows, int n_rows, int64_t stride, int row_floats, bool for_write)
+      : base_(base), rows_(rows), rows_left_(n_rows), stride_(stride), row_bytes_(row_floats * sizeof(float)),
+        write_(for_write) {
+    advance();
+  }
+  // after this stream, `after` (which must outlive the product this goes to)
+  void then(const Prefetch* after) {
+    then_ = after;
+    if (next_ >= end_) advance();
+  }
+  void step() {  // (the inner loop's one extra branch)
+    if (next_ < end_) {
+      if (write_)
+        _mm_prefetch(next_, _MM_HINT_ET0);
+      else
+        _mm_prefetch(next_, _MM_HINT_T1);
+      next_ += 64;
+      if (next_ >= end_) advance();
     }
   }
+
+ private:
+  void advance() {  // the next nonempty segment, if any
+    while (next_ >= end_) {
+      if (rows_left_ > 0) {
+        next_ = reinterpret_cast<const char*>(base_ + *rows_++ * stride_);
+        end_ = next_ + row_bytes_;
+        --rows_left_;
+      } else if (then_ != nullptr) {
+        *this = *then_;  // (a copy: the chained stream itself is left as it was)
+      } else {
+        return;
+      }
+    }
+  }
+
+  const char* next_ = nullptr;  // the current segment [next_, end_)
+  const char* end_ = nullptr;
+  const float* base_ = nullptr;  // rows left to walk
+  const int64_t* rows_ = nullptr;
+  int rows_left_ = 0;
+  int64_t stride_ = 0, row_bytes_ = 0;
+  bool write_ = false;
+  const Prefetch* then_ = nullptr;
 };
 
 // C[m, 0 : 16 NR] (+)= sum_p A(m, p) B[p, 0 : 16 NR] for MR rows: A(m, p) = a[m][p * sap], B rows ldb apart,
