@@ -219,6 +219,7 @@ def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
     [
         {},  # SiTU with both caps, latent 32
         {"activation_situ_linear_beta": None},
+        {"activation_situ_beta": 2.5},  # the general SiTU path (K3's beta = 4 has its own)
         {"hidden_act": "silu"},
         {"routed_expert_hidden_size": None},  # full width 64
         {"routed_expert_hidden_size": 40, "moe_intermediate_size": 12},  # widths no multiple of 16
@@ -283,6 +284,40 @@ def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
     assert empty.shape == (0, 32)
 
 
+@pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 4.0, None), ("situ", 2.5, 25.0), ("silu",)])
+def test_experts_kernel_activation_values_and_gradients(experts_kernel, activation):
+    """The kernel's GLU, element by element, against the float64 formula: one expert whose gate/up product is the
+    identity (gate = x[:16], up = x[16:]) and whose down product copies the GLU out, over gate values from -60 to
+    60 (through 0, K3's tanh polynomial/exponential switch at |a| = 2.5 and the tiny values where 1 - e^-x would
+    cancel) and up values from -80 to 80; outputs <= 2e-6 relative, input gradients <= 1e-5."""
+    inter = 16
+    specials = [0.0, 1e-7, 1e-3, 0.1, 2.4999, 2.5, 2.5001, 5.0, 17.3, 60.0]
+    gates = torch.cat([torch.tensor(specials), -torch.tensor(specials), torch.linspace(-60, 60, 1002)])
+    gates = gates[: gates.numel() // inter * inter].view(-1, inter)
+    ups = torch.linspace(-80, 80, gates.numel()).view(-1, inter)[torch.randperm(gates.shape[0])]
+    x = torch.cat([gates, ups], 1).requires_grad_()
+    gate_up = torch.eye(2 * inter).unsqueeze(0)
+    down = torch.zeros(1, 2 * inter, inter)
+    down[0, :inter] = torch.eye(inter)
+    n = x.shape[0]
+    idx, w = torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)
+    out = cpu_kernel.moe_experts(x, idx, w, gate_up, down, False, activation)
+    probe = torch.randn(n, 2 * inter, generator=torch.Generator().manual_seed(21))
+    (out * probe).sum().backward()
+
+    x64 = x.detach().double().requires_grad_()
+    a, u = x64[:, :inter], x64[:, inter:]
+    if activation[0] == "silu":
+        ref = torch.nn.functional.silu(a) * u
+    else:
+        beta, linear = activation[1], activation[2]
+        ref = beta * torch.tanh(a / beta) * torch.sigmoid(a) * (u if linear is None else linear * torch.tanh(u / linear))
+    (ref * probe[:, :inter].double()).sum().backward()
+    torch.testing.assert_close(out[:, :inter].detach().double(), ref.detach(), atol=1e-6, rtol=2e-6)
+    assert (out[:, inter:] == 0).all()
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_experts_kernel_huge_activations_stay_bounded(experts_kernel):
     """SiTU caps both halves: activations of 1e30 and infinities give the PyTorch path's finite values."""
     cfg = make_config(num_experts=8, _experts_implementation=K3_GROUPED_MM)
@@ -330,6 +365,7 @@ def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatc
     [
         {},
         {"activation_situ_linear_beta": None},
+        {"activation_situ_beta": 2.5},
         {"hidden_act": "silu"},
         {"routed_expert_hidden_size": 40, "moe_intermediate_size": 12},
     ],

@@ -31,18 +31,41 @@ constexpr int kTile = 128;  // rows per task: bounds the scratch; experts with m
 
 // tanh to a few ulp (Cephes' tanhf: odd polynomial below 0.625, 1 - 2 / (e^{2|x|} + 1) above), branch-free.
 // NaN stays NaN, +-inf gives +-1.
+inline float tanh_polynomial(float x) {  // |x| < 0.625
+  const float z = x * x;
+  return ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+          3.33332819422e-1f) * z * x + x;
+}
+
 inline float fast_tanh(float x) {
   const float ax = std::fabs(x);
   const float e = fast_exp(2.0f * (ax > 44.0f ? 44.0f : ax));
   const float big = std::copysign(1.0f - 2.0f / (e + 1.0f), x);
-  const float z = x * x;
-  const float small =
-      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
-       3.33332819422e-1f) * z * x + x;
-  return ax < 0.625f ? small : big;
+  return ax < 0.625f ? tanh_polynomial(x) : big;
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+
+// SiTU's gate at K3's beta = 4, f(a) = 4 tanh(a / 4) sigmoid(a), from one exponential and one division: with
+// t = e^{-|a| / 2}, tanh(|a| / 4) = (1 - t) / (1 + t) and sigmoid(|a|) = 1 / (1 + t^2), sigmoid(-|a|) = t^2 /
+// (1 + t^2); below |a| / 4 = 0.625 the tanh is fast_tanh's polynomial (1 - t would cancel). For the backward
+// also 1 - tanh^2(a / 4) = 4 t / (1 + t)^2 and 1 - sigmoid(a), both without the cancellation of subtracting
+// from 1 (which loses ~1e-5 relative at |a| ~ 11). A few ulp from fast_tanh and sigmoid, which take two
+// exponentials and two divisions; NaN stays NaN.
+struct Gate4 {
+  float tanh_quarter, sig, sech2_quarter, one_minus_sig;
+  explicit Gate4(float a) {
+    const float y = std::fabs(a);
+    const float t = fast_exp(-0.5f * y), t2 = t * t;
+    const float r = 1.0f / ((1.0f + t) * (1.0f + t2));  // 1 / (1 + t) = (1 + t^2) r
+    const bool small = y < 2.5f, positive = a >= 0.0f;
+    tanh_quarter = small ? tanh_polynomial(0.25f * a) : std::copysign((1.0f - t) * (1.0f + t2) * r, a);
+    sig = (positive ? 1.0f : t2) * (1.0f + t) * r;
+    one_minus_sig = (positive ? t2 : 1.0f) * (1.0f + t) * r;
+    const float inv_1pt = (1.0f + t2) * r;
+    sech2_quarter = small ? 1.0f - tanh_quarter * tanh_quarter : 4.0f * t * inv_1pt * inv_1pt;
+  }
+};
 
 struct Activation {
   int kind;           // 0: silu(gate) * up; 1: SiTU
@@ -109,6 +132,13 @@ void apply_glu(const float* h, float* glu, const float* weight, int rows, int in
     if (act.kind == 0) {
 #pragma omp simd
       for (int i = 0; i < inter; ++i) o[i] = gate[i] * sigmoid(gate[i]) * up[i] * w;
+    } else if (act.linear_beta > 0.0f && act.beta == 4.0f) {
+      const float inv_linear = 1.0f / act.linear_beta, cap = act.beta * act.linear_beta * w;
+#pragma omp simd
+      for (int i = 0; i < inter; ++i) {
+        const Gate4 g(gate[i]);
+        o[i] = g.tanh_quarter * g.sig * fast_tanh(up[i] * inv_linear) * cap;
+      }
     } else if (act.linear_beta > 0.0f) {
       const float inv_beta = 1.0f / act.beta, inv_linear = 1.0f / act.linear_beta;
       const float cap = act.beta * act.linear_beta * w;
@@ -126,6 +156,35 @@ void apply_glu(const float* h, float* glu, const float* weight, int rows, int in
 // For the backward of `apply_glu`, per row r and channel i: glu[r, i] = act(a, u) (without the routing weight)
 // and, given dglu = d loss / d (weight * act), dh[r, i] = weight * dglu * d act / d a, dh[r, I + i] = the same
 // for u. Returns nothing; `glu` and `dh` are [rows, I] and [rows, 2I].
+// One row of glu_backward for SiTU: f(a) = beta tanh(a / beta) sigmoid(a), h(u) = L tanh(u / L) (or u);
+// `Beta4`: beta is 4 (Gate4: a separate instantiation, so the vectorised loop has no branch).
+template <bool Beta4>
+inline void situ_backward_row(const float* a, const float* u, const float* d, float* g, float* da, float* du,
+                              int inter, float w, const Activation& act) {
+  const float inv_beta = 1.0f / act.beta, beta = act.beta;
+  const bool capped = act.linear_beta > 0.0f;
+  const float linear = capped ? act.linear_beta : 1.0f, inv_linear = 1.0f / linear;
+#pragma omp simd
+  for (int i = 0; i < inter; ++i) {
+    float f, df;
+    if (Beta4) {
+      const Gate4 gate(a[i]);
+      f = beta * gate.tanh_quarter * gate.sig;
+      df = gate.sech2_quarter * gate.sig + f * gate.one_minus_sig;
+    } else {
+      const float t1 = fast_tanh(a[i] * inv_beta), s = sigmoid(a[i]);
+      f = beta * t1 * s;
+      df = (1.0f - t1 * t1) * s + f * (1.0f - s);
+    }
+    const float t2 = fast_tanh(u[i] * inv_linear);
+    const float hu = capped ? linear * t2 : u[i];
+    const float dhu = capped ? 1.0f - t2 * t2 : 1.0f;
+    g[i] = f * hu;
+    da[i] = w * d[i] * df * hu;
+    du[i] = w * d[i] * f * dhu;
+  }
+}
+
 void glu_backward(const float* h, const float* dglu, const float* weight, float* glu, float* dh, int rows, int inter,
                   const Activation& act) {
   for (int r = 0; r < rows; ++r) {
@@ -145,22 +204,10 @@ void glu_backward(const float* h, const float* dglu, const float* weight, float*
         da[i] = w * d[i] * s * (1.0f + a[i] * (1.0f - s)) * u[i];
         du[i] = w * d[i] * f;
       }
-    } else {  // f(a) = beta tanh(a / beta) sigmoid(a), h(u) = L tanh(u / L) (or u)
-      const float inv_beta = 1.0f / act.beta, beta = act.beta;
-      const bool capped = act.linear_beta > 0.0f;
-      const float linear = capped ? act.linear_beta : 1.0f, inv_linear = 1.0f / linear;
-#pragma omp simd
-      for (int i = 0; i < inter; ++i) {
-        const float t1 = fast_tanh(a[i] * inv_beta), s = sigmoid(a[i]);
-        const float f = beta * t1 * s;
-        const float df = (1.0f - t1 * t1) * s + beta * t1 * s * (1.0f - s);
-        const float t2 = fast_tanh(u[i] * inv_linear);
-        const float hu = capped ? linear * t2 : u[i];
-        const float dhu = capped ? 1.0f - t2 * t2 : 1.0f;
-        g[i] = f * hu;
-        da[i] = w * d[i] * df * hu;
-        du[i] = w * d[i] * f * dhu;
-      }
+    } else if (act.beta == 4.0f) {
+      situ_backward_row<true>(a, u, d, g, da, du, inter, w, act);
+    } else {
+      situ_backward_row<false>(a, u, d, g, da, du, inter, w, act);
     }
   }
 }
