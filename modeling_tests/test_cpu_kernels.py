@@ -510,6 +510,34 @@ def test_router_topk_ties_nan_and_infinities(kernel, top_k):
     assert reference[0, 0] == 25  # torch.topk agrees on NaN
 
 
+@pytest.mark.parametrize("top_k", [1, 5, 16])
+@pytest.mark.parametrize("num_experts", [17, 40, 896])
+def test_router_sigmoid_topk_is_torch_sigmoid_then_the_top_k(kernel, num_experts, top_k):
+    """The fused sigmoid + selection: bitwise torch.sigmoid's scores at the chosen experts and the ranking of
+    router_topk on torch.sigmoid's scores (itself torch.topk's, above), on 1 and 3 threads, with NaN and infinite
+    logits; k > 16 is left to router_topk (None)."""
+    if not kernel.k3_router_sigmoid_available():
+        pytest.skip("this build has no fused sigmoid (no AVX-512 or no Sleef exp in torch)")
+    gen = torch.Generator().manual_seed(num_experts * 31 + top_k)
+    logits = torch.randn(64, num_experts, generator=gen) * 4
+    logits[3, 2], logits[4, 0], logits[4, 1], logits[5] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    bias = torch.randn(num_experts, generator=gen) * 0.05
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # (64 x E is a multiple of 32: torch's vectorised loop covers every element)
+        scores = torch.sigmoid(logits)
+        expected = cpu_kernel.router_topk(scores, bias, top_k)
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            index, selected = cpu_kernel.router_sigmoid_topk(logits, bias, top_k)
+            assert torch.equal(index, expected)
+            assert cpu_kernel.same_bits(selected, scores.gather(1, index))
+    finally:
+        torch.set_num_threads(previous)
+    assert index[3, 0] == 2  # NaN first
+    assert cpu_kernel.router_sigmoid_topk(logits, bias, 17) is None
+
+
 def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch):
     """KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
     the same experts and weights as with the kernels off; under autograd the chosen scores' sparse backward
@@ -538,21 +566,27 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
 
     with cpu_kernel.use_cpu_kernel(False):
         ref_index, ref_weights, ref_grads, ref_aux = run()
-    calls = []
-    topk = torch.topk
+    calls, fused = [], []
+    topk, sigmoid_topk = torch.topk, cpu_kernel.router_sigmoid_topk
     monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(1) or topk(*a, **k))
-    index, weights, grads, aux = run()
-    assert calls == []
-    assert torch.equal(index, ref_index)
-    # (the renormalising sum adds the k scores in another order: the kernel lists them in descending order)
-    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert got.abs().sum() > 0
-    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
-    with torch.no_grad():
-        _, weights_no_grad, index_no_grad = router(x)
-    assert torch.equal(index_no_grad.sort(-1).values, ref_index)
+    monkeypatch.setattr(cpu_kernel, "router_sigmoid_topk", lambda *a: fused.append(sigmoid_topk(*a)) or fused[-1])
+    # the fused sigmoid + selection, and (as where it cannot run) torch's sigmoid + the top-k kernel
+    for sigmoid_in_kernel in (True, False):
+        monkeypatch.setattr(cpu_kernel, "_sigmoid_matches_torch", lambda lib: sigmoid_in_kernel)
+        fused.clear()
+        index, weights, grads, aux = run()
+        assert calls == []
+        assert fused and all((result is not None) == sigmoid_in_kernel for result in fused)
+        assert torch.equal(index, ref_index)
+        # (the renormalising sum adds the k scores in another order: the kernel lists them in descending order)
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert got.abs().sum() > 0
+        torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            _, weights_no_grad, index_no_grad = router(x)
+        assert torch.equal(index_no_grad.sort(-1).values, ref_index)
     grouped = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4, topk_group=2))
     grouped(x)
     assert calls != []

@@ -49,9 +49,11 @@ class KimiK3Router(nn.Module):
 
     ``e_score_correction_bias`` is the aux-loss-free balancing bias: it shifts which experts are chosen
     but never the weight a chosen expert receives. Everything is computed in fp32. On CPU the ungrouped
-    top-k selection runs in a fused kernel (`cpu_kernel.router_topk`: the same ranking as ``torch.topk``, in
-    descending order, ties to the lower expert id), and the chosen sigmoid scores' backward touches only the
-    chosen logits (`cpu_kernel.selected_scores`); with the kernels off, ``torch.topk`` and dense autograd.
+    top-k selection runs in a fused kernel (the same ranking as ``torch.topk``, in descending order, ties to the
+    lower expert id): for sigmoid scores `cpu_kernel.router_sigmoid_topk` computes them from the logits (bitwise
+    ``torch.sigmoid``'s), selects and returns the chosen ones without writing ``[N, E]`` scores, otherwise
+    `cpu_kernel.router_topk` selects from torch's scores; the chosen sigmoid scores' backward touches only the
+    chosen logits (`cpu_kernel.selected_scores`). With the kernels off, ``torch.topk`` and dense autograd.
     """
 
     def __init__(self, config) -> None:
@@ -81,22 +83,29 @@ class KimiK3Router(nn.Module):
         # through the N k chosen logits only (the dense logits keep their own graph for auxiliary losses)
         fused = self.num_expert_group == 1 and cpu_kernel.applies(router_logits, bias, differentiable=True)
         sparse_backward = fused and not self.use_softmax and router_logits.requires_grad
-        logits = router_logits.detach() if sparse_backward else router_logits
-        scores = logits.softmax(dim=-1) if self.use_softmax else logits.sigmoid()
-
-        topk_indices = cpu_kernel.router_topk(scores, bias, self.top_k) if fused else None  # (no gradient)
-        if topk_indices is None:
-            if sparse_backward:  # the kernel could not run after all: autograd through the dense scores
-                scores, sparse_backward = router_logits.sigmoid(), False
-            scores_for_choice = scores + bias
-            if self.num_expert_group > 1:
-                scores_for_choice = self._keep_best_groups(scores_for_choice)
-            topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
+        # sigmoid scores: the kernel computes them, selects and returns the chosen ones (no [N, E] scores)
+        chosen = None
+        if fused and not self.use_softmax:
+            chosen = cpu_kernel.router_sigmoid_topk(router_logits, bias, self.top_k)
+        if chosen is not None:
+            topk_indices, selected = chosen
+        else:
+            logits = router_logits.detach() if sparse_backward else router_logits
+            scores = logits.softmax(dim=-1) if self.use_softmax else logits.sigmoid()
+            topk_indices = cpu_kernel.router_topk(scores, bias, self.top_k) if fused else None  # (no gradient)
+            if topk_indices is None:
+                if sparse_backward:  # the kernel could not run after all: autograd through the dense scores
+                    scores, sparse_backward = router_logits.sigmoid(), False
+                scores_for_choice = scores + bias
+                if self.num_expert_group > 1:
+                    scores_for_choice = self._keep_best_groups(scores_for_choice)
+                topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
+            selected = scores.gather(1, topk_indices)  # unbiased scores
 
         if sparse_backward:
-            topk_weights = cpu_kernel.selected_scores(h, weight, topk_indices, scores)
+            topk_weights = cpu_kernel.selected_scores(h, weight, topk_indices, selected)
         else:
-            topk_weights = scores.gather(1, topk_indices)  # unbiased scores
+            topk_weights = selected
         if self.renormalize:
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
         topk_weights = topk_weights * self.routed_scaling_factor

@@ -206,6 +206,12 @@ def _load() -> ctypes.CDLL:
         lib.k3_moe_small_gemm_available.argtypes = []
         lib.k3_router_topk.restype = i32
         lib.k3_router_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, i32]
+        lib.k3_router_sigmoid_available.restype = i32
+        lib.k3_router_sigmoid_available.argtypes = []
+        lib.k3_sigmoid.restype = i32
+        lib.k3_sigmoid.argtypes = [pointer, pointer, i64]
+        lib.k3_router_sigmoid_topk.restype = i32
+        lib.k3_router_sigmoid_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, pointer, i32]
         lib.k3_router_backward.restype = i32
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         return lib
@@ -266,18 +272,63 @@ def router_topk(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.T
     return index
 
 
-def selected_scores(hidden_states, weight, top_k_index, scores):
-    """``scores.gather(1, top_k_index)`` (the router's chosen sigmoid scores, ``scores = sigmoid(hidden_states
-    weight^T)``, passed in without autograd) as a differentiable function of ``hidden_states [N, H]`` and
+def router_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int):
+    """``(index [N, k] int64, selected [N, k] fp32)``: per row of ``logits [N, E]`` the ``k`` largest
+    ``sigmoid(logits) + bias``, ranked as `router_topk` ranks them, and their unbiased sigmoid scores, in one pass
+    that never writes the ``[N, E]`` scores out; or None where it cannot run (no AVX-512 or no Sleef exp in this
+    torch, k > 16, or the check below failed): then `router_topk` on ``torch.sigmoid``'s scores. The sigmoid is
+    computed as torch.sigmoid computes it (its own vectorised exp, then 1 / (1 + e)), so the scores, and with them
+    the ranking, are bitwise torch's; that is checked against torch.sigmoid once per loaded library."""
+    lib = library()
+    if lib is None or top_k > 16 or not _sigmoid_matches_torch(lib):
+        return None
+    num_tokens, num_experts = logits.shape
+    values, shift = logits.detach().contiguous(), bias.detach().contiguous()  # held until the call returns
+    index = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    selected = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    status = lib.k3_router_sigmoid_topk(values.data_ptr(), shift.data_ptr(), num_tokens, num_experts, top_k,
+                                        index.data_ptr(), selected.data_ptr(), max(1, torch.get_num_threads()))  # fmt: skip
+    if status != 0:
+        if status != 3:
+            logger.warning("transformers_k3: fused CPU router kernel returned status %d, using torch", status)
+        return None
+    return index, selected
+
+
+def _sigmoid_matches_torch(lib) -> bool:
+    """Whether the kernels' sigmoid gives bitwise torch.sigmoid on a probe spanning its range (a torch whose
+    sigmoid is computed differently would change the ranking of near-ties: then the router keeps torch's)."""
+    cached = getattr(lib, "k3_sigmoid_checked", None)
+    if cached is None:
+        probe = torch.cat([torch.linspace(-100, 100, 4000), torch.logspace(-30, 1, 90),
+                           torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 88.5])])  # fmt: skip
+        ours, theirs = torch.empty_like(probe), torch.sigmoid(probe)
+        # (4,096 values: torch's vectorised loop covers all of them, with no scalar tail)
+        cached = bool(lib.k3_router_sigmoid_available()) and (
+            lib.k3_sigmoid(probe.data_ptr(), ours.data_ptr(), probe.numel()) == 0 and same_bits(ours, theirs)
+        )
+        lib.k3_sigmoid_checked = cached
+    return cached
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp32 ``a`` and ``b`` bitwise equal, except that a NaN matches any NaN (their payloads may differ)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def selected_scores(hidden_states, weight, top_k_index, selected):
+    """The router's chosen sigmoid scores ``selected [N, k]`` (``sigmoid(hidden_states weight^T)`` at
+    ``top_k_index``, passed in without autograd) as a differentiable function of ``hidden_states [N, H]`` and
     ``weight [E, H]`` (fp32, CPU) whose backward touches only the ``N k`` chosen logits (`k3_router_backward`)
     instead of autograd's dense ``[N, E]`` products."""
-    return _SelectedScores.apply(hidden_states, weight, top_k_index, scores)
+    return _SelectedScores.apply(hidden_states, weight, top_k_index, selected)
 
 
 class _SelectedScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, weight, top_k_index, scores):
-        selected = scores.detach().gather(1, top_k_index)
+    def forward(ctx, hidden_states, weight, top_k_index, selected):
+        selected = selected.detach().clone()
         ctx.save_for_backward(hidden_states, weight, top_k_index, selected)
         return selected
 

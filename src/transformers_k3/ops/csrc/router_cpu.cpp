@@ -17,6 +17,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+// torch's own vectorised exp on AVX-512 (Sleef, linked into libtorch_cpu): torch.sigmoid computes
+// 1 / (1 + exp(-x)) with it, so the same three steps here give bitwise torch's scores. Weak: a torch build
+// without the symbol leaves it null, and the fused sigmoid reports itself unavailable.
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 #endif
 
 namespace {
@@ -138,9 +142,77 @@ void row_topk16(const float* scores, const float* bias, int64_t n_experts, int t
 }
 #endif
 
+#if defined(__AVX512F__)
+// scores[i] = sigmoid(logits[i]) for i < n, as torch.sigmoid's vectorised loop computes it (a partial last
+// vector is loaded masked and stored masked).
+void sigmoid_row(const float* logits, int64_t n, float* scores) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = (__mmask16)(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_maskz_loadu_ps(m, logits + i)));
+    _mm512_mask_storeu_ps(scores + i, m, _mm512_div_ps(one, _mm512_add_ps(e, one)));
+  }
+}
+#endif
+
+bool fused_sigmoid_available() {
+#if defined(__AVX512F__)
+  return Sleef_expf16_u10 != nullptr;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
+
+// 1 if k3_router_sigmoid_topk and k3_sigmoid can run in this build (AVX-512 and torch's Sleef exp), else 0.
+int k3_router_sigmoid_available() { return fused_sigmoid_available() ? 1 : 0; }
+
+// y = sigmoid(x) over n floats, computed as k3_router_sigmoid_topk does (for checking it against torch.sigmoid).
+// Returns 0, or 3 where unavailable.
+int k3_sigmoid(const float* x, float* y, int64_t n) {
+#if defined(__AVX512F__)
+  if (!fused_sigmoid_available()) return 3;
+  sigmoid_row(x, n, y);
+  return 0;
+#else
+  (void)x, (void)y, (void)n;
+  return 3;
+#endif
+}
+
+// The router's selection from its logits in one pass per row: scores = sigmoid(logits) (bitwise torch.sigmoid's
+// vectorised values), the k experts with the largest scores + bias as k3_router_topk ranks them, and their
+// (unbiased) scores: out_index [N, k] int64 and out_scores [N, k] fp32. The [N, E] scores are never written out:
+// each row's stay in cache between the sigmoid and the selection. Returns 0, 1 on invalid arguments, 2 if scratch
+// could not be allocated, 3 where unavailable (no AVX-512, no Sleef exp in this torch, or k > 16).
+int k3_router_sigmoid_topk(const float* logits, const float* bias, int64_t n_tokens, int64_t n_experts, int top_k,
+                           int64_t* out_index, float* out_scores, int n_threads) {
+  if (n_tokens < 0 || top_k < 1 || top_k > n_experts || n_threads < 1) return 1;
+#if defined(__AVX512F__)
+  if (!fused_sigmoid_available() || top_k > 16 || n_experts >= ((int64_t)1 << 31)) return 3;
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    const std::unique_ptr<k3::aligned_vector<float>> row = k3::new_scratch<k3::aligned_vector<float>>(status, n_experts);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tokens; ++t) {
+      if (row == nullptr) continue;
+      float* scores = row->data();
+      sigmoid_row(logits + t * n_experts, n_experts, scores);
+      int64_t* index = out_index + t * top_k;
+      row_topk16(scores, bias, n_experts, top_k, index);
+      for (int j = 0; j < top_k; ++j) out_scores[t * top_k + j] = scores[index[j]];
+    }
+  }
+  return status;
+#else
+  (void)logits, (void)bias, (void)out_index, (void)out_scores;
+  return 3;
+#endif
+}
 
 // Returns 0 on success, 1 on invalid arguments (top_k outside [1, E]), 2 if scratch could not be allocated.
 int k3_router_topk(const float* scores, const float* bias, int64_t n_tokens, int64_t n_experts, int top_k,
