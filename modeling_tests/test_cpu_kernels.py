@@ -473,10 +473,11 @@ def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
 
 
 @pytest.mark.parametrize("top_k", [1, 5, 16, 17])
-@pytest.mark.parametrize("num_experts", [17, 40, 896])
+@pytest.mark.parametrize("num_experts", [17, 31, 40, 896])
 def test_router_topk_matches_torch_topk(kernel, num_experts, top_k):
     """The k largest biased scores in torch.topk's (sorted) order, for k in and beyond one register (16), rows
-    shorter than and not a multiple of 16 experts, several threads."""
+    not a multiple of 16 experts (lanes holding one expert: the first pass's floor from each lane's two largest
+    must not count the missing second), several threads."""
     gen = torch.Generator().manual_seed(num_experts + top_k)
     scores = torch.rand(300, num_experts, generator=gen)
     bias = torch.randn(num_experts, generator=gen) * 0.05
@@ -488,6 +489,16 @@ def test_router_topk_matches_torch_topk(kernel, num_experts, top_k):
             assert torch.equal(cpu_kernel.router_topk(scores, bias, top_k), expected)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_router_topk_rows_of_fewer_than_16_experts(kernel):
+    """Rows shorter than one register (lanes without experts), every k up to the row length."""
+    gen = torch.Generator().manual_seed(17)
+    for num_experts in (1, 5, 16):
+        scores, bias = torch.rand(40, num_experts, generator=gen), torch.randn(num_experts, generator=gen) * 0.05
+        for top_k in range(1, num_experts + 1):
+            expected = torch.topk(scores + bias, top_k, dim=-1).indices
+            assert torch.equal(cpu_kernel.router_topk(scores, bias, top_k), expected), (num_experts, top_k)
 
 
 @pytest.mark.parametrize("top_k", [3, 17])
