@@ -284,12 +284,24 @@ def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
     assert empty.shape == (0, 32)
 
 
+@pytest.fixture(params=["vector", "scalar"])
+def glu_form(request, kernel):
+    """The kernel's GLUs as AVX-512 intrinsics (glu_avx512.h) and as the scalar forms that builds without AVX-512
+    take (forced here through k3_moe_set_vector_glu)."""
+    if request.param == "vector" and not kernel.k3_moe_small_gemm_available():
+        pytest.skip("this build has no AVX-512 GLUs")
+    previous = kernel.k3_moe_set_vector_glu(int(request.param == "vector"))
+    yield request.param
+    kernel.k3_moe_set_vector_glu(previous)
+
+
 @pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 4.0, None), ("situ", 2.5, 25.0), ("silu",)])
-def test_experts_kernel_activation_values_and_gradients(experts_kernel, activation):
+def test_experts_kernel_activation_values_and_gradients(experts_kernel, glu_form, activation):
     """The kernel's GLU, element by element, against the float64 formula: one expert whose gate/up product is the
     identity (gate = x[:16], up = x[16:]) and whose down product copies the GLU out, over gate values from -60 to
     60 (through 0, K3's tanh polynomial/exponential switch at |a| = 2.5 and the tiny values where 1 - e^-x would
-    cancel) and up values from -80 to 80; outputs <= 2e-6 relative, input gradients <= 1e-5."""
+    cancel) and up values from -80 to 80 (the up cap's switch at 15.6); outputs <= 2e-6 relative, input gradients
+    <= 1e-5."""
     inter = 16
     specials = [0.0, 1e-7, 1e-3, 0.1, 2.4999, 2.5, 2.5001, 5.0, 17.3, 60.0]
     gates = torch.cat([torch.tensor(specials), -torch.tensor(specials), torch.linspace(-60, 60, 1002)])

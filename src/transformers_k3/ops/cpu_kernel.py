@@ -49,7 +49,7 @@ ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = (SOURCE_DIR / "kda_cpu.cpp", SOURCE_DIR / "moe_cpu.cpp", SOURCE_DIR / "router_cpu.cpp")
-HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "small_gemm.h")
+HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "small_gemm.h", SOURCE_DIR / "glu_avx512.h")
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
@@ -202,6 +202,8 @@ def _load() -> ctypes.CDLL:
         lib.k3_moe_experts_backward.restype = i32
         lib.k3_moe_experts_backward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
                                                 i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32]  # fmt: skip
+        lib.k3_moe_set_vector_glu.restype = i32
+        lib.k3_moe_set_vector_glu.argtypes = [i32]
         lib.k3_moe_small_gemm_available.restype = i32
         lib.k3_moe_small_gemm_available.argtypes = []
         lib.k3_router_topk.restype = i32

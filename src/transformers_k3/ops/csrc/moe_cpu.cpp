@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common.h"
+#include "glu_avx512.h"
 #include "small_gemm.h"
 
 namespace {
@@ -123,7 +124,15 @@ bool valid(int64_t n_tokens, int hidden, int top_k, int64_t n_experts, int inter
 }
 
 // glu[r, i] = weight[r] * act(h[r, i], h[r, I + i]) for `rows` rows of h [rows, 2I].
+// The AVX-512 GLUs (glu_avx512.h) on builds that have them, unless turned off (k3_moe_set_vector_glu: tests run
+// the scalar forms here too, which builds without AVX-512 take).
+bool g_vector_glu = K3_HAVE_SMALL_GEMM;
+
 void apply_glu(const float* h, float* glu, const float* weight, int rows, int inter, const Activation& act) {
+#if K3_HAVE_SMALL_GEMM
+  if (g_vector_glu)
+    return k3::glu::rows<false>(h, nullptr, weight, glu, nullptr, rows, inter, act.kind, act.beta, act.linear_beta);
+#endif
   for (int r = 0; r < rows; ++r) {
     const float* gate = h + (size_t)r * 2 * inter;
     const float* up = gate + inter;
@@ -153,9 +162,6 @@ void apply_glu(const float* h, float* glu, const float* weight, int rows, int in
   }
 }
 
-// For the backward of `apply_glu`, per row r and channel i: glu[r, i] = act(a, u) (without the routing weight)
-// and, given dglu = d loss / d (weight * act), dh[r, i] = weight * dglu * d act / d a, dh[r, I + i] = the same
-// for u. Returns nothing; `glu` and `dh` are [rows, I] and [rows, 2I].
 // One row of glu_backward for SiTU: f(a) = beta tanh(a / beta) sigmoid(a), h(u) = L tanh(u / L) (or u);
 // `Beta4`: beta is 4 (Gate4: a separate instantiation, so the vectorised loop has no branch).
 template <bool Beta4>
@@ -185,8 +191,15 @@ inline void situ_backward_row(const float* a, const float* u, const float* d, fl
   }
 }
 
+// For the backward of `apply_glu`, per row r and channel i: glu[r, i] = act(a, u) (without the routing weight)
+// and, given dglu = d loss / d (weight * act), dh[r, i] = weight * dglu * d act / d a, dh[r, I + i] = the same
+// for u. Returns nothing; `glu` and `dh` are [rows, I] and [rows, 2I].
 void glu_backward(const float* h, const float* dglu, const float* weight, float* glu, float* dh, int rows, int inter,
                   const Activation& act) {
+#if K3_HAVE_SMALL_GEMM
+  if (g_vector_glu)
+    return k3::glu::rows<true>(h, dglu, weight, glu, dh, rows, inter, act.kind, act.beta, act.linear_beta);
+#endif
   for (int r = 0; r < rows; ++r) {
     const float* a = h + (size_t)r * 2 * inter;
     const float* u = a + inter;
@@ -474,6 +487,14 @@ extern "C" {
 
 // 1 if this build has the small-GEMM path (AVX-512), else 0.
 int k3_moe_small_gemm_available() { return K3_HAVE_SMALL_GEMM; }
+
+// Use the AVX-512 GLUs (1, the default where built) or the scalar forms (0); returns the previous setting (for
+// tests: builds without AVX-512 always use the scalar forms).
+int k3_moe_set_vector_glu(int enable) {
+  const int previous = g_vector_glu;
+  g_vector_glu = enable != 0 && K3_HAVE_SMALL_GEMM;
+  return previous;
+}
 
 // Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be allocated.
 int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
