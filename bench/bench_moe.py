@@ -71,7 +71,9 @@ def _timed(fn) -> float:
 
 
 def make_step(run, inputs_fn, backward: bool):
-    """One call of ``run`` on fresh inputs (+ backward of a fixed random projection of its output)."""
+    """One call of ``run`` on fresh inputs (+ backward of a fixed random projection of its output). A backward
+    step starts from parameters without gradients, as after ``optimizer.zero_grad()`` (``set_to_none``, the
+    default): otherwise every step would also add ~44 MiB of expert-weight gradients into the previous ones."""
     probe = {}
 
     def step():
@@ -79,6 +81,8 @@ def make_step(run, inputs_fn, backward: bool):
         if not backward:
             with torch.no_grad():
                 return run(*args)
+        for parameter in run.parameters():
+            parameter.grad = None
         out = run(*args)
         if "r" not in probe:
             probe["r"] = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
