@@ -71,9 +71,10 @@ def _timed(fn) -> float:
 
 
 def make_step(run, inputs_fn, backward: bool):
-    """One call of ``run`` on fresh inputs (+ backward of a fixed random projection of its output). A backward
-    step starts from parameters without gradients, as after ``optimizer.zero_grad()`` (``set_to_none``, the
-    default): otherwise every step would also add ~44 MiB of expert-weight gradients into the previous ones."""
+    """One call of ``run`` on fresh inputs (+ backward of a fixed random projection of its output).
+    ``step.prepare()``, called before each measured call (untimed), drops the parameters' gradients, so that a
+    backward step starts as after ``optimizer.zero_grad()`` (``set_to_none``, the default) instead of adding
+    ~44 MiB of expert-weight gradients into the last step's."""
     probe = {}
 
     def step():
@@ -81,14 +82,22 @@ def make_step(run, inputs_fn, backward: bool):
         if not backward:
             with torch.no_grad():
                 return run(*args)
-        for parameter in run.parameters():
-            parameter.grad = None
         out = run(*args)
         if "r" not in probe:
             probe["r"] = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
         (out.float() * probe["r"]).sum().backward()
 
+    def prepare():
+        for parameter in run.parameters():
+            parameter.grad = None
+
+    step.prepare = prepare
     return step
+
+
+def _measured(step) -> float:
+    step.prepare()
+    return _timed(step)
 
 
 def peak_memory(step) -> float:
@@ -98,6 +107,7 @@ def peak_memory(step) -> float:
     try:
         with open(os.devnull, "w") as devnull:
             os.dup2(devnull.fileno(), 2)
+            step.prepare()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
                 step()
     finally:
@@ -250,7 +260,7 @@ def main():
                 for b, step in enumerate(steps):
                     if rep == 0:
                         step()  # warm-up
-                    best[(name, impl, b)] = min(best.get((name, impl, b), math.inf), _timed(step))
+                    best[(name, impl, b)] = min(best.get((name, impl, b), math.inf), _measured(step))
         print(f"== {table} ==")
         print(f"{'module':26s} {'impl':13s} {'tokens':>6s} {'fwd tok/s':>10s} {'f+b tok/s':>10s} "
               f"{'fwd MiB':>8s} {'f+b MiB':>8s} {'fwd roof':>8s} {'f+b roof':>8s}")
@@ -327,7 +337,7 @@ def decode_table(args, experts, layers, experts_inputs, layer_inputs):
         for _ in range(10):
             for name, impl, module, step in rows:
                 set_impl(module, impl)
-                times[(name, impl)] += [_timed(step) for _ in range(per_round)]
+                times[(name, impl)] += [_measured(step) for _ in range(per_round)]
         medians = {key: sorted(v)[len(v) // 2] * 1e6 for key, v in times.items()}
         for (name, impl), us in medians.items():
             print(f"{table:16s} {name:26s} {impl:13s} {us:10.0f} us")
