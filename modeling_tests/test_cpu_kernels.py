@@ -468,6 +468,50 @@ def test_experts_kernel_thread_counts_and_repeatability(experts_kernel, threads)
         assert torch.equal(b, c)
 
 
+def test_experts_kernel_backward_from_saved_products(experts_kernel, monkeypatch):
+    """On the small-GEMM path the forward saves the gate/up products and the backward reads them instead of
+    recomputing: the same gradients as a backward that recomputes (the forward made to save nothing), and as one
+    on the other path (the path switched between forward and backward: the saved products are then unused)."""
+    cfg = make_config(num_experts=16)
+    experts = randomize(KimiK3Experts(cfg))
+    idx, w = _routing(300, 4, 16)
+    x = torch.randn(300, 32, generator=torch.Generator().manual_seed(18))
+    probe = torch.randn(300, 32, generator=torch.Generator().manual_seed(19))
+
+    def grads(between=lambda: None):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
+        down = experts.down_proj.detach().clone().requires_grad_()
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu_activation)
+        between()
+        (out * probe).sum().backward()
+        return xs.grad, ws.grad, gate_up.grad, down.grad
+
+    saved = []
+    forward = cpu_kernel._experts_forward
+
+    def recording(*args, **kwargs):
+        result = forward(*args, **kwargs)
+        saved.append(result[1] if kwargs.get("save_products") else None)
+        return result
+
+    monkeypatch.setattr(cpu_kernel, "_experts_forward", recording)
+    expected = grads()
+    assert (saved[-1] is not None) == (experts_kernel == "small_gemm")
+
+    def without_saving(*args, save_products=False, **kwargs):
+        return forward(*args, **kwargs), None
+
+    monkeypatch.setattr(cpu_kernel, "_experts_forward", without_saving)
+    for got, want in zip(grads(), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(cpu_kernel, "_experts_forward", forward)
+    other = experts_kernel != "small_gemm"
+    switched = grads(lambda: monkeypatch.setattr(cpu_kernel, "_small_gemm_override", other))
+    for got, want in zip(switched, expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
     """The default: small experts (a transposed copy fits in L2) seeing >= 3 rows each on average take the
     small-GEMM path on AVX-512 builds, unless its per-thread accumulators would outgrow the sorted rows

@@ -198,10 +198,10 @@ def _load() -> ctypes.CDLL:
         lib.k3_kda_chunk_forward.argtypes = [pointer] * 9 + [i64] + [i32] * 4 + [f32, i32]
         lib.k3_moe_experts_forward.restype = i32
         lib.k3_moe_experts_forward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                               i64, i32, i32, f32, f32, pointer, pointer, i32, i32]  # fmt: skip
+                                               i64, i32, i32, f32, f32, pointer, pointer, i32, i32, pointer]  # fmt: skip
         lib.k3_moe_experts_backward.restype = i32
         lib.k3_moe_experts_backward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32]  # fmt: skip
+                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32, pointer]  # fmt: skip
         lib.k3_moe_set_vector_glu.restype = i32
         lib.k3_moe_set_vector_glu.argtypes = [i32]
         lib.k3_moe_small_gemm_available.restype = i32
@@ -422,36 +422,43 @@ def _experts_scratch(small: bool, num_tokens: int, top_k: int, hidden: int, thre
     return torch.empty((threads - 1) * num_tokens if small else num_tokens * top_k, hidden, dtype=torch.float32)
 
 
-def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
+def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation,
+                     save_products: bool = False):  # fmt: skip
+    """``out [N, D]`` (None if the kernel failed); with ``save_products`` ``(out, saved)``: on the small-GEMM path
+    ``saved [N k, 2I]`` holds the gate/up products (expert-sorted) for the backward, which then skips recomputing
+    them (autograd keeps the same products in the PyTorch path), else None."""
     lib = library()
     x, weights, index, num_tokens, top_k, hidden, inter, threads, small = _experts_operands(
         hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed
     )
     scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads)
     out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    saved = torch.empty(num_tokens * top_k, 2 * inter) if save_products and small else None
     status = lib.k3_moe_experts_forward(
         x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
         int(transposed), down_proj.data_ptr(), int(transposed), gate_up_proj.shape[0], inter,
-        *_activation_args(activation), scratch.data_ptr(), out.data_ptr(), threads, int(small),
+        *_activation_args(activation), scratch.data_ptr(), out.data_ptr(), threads, int(small), _ptr(saved),
     )  # fmt: skip
     if status != 0:
         logger.warning("transformers_k3: fused CPU MoE kernel returned status %d, using the PyTorch path", status)
-        return None
-    return out
+        out = None
+    return (out, saved) if save_products else out
 
 
 class _FusedExperts(torch.autograd.Function):
     """Forward and backward of the routed experts in the fused kernel (``k3_moe_experts_forward`` /
-    ``_backward``). The backward recomputes the experts' first products instead of keeping them."""
+    ``_backward``). On the small-GEMM path the forward keeps the experts' gate/up products ([N k, 2I], as autograd
+    would in the PyTorch path) and the backward reads them; on the sgemm path (large experts, where they would
+    be large too) the backward recomputes them."""
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
-        out = _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed,
-                               activation)  # fmt: skip
+        out, saved = _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed,
+                                      activation, save_products=True)  # fmt: skip
         if out is None:
             raise RuntimeError("the fused CPU MoE kernel failed (see the warning above)")
         ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index)
-        ctx.transposed, ctx.activation = transposed, activation
+        ctx.transposed, ctx.activation, ctx.products = transposed, activation, saved
         return out
 
     @staticmethod
@@ -473,6 +480,7 @@ class _FusedExperts(torch.autograd.Function):
             int(ctx.transposed), down_proj.data_ptr(), int(ctx.transposed), gate_up_proj.shape[0], inter,
             *_activation_args(ctx.activation), grad.data_ptr(), _ptr(grad_x), _ptr(grad_w),
             _ptr(grad_gate_up), _ptr(grad_down), _ptr(scratch), threads, int(small),
+            _ptr(ctx.products if small else None),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the fused CPU MoE kernel's backward returned status {status} (out of memory?)")

@@ -355,7 +355,7 @@ void sum_accumulators(float* out, const float* others, int n_others, int64_t n_t
 int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted& routing,
                   const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
                   const float* down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
-                  float* accumulators, float* out, int n_threads) {
+                  float* accumulators, float* out, float* saved_h, int n_threads) {
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
   int status = 0;
@@ -383,10 +383,12 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted
           s.token[r] = order[r] / top_k;
           s.weight[r] = top_k_weights[order[r]];
         }
-        // the input rows are read in place (token rows of x)
-        k3::small_gemm(rows, two_i, hidden, x, hidden, 1, wgu, two_i, s.h.data(), two_i, nullptr, false,
-                       next.gate_up, s.token.data());
-        apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
+        // the input rows are read in place (token rows of x); the gate/up products go to `saved_h` (expert-sorted
+        // rows, for the backward) when it is given
+        float* h = saved_h != nullptr ? saved_h + start * two_i : s.h.data();
+        k3::small_gemm(rows, two_i, hidden, x, hidden, 1, wgu, two_i, h, two_i, nullptr, false, next.gate_up,
+                       s.token.data());
+        apply_glu(h, s.glu.data(), s.weight.data(), rows, inter, act);
         k3::small_gemm(rows, hidden, inter, s.glu.data(), inter, 1, wd, hidden, acc, hidden, s.token.data(), true,
                        next.down);
       }
@@ -403,7 +405,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
                    const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
                    const float* down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
                    const float* grad_out, float* grad_x, float* grad_weights, float* grad_gate_up, float* grad_down,
-                   float* accumulators, int n_threads) {
+                   float* accumulators, const float* saved_h, int n_threads) {
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
   int status = 0;
@@ -423,9 +425,10 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
       const float *wgu_raw = expert.gate_up, *wd_raw = expert.down;
       float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
       const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
-      // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product), W_down [D, I] (dY W_down) and
-      // W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
-      const float* wgu_t = maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
+      // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product, unless the forward saved it), W_down
+      // [D, I] (dY W_down) and W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
+      const float* wgu_t =
+          saved_h != nullptr ? nullptr : maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
       const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
       const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi, grad_gate_up, grad_down);
       const float* wgu = grad_x == nullptr ? nullptr
@@ -435,9 +438,10 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
         const int rows = (int)std::min<int64_t>(kTile, end - start);
         const bool accumulate = start != begin;
         const int64_t* order = routing.order.data() + start;
+        const bool need_x = saved_h == nullptr || ggu != nullptr;  // (the recomputed product, X^T dH)
         for (int r = 0; r < rows; ++r) {
           const int64_t token = s.token[r] = order[r] / top_k;
-          std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
+          if (need_x) std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
           std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
           s.weight[r] = top_k_weights[order[r]];
         }
@@ -445,13 +449,17 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
         // product adds into (taken for writing during the down-gradient product, else during dY W_down)
         const k3::Prefetch dx_rows =
             dx_acc ? k3::Prefetch(dx_acc, s.token.data(), rows, hidden, hidden, true) : k3::Prefetch();
-        k3::Prefetch on_dglu = next.down;
-        if (!gd) on_dglu.then(&dx_rows);
-        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr, false,
-                       next.grad_down);
+        k3::Prefetch on_dglu = next.down, grad_down_next = next.grad_down;
+        if (!gd) grad_down_next.then(&dx_rows);
+        const float* h = s.h.data();
+        if (saved_h != nullptr)  // the gate/up products as the forward computed them
+          h = saved_h + start * two_i, on_dglu.then(&grad_down_next);
+        else
+          k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr,
+                         false, grad_down_next);
         k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
                        on_dglu);
-        glu_backward(s.h.data(), s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
+        glu_backward(h, s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
         if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
         if (gd) {
           scale_rows(s, rows, inter);
@@ -496,12 +504,14 @@ int k3_moe_set_vector_glu(int enable) {
   return previous;
 }
 
-// Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be allocated.
+// `saved_h` (small-GEMM path; may be null): [N * k, 2I], receives the gate/up products in expert-sorted order
+// for k3_moe_experts_backward. Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be
+// allocated.
 int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
                            const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
                            const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
                            float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads,
-                           int small) {
+                           int small, float* saved_h) {
   if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
@@ -514,7 +524,7 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
 #if K3_HAVE_SMALL_GEMM
     if (small)
       return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up, gate_up_transposed,
-                           down, down_transposed, n_experts, inter, act, sorted, out, n_threads);
+                           down, down_transposed, n_experts, inter, act, sorted, out, saved_h, n_threads);
 #endif
     for (int64_t e = 0; e < n_experts; ++e)
       for (int64_t start = sorted_ptr->offsets[e]; start < sorted_ptr->offsets[e + 1]; start += kTile) {
@@ -558,15 +568,16 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
 // Gradients of k3_moe_experts_forward's output, given grad_out [N, D]. Each output pointer may be null (that
 // gradient is not needed). grad_gate_up / grad_down are written whole, in the weights' own layout (zero for
 // experts no token chose); grad_x [N, D]; grad_weights [N, k] (0 for ids outside [0, E)); dx_rows [N * k, D]
-// holds the per-assignment input gradients (expert-sorted) before each token's are summed. The expert
-// products are recomputed (one [rows, D] x [D, 2I] GEMM) rather than kept from the forward. One task per
-// expert, so its weight gradients are accumulated by one thread, kTile rows at a time.
+// holds the per-assignment input gradients (expert-sorted) before each token's are summed. The gate/up products
+// are read from `saved_h` where the forward saved them (small-GEMM path), else recomputed (one [rows, D] x
+// [D, 2I] GEMM). One task per expert, so its weight gradients are accumulated by one thread, kTile rows at a
+// time.
 int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
                             const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
                             const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
                             float act_beta, float act_linear_beta, const float* grad_out, float* grad_x,
                             float* grad_weights, float* grad_gate_up, float* grad_down, float* dx_rows,
-                            int n_threads, int small) {
+                            int n_threads, int small, const float* saved_h) {
   if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
   const Activation act{act_kind, act_beta, act_linear_beta};
@@ -584,7 +595,7 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
   if (small)
     return small_backward(x, n_tokens, hidden, routing, top_k_weights, top_k, gate_up, gate_up_transposed, down,
                           down_transposed, n_experts, inter, act, grad_out, grad_x, grad_weights, grad_gate_up,
-                          grad_down, dx_rows, n_threads);
+                          grad_down, dx_rows, saved_h, n_threads);
 #endif
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
