@@ -438,7 +438,9 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
         const int rows = (int)std::min<int64_t>(kTile, end - start);
         const bool accumulate = start != begin;
         const int64_t* order = routing.order.data() + start;
-        const bool need_x = saved_h == nullptr || ggu != nullptr;  // (the recomputed product, X^T dH)
+        // the input rows gathered: for the recomputed product and for X^T dH into weights stored [D, 2I] (dH^T X
+        // into [2I, D] reads them in place)
+        const bool need_x = saved_h == nullptr || (ggu != nullptr && gate_up_transposed);
         for (int r = 0; r < rows; ++r) {
           const int64_t token = s.token[r] = order[r] / top_k;
           if (need_x) std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
@@ -474,9 +476,9 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
           if (gate_up_transposed)  // [D, 2I] (+)= X^T dH
             k3::small_gemm(hidden, two_i, rows, s.x.data(), 1, hidden, s.dh.data(), two_i, ggu, two_i, nullptr,
                            accumulate);
-          else  // [2I, D] (+)= dH^T X
-            k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, s.x.data(), hidden, ggu, hidden, nullptr,
-                           accumulate, next.gate_up);
+          else  // [2I, D] (+)= dH^T X, X's rows read in place (token rows of x)
+            k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, x, hidden, ggu, hidden, nullptr, accumulate,
+                           next.gate_up, nullptr, s.token.data());
         }
         if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
           k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),

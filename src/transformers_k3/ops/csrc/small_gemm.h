@@ -77,9 +77,10 @@ struct Prefetch {
 
 // C[m, 0 : 16 NR] (+)= sum_p A(m, p) B[p, 0 : 16 NR] for MR rows: A(m, p) = a[m][p * sap], B rows ldb apart,
 // C row m at c[m]; `mask` selects the columns present in each of the NR vectors.
-template <int MR, int NR>
+template <int MR, int NR, bool GatherB>
 inline void small_gemm_block(int k, const float* const* a, int64_t sap, const float* b, int64_t ldb,
-                             float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
+                             const int64_t* b_rows, float* const* c, const __mmask16* mask, bool accumulate,
+                             Prefetch& prefetch) {
   // (every loop over i and j is unrolled, so that acc lives in registers: unrolled only partly, gcc keeps
   // the array on the stack and stores it back on every step)
   __m512 acc[MR][NR];
@@ -90,8 +91,9 @@ inline void small_gemm_block(int k, const float* const* a, int64_t sap, const fl
   for (int p = 0; p < k; ++p) {
     prefetch.step();
     __m512 bv[NR];
+    const float* bp = b + (GatherB ? b_rows[p] : p) * ldb;
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) bv[j] = _mm512_maskz_loadu_ps(mask[j], b + p * ldb + 16 * j);
+    for (int j = 0; j < NR; ++j) bv[j] = _mm512_maskz_loadu_ps(mask[j], bp + 16 * j);
     const int64_t ap = p * sap;
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
@@ -116,21 +118,22 @@ constexpr int block_rows(int nr) { return nr >= 4 ? 6 : nr == 3 ? 8 : 12; }
 
 // Blocks of mr in {block_rows(NR), 8, 4, 2, 1} rows (the row loop splits a remainder into these: fewer
 // instantiations keep the build at a few seconds).
-template <int NR>
+template <int NR, bool GatherB>
 inline void small_gemm_rows(int mr, int k, const float* const* a, int64_t sap, const float* b, int64_t ldb,
-                            float* const* c, const __mmask16* mask, bool accumulate, Prefetch& prefetch) {
+                            const int64_t* b_rows, float* const* c, const __mmask16* mask, bool accumulate,
+                            Prefetch& prefetch) {
   constexpr int full = block_rows(NR);
   if (mr == full)
-    small_gemm_block<full, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+    small_gemm_block<full, NR, GatherB>(k, a, sap, b, ldb, b_rows, c, mask, accumulate, prefetch);
   else if (mr == 8)
     // (rows_for gives 8 only where full > 8; the 1 keeps the other NR from instantiating an 8-row block)
-    small_gemm_block<(full > 8 ? 8 : 1), NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+    small_gemm_block<(full > 8 ? 8 : 1), NR, GatherB>(k, a, sap, b, ldb, b_rows, c, mask, accumulate, prefetch);
   else if (mr == 4)
-    small_gemm_block<4, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+    small_gemm_block<4, NR, GatherB>(k, a, sap, b, ldb, b_rows, c, mask, accumulate, prefetch);
   else if (mr == 2)
-    small_gemm_block<2, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+    small_gemm_block<2, NR, GatherB>(k, a, sap, b, ldb, b_rows, c, mask, accumulate, prefetch);
   else
-    small_gemm_block<1, NR>(k, a, sap, b, ldb, c, mask, accumulate, prefetch);
+    small_gemm_block<1, NR, GatherB>(k, a, sap, b, ldb, b_rows, c, mask, accumulate, prefetch);
 }
 
 // The largest block size small_gemm_rows<NR> has that fits `left` rows.
@@ -138,14 +141,10 @@ inline int rows_for(int left, int full) {
   return left >= full ? full : left >= 8 && full > 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-// C[m, n] (+)= sum_p A(m, p) B[p, n], A(m, p) = a[a_row(m) * sam + p * sap] (any strides, so A may be a
-// transposed view) with a_row(m) = a_rows[m] (a gather, e.g. of token rows) or m when `a_rows` is null; B [k, n]
-// rows ldb apart; C row m is c + row(m) * ldc with row(m) = rows[m] (a scatter) or m when `rows` is null.
-// Issues `prefetch`'s requests along the way.
-inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
-                       float* c, int64_t ldc, const int64_t* rows, bool accumulate, Prefetch prefetch = {},
-                       const int64_t* a_rows = nullptr) {
-  if (m <= 0 || n <= 0) return;
+template <bool GatherB>
+inline void small_gemm_blocks(int m, int n, int k, const float* a, int64_t sam, int64_t sap, const float* b,
+                              int64_t ldb, float* c, int64_t ldc, const int64_t* rows, bool accumulate,
+                              Prefetch& prefetch, const int64_t* a_rows, const int64_t* b_rows) {
   for (int n0 = 0; n0 < n; n0 += 64) {
     const int nb = std::min(64, n - n0), nr = (nb + 15) / 16;
     __mmask16 mask[4];
@@ -164,13 +163,27 @@ inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t
       }
       const float* bn = b + n0;
       switch (nr) {
-        case 1: small_gemm_rows<1>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
-        case 2: small_gemm_rows<2>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
-        case 3: small_gemm_rows<3>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
-        default: small_gemm_rows<4>(mr, k, arow, sap, bn, ldb, crow, mask, accumulate, prefetch); break;
+        case 1: small_gemm_rows<1, GatherB>(mr, k, arow, sap, bn, ldb, b_rows, crow, mask, accumulate, prefetch); break;
+        case 2: small_gemm_rows<2, GatherB>(mr, k, arow, sap, bn, ldb, b_rows, crow, mask, accumulate, prefetch); break;
+        case 3: small_gemm_rows<3, GatherB>(mr, k, arow, sap, bn, ldb, b_rows, crow, mask, accumulate, prefetch); break;
+        default: small_gemm_rows<4, GatherB>(mr, k, arow, sap, bn, ldb, b_rows, crow, mask, accumulate, prefetch); break;
       }
     }
   }
+}
+
+// C[m, n] (+)= sum_p A(m, p) B(p, n), A(m, p) = a[a_row(m) * sam + p * sap] (any strides, so A may be a
+// transposed view) with a_row(m) = a_rows[m] (a gather, e.g. of token rows) or m when `a_rows` is null; B(p, n) =
+// b[b_row(p) * ldb + n] with b_row(p) = b_rows[p] (a gather of B's rows) or p; C row m is c + row(m) * ldc with
+// row(m) = rows[m] (a scatter) or m when `rows` is null. Issues `prefetch`'s requests along the way.
+inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t sap, const float* b, int64_t ldb,
+                       float* c, int64_t ldc, const int64_t* rows, bool accumulate, Prefetch prefetch = {},
+                       const int64_t* a_rows = nullptr, const int64_t* b_rows = nullptr) {
+  if (m <= 0 || n <= 0) return;
+  if (b_rows != nullptr)
+    small_gemm_blocks<true>(m, n, k, a, sam, sap, b, ldb, c, ldc, rows, accumulate, prefetch, a_rows, b_rows);
+  else
+    small_gemm_blocks<false>(m, n, k, a, sam, sap, b, ldb, c, ldc, rows, accumulate, prefetch, a_rows, nullptr);
 }
 
 // dst[c, r] = src[r, c] for src [rows, cols] with rows lds apart, dst [cols, rows] contiguous: 16 x 16 blocks
