@@ -605,6 +605,36 @@ def test_router_sigmoid_topk_is_torch_sigmoid_then_the_top_k(kernel, num_experts
     assert cpu_kernel.router_sigmoid_topk(logits, bias, 17) is None
 
 
+@pytest.mark.parametrize("hidden", [40, 200])
+def test_router_sparse_backward_matches_dense_autograd(kernel, hidden):
+    """selected_scores' backward (k3_router_backward) against autograd through the dense sigmoid scores: widths
+    that are no multiple of 16 or 64, experts no token chose (zero weight-gradient rows), 1 and 3 threads giving
+    bitwise the same gradients."""
+    gen = torch.Generator().manual_seed(hidden)
+    num_tokens, num_experts, top_k = 70, 37, 5
+    h, weight = torch.randn(num_tokens, hidden, generator=gen), torch.randn(num_experts, hidden, generator=gen) * 0.2
+    index = torch.stack([torch.randperm(30, generator=gen)[:top_k] for _ in range(num_tokens)])  # experts >= 30 unused
+    probe = torch.randn(num_tokens, top_k, generator=gen)
+
+    hd, wd = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    (torch.sigmoid(hd @ wd.t()).gather(1, index) * probe).sum().backward()
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            hs, ws = h.clone().requires_grad_(), weight.clone().requires_grad_()
+            selected = torch.sigmoid(h @ weight.t()).gather(1, index)
+            (cpu_kernel.selected_scores(hs, ws, index, selected) * probe).sum().backward()
+            results.append((hs.grad, ws.grad))
+    finally:
+        torch.set_num_threads(previous)
+    for got, want in zip(results[0], (hd.grad, wd.grad)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert (results[0][1][30:] == 0).all() and results[0][1][:30].abs().sum() > 0
+
+
 def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch):
     """KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
     the same experts and weights as with the kernels off; under autograd the chosen scores' sparse backward

@@ -8,6 +8,9 @@
 // Order: descending by biased score; equal scores rank the lower expert id first; NaN ranks above every
 // number (as in torch.topk). Layouts: scores [N, E] fp32 row-major, bias [E] fp32, out [N, k] int64.
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -212,6 +215,50 @@ void sigmoid_row(const float* logits, int64_t n, float* scores) {
 }
 #endif
 
+// out = sum_j g[j] W[index[j]] over the k rows (fp32, j in order, from zero)
+void weighted_sum(const float* weight, int hidden, const int64_t* index, const float* g, int top_k, float* out) {
+#if defined(__AVX512F__)
+  for (int i0 = 0; i0 < hidden; i0 += 64) {  // 64 columns at a time, their sums in four registers
+    __mmask16 mask[4];
+    __m512 acc[4];
+    for (int q = 0; q < 4; ++q) {
+      const int left = hidden - i0 - 16 * q;
+      mask[q] = (__mmask16)(left >= 16 ? 0xFFFF : left > 0 ? (1u << left) - 1 : 0);
+      acc[q] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < top_k; ++j) {
+      const __m512 c = _mm512_set1_ps(g[j]);
+      const float* w = weight + index[j] * hidden + i0;
+      for (int q = 0; q < 4; ++q) acc[q] = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(mask[q], w + 16 * q), acc[q]);
+    }
+    for (int q = 0; q < 4; ++q) _mm512_mask_storeu_ps(out + i0 + 16 * q, mask[q], acc[q]);
+  }
+#else
+  for (int i = 0; i < hidden; ++i) out[i] = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    const float c = g[j];
+    const float* w = weight + index[j] * hidden;
+#pragma omp simd
+    for (int i = 0; i < hidden; ++i) out[i] += c * w[i];
+  }
+#endif
+}
+
+// out += c x over one row
+inline void add_scaled(float* out, float c, const float* x, int hidden) {
+#if defined(__AVX512F__)
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int i = 0; i < hidden; i += 16) {
+    const __mmask16 m = (__mmask16)(hidden - i >= 16 ? 0xFFFF : (1u << (hidden - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, m,
+                          _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, out + i)));
+  }
+#else
+#pragma omp simd
+  for (int i = 0; i < hidden; ++i) out[i] += c * x[i];
+#endif
+}
+
 bool fused_sigmoid_available() {
 #if defined(__AVX512F__)
   return Sleef_expf16_u10 != nullptr;
@@ -299,8 +346,11 @@ int k3_router_topk(const float* scores, const float* bias, int64_t n_tokens, int
 // before normalisation), given grad_sel = d loss / d s [N, k] and the scores [N, k] themselves. Only N k logits
 // have a gradient, so instead of the dense [N, E] x [E, H] and [E, N] x [N, H] products of autograd:
 //   g[n, j] = grad_sel[n, j] s (1 - s);  grad_h[n] = sum_j g[n, j] W[index[n, j]];  grad_W[e] = sum of g h[n]
-// over the (n, j) that chose e (accumulated per expert in token order by the thread owning e, so the result does
-// not depend on scheduling; experts no token chose get zeros). Either output may be null (not needed).
+// over the (n, j) that chose e. grad_h: token by token, the k rows summed in registers. grad_W: each thread owns
+// a range of experts, zeroes their rows (experts no token chose keep zeros) and walks all tokens in order,
+// adding g h[n] into the rows it owns: each h row is read once per thread, in order, and the gradient rows stay
+// in cache (reading h rows expert by expert was bound by fetching them); every expert's sum is in token order,
+// so the result does not depend on the thread count. Either output may be null (not needed).
 // Returns 0, 1 on invalid arguments (an index outside [0, E)), 2 if scratch could not be allocated.
 int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float* weight, int64_t n_experts,
                        const int64_t* index, int top_k, const float* selected, const float* grad_sel, float* grad_h,
@@ -310,10 +360,8 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
   for (int64_t a = 0; a < n_assign; ++a)
     if (index[a] < 0 || index[a] >= n_experts) return 1;
   std::vector<float> g;
-  std::unique_ptr<k3::Sorted> by_expert;  // (only for grad_weight)
   try {
     g.resize(n_assign);
-    if (grad_weight != nullptr) by_expert = std::make_unique<k3::Sorted>(index, n_assign, n_experts);
   } catch (...) {
     return 2;
   }
@@ -322,29 +370,16 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
   {
     if (grad_h != nullptr) {
 #pragma omp for schedule(static)
-      for (int64_t n = 0; n < n_tokens; ++n) {
-        float* out = grad_h + n * hidden;
-        for (int i = 0; i < hidden; ++i) out[i] = 0.0f;
-        for (int j = 0; j < top_k; ++j) {
-          const float c = g[n * top_k + j];
-          const float* w = weight + index[n * top_k + j] * hidden;
-#pragma omp simd
-          for (int i = 0; i < hidden; ++i) out[i] += c * w[i];
-        }
-      }
+      for (int64_t n = 0; n < n_tokens; ++n)
+        weighted_sum(weight, hidden, index + n * top_k, g.data() + n * top_k, top_k, grad_h + n * hidden);
     }
     if (grad_weight != nullptr) {
-#pragma omp for schedule(static)
-      for (int64_t e = 0; e < n_experts; ++e) {
-        float* out = grad_weight + e * hidden;
-        for (int i = 0; i < hidden; ++i) out[i] = 0.0f;
-        for (int64_t p = by_expert->offsets[e]; p < by_expert->offsets[e + 1]; ++p) {
-          const int64_t a = by_expert->order[p];
-          const float c = g[a];
-          const float* x = h + (a / top_k) * hidden;
-#pragma omp simd
-          for (int i = 0; i < hidden; ++i) out[i] += c * x[i];
-        }
+      const int team = omp_get_num_threads(), me = omp_get_thread_num();
+      const int64_t lo = n_experts * me / team, hi = n_experts * (me + 1) / team;
+      std::fill(grad_weight + lo * hidden, grad_weight + hi * hidden, 0.0f);
+      for (int64_t a = 0; a < n_assign; ++a) {
+        const int64_t e = index[a];
+        if (e >= lo && e < hi) add_scaled(grad_weight + e * hidden, g[a], h + (a / top_k) * hidden, hidden);
       }
     }
   }
