@@ -30,14 +30,15 @@ using k3::gemm;
 
 constexpr int kTile = 128;  // rows per task: bounds the scratch; experts with more rows are split
 
-// tanh to a few ulp (Cephes' tanhf: odd polynomial below 0.625, 1 - 2 / (e^{2|x|} + 1) above), branch-free.
-// NaN stays NaN, +-inf gives +-1.
-inline float tanh_polynomial(float x) {  // |x| < 0.625
+// tanh(x) for |x| < 0.625: Cephes' tanhf odd polynomial
+inline float tanh_polynomial(float x) {
   const float z = x * x;
   return ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
           3.33332819422e-1f) * z * x + x;
 }
 
+// tanh to a few ulp (Cephes' tanhf: the polynomial below 0.625, 1 - 2 / (e^{2|x|} + 1) above), branch-free.
+// NaN stays NaN, +-inf gives +-1.
 inline float fast_tanh(float x) {
   const float ax = std::fabs(x);
   const float e = fast_exp(2.0f * (ax > 44.0f ? 44.0f : ax));
@@ -123,11 +124,11 @@ bool valid(int64_t n_tokens, int hidden, int top_k, int64_t n_experts, int inter
          (act_kind == 0 || (act_kind == 1 && act_beta > 0.0f));
 }
 
-// glu[r, i] = weight[r] * act(h[r, i], h[r, I + i]) for `rows` rows of h [rows, 2I].
 // The AVX-512 GLUs (glu_avx512.h) on builds that have them, unless turned off (k3_moe_set_vector_glu: tests run
-// the scalar forms here too, which builds without AVX-512 take).
+// the scalar forms below too, which builds without AVX-512 take).
 bool g_vector_glu = K3_HAVE_SMALL_GEMM;
 
+// glu[r, i] = weight[r] * act(h[r, i], h[r, I + i]) for `rows` rows of h [rows, 2I].
 void apply_glu(const float* h, float* glu, const float* weight, int rows, int inter, const Activation& act) {
 #if K3_HAVE_SMALL_GEMM
   if (g_vector_glu)
@@ -454,11 +455,13 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
         k3::Prefetch on_dglu = next.down, grad_down_next = next.grad_down;
         if (!gd) grad_down_next.then(&dx_rows);
         const float* h = s.h.data();
-        if (saved_h != nullptr)  // the gate/up products as the forward computed them
-          h = saved_h + start * two_i, on_dglu.then(&grad_down_next);
-        else
+        if (saved_h != nullptr) {  // the gate/up products as the forward computed them
+          h = saved_h + start * two_i;
+          on_dglu.then(&grad_down_next);
+        } else {
           k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr,
                          false, grad_down_next);
+        }
         k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
                        on_dglu);
         glu_backward(h, s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);

@@ -1,9 +1,11 @@
 // Top-k expert selection of the sigmoid router on CPU (spec 6.3, step 1): for each token, the k experts with the
-// largest biased scores s[e] + bias[e] (s = sigmoid(logits), computed by torch; the sum is the same fp32 add as
-// `scores + bias`, so the ranking is the PyTorch path's). torch.topk over [N, E] with E = 896 spends ~6 us per
-// token in a general partial sort. Here, with AVX-512 and k <= 16, a first pass finds a floor that the k best
-// must reach and a second keeps the k best in two registers, checking 16 experts per compare (see row_topk16);
-// otherwise one pass keeps them in a small sorted array (a new candidate rarely beats the current k-th).
+// largest biased scores s[e] + bias[e] (s = sigmoid(logits); the sum is the same fp32 add as `scores + bias`, so
+// the ranking is the PyTorch path's). torch.topk over [N, E] with E = 896 spends ~6 us per token in a general
+// partial sort. Here, with AVX-512 and k <= 16, a first pass finds a floor that the k best must reach and a
+// second keeps the k best in two registers, checking 16 experts per compare (see row_topk16); otherwise one pass
+// keeps them in a small sorted array (a new candidate rarely beats the current k-th). k3_router_topk takes
+// torch's scores; k3_router_sigmoid_topk computes them from the logits itself, as torch.sigmoid does, row by row
+// in cache. k3_router_backward is the chosen scores' sparse backward.
 //
 // Order: descending by biased score; equal scores rank the lower expert id first; NaN ranks above every
 // number (as in torch.topk). Layouts: scores [N, E] fp32 row-major, bias [E] fp32, out [N, k] int64.
