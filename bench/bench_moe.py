@@ -17,8 +17,8 @@ and sparse backward run ``csrc/router_cpu.cpp``), plus ``k3_gmm_torch``, the sam
   expert at full width, so it does strictly more work) vs `DeepseekV3MoE` whose hidden size equals our latent
   size (same expert count, top-k, intermediate size, one shared expert).
 
-Throughput is tokens/s of the forward (no grad) and of forward+backward (sum of the output), the best of
-``--reps`` runs. Peak memory is the largest total size of the tensors allocated during one call that are alive
+Throughput is tokens/s of the forward (no grad) and of forward+backward (of a fixed random projection of the
+output, each step starting without parameter gradients, as after ``zero_grad()``), the best of ``--reps`` runs. Peak memory is the largest total size of the tensors allocated during one call that are alive
 at once (saved activations, gradients and temporaries), replayed from the profiler's allocation record (exact,
 where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32 GEMM rate of this
 machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a perfect
