@@ -36,20 +36,33 @@ inline void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, c
   sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
+// The first min(left, 16) of a 16-lane vector's lanes (none for left <= 0): the mask of a row's last, partial
+// vector in the AVX-512 loops.
+inline uint16_t lane_mask(int64_t left) {
+  return left >= 16 ? (uint16_t)0xFFFF : left > 0 ? (uint16_t)((1u << left) - 1) : (uint16_t)0;
+}
+
+// Cephes' single-precision constants, shared by the scalar functions here and their AVX-512 forms
+// (glu_avx512.h): expf's range reduction (n = round(x log2 e), r = x - n ln2_hi + n ln2_lo) and polynomial
+// (highest degree first), tanhf's odd polynomial for |x| < 0.625 (in x^2, highest degree first).
+namespace cephes {
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
+constexpr float kExp[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+constexpr float kTanh[5] = {-5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f,
+                            -3.33332819422e-1f};
+}  // namespace cephes
+
 // exp(x) to ~1 ulp (Cephes' expf: range reduction by ln 2, degree-7 polynomial, exponent bits); written
 // branch-free so that loops over it vectorise. 0 below -87 (the result would be subnormal), +inf above
 // 88.5, NaN stays NaN.
 inline float fast_exp(float x) {
   float xc = x < -87.0f ? -87.0f : (x > 88.5f ? 88.5f : x);
-  float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  float n = std::floor(xc * cephes::kLog2e + 0.5f);
+  float r = xc - n * cephes::kLn2Hi;
+  r = r + n * cephes::kLn2Lo;
+  float p = cephes::kExp[0];
+  for (int i = 1; i < 6; ++i) p = p * r + cephes::kExp[i];
   float y = p * r * r + r + 1.0f;
   int32_t bits = ((int32_t)n + 127) << 23;
   float scale;

@@ -9,6 +9,7 @@
 // Same values as the scalar forms to a few ulp (tested against float64 in test_cpu_kernels.py).
 #pragma once
 
+#include "common.h"
 #include "small_gemm.h"  // K3_HAVE_SMALL_GEMM: AVX-512
 
 #if K3_HAVE_SMALL_GEMM
@@ -22,16 +23,12 @@ inline __m512 splat(float x) { return _mm512_set1_ps(x); }
 // e^{-y} for y >= 0 (NaN stays NaN): 0 where it would be subnormal
 inline __m512 exp_neg(__m512 y) {
   const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_min_ps(splat(104.0f), y));  // (min keeps a NaN y)
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(cephes::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, splat(2.12194440e-4f), r);
-  __m512 p = splat(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, splat(cephes::kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, splat(cephes::kLn2Lo), r);
+  __m512 p = splat(cephes::kExp[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, splat(cephes::kExp[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, splat(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -45,11 +42,8 @@ inline __m512 reciprocal(__m512 d) {
 // tanh(x) for |x| < 0.625 (the odd polynomial of fast_tanh)
 inline __m512 tanh_polynomial(__m512 x) {
   const __m512 z = _mm512_mul_ps(x, x);
-  __m512 p = splat(-5.70498872745e-3f);
-  p = _mm512_fmadd_ps(p, z, splat(2.06390887954e-2f));
-  p = _mm512_fmadd_ps(p, z, splat(-5.37397155531e-2f));
-  p = _mm512_fmadd_ps(p, z, splat(1.33314422036e-1f));
-  p = _mm512_fmadd_ps(p, z, splat(-3.33332819422e-1f));
+  __m512 p = splat(cephes::kTanh[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, z, splat(cephes::kTanh[i]));
   return _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
 }
 
@@ -133,7 +127,7 @@ inline void row(const float* a_row, const float* u_row, const float* d_row, floa
                 float* du_row, int inter, float w, float beta, float linear_beta) {
   const bool capped = linear_beta > 0.0f;
   for (int i = 0; i < inter; i += 16) {
-    const __mmask16 m = (__mmask16)(inter - i >= 16 ? 0xFFFF : (1u << (inter - i)) - 1);
+    const __mmask16 m = lane_mask(inter - i);
     const __m512 a = _mm512_maskz_loadu_ps(m, a_row + i), u = _mm512_maskz_loadu_ps(m, u_row + i);
     __m512 f, df, h = u, dh = splat(1.0f);  // gate factor, its derivative; up factor, its derivative
     if (Kind == 0) {

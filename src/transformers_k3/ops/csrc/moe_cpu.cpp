@@ -33,8 +33,9 @@ constexpr int kTile = 128;  // rows per task: bounds the scratch; experts with m
 // tanh(x) for |x| < 0.625: Cephes' tanhf odd polynomial
 inline float tanh_polynomial(float x) {
   const float z = x * x;
-  return ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
-          3.33332819422e-1f) * z * x + x;
+  float p = k3::cephes::kTanh[0];
+  for (int i = 1; i < 5; ++i) p = p * z + k3::cephes::kTanh[i];
+  return p * z * x + x;
 }
 
 // tanh to a few ulp (Cephes' tanhf: the polynomial below 0.625, 1 - 2 / (e^{2|x|} + 1) above), branch-free.

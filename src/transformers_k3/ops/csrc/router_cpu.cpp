@@ -69,11 +69,11 @@ void row_topk(const float* scores, const float* bias, int64_t n_experts, int top
 // current k-th with one compare.
 class Best16 {
  public:
-  explicit Best16(int top_k) : top_k_(top_k), used_((__mmask16)((1u << top_k) - 1)) {}
+  explicit Best16(int top_k) : top_k_(top_k), used_(k3::lane_mask(top_k)) {}
 
   // v (broadcast in vb) of expert e enters if the set is not full or it ranks above one of the k
   void insert(__m512 vb, int e) {
-    __mmask16 above = ranks_above(vb, vals_) & (full() ? used_ : (__mmask16)((1u << filled_) - 1));
+    __mmask16 above = ranks_above(vb, vals_) & (full() ? used_ : k3::lane_mask(filled_));
     if (!full()) above |= (__mmask16)(1u << filled_++);
     if (above == 0) return;
     // `above` is a run of lanes [p, end): lane p takes v, the lanes after it move one down
@@ -111,8 +111,7 @@ class Best16 {
 
 // Biased scores of experts [e, e + 16) (lanes past the row's end: -inf, never candidates), and which are present.
 inline __m512 chunk(const float* scores, const float* bias, int64_t n_experts, int64_t e, __mmask16& present) {
-  const int64_t n = n_experts - e < 16 ? n_experts - e : 16;
-  present = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
+  present = k3::lane_mask(n_experts - e);
   const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(present, scores + e), _mm512_maskz_loadu_ps(present, bias + e));
   return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), present, v);
 }
@@ -210,7 +209,7 @@ void row_topk16(const float* scores, const float* bias, int64_t n_experts, int t
 void sigmoid_row(const float* logits, int64_t n, float* scores) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = (__mmask16)(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+    const __mmask16 m = k3::lane_mask(n - i);
     const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_maskz_loadu_ps(m, logits + i)));
     _mm512_mask_storeu_ps(scores + i, m, _mm512_div_ps(one, _mm512_add_ps(e, one)));
   }
@@ -224,8 +223,7 @@ void weighted_sum(const float* weight, int hidden, const int64_t* index, const f
     __mmask16 mask[4];
     __m512 acc[4];
     for (int q = 0; q < 4; ++q) {
-      const int left = hidden - i0 - 16 * q;
-      mask[q] = (__mmask16)(left >= 16 ? 0xFFFF : left > 0 ? (1u << left) - 1 : 0);
+      mask[q] = k3::lane_mask(hidden - i0 - 16 * q);
       acc[q] = _mm512_setzero_ps();
     }
     for (int j = 0; j < top_k; ++j) {
@@ -251,7 +249,7 @@ inline void add_scaled(float* out, float c, const float* x, int hidden) {
 #if defined(__AVX512F__)
   const __m512 cv = _mm512_set1_ps(c);
   for (int i = 0; i < hidden; i += 16) {
-    const __mmask16 m = (__mmask16)(hidden - i >= 16 ? 0xFFFF : (1u << (hidden - i)) - 1);
+    const __mmask16 m = k3::lane_mask(hidden - i);
     _mm512_mask_storeu_ps(out + i, m,
                           _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, out + i)));
   }

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define K3_HAVE_SMALL_GEMM 1
@@ -148,10 +150,7 @@ inline void small_gemm_blocks(int m, int n, int k, const float* a, int64_t sam, 
   for (int n0 = 0; n0 < n; n0 += 64) {
     const int nb = std::min(64, n - n0), nr = (nb + 15) / 16;
     __mmask16 mask[4];
-    for (int j = 0; j < 4; ++j) {
-      const int left = nb - 16 * j;
-      mask[j] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
-    }
+    for (int j = 0; j < 4; ++j) mask[j] = lane_mask(nb - 16 * j);
     const int full = block_rows(nr);
     for (int m0 = 0, mr; m0 < m; m0 += mr) {
       mr = rows_for(m - m0, full);
