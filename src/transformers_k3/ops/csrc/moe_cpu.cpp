@@ -338,6 +338,15 @@ const float* maybe_transposed(const float* w, int rows, int cols, bool need, k3:
   return buffer.data();
 }
 
+// Thread `me`'s [N, D] accumulator, zeroed: thread 0's is `first` itself (the output), the others' lie in
+// `others` [(threads - 1) N, D]; null when `first` is (that output is not wanted).
+float* own_accumulator(float* first, float* others, int me, int64_t n_tokens, int hidden) {
+  if (first == nullptr) return nullptr;
+  float* acc = me == 0 ? first : others + (me - 1) * n_tokens * hidden;
+  std::fill(acc, acc + n_tokens * hidden, 0.0f);
+  return acc;
+}
+
 // acc (thread 0's, i.e. `out`) += the other threads' accumulators, token by token; inside a parallel region,
 // after a barrier.
 void sum_accumulators(float* out, const float* others, int n_others, int64_t n_tokens, int hidden) {
@@ -366,8 +375,7 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted
     const k3::FlushDenormals flush;
     const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, false, true);
     const int team = omp_get_num_threads(), me = omp_get_thread_num();
-    float* acc = me == 0 ? out : accumulators + (me - 1) * n_tokens * hidden;
-    std::fill(acc, acc + n_tokens * hidden, 0.0f);
+    float* acc = own_accumulator(out, accumulators, me, n_tokens, hidden);
     int64_t lo, hi;
     expert_range(routing.offsets, n_experts, team, me, lo, hi);
     for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
@@ -416,8 +424,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
     const k3::FlushDenormals flush;
     const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, true, true);
     const int team = omp_get_num_threads(), me = omp_get_thread_num();
-    float* dx_acc = grad_x == nullptr ? nullptr : me == 0 ? grad_x : accumulators + (me - 1) * n_tokens * hidden;
-    if (dx_acc != nullptr) std::fill(dx_acc, dx_acc + n_tokens * hidden, 0.0f);
+    float* dx_acc = own_accumulator(grad_x, accumulators, me, n_tokens, hidden);
     int64_t lo, hi;
     expert_range(routing.offsets, n_experts, team, me, lo, hi);
     for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
