@@ -362,6 +362,29 @@ void sum_accumulators(float* out, const float* others, int n_others, int64_t n_t
   }
 }
 
+// The small-GEMM path's parallel region, shared by forward and backward: each thread takes its contiguous range
+// of experts (expert_range) with its own scratch and its own [N, D] accumulator (own_accumulator: thread 0's is
+// `first`, the output; null `first`: none), calls fn(rows scratch, e, end of its range, accumulator) for each
+// expert in order, and after a barrier the accumulators are summed into `first`. Returns the scratch status.
+template <class PerExpert>
+int each_own_expert(const k3::Sorted& routing, int64_t n_experts, int64_t n_tokens, int hidden, int inter,
+                    bool backward, float* first, float* accumulators, int n_threads, PerExpert fn) {
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    const k3::FlushDenormals flush;
+    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, backward, true);
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    float* acc = own_accumulator(first, accumulators, me, n_tokens, hidden);
+    int64_t lo, hi;
+    expert_range(routing.offsets, n_experts, team, me, lo, hi);
+    for (int64_t e = lo; e < hi && scratch != nullptr; ++e) fn(*scratch, e, hi, acc);
+#pragma omp barrier
+    if (first != nullptr) sum_accumulators(first, accumulators, team - 1, n_tokens, hidden);
+  }
+  return status;
+}
+
 // Forward of the small-GEMM path (see above); `accumulators` [(n_threads - 1) N, D].
 int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted& routing,
                   const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
@@ -369,44 +392,31 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted
                   float* accumulators, float* out, float* saved_h, int n_threads) {
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
-  int status = 0;
-#pragma omp parallel num_threads(n_threads)
-  {
-    const k3::FlushDenormals flush;
-    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, false, true);
-    const int team = omp_get_num_threads(), me = omp_get_thread_num();
-    float* acc = own_accumulator(out, accumulators, me, n_tokens, hidden);
-    int64_t lo, hi;
-    expert_range(routing.offsets, n_experts, team, me, lo, hi);
-    for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
-      Rows& s = *scratch;
-      const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
-      if (begin == end) continue;
-      // B operands [k, n]: W_gate_up^T [D, 2I] and W_down^T [I, D] (stored that way when transposed)
-      const float* wgu = maybe_transposed(gate_up + e * gate_up_size, two_i, hidden, !gate_up_transposed, s.wa);
-      const float* wd = maybe_transposed(down + e * down_size, hidden, inter, !down_transposed, s.wb);
-      const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi);
-      for (int64_t start = begin; start < end; start += kTile) {
-        const int rows = (int)std::min<int64_t>(kTile, end - start);
-        const int64_t* order = routing.order.data() + start;
-        for (int r = 0; r < rows; ++r) {
-          s.token[r] = order[r] / top_k;
-          s.weight[r] = top_k_weights[order[r]];
-        }
-        // the input rows are read in place (token rows of x); the gate/up products go to `saved_h` (expert-sorted
-        // rows, for the backward) when it is given
-        float* h = saved_h != nullptr ? saved_h + start * two_i : s.h.data();
-        k3::small_gemm(rows, two_i, hidden, x, hidden, 1, wgu, two_i, h, two_i, nullptr, false, next.gate_up,
-                       s.token.data());
-        apply_glu(h, s.glu.data(), s.weight.data(), rows, inter, act);
-        k3::small_gemm(rows, hidden, inter, s.glu.data(), inter, 1, wd, hidden, acc, hidden, s.token.data(), true,
-                       next.down);
+  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, false, out, accumulators, n_threads,
+                         [&](Rows& s, int64_t e, int64_t hi, float* acc) {
+    const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
+    if (begin == end) return;
+    // B operands [k, n]: W_gate_up^T [D, 2I] and W_down^T [I, D] (stored that way when transposed)
+    const float* wgu = maybe_transposed(gate_up + e * gate_up_size, two_i, hidden, !gate_up_transposed, s.wa);
+    const float* wd = maybe_transposed(down + e * down_size, hidden, inter, !down_transposed, s.wb);
+    const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi);
+    for (int64_t start = begin; start < end; start += kTile) {
+      const int rows = (int)std::min<int64_t>(kTile, end - start);
+      const int64_t* order = routing.order.data() + start;
+      for (int r = 0; r < rows; ++r) {
+        s.token[r] = order[r] / top_k;
+        s.weight[r] = top_k_weights[order[r]];
       }
+      // the input rows are read in place (token rows of x); the gate/up products go to `saved_h` (expert-sorted
+      // rows, for the backward) when it is given
+      float* h = saved_h != nullptr ? saved_h + start * two_i : s.h.data();
+      k3::small_gemm(rows, two_i, hidden, x, hidden, 1, wgu, two_i, h, two_i, nullptr, false, next.gate_up,
+                     s.token.data());
+      apply_glu(h, s.glu.data(), s.weight.data(), rows, inter, act);
+      k3::small_gemm(rows, hidden, inter, s.glu.data(), inter, 1, wd, hidden, acc, hidden, s.token.data(), true,
+                     next.down);
     }
-#pragma omp barrier
-    sum_accumulators(out, accumulators, team - 1, n_tokens, hidden);
-  }
-  return status;
+  });
 }
 
 // Backward of the small-GEMM path: as k3_moe_experts_backward, with the input gradient rows added into
@@ -418,88 +428,75 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
                    float* accumulators, const float* saved_h, int n_threads) {
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
-  int status = 0;
-#pragma omp parallel num_threads(n_threads)
-  {
-    const k3::FlushDenormals flush;
-    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, true, true);
-    const int team = omp_get_num_threads(), me = omp_get_thread_num();
-    float* dx_acc = own_accumulator(grad_x, accumulators, me, n_tokens, hidden);
-    int64_t lo, hi;
-    expert_range(routing.offsets, n_experts, team, me, lo, hi);
-    for (int64_t e = lo; e < hi && scratch != nullptr; ++e) {
-      Rows& s = *scratch;
-      const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, gate_up_size, down_size);
-      if (!expert.chosen) continue;
-      const float *wgu_raw = expert.gate_up, *wd_raw = expert.down;
-      float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
-      const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
-      // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product, unless the forward saved it), W_down
-      // [D, I] (dY W_down) and W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
-      const float* wgu_t =
-          saved_h != nullptr ? nullptr : maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
-      const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
-      const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi, grad_gate_up, grad_down);
-      const float* wgu = grad_x == nullptr ? nullptr
-                         : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
-                                              : wgu_raw;
-      for (int64_t start = begin; start < end; start += kTile) {
-        const int rows = (int)std::min<int64_t>(kTile, end - start);
-        const bool accumulate = start != begin;
-        const int64_t* order = routing.order.data() + start;
-        // the input rows gathered: for the recomputed product and for X^T dH into weights stored [D, 2I] (dH^T X
-        // into [2I, D] reads them in place)
-        const bool need_x = saved_h == nullptr || (ggu != nullptr && gate_up_transposed);
-        for (int r = 0; r < rows; ++r) {
-          const int64_t token = s.token[r] = order[r] / top_k;
-          if (need_x) std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
-          std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
-          s.weight[r] = top_k_weights[order[r]];
-        }
-        // prefetches: the next expert's weights and gradient slices, and the input-gradient rows that the last
-        // product adds into (taken for writing during the down-gradient product, else during dY W_down)
-        const k3::Prefetch dx_rows =
-            dx_acc ? k3::Prefetch(dx_acc, s.token.data(), rows, hidden, hidden, true) : k3::Prefetch();
-        k3::Prefetch on_dglu = next.down, grad_down_next = next.grad_down;
-        if (!gd) grad_down_next.then(&dx_rows);
-        const float* h = s.h.data();
-        if (saved_h != nullptr) {  // the gate/up products as the forward computed them
-          h = saved_h + start * two_i;
-          on_dglu.then(&grad_down_next);
-        } else {
-          k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr,
-                         false, grad_down_next);
-        }
-        k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
-                       on_dglu);
-        glu_backward(h, s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
-        if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
-        if (gd) {
-          scale_rows(s, rows, inter);
-          if (down_transposed)  // [I, D] (+)= (w glu)^T dY
-            k3::small_gemm(inter, hidden, rows, s.glu.data(), 1, inter, s.dy.data(), hidden, gd, hidden, nullptr,
-                           accumulate, dx_rows);
-          else  // [D, I] (+)= dY^T (w glu)
-            k3::small_gemm(hidden, inter, rows, s.dy.data(), 1, hidden, s.glu.data(), inter, gd, inter, nullptr,
-                           accumulate, dx_rows);
-        }
-        if (ggu) {
-          if (gate_up_transposed)  // [D, 2I] (+)= X^T dH
-            k3::small_gemm(hidden, two_i, rows, s.x.data(), 1, hidden, s.dh.data(), two_i, ggu, two_i, nullptr,
-                           accumulate);
-          else  // [2I, D] (+)= dH^T X, X's rows read in place (token rows of x)
-            k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, x, hidden, ggu, hidden, nullptr, accumulate,
-                           next.gate_up, nullptr, s.token.data());
-        }
-        if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
-          k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),
-                         true, next.grad_gate_up);
+  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, true, grad_x, accumulators, n_threads,
+                         [&](Rows& s, int64_t e, int64_t hi, float* dx_acc) {
+    const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, gate_up_size, down_size);
+    if (!expert.chosen) return;
+    const float *wgu_raw = expert.gate_up, *wd_raw = expert.down;
+    float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
+    const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
+    // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product, unless the forward saved it), W_down
+    // [D, I] (dY W_down) and W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
+    const float* wgu_t =
+        saved_h != nullptr ? nullptr : maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
+    const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
+    const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi, grad_gate_up, grad_down);
+    const float* wgu = grad_x == nullptr ? nullptr
+                       : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
+                                            : wgu_raw;
+    for (int64_t start = begin; start < end; start += kTile) {
+      const int rows = (int)std::min<int64_t>(kTile, end - start);
+      const bool accumulate = start != begin;
+      const int64_t* order = routing.order.data() + start;
+      // the input rows gathered: for the recomputed product and for X^T dH into weights stored [D, 2I] (dH^T X
+      // into [2I, D] reads them in place)
+      const bool need_x = saved_h == nullptr || (ggu != nullptr && gate_up_transposed);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t token = s.token[r] = order[r] / top_k;
+        if (need_x) std::memcpy(s.x.data() + (size_t)r * hidden, x + token * hidden, sizeof(float) * hidden);
+        std::memcpy(s.dy.data() + (size_t)r * hidden, grad_out + token * hidden, sizeof(float) * hidden);
+        s.weight[r] = top_k_weights[order[r]];
       }
+      // prefetches: the next expert's weights and gradient slices, and the input-gradient rows that the last
+      // product adds into (taken for writing during the down-gradient product, else during dY W_down)
+      const k3::Prefetch dx_rows =
+          dx_acc ? k3::Prefetch(dx_acc, s.token.data(), rows, hidden, hidden, true) : k3::Prefetch();
+      k3::Prefetch on_dglu = next.down, grad_down_next = next.grad_down;
+      if (!gd) grad_down_next.then(&dx_rows);
+      const float* h = s.h.data();
+      if (saved_h != nullptr) {  // the gate/up products as the forward computed them
+        h = saved_h + start * two_i;
+        on_dglu.then(&grad_down_next);
+      } else {
+        k3::small_gemm(rows, two_i, hidden, s.x.data(), hidden, 1, wgu_t, two_i, s.h.data(), two_i, nullptr,
+                       false, grad_down_next);
+      }
+      k3::small_gemm(rows, inter, hidden, s.dy.data(), hidden, 1, wd, inter, s.dglu.data(), inter, nullptr, false,
+                     on_dglu);
+      glu_backward(h, s.dglu.data(), s.weight.data(), s.glu.data(), s.dh.data(), rows, inter, act);
+      if (grad_weights != nullptr) weight_gradients(s, rows, inter, order, grad_weights);
+      if (gd) {
+        scale_rows(s, rows, inter);
+        if (down_transposed)  // [I, D] (+)= (w glu)^T dY
+          k3::small_gemm(inter, hidden, rows, s.glu.data(), 1, inter, s.dy.data(), hidden, gd, hidden, nullptr,
+                         accumulate, dx_rows);
+        else  // [D, I] (+)= dY^T (w glu)
+          k3::small_gemm(hidden, inter, rows, s.dy.data(), 1, hidden, s.glu.data(), inter, gd, inter, nullptr,
+                         accumulate, dx_rows);
+      }
+      if (ggu) {
+        if (gate_up_transposed)  // [D, 2I] (+)= X^T dH
+          k3::small_gemm(hidden, two_i, rows, s.x.data(), 1, hidden, s.dh.data(), two_i, ggu, two_i, nullptr,
+                         accumulate);
+        else  // [2I, D] (+)= dH^T X, X's rows read in place (token rows of x)
+          k3::small_gemm(two_i, hidden, rows, s.dh.data(), 1, two_i, x, hidden, ggu, hidden, nullptr, accumulate,
+                         next.gate_up, nullptr, s.token.data());
+      }
+      if (dx_acc != nullptr)  // dX[token] += dH W_gate_up
+        k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),
+                       true, next.grad_gate_up);
     }
-#pragma omp barrier
-    if (grad_x != nullptr) sum_accumulators(grad_x, accumulators, team - 1, n_tokens, hidden);
-  }
-  return status;
+  });
 }
 #endif
 }  // namespace
