@@ -3,6 +3,7 @@ in-tree MoE layers at the same shape, in one process.
 
     python bench/bench_moe.py                       # 2,048 tokens, latent 128, intermediate 32
     python bench/bench_moe.py --tokens 4096 --reps 5
+    python bench/bench_moe.py --dtype bfloat16      # every module's weights and activations in bf16
 
 Two tables. Our modules run under every experts implementation: transformers' eager / grouped_mm / batched_mm
 and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`; on CPU in fp32 it runs
@@ -22,7 +23,8 @@ output, each step starting without parameter gradients, as after ``zero_grad()``
 at once (saved activations, gradients and temporaries), replayed from the profiler's allocation record (exact,
 where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32 GEMM rate of this
 machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a perfect
-grouped GEMM. The in-tree eager paths are slow enough that they run on ``--slow-tokens`` tokens. Under each
+grouped GEMM (also under ``--dtype bfloat16``: our experts kernel computes in fp32 from the bf16 values, and
+the bf16 GEMM rate is printed beside it). The in-tree eager paths are slow enough that they run on ``--slow-tokens`` tokens. Under each
 ratio, what ``--target`` (5x) times the fastest in-tree row asks of ours, as a share of our roofline: the whole
 K3 layer does ~1.6x the in-tree layer's matmul FLOPs (a router over twice the width, a full-width shared expert,
 the latent projections), so there a 5x target can ask for most of this machine's GEMM rate.
@@ -56,9 +58,9 @@ def implementations_for(name: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 
 
-def gemm_rate(size: int = 1024, reps: int = 3) -> float:
-    """Measured fp32 GEMM FLOP/s at ``size`` cubed."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def gemm_rate(size: int = 1024, reps: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    """Measured GEMM FLOP/s at ``size`` cubed (fp32 unless ``dtype``)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(reps))
     return 2 * size**3 / best
@@ -174,7 +176,7 @@ def build(args):
             shared_expert_intermediate_size=I)),
     }
     for seed, layer in enumerate(layers.values()):
-        init_(layer, seed)
+        init_(layer, seed).to(args.dtype)
     return layers
 
 
@@ -205,26 +207,30 @@ def main():
     parser.add_argument("--intermediate", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the modules' weights and activations (routing weights stay fp32)")
     parser.add_argument("--skip-layers", action="store_true")
     parser.add_argument("--target", type=float, default=5.0, help="the ratio to the fastest in-tree row aimed at")
     parser.add_argument("--decode-tokens", type=int, default=1, help="tokens per call in the decode-step table")
     parser.add_argument("--decode-calls", type=int, default=100, help="calls timed per row (median) there; 0: skip")
     args = parser.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     import transformers
 
     rate = gemm_rate()
+    low = f", bf16 GEMM {gemm_rate(dtype=args.dtype) / 1e9:.1f}" if args.dtype != torch.float32 else ""
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads; "
-          f"fp32 GEMM {rate / 1e9:.1f} GFLOP/s (1024^3)")
+          f"fp32 GEMM {rate / 1e9:.1f} GFLOP/s (1024^3){low}; modules in {str(args.dtype)[6:]}")
     print(f"{args.experts} experts, top-{args.top_k}, latent {args.latent}, intermediate {args.intermediate}, "
           f"{args.tokens} tokens ({args.slow_tokens} for in-tree eager)\n")
 
     layers = build(args)
     E, k, D = args.experts, args.top_k, args.latent
     gen = torch.Generator().manual_seed(1)
-    x_latent = torch.randn(args.tokens, D, generator=gen)
+    x_latent = torch.randn(args.tokens, D, generator=gen).to(args.dtype)
     idx = torch.argsort(torch.rand(args.tokens, E, generator=gen), dim=-1)[:, :k]
     w = torch.rand(args.tokens, k, generator=gen)
 
@@ -236,7 +242,8 @@ def main():
 
     def layer_inputs(n, width):
         def make(backward):
-            return (torch.randn(1, n, width, generator=torch.Generator().manual_seed(2)).requires_grad_(backward),)
+            x = torch.randn(1, n, width, generator=torch.Generator().manual_seed(2)).to(args.dtype)
+            return (x.requires_grad_(backward),)
         return make
 
     results = {}  # (table, name, impl) -> (fwd tok/s, fwd+bwd tok/s, fwd MiB, fwd+bwd MiB)

@@ -346,8 +346,8 @@ def test_experts_kernel_huge_activations_stay_bounded(experts_kernel):
 
 
 def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatch):
-    """fp32 weights and inputs, with or without autograd: the kernel; in bf16, under expert parallelism or
-    when turned off: the PyTorch path."""
+    """fp32 weights and inputs, with or without autograd: the kernel; bf16 too on the small-GEMM path (the sgemm
+    path declines bf16 weights); under expert parallelism or when turned off: the PyTorch path."""
     cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(37, 4, 16)
@@ -367,9 +367,10 @@ def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatc
         assert len(calls) == 4
         experts._is_expert_parallel = False
         experts.bfloat16()(x.bfloat16(), idx, w)
-        assert len(calls) == 6
+        bf16_calls = 0 if experts_kernel == "small_gemm" else 2
+        assert len(calls) == 4 + bf16_calls
     out = experts.float()(x, idx, w)  # under autograd too: the kernel has a backward
-    assert len(calls) == 6 and type(out.grad_fn).__name__ == "_FusedExpertsBackward"
+    assert len(calls) == 4 + bf16_calls and type(out.grad_fn).__name__ == "_FusedExpertsBackward"
 
 
 @pytest.mark.parametrize(
@@ -510,6 +511,96 @@ def test_experts_kernel_backward_from_saved_products(experts_kernel, monkeypatch
     switched = grads(lambda: monkeypatch.setattr(cpu_kernel, "_small_gemm_override", other))
     for got, want in zip(switched, expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _bf16_experts_run(experts, x, idx, w, probe, dtype, transposed):
+    """The kernel's output and gradients with the operands as ``dtype`` (weights stored [E, in, out] if
+    ``transposed``; gradients returned in [E, out, in])."""
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate_up = gate_up.to(dtype).contiguous().requires_grad_()
+    down = down.to(dtype).contiguous().requires_grad_()
+    xs, ws = x.to(dtype).requires_grad_(), w.clone().requires_grad_()
+    out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu_activation)
+    (out * probe.to(dtype)).sum().backward()
+    grad_gate_up, grad_down = gate_up.grad, down.grad
+    if transposed:
+        grad_gate_up, grad_down = grad_gate_up.transpose(1, 2), grad_down.transpose(1, 2)
+    return out.detach(), xs.grad, ws.grad, grad_gate_up, grad_down
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch, transposed, threads):
+    """bf16 weights, activations and output gradient (small-GEMM path): the output and every gradient are the
+    fp32 kernel's on the operands' exact fp32 copies, rounded to bf16 once, bitwise (the weight gradients of
+    each expert summed in fp32 and rounded by the kernel as torch rounds: ties to even); the routing weights
+    stay fp32 and their gradient is the fp32 kernel's exactly. Against the float64 loop on the same values, the
+    output is within one bf16 rounding. Expert 3, never chosen, gets exact zeros."""
+    if not kernel.k3_moe_small_gemm_available():
+        pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 here)")
+    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)
+    cfg = make_config(num_experts=16, routed_expert_hidden_size=40, moe_intermediate_size=12)
+    experts = randomize(KimiK3Experts(cfg))
+    with torch.no_grad():  # weights that are bf16 values, so that the reference sees the same numbers
+        for p in experts.parameters():
+            p.copy_(p.bfloat16())
+    idx, w = _routing(300, 4, 16, skip=3)
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(300, 40, generator=gen).bfloat16().float()
+    probe = torch.randn(300, 40, generator=gen).bfloat16().float()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        low = _bf16_experts_run(experts, x, idx, w, probe, torch.bfloat16, transposed)
+        full = _bf16_experts_run(experts, x, idx, w, probe, torch.float32, transposed)
+    finally:
+        torch.set_num_threads(previous)
+    for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), low, full):
+        expected_dtype = torch.float32 if name == "weights" else torch.bfloat16
+        assert got.dtype == expected_dtype, name
+        assert torch.equal(got, want.to(expected_dtype)), name
+    assert (low[3][3] == 0).all() and (low[4][3] == 0).all()
+    ref, _ = ref_experts(experts, x, idx, w, probe)
+    torch.testing.assert_close(low[0].double(), ref, atol=1e-5, rtol=2**-8)
+
+
+def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel, monkeypatch):
+    """A bf16 KimiK3Experts under k3_grouped_mm runs the kernel when it takes the small-GEMM path (forward and
+    backward) and agrees with the PyTorch path in bf16 (which rounds every product and activation to bf16) to
+    bf16 accuracy; where the sgemm path would run (here forced; by default decode steps and full-size experts)
+    the kernel declines bf16 weights and the PyTorch path computes the call."""
+    if not kernel.k3_moe_small_gemm_available():
+        pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 here)")
+    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
+    experts = randomize(KimiK3Experts(cfg)).bfloat16()
+    idx, w = _routing(300, 4, 16)
+    x = torch.randn(300, 32, generator=torch.Generator().manual_seed(32)).bfloat16()
+    probe = torch.randn(300, 32, generator=torch.Generator().manual_seed(33)).bfloat16()
+
+    def run():
+        experts.zero_grad(set_to_none=True)
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = experts(xs, idx, ws)
+        (out * probe).sum().backward()
+        return out.detach(), xs.grad, ws.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)
+    with monkeypatch.context() as patch:
+        _forbid_pytorch_experts(patch)
+        fused = run()
+    with cpu_kernel.use_cpu_kernel(False):
+        reference = run()
+    for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), fused, reference):
+        assert got.dtype == want.dtype, name
+        scale = want.float().abs().max()
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0, msg=lambda m: f"{name}: {m}")
+    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)
+    assert cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
+                                  experts.glu_activation) is None  # fmt: skip
+    for got, want in zip(run(), reference):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)  # the PyTorch path itself
 
 
 def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):

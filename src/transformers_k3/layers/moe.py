@@ -160,8 +160,8 @@ def k3_grouped_mm_experts_forward(
     num_tokens, top_k = top_k_index.shape
     expert_parallel = getattr(self, "_is_expert_parallel", False)
     activation = getattr(self, "glu_activation", None)
-    if activation is not None and not expert_parallel and cpu_kernel.applies(
-        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj, differentiable=True
+    if activation is not None and not expert_parallel and cpu_kernel.experts_applies(
+        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj
     ):
         out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                      self.is_transposed, activation)  # fmt: skip

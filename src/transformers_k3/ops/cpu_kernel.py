@@ -96,6 +96,25 @@ def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
     )
 
 
+EXPERTS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def experts_applies(hidden_states, top_k_weights, gate_up_proj, down_proj) -> bool:
+    """Whether the experts kernel (:func:`moe_experts`, which has a backward) may compute this call: as
+    :func:`applies`, except that the expert weights may also be bf16 (both alike: read exactly as fp32, on the
+    small-GEMM path only, where :func:`moe_experts` returns None otherwise) and the activations and routing
+    weights fp32 or bf16 (computed in fp32; the output comes back in the activations' dtype)."""
+    return (
+        enabled()
+        and all(x.device.type == "cpu" for x in (hidden_states, top_k_weights, gate_up_proj, down_proj))
+        and hidden_states.dtype in EXPERTS_DTYPES
+        and top_k_weights.dtype in EXPERTS_DTYPES
+        and gate_up_proj.dtype in EXPERTS_DTYPES
+        and down_proj.dtype == gate_up_proj.dtype
+        and not torch.compiler.is_compiling()
+    )
+
+
 def load_error() -> str | None:
     """Why the kernels could not be built or loaded (None if they loaded or were not tried yet)."""
     return _state["error"]
@@ -198,10 +217,10 @@ def _load() -> ctypes.CDLL:
         lib.k3_kda_chunk_forward.argtypes = [pointer] * 9 + [i64] + [i32] * 4 + [f32, i32]
         lib.k3_moe_experts_forward.restype = i32
         lib.k3_moe_experts_forward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                               i64, i32, i32, f32, f32, pointer, pointer, i32, i32, pointer]  # fmt: skip
+                                               i64, i32, i32, f32, f32, pointer, pointer, i32, i32, pointer, i32]  # fmt: skip
         lib.k3_moe_experts_backward.restype = i32
         lib.k3_moe_experts_backward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32, pointer]  # fmt: skip
+                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32, pointer, i32]  # fmt: skip
         lib.k3_moe_set_vector_glu.restype = i32
         lib.k3_moe_set_vector_glu.argtypes = [i32]
         lib.k3_moe_small_gemm_available.restype = i32
@@ -368,14 +387,28 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     """The routed experts through the fused kernel, differentiable (the kernel has a backward), or None when it
     cannot run here (then use the PyTorch path).
 
-    ``hidden_states [N, D]``, ``top_k_weights [N, k]`` fp32 and ``top_k_index [N, k]`` on CPU; ``gate_up_proj
-    [E, 2I, D]`` and ``down_proj [E, D, I]`` fp32 (``transposed``: stored ``[E, D, 2I]`` / ``[E, I, D]``);
-    ``activation`` ``("silu",)`` or ``("situ", beta, linear_beta or None)``. Returns ``out [N, D]`` fp32:
-    ``out[t] = sum_j w[t, j] * down_e(glu(gate_up_e(x[t])))``, ``e = top_k_index[t, j]``; ids outside
-    ``[0, E)`` contribute nothing. Gradients reach ``hidden_states``, ``top_k_weights`` and both weights.
+    ``hidden_states [N, D]``, ``top_k_weights [N, k]`` (fp32 or bf16) and ``top_k_index [N, k]`` on CPU;
+    ``gate_up_proj [E, 2I, D]`` and ``down_proj [E, D, I]``, both fp32 or both bf16 (``transposed``: stored
+    ``[E, D, 2I]`` / ``[E, I, D]``); ``activation`` ``("silu",)`` or ``("situ", beta, linear_beta or None)``.
+    Returns ``out [N, D]`` in ``hidden_states``' dtype: ``out[t] = sum_j w[t, j] * down_e(glu(gate_up_e(x[t])))``,
+    ``e = top_k_index[t, j]``; ids outside ``[0, E)`` contribute nothing. Gradients reach ``hidden_states``,
+    ``top_k_weights`` and both weights, each in its own dtype.
+
+    Everything is computed in fp32 from the values as given (bf16 -> fp32 is exact) and rounded once at the end:
+    with bf16 operands the output is the fp32 computation on their fp32 copies, rounded to bf16, bitwise; the
+    weight gradients are each expert's fp32 sums rounded to bf16. (The PyTorch path in bf16 rounds each product
+    and activation to bf16 on the way.) bf16 weights take the small-GEMM path only (the experts' weights are
+    converted in cache, as they are transposed there); elsewhere this returns None.
     """
     if library() is None or not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
         return None  # (copying all experts' weights per call would cost more than the kernel saves)
+    if gate_up_proj.dtype != torch.float32:
+        num_tokens, top_k = top_k_index.shape
+        hidden = hidden_states.shape[-1]
+        inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
+        threads = max(1, torch.get_num_threads())
+        if not experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0]):
+            return None
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return _FusedExperts.apply(*tensors, top_k_index, transposed, activation)
@@ -388,7 +421,7 @@ def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, t
     it), ``N, k, D, I``, the thread count and whether the small-GEMM path runs."""
     num_tokens, top_k = top_k_index.shape
     hidden, inter = hidden_states.shape[-1], (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
-    x, weights = hidden_states.detach().contiguous(), top_k_weights.detach().contiguous()
+    x, weights = hidden_states.detach().float().contiguous(), top_k_weights.detach().float().contiguous()
     index = top_k_index.to(torch.int64).contiguous()
     threads = max(1, torch.get_num_threads())
     small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
@@ -438,10 +471,13 @@ def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_
         x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
         int(transposed), down_proj.data_ptr(), int(transposed), gate_up_proj.shape[0], inter,
         *_activation_args(activation), scratch.data_ptr(), out.data_ptr(), threads, int(small), _ptr(saved),
+        int(gate_up_proj.dtype == torch.bfloat16),
     )  # fmt: skip
     if status != 0:
         logger.warning("transformers_k3: fused CPU MoE kernel returned status %d, using the PyTorch path", status)
         out = None
+    elif hidden_states.dtype != torch.float32:
+        out = out.to(hidden_states.dtype)
     return (out, saved) if save_products else out
 
 
@@ -469,19 +505,23 @@ class _FusedExperts(torch.autograd.Function):
         x, weights, index, num_tokens, top_k, hidden, inter, threads, small = _experts_operands(
             hidden_states, top_k_weights, gate_up_proj, top_k_index, ctx.transposed
         )
-        grad_x = torch.empty(num_tokens, hidden) if need_x else None
+        grad_x = torch.empty(num_tokens, hidden) if need_x else None  # (fp32; cast below)
         grad_w = torch.empty(num_tokens, top_k) if need_w else None
         grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
         grad_down = torch.empty_like(down_proj) if need_down else None
         scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads) if need_x else None
-        grad = grad_out.contiguous()  # held in a variable, like the operands
+        grad = grad_out.float().contiguous()  # held in a variable, like the operands
         status = library().k3_moe_experts_backward(
             x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
             int(ctx.transposed), down_proj.data_ptr(), int(ctx.transposed), gate_up_proj.shape[0], inter,
             *_activation_args(ctx.activation), grad.data_ptr(), _ptr(grad_x), _ptr(grad_w),
             _ptr(grad_gate_up), _ptr(grad_down), _ptr(scratch), threads, int(small),
-            _ptr(ctx.products if small else None),
+            _ptr(ctx.products if small else None), int(gate_up_proj.dtype == torch.bfloat16),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the fused CPU MoE kernel's backward returned status {status} (out of memory?)")
+        if grad_x is not None:
+            grad_x = grad_x.to(hidden_states.dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(top_k_weights.dtype)
         return grad_x, grad_w, grad_gate_up, grad_down, None, None, None

@@ -80,10 +80,12 @@ struct Activation {
 // backward also the output gradients, the GLU input gradient and the gate/up gradients.
 struct Rows {
   k3::aligned_vector<float> x, h, glu, weight, dy, dglu, dh;
-  // small-GEMM path: the rows' token ids (where their outputs are added) and one expert's weights transposed
+  // small-GEMM path: the rows' token ids (where their outputs are added) and one expert's weights in cache as fp32
+  // (transposed, or converted from bf16); with bf16 weights the backward's third weight operand (wc) and the
+  // expert's fp32 weight gradients before they are rounded into the bf16 gradients (ga, gd)
   std::vector<int64_t> token;
-  k3::aligned_vector<float> wa, wb;
-  Rows(int hidden, int inter, bool backward, bool small = false)
+  k3::aligned_vector<float> wa, wb, wc, ga, gd;
+  Rows(int hidden, int inter, bool backward, bool small = false, bool bf16 = false)
       : h((size_t)kTile * 2 * inter), glu((size_t)kTile * inter), weight(kTile) {
     if (backward || !small) x.resize((size_t)kTile * hidden);  // (the small-GEMM forward reads x in place)
     if (backward) {
@@ -95,6 +97,11 @@ struct Rows {
       token.resize(kTile);
       wa.resize((size_t)2 * inter * hidden);
       wb.resize((size_t)2 * inter * hidden);
+      if (backward && bf16) {
+        wc.resize((size_t)2 * inter * hidden);
+        ga.resize((size_t)2 * inter * hidden);
+        gd.resize((size_t)inter * hidden);
+      }
     }
   }
 };
@@ -248,25 +255,53 @@ void scale_rows(Rows& s, int rows, int inter) {
   }
 }
 
-// Expert e's weights and weight-gradient slices in the backward (gradients null where not wanted). An expert no
-// row chose gets zero weight gradients here (`chosen` false: nothing else to do for it).
+// All experts' matrices of one kind, [E, size] in either layout: weights, or weight gradients (data null: not
+// wanted); fp32, or bf16 as raw bits (the small-GEMM path only).
+struct ExpertStack {
+  void* data;
+  int64_t size;  // elements per expert
+  bool bf16;
+  char* at(int64_t e) const { return static_cast<char*>(data) + e * size * (bf16 ? 2 : 4); }
+  float* f32(int64_t e) const { return reinterpret_cast<float*>(at(e)); }  // (fp32 stacks)
+};
+
+// Expert e's weights and weight-gradient targets in the backward (gradients null where not wanted): the fp32
+// weights' own slices (null for bf16 weights, which are read through weight_operand), the fp32 gradients' own
+// slices or, for bf16 gradients, the thread's fp32 scratch `ga` / `gd`, which finish() rounds into the slices.
+// An expert no row chose gets zero weight gradients here (`chosen` false: nothing else to do for it).
 struct ExpertSlices {
   const float* gate_up;
   const float* down;
   float* grad_gate_up;
   float* grad_down;
   bool chosen;
-  ExpertSlices(int64_t e, const k3::Sorted& routing, const float* gate_up_all, const float* down_all,
-               float* grad_gate_up_all, float* grad_down_all, int64_t gate_up_size, int64_t down_size)
-      : gate_up(gate_up_all + e * gate_up_size),
-        down(down_all + e * down_size),
-        grad_gate_up(grad_gate_up_all ? grad_gate_up_all + e * gate_up_size : nullptr),
-        grad_down(grad_down_all ? grad_down_all + e * down_size : nullptr),
-        chosen(routing.offsets[e + 1] > routing.offsets[e]) {
+  ExpertSlices(int64_t e, const k3::Sorted& routing, const ExpertStack& w_gate_up, const ExpertStack& w_down,
+               const ExpertStack& g_gate_up, const ExpertStack& g_down, float* ga = nullptr, float* gd = nullptr)
+      : gate_up(w_gate_up.bf16 ? nullptr : w_gate_up.f32(e)),
+        down(w_down.bf16 ? nullptr : w_down.f32(e)),
+        grad_gate_up(g_gate_up.data == nullptr ? nullptr : g_gate_up.bf16 ? ga : g_gate_up.f32(e)),
+        grad_down(g_down.data == nullptr ? nullptr : g_down.bf16 ? gd : g_down.f32(e)),
+        chosen(routing.offsets[e + 1] > routing.offsets[e]),
+        e_(e),
+        g_gate_up_(g_gate_up),
+        g_down_(g_down) {
     if (chosen) return;
-    if (grad_gate_up) std::fill(grad_gate_up, grad_gate_up + gate_up_size, 0.0f);
-    if (grad_down) std::fill(grad_down, grad_down + down_size, 0.0f);
+    for (const ExpertStack* g : {&g_gate_up, &g_down})  // (+0.0 is all zero bits in fp32 and bf16 alike)
+      if (g->data != nullptr) std::memset(g->at(e), 0, g->size * (g->bf16 ? 2 : 4));
   }
+  // bf16 gradients: the expert's fp32 sums rounded into its slices (after its last product)
+  void finish() const {
+#if K3_HAVE_SMALL_GEMM
+    if (grad_gate_up != nullptr && g_gate_up_.bf16)
+      k3::float_to_bf16(grad_gate_up, g_gate_up_.size, reinterpret_cast<uint16_t*>(g_gate_up_.at(e_)));
+    if (grad_down != nullptr && g_down_.bf16)
+      k3::float_to_bf16(grad_down, g_down_.size, reinterpret_cast<uint16_t*>(g_down_.at(e_)));
+#endif
+  }
+
+ private:
+  int64_t e_;
+  const ExpertStack &g_gate_up_, &g_down_;
 };
 
 // out[t] = sum over the token's valid slots of rows[position[t * k + j]] (fp32, slot order); inside a
@@ -321,13 +356,16 @@ void expert_range(const std::vector<int64_t>& offsets, int64_t n_experts, int te
 // busy the memory system is).
 struct NextExpert {
   k3::Prefetch gate_up, down, grad_gate_up, grad_down;
-  NextExpert(const float* gate_up_all, const float* down_all, int64_t gate_up_size, int64_t down_size, int64_t e,
-             int64_t hi, float* grad_gate_up_all = nullptr, float* grad_down_all = nullptr) {
+  NextExpert(const ExpertStack& w_gate_up, const ExpertStack& w_down, int64_t e, int64_t hi,
+             const ExpertStack* g_gate_up = nullptr, const ExpertStack* g_down = nullptr) {
     if (e + 1 >= hi) return;
-    gate_up = k3::Prefetch(gate_up_all + (e + 1) * gate_up_size, gate_up_size);
-    down = k3::Prefetch(down_all + (e + 1) * down_size, down_size);
-    if (grad_gate_up_all) grad_gate_up = k3::Prefetch(grad_gate_up_all + (e + 1) * gate_up_size, gate_up_size, true);
-    if (grad_down_all) grad_down = k3::Prefetch(grad_down_all + (e + 1) * down_size, down_size, true);
+    gate_up = lines(w_gate_up, e + 1, false);
+    down = lines(w_down, e + 1, false);
+    if (g_gate_up != nullptr && g_gate_up->data != nullptr) grad_gate_up = lines(*g_gate_up, e + 1, true);
+    if (g_down != nullptr && g_down->data != nullptr) grad_down = lines(*g_down, e + 1, true);
+  }
+  static k3::Prefetch lines(const ExpertStack& stack, int64_t e, bool for_write) {
+    return k3::Prefetch(stack.f32(e), stack.bf16 ? (stack.size + 1) / 2 : stack.size, for_write);  // (bytes)
   }
 };
 
@@ -335,6 +373,19 @@ struct NextExpert {
 const float* maybe_transposed(const float* w, int rows, int cols, bool need, k3::aligned_vector<float>& buffer) {
   if (!need) return w;
   k3::transpose(w, rows, cols, cols, buffer.data());
+  return buffer.data();
+}
+
+// Expert e's [rows, cols] matrix of `w` as an fp32 product operand: as stored, or transposed ([cols, rows]) into
+// `buffer` if `transpose`; bf16 weights are converted into `buffer` either way (exactly).
+const float* weight_operand(const ExpertStack& w, int64_t e, int rows, int cols, bool transpose,
+                            k3::aligned_vector<float>& buffer) {
+  if (!w.bf16) return maybe_transposed(w.f32(e), rows, cols, transpose, buffer);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.at(e));
+  if (transpose)
+    k3::transpose(src, rows, cols, cols, buffer.data());
+  else
+    k3::bf16_to_float(src, w.size, buffer.data());
   return buffer.data();
 }
 
@@ -368,12 +419,12 @@ void sum_accumulators(float* out, const float* others, int n_others, int64_t n_t
 // expert in order, and after a barrier the accumulators are summed into `first`. Returns the scratch status.
 template <class PerExpert>
 int each_own_expert(const k3::Sorted& routing, int64_t n_experts, int64_t n_tokens, int hidden, int inter,
-                    bool backward, float* first, float* accumulators, int n_threads, PerExpert fn) {
+                    bool backward, bool bf16, float* first, float* accumulators, int n_threads, PerExpert fn) {
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
   {
     const k3::FlushDenormals flush;
-    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, backward, true);
+    const std::unique_ptr<Rows> scratch = k3::new_scratch<Rows>(status, hidden, inter, backward, true, bf16);
     const int team = omp_get_num_threads(), me = omp_get_thread_num();
     float* acc = own_accumulator(first, accumulators, me, n_tokens, hidden);
     int64_t lo, hi;
@@ -387,19 +438,18 @@ int each_own_expert(const k3::Sorted& routing, int64_t n_experts, int64_t n_toke
 
 // Forward of the small-GEMM path (see above); `accumulators` [(n_threads - 1) N, D].
 int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted& routing,
-                  const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
-                  const float* down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
+                  const float* top_k_weights, int top_k, const ExpertStack& gate_up, bool gate_up_transposed,
+                  const ExpertStack& down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
                   float* accumulators, float* out, float* saved_h, int n_threads) {
-  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
-  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, false, out, accumulators, n_threads,
+  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, false, false, out, accumulators, n_threads,
                          [&](Rows& s, int64_t e, int64_t hi, float* acc) {
     const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
     if (begin == end) return;
     // B operands [k, n]: W_gate_up^T [D, 2I] and W_down^T [I, D] (stored that way when transposed)
-    const float* wgu = maybe_transposed(gate_up + e * gate_up_size, two_i, hidden, !gate_up_transposed, s.wa);
-    const float* wd = maybe_transposed(down + e * down_size, hidden, inter, !down_transposed, s.wb);
-    const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi);
+    const float* wgu = weight_operand(gate_up, e, two_i, hidden, !gate_up_transposed, s.wa);
+    const float* wd = weight_operand(down, e, hidden, inter, !down_transposed, s.wb);
+    const NextExpert next(gate_up, down, e, hi);
     for (int64_t start = begin; start < end; start += kTile) {
       const int rows = (int)std::min<int64_t>(kTile, end - start);
       const int64_t* order = routing.order.data() + start;
@@ -422,28 +472,29 @@ int small_forward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted
 // Backward of the small-GEMM path: as k3_moe_experts_backward, with the input gradient rows added into
 // per-thread accumulators `accumulators` [(n_threads - 1) N, D] (thread 0's is grad_x).
 int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorted& routing,
-                   const float* top_k_weights, int top_k, const float* gate_up, bool gate_up_transposed,
-                   const float* down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
-                   const float* grad_out, float* grad_x, float* grad_weights, float* grad_gate_up, float* grad_down,
-                   float* accumulators, const float* saved_h, int n_threads) {
-  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+                   const float* top_k_weights, int top_k, const ExpertStack& gate_up, bool gate_up_transposed,
+                   const ExpertStack& down, bool down_transposed, int64_t n_experts, int inter, const Activation& act,
+                   const float* grad_out, float* grad_x, float* grad_weights, const ExpertStack& grad_gate_up,
+                   const ExpertStack& grad_down, float* accumulators, const float* saved_h, int n_threads) {
   const int two_i = 2 * inter;
-  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, true, grad_x, accumulators, n_threads,
+  const bool bf16 = gate_up.bf16 || grad_gate_up.bf16;
+  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, true, bf16, grad_x, accumulators, n_threads,
                          [&](Rows& s, int64_t e, int64_t hi, float* dx_acc) {
-    const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, gate_up_size, down_size);
+    const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, s.ga.data(), s.gd.data());
     if (!expert.chosen) return;
-    const float *wgu_raw = expert.gate_up, *wd_raw = expert.down;
     float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
     const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
     // B operands [k, n]: W_gate_up^T [D, 2I] (the recomputed product, unless the forward saved it), W_down
     // [D, I] (dY W_down) and W_gate_up [2I, D] (dH W_gate_up), each transposed in cache unless stored that way
     const float* wgu_t =
-        saved_h != nullptr ? nullptr : maybe_transposed(wgu_raw, two_i, hidden, !gate_up_transposed, s.wa);
-    const float* wd = maybe_transposed(wd_raw, inter, hidden, down_transposed, s.wb);
-    const NextExpert next(gate_up, down, gate_up_size, down_size, e, hi, grad_gate_up, grad_down);
-    const float* wgu = grad_x == nullptr ? nullptr
-                       : gate_up_transposed ? maybe_transposed(wgu_raw, hidden, two_i, true, s.wa)
-                                            : wgu_raw;
+        saved_h != nullptr ? nullptr : weight_operand(gate_up, e, two_i, hidden, !gate_up_transposed, s.wa);
+    const float* wd = weight_operand(down, e, inter, hidden, down_transposed, s.wb);
+    const NextExpert next(gate_up, down, e, hi, &grad_gate_up, &grad_down);
+    // (fp32 weights stored [2I, D] are read in place, where the recomputed product's transposed copy may lie in
+    // s.wa; a converted bf16 copy goes to s.wc)
+    const float* wgu =
+        grad_x == nullptr ? nullptr
+                          : weight_operand(gate_up, e, hidden, two_i, gate_up_transposed, gate_up.bf16 ? s.wc : s.wa);
     for (int64_t start = begin; start < end; start += kTile) {
       const int rows = (int)std::min<int64_t>(kTile, end - start);
       const bool accumulate = start != begin;
@@ -496,6 +547,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
         k3::small_gemm(rows, hidden, two_i, s.dh.data(), two_i, 1, wgu, hidden, dx_acc, hidden, s.token.data(),
                        true, next.grad_gate_up);
     }
+    expert.finish();
   });
 }
 #endif
@@ -515,15 +567,22 @@ int k3_moe_set_vector_glu(int enable) {
 }
 
 // `saved_h` (small-GEMM path; may be null): [N * k, 2I], receives the gate/up products in expert-sorted order
-// for k3_moe_experts_backward. Returns 0 on success, 1 on invalid arguments, 2 if scratch memory could not be
-// allocated.
+// for k3_moe_experts_backward. `weights_bf16`: gate_up and down hold bf16 (raw 16-bit) values, read exactly as
+// fp32 (small-GEMM path only); x, the routing weights and the output are fp32 either way. Returns 0 on success, 1
+// on invalid arguments, 2 if scratch memory could not be allocated.
 int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
-                           const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
-                           const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
-                           float act_beta, float act_linear_beta, float* sorted, float* out, int n_threads,
-                           int small, float* saved_h) {
+                           const float* top_k_weights, int top_k, const void* gate_up_weights,
+                           int gate_up_transposed, const void* down_weights, int down_transposed, int64_t n_experts,
+                           int inter, int act_kind, float act_beta, float act_linear_beta, float* sorted, float* out,
+                           int n_threads, int small, float* saved_h, int weights_bf16) {
   if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
+  if (weights_bf16 && !small) return 1;
+  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+  const ExpertStack gate_up_stack{const_cast<void*>(gate_up_weights), gate_up_size, weights_bf16 != 0};
+  const ExpertStack down_stack{const_cast<void*>(down_weights), down_size, weights_bf16 != 0};
+  const float* gate_up = static_cast<const float*>(gate_up_weights);  // (the sgemm path: fp32)
+  const float* down = static_cast<const float*>(down_weights);
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
   std::unique_ptr<k3::Sorted> sorted_ptr;
@@ -533,8 +592,9 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
     sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts);
 #if K3_HAVE_SMALL_GEMM
     if (small)
-      return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up, gate_up_transposed,
-                           down, down_transposed, n_experts, inter, act, sorted, out, saved_h, n_threads);
+      return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up_stack,
+                           gate_up_transposed, down_stack, down_transposed, n_experts, inter, act, sorted, out,
+                           saved_h, n_threads);
 #endif
     for (int64_t e = 0; e < n_experts; ++e)
       for (int64_t start = sorted_ptr->offsets[e]; start < sorted_ptr->offsets[e + 1]; start += kTile) {
@@ -547,7 +607,6 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   const k3::Sorted& routing = *sorted_ptr;
   const std::vector<int64_t>& offsets = routing.offsets;
   const std::vector<int64_t>& order = routing.order;
-  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int64_t n_tiles = (int64_t)tiles.size();
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -581,15 +640,23 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
 // holds the per-assignment input gradients (expert-sorted) before each token's are summed. The gate/up products
 // are read from `saved_h` where the forward saved them (small-GEMM path), else recomputed (one [rows, D] x
 // [D, 2I] GEMM). One task per expert, so its weight gradients are accumulated by one thread, kTile rows at a
-// time.
+// time. `weights_bf16`: the weights and their gradients are bf16 (small-GEMM path only; see the forward), each
+// expert's gradients summed in fp32 and rounded once.
 int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const int64_t* top_k_index,
-                            const float* top_k_weights, int top_k, const float* gate_up, int gate_up_transposed,
-                            const float* down, int down_transposed, int64_t n_experts, int inter, int act_kind,
-                            float act_beta, float act_linear_beta, const float* grad_out, float* grad_x,
-                            float* grad_weights, float* grad_gate_up, float* grad_down, float* dx_rows,
-                            int n_threads, int small, const float* saved_h) {
+                            const float* top_k_weights, int top_k, const void* gate_up_weights,
+                            int gate_up_transposed, const void* down_weights, int down_transposed,
+                            int64_t n_experts, int inter, int act_kind, float act_beta, float act_linear_beta,
+                            const float* grad_out, float* grad_x, float* grad_weights, void* grad_gate_up_out,
+                            void* grad_down_out, float* dx_rows, int n_threads, int small, const float* saved_h,
+                            int weights_bf16) {
   if (!valid(n_tokens, hidden, top_k, n_experts, inter, n_threads, act_kind, act_beta)) return 1;
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
+  if (weights_bf16 && !small) return 1;
+  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
+  const bool bf16 = weights_bf16 != 0;
+  const ExpertStack gate_up{const_cast<void*>(gate_up_weights), gate_up_size, bf16};
+  const ExpertStack down{const_cast<void*>(down_weights), down_size, bf16};
+  const ExpertStack grad_gate_up{grad_gate_up_out, gate_up_size, bf16}, grad_down{grad_down_out, down_size, bf16};
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
   std::unique_ptr<k3::Sorted> sorted_ptr;
@@ -607,7 +674,6 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
                           down_transposed, n_experts, inter, act, grad_out, grad_x, grad_weights, grad_gate_up,
                           grad_down, dx_rows, saved_h, n_threads);
 #endif
-  const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
   const int two_i = 2 * inter;
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -618,7 +684,7 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
     for (int64_t e = 0; e < n_experts; ++e) {
       if (scratch == nullptr) continue;
       Rows& s = *scratch;
-      const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, gate_up_size, down_size);
+      const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down);
       if (!expert.chosen) continue;
       const float *wgu = expert.gate_up, *wd = expert.down;
       float *ggu = expert.grad_gate_up, *gd = expert.grad_down;

@@ -185,14 +185,50 @@ inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t
     small_gemm_blocks<false>(m, n, k, a, sam, sap, b, ldb, c, ldc, rows, accumulate, prefetch, a_rows, nullptr);
 }
 
-// dst[c, r] = src[r, c] for src [rows, cols] with rows lds apart, dst [cols, rows] contiguous: 16 x 16 blocks
-// transposed in registers, the edges element by element.
-inline void transpose(const float* src, int rows, int cols, int64_t lds, float* dst) {
+// bf16 weights (stored as their raw 16 bits) read as fp32, exactly: the 16 bits are the top half of the float.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// dst[0 .. n) = src as fp32 (bf16 -> fp32 is exact).
+inline void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// dst[0 .. n) = src rounded to bf16 as torch rounds (c10::BFloat16: to nearest, ties to even; any NaN -> 0x7FC0).
+inline void float_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, bias)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(r));
+  }
+}
+
+// dst[c, r] = src[r, c] (as fp32) for src [rows, cols] (fp32, or bf16 bits) with rows lds apart, dst [cols, rows]
+// contiguous: 16 x 16 blocks transposed in registers, the edges element by element.
+template <class T>
+inline void transpose(const T* src, int rows, int cols, int64_t lds, float* dst) {
   const int rb = rows / 16 * 16, cb = cols / 16 * 16;
   for (int r0 = 0; r0 < rb; r0 += 16)
     for (int c0 = 0; c0 < cb; c0 += 16) {
       __m512 v[16], t[16];
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(src + (r0 + i) * lds + c0);
+      for (int i = 0; i < 16; ++i) v[i] = load16(src + (r0 + i) * lds + c0);
       // 32-bit, then 64-bit interleaves within 128-bit lanes, then two rounds of 128-bit lane shuffles
       for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
@@ -219,7 +255,7 @@ inline void transpose(const float* src, int rows, int cols, int64_t lds, float* 
     }
   for (int r = 0; r < rows; ++r) {
     const int c_start = r < rb ? cb : 0;
-    for (int c = c_start; c < cols; ++c) dst[(int64_t)c * rows + r] = src[r * lds + c];
+    for (int c = c_start; c < cols; ++c) dst[(int64_t)c * rows + r] = to_float(src[r * lds + c]);
   }
 }
 
