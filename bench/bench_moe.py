@@ -19,8 +19,9 @@ and sparse backward run ``csrc/router_cpu.cpp``), plus ``k3_gmm_torch``, the sam
   size (same expert count, top-k, intermediate size, one shared expert).
 
 Throughput is tokens/s of the forward (no grad) and of forward+backward (of a fixed random projection of the
-output, each step starting without parameter gradients, as after ``zero_grad()``), the best of ``--reps`` runs. Peak memory is the largest total size of the tensors allocated during one call that are alive
-at once (saved activations, gradients and temporaries), replayed from the profiler's allocation record (exact,
+output, each step starting without parameter gradients, as after ``zero_grad()``), on fresh inputs drawn before
+the clock starts, the best of ``--reps`` runs. Peak memory is the largest total size of the tensors allocated
+during one call that are alive at once (saved activations, gradients and temporaries; not the inputs), replayed from the profiler's allocation record (exact,
 where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32 GEMM rate of this
 machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a perfect
 grouped GEMM (also under ``--dtype bfloat16``: our experts kernel computes in fp32 from the bf16 values, and
@@ -74,13 +75,14 @@ def _timed(fn) -> float:
 
 def make_step(run, inputs_fn, backward: bool):
     """One call of ``run`` on fresh inputs (+ backward of a fixed random projection of its output).
-    ``step.prepare()``, called before each measured call (untimed), drops the parameters' gradients, so that a
-    backward step starts as after ``optimizer.zero_grad()`` (``set_to_none``, the default) instead of adding
-    ~44 MiB of expert-weight gradients into the last step's."""
-    probe = {}
+    ``step.prepare()``, called before each measured call (untimed), makes the call's inputs (drawing them costs
+    more than some whole calls: 4 ms for [2048, 256]) and drops the parameters' gradients, so that a backward step
+    starts as after ``optimizer.zero_grad()`` (``set_to_none``, the default) instead of adding ~44 MiB of
+    expert-weight gradients into the last step's."""
+    probe, prepared = {}, []
 
     def step():
-        args = inputs_fn(backward)
+        args = prepared.pop() if prepared else inputs_fn(backward)
         if not backward:
             with torch.no_grad():
                 return run(*args)
@@ -92,6 +94,7 @@ def make_step(run, inputs_fn, backward: bool):
     def prepare():
         for parameter in run.parameters():
             parameter.grad = None
+        prepared[:] = [inputs_fn(backward)]
 
     step.prepare = prepare
     return step

@@ -778,3 +778,87 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
     grouped = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4, topk_group=2))
     grouped(x)
     assert calls != []
+
+
+# --------------------------------------------------------------------------------------------------
+# bf16 x bf16 -> fp32 GEMM on the AMX tile unit (a bf16 model's router logits)
+
+
+@pytest.fixture
+def amx(kernel):
+    if not cpu_kernel.amx_available():
+        pytest.skip("no AMX tile unit (bf16) on this CPU or build")
+
+
+def _fp32_sum_bound(a, b):
+    """Worst-case error of summing the K exact products of each output in fp32 in any order: K * 2^-24 *
+    sum |products| (float64)."""
+    return (a.double().abs() @ b.double().abs().t()) * a.shape[1] * 2.0**-24
+
+
+@pytest.mark.parametrize("shape", [(2048, 896, 256), (1, 896, 256), (37, 40, 50), (100, 17, 31), (33, 64, 64), (0, 8, 32)])
+def test_linear_bf16_f32_is_an_fp32_sum_of_exact_products(amx, shape):
+    """linear_bf16_f32 on bf16 operands (edges in every dimension: rows and columns no multiple of 32, k no
+    multiple of 32, one row, none): against the float64 product, within the bound of any fp32 summation order,
+    like F.linear on fp32 copies; and within 1e-5 relative of that fp32 GEMM."""
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, k, generator=gen).bfloat16()
+    out = cpu_kernel.linear_bf16_f32(a, b)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    exact, bound = a.double() @ b.double().t(), _fp32_sum_bound(a, b)
+    assert ((out.double() - exact).abs() <= bound).all()
+    fp32 = torch.nn.functional.linear(a.float(), b.float())
+    assert ((fp32.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(out, fp32, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_bf16_f32_gradients_and_where_it_declines(amx):
+    """Under autograd the input and weight gradients are bitwise the PyTorch path's (F.linear on fp32 copies:
+    fp32 products, rounded to bf16); fp32 operands, mixed dtypes and the kernels turned off give None."""
+    gen = torch.Generator().manual_seed(40)
+    a = torch.randn(70, 48, generator=gen).bfloat16()
+    b = torch.randn(24, 48, generator=gen).bfloat16()
+    probe = torch.randn(70, 24, generator=gen)
+    grads = []
+    for fn in (cpu_kernel.linear_bf16_f32, lambda x, w: torch.nn.functional.linear(x.float(), w.float())):
+        xs, ws = a.clone().requires_grad_(), b.clone().requires_grad_()
+        (fn(xs, ws) * probe).sum().backward()
+        grads.append((xs.grad, ws.grad))
+    for got, want in zip(*grads):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert cpu_kernel.linear_bf16_f32(a.float(), b.float()) is None
+    assert cpu_kernel.linear_bf16_f32(a, b.float()) is None
+    with cpu_kernel.use_cpu_kernel(False):
+        assert cpu_kernel.linear_bf16_f32(a, b) is None
+
+
+def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch):
+    """A bf16 KimiK3Router computes its fp32 logits through linear_bf16_f32: within the fp32-summation bound of the
+    float64 logits (as the kernels-off path's F.linear on fp32 copies is), and the same experts chosen; a router
+    kept in fp32 (`router_fp32`) on bf16 inputs does not use it (its weight is no bf16 value)."""
+    from test_moe import make_config as moe_config
+    from transformers_k3.layers.moe import KimiK3Router
+
+    router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    router.bfloat16()
+    x = torch.randn(300, router.hidden_size, generator=torch.Generator().manual_seed(41)).bfloat16()
+    calls = []
+    original = cpu_kernel.linear_bf16_f32
+    monkeypatch.setattr(cpu_kernel, "linear_bf16_f32", lambda *a: calls.append(original(*a)) or calls[-1])
+    logits, weights, index = router(x)
+    assert len(calls) == 1 and calls[0] is logits
+    exact = x.double() @ router.weight.double().t()
+    assert ((logits.double() - exact).abs() <= _fp32_sum_bound(x, router.weight)).all()
+    with cpu_kernel.use_cpu_kernel(False):
+        ref_logits, ref_weights, ref_index = router(x)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(index.sort(-1).values, ref_index.sort(-1).values)
+    kept = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, router_fp32=True))
+    torch.nn.init.normal_(kept.weight, std=0.5)
+    assert kept.weight.dtype == torch.float32
+    calls.clear()
+    kept(x)
+    assert calls == [None]

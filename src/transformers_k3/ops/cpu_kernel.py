@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
-SOURCES = (SOURCE_DIR / "kda_cpu.cpp", SOURCE_DIR / "moe_cpu.cpp", SOURCE_DIR / "router_cpu.cpp")
+SOURCES = tuple(SOURCE_DIR / name for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp"))
 HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "small_gemm.h", SOURCE_DIR / "glu_avx512.h")
 
 _lock = threading.Lock()
@@ -233,6 +233,10 @@ def _load() -> ctypes.CDLL:
         lib.k3_sigmoid.argtypes = [pointer, pointer, i64]
         lib.k3_router_sigmoid_topk.restype = i32
         lib.k3_router_sigmoid_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, pointer, i32]
+        lib.k3_amx_available.restype = i32
+        lib.k3_amx_available.argtypes = []
+        lib.k3_gemm_bf16_f32.restype = i32
+        lib.k3_gemm_bf16_f32.argtypes = [pointer, pointer, i64, i64, i32, pointer, i32]
         lib.k3_router_backward.restype = i32
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         return lib
@@ -370,6 +374,55 @@ class _SelectedScores(torch.autograd.Function):
         if status != 0:
             raise RuntimeError(f"the fused CPU router kernel's backward returned status {status}")
         return grad_h, grad_w, None, None
+
+
+def amx_available() -> bool:
+    """Whether :func:`linear_bf16_f32` can run here: the kernels loaded, built for a CPU with the AMX tile unit
+    (bf16), and the process granted its registers by the OS."""
+    lib = library()
+    return lib is not None and bool(lib.k3_amx_available())
+
+
+def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x.float(), weight.float())`` for bf16 ``x [N, K]`` and ``weight [E, K]`` on CPU, computed on
+    the AMX tile unit (``csrc/amx_cpu.cpp``): every product of two bf16 values is exact in fp32 and the
+    products are summed in fp32, as in the fp32 GEMM (the order of the sums differs, as between any two GEMMs);
+    torch has no CPU matmul with bf16 operands and an fp32 result. Differentiable: the backward is the PyTorch
+    path's (fp32 products, gradients rounded to each input's dtype). Returns None where it cannot run (other
+    dtypes or devices, kernels off or without AMX, under torch.compile); then use the PyTorch path."""
+    if not (
+        x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu"
+        and enabled() and not torch.compiler.is_compiling() and amx_available()
+    ):  # fmt: skip
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearBf16F32.apply(x, weight)
+    return _linear_bf16_f32(x, weight)
+
+
+def _linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    a, b = x.detach().contiguous(), weight.detach().contiguous()
+    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.float32)
+    status = library().k3_gemm_bf16_f32(a.data_ptr(), b.data_ptr(), a.shape[0], b.shape[0], a.shape[1],
+                                        out.data_ptr(), max(1, torch.get_num_threads()))  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"the AMX bf16 GEMM returned status {status} (out of memory?)")
+    return out
+
+
+class _LinearBf16F32(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _linear_bf16_f32(x, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:
