@@ -76,12 +76,12 @@ class KimiK3Router(nn.Module):
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
         topk_indices [N, k] int64)`` with ``N`` the number of tokens."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
-        h, weight = hidden_states.float(), self.weight.float()
-        # a bf16 model on CPU: the same fp32 logits from the bf16 operands on the AMX tile unit (exact products,
-        # fp32 sums), where torch would run an fp32 GEMM on upcast copies at a fifth of the rate
+        # a bf16 model on CPU: the same fp32 logits from the bf16 operands in a kernel (exact products, fp32 sums;
+        # the AMX tile unit for prefill), where torch would run an fp32 GEMM on upcast copies of both, the
+        # weight's made anew each call
         router_logits = cpu_kernel.linear_bf16_f32(hidden_states, self.weight)
         if router_logits is None:
-            router_logits = F.linear(h, weight)
+            router_logits = F.linear(hidden_states.float(), self.weight.float())
         bias = self.e_score_correction_bias.float()
         # CPU kernels (ungrouped routing): the top-k selection, and for sigmoid scores under autograd a backward
         # through the N k chosen logits only (the dense logits keep their own graph for auxiliary losses)
@@ -107,6 +107,7 @@ class KimiK3Router(nn.Module):
             selected = scores.gather(1, topk_indices)  # unbiased scores
 
         if sparse_backward:
+            h, weight = hidden_states.float(), self.weight.float()
             topk_weights = cpu_kernel.selected_scores(h, weight, topk_indices, selected)
         else:
             topk_weights = selected

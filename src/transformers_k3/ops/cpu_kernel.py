@@ -11,9 +11,13 @@
   ``[N k, *]``. Small experts (the scaled-down widths) use register-blocked AVX-512 products
   (``small_gemm.h``) where sgemm would spend its time packing a few dozen rows; larger ones call sgemm.
 
+* ``amx_cpu.cpp``: a bf16 x bf16 -> fp32 GEMM on the AMX tile unit, for a bf16 model's router logits (fp32 by
+  the spec; torch's CPU matmul has no fp32 result from bf16 operands, so the PyTorch path upcasts both).
+
 Each computes the same algorithm as the PyTorch code it replaces, in fp32 (the KDA kernel for inference only,
-without autograd); other dtypes, KDA training and machines where the kernels cannot be built use the PyTorch
-path.
+without autograd). The experts kernel also takes bf16 weights and activations (small-GEMM path: read exactly as
+fp32, computed in fp32, rounded once at the end). Other dtypes, KDA training and machines where the kernels
+cannot be built use the PyTorch path.
 
 The sources are compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; a few
 seconds: they include no torch headers) into ``$TRANSFORMERS_K3_CACHE`` (default
@@ -388,8 +392,10 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     the AMX tile unit (``csrc/amx_cpu.cpp``): every product of two bf16 values is exact in fp32 and the
     products are summed in fp32, as in the fp32 GEMM (the order of the sums differs, as between any two GEMMs);
     torch has no CPU matmul with bf16 operands and an fp32 result. Differentiable: the backward is the PyTorch
-    path's (fp32 products, gradients rounded to each input's dtype). Returns None where it cannot run (other
-    dtypes or devices, kernels off or without AMX, under torch.compile); then use the PyTorch path."""
+    path's (fp32 products, gradients rounded to each input's dtype). Fewer than 16 rows (a decode step) take
+    AVX-512 dot products instead (packing the weight for the tile unit would cost more than the products).
+    Returns None where it cannot run (other dtypes or devices, kernels off or without AMX, under
+    torch.compile); then use the PyTorch path."""
     if not (
         x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu"
         and enabled() and not torch.compiler.is_compiling() and amx_available()
@@ -460,7 +466,7 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         hidden = hidden_states.shape[-1]
         inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
         threads = max(1, torch.get_num_threads())
-        if not experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0]):
+        if not experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0], bf16=True):
             return None
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
@@ -477,7 +483,8 @@ def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, t
     x, weights = hidden_states.detach().float().contiguous(), top_k_weights.detach().float().contiguous()
     index = top_k_index.to(torch.int64).contiguous()
     threads = max(1, torch.get_num_threads())
-    small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0])
+    small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0],
+                               bf16=gate_up_proj.dtype == torch.bfloat16)  # fmt: skip
     return x, weights, index, num_tokens, top_k, hidden, inter, threads, small
 
 
@@ -495,10 +502,15 @@ SMALL_MIN_ROWS_PER_EXPERT = 3
 _small_gemm_override: bool | None = None  # tests force one path (None: the rule above)
 
 
-def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_tokens: int, num_experts: int) -> bool:
-    """Whether the experts kernel takes its small-GEMM path for these sizes on this machine (AVX-512 build)."""
+def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_tokens: int, num_experts: int,
+                       bf16: bool = False) -> bool:  # fmt: skip
+    """Whether the experts kernel takes its small-GEMM path for these sizes on this machine (AVX-512 build). With
+    bf16 weights (``bf16``), which the sgemm path does not take, whenever the experts are small: the other
+    choice is then the PyTorch path, which is slower and larger at any token count (a decode step included)."""
     if _small_gemm_override is not None:
         return _small_gemm_override and bool(library().k3_moe_small_gemm_available())
+    if bf16:
+        return bool(library().k3_moe_small_gemm_available()) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
     return (bool(library().k3_moe_small_gemm_available()) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
             and num_tokens * top_k >= SMALL_MIN_ROWS_PER_EXPERT * num_experts and threads - 1 <= top_k)  # fmt: skip
 

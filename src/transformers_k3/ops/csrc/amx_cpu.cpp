@@ -20,8 +20,9 @@
 #include <vector>
 
 #include "common.h"
+#include "small_gemm.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__x86_64__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__x86_64__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -61,12 +62,18 @@ struct alignas(64) TileConfig {
 
 // b [N, K] as tiles: for each block of 16 columns (rows of b) and each block of 32 k, a 16 x 32 tile whose row p
 // holds (b[n][k0 + 2p], b[n][k0 + 2p + 1]) for n = 0..15, zero past N or K. Column blocks in pairs (n_blocks
-// rounded up to even), each block's k tiles contiguous.
+// rounded up to even), each block's k tiles contiguous. A whole tile is the transpose of a 16 x 16 block of
+// 32-bit words (pairs of bf16), done in registers; edge tiles element by element.
 void pack_b(const uint16_t* b, int64_t n, int k, int64_t n_blocks, int k_blocks, uint16_t* packed) {
 #pragma omp for schedule(static)
   for (int64_t nb = 0; nb < n_blocks; ++nb)
     for (int kb = 0; kb < k_blocks; ++kb) {
       uint16_t* tile = packed + (nb * k_blocks + kb) * kTileElems;
+      if (k % 2 == 0 && (nb + 1) * 16 <= n && (kb + 1) * kKBlock <= k) {
+        k3::transpose(reinterpret_cast<const float*>(b + nb * 16 * k + kb * kKBlock), 16, 16, k / 2,
+                      reinterpret_cast<float*>(tile));  // (bit patterns moved, never read as floats)
+        continue;
+      }
       for (int p = 0; p < kPairs; ++p)
         for (int c = 0; c < 16; ++c)
           for (int j = 0; j < 2; ++j) {
@@ -75,6 +82,27 @@ void pack_b(const uint16_t* b, int64_t n, int k, int64_t n_blocks, int k_blocks,
             tile[p * 32 + 2 * c + j] = row < n && kk < k ? b[row * k + kk] : 0;
           }
     }
+}
+
+// Fewer than kAmxMinRows rows of a (a decode step): packing b for the tile unit would cost more than the
+// products, so each output is an AVX-512 dot product over k (b's rows read once, converted in registers); the
+// threads split b's rows.
+constexpr int64_t kAmxMinRows = 16;
+
+void few_rows(const uint16_t* a, const uint16_t* b, int64_t m, int64_t n, int k, float* out, int n_threads) {
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* bj = b + j * k;
+    for (int64_t i = 0; i < m; ++i) {
+      const uint16_t* ai = a + i * k;
+      __m512 acc = _mm512_setzero_ps();
+      int p = 0;
+      for (; p + 16 <= k; p += 16) acc = _mm512_fmadd_ps(k3::load16(ai + p), k3::load16(bj + p), acc);
+      float sum = _mm512_reduce_add_ps(acc);
+      for (; p < k; ++p) sum += k3::to_float(ai[p]) * k3::to_float(bj[p]);
+      out[i * n + j] = sum;
+    }
+  }
 }
 
 }  // namespace
@@ -91,12 +119,16 @@ int k3_amx_available() {
 #endif
 }
 
-// out [M, N] fp32 = a [M, K] b [N, K]^T, a and b bf16 (see the top of this file). Returns 0 on success, 1 on
-// invalid arguments or without AMX, 2 if scratch memory could not be allocated.
+// out [M, N] fp32 = a [M, K] b [N, K]^T, a and b bf16 (see the top of this file; fewer than 16 rows: few_rows).
+// Returns 0 on success, 1 on invalid arguments or without AMX, 2 if scratch memory could not be allocated.
 int k3_gemm_bf16_f32(const uint16_t* a, const uint16_t* b, int64_t m, int64_t n, int k, float* out, int n_threads) {
 #if K3_HAVE_AMX
   if (m < 0 || n < 0 || k <= 0 || n_threads <= 0 || !amx_permitted()) return 1;
   if (m == 0 || n == 0) return 0;
+  if (m < kAmxMinRows) {
+    few_rows(a, b, m, n, k, out, n_threads);
+    return 0;
+  }
   const int k_blocks = (k + kKBlock - 1) / kKBlock;
   const int64_t n_pairs = (n + 31) / 32, m_blocks = (m + 31) / 32;
   k3::aligned_vector<uint16_t> packed;
