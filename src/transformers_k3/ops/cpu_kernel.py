@@ -461,13 +461,9 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     """
     if library() is None or not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
         return None  # (copying all experts' weights per call would cost more than the kernel saves)
-    if gate_up_proj.dtype != torch.float32:
-        num_tokens, top_k = top_k_index.shape
-        hidden = hidden_states.shape[-1]
-        inter = (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
-        threads = max(1, torch.get_num_threads())
-        if not experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0], bf16=True):
-            return None
+    small = _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)[-1]
+    if gate_up_proj.dtype != torch.float32 and not small:
+        return None  # (bf16 weights: the small-GEMM path only)
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return _FusedExperts.apply(*tensors, top_k_index, transposed, activation)
@@ -478,14 +474,19 @@ def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, t
     """What both kernel entry points take besides the weights: contiguous ``x``, routing weights and int64 ids
     (held by the caller until the call returns: a temporary's memory would be freed before the kernel reads
     it), ``N, k, D, I``, the thread count and whether the small-GEMM path runs."""
-    num_tokens, top_k = top_k_index.shape
-    hidden, inter = hidden_states.shape[-1], (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
     x, weights = hidden_states.detach().float().contiguous(), top_k_weights.detach().float().contiguous()
     index = top_k_index.to(torch.int64).contiguous()
+    return x, weights, index, *_experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)
+
+
+def _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed):
+    """``N, k, D, I``, the thread count and whether the small-GEMM path runs."""
+    num_tokens, top_k = top_k_index.shape
+    hidden, inter = hidden_states.shape[-1], (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
     threads = max(1, torch.get_num_threads())
     small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0],
                                bf16=gate_up_proj.dtype == torch.bfloat16)  # fmt: skip
-    return x, weights, index, num_tokens, top_k, hidden, inter, threads, small
+    return num_tokens, top_k, hidden, inter, threads, small
 
 
 # The experts kernel's small-GEMM path (register-blocked AVX-512 products on in-cache transposed copies of each

@@ -261,25 +261,21 @@ struct ExpertStack {
   void* data;
   int64_t size;  // elements per expert
   bool bf16;
-  char* at(int64_t e) const { return static_cast<char*>(data) + e * size * (bf16 ? 2 : 4); }
+  int64_t bytes() const { return size * (bf16 ? 2 : 4); }  // one expert's
+  char* at(int64_t e) const { return static_cast<char*>(data) + e * bytes(); }
   float* f32(int64_t e) const { return reinterpret_cast<float*>(at(e)); }  // (fp32 stacks)
 };
 
-// Expert e's weights and weight-gradient targets in the backward (gradients null where not wanted): the fp32
-// weights' own slices (null for bf16 weights, which are read through weight_operand), the fp32 gradients' own
-// slices or, for bf16 gradients, the thread's fp32 scratch `ga` / `gd`, which finish() rounds into the slices.
-// An expert no row chose gets zero weight gradients here (`chosen` false: nothing else to do for it).
+// Expert e's weight-gradient targets in the backward (null where not wanted): the fp32 gradients' own slices or,
+// for bf16 gradients, the thread's fp32 scratch `ga` / `gd`, which finish() rounds into the slices. An expert no
+// row chose gets zero weight gradients here (`chosen` false: nothing else to do for it).
 struct ExpertSlices {
-  const float* gate_up;
-  const float* down;
   float* grad_gate_up;
   float* grad_down;
   bool chosen;
-  ExpertSlices(int64_t e, const k3::Sorted& routing, const ExpertStack& w_gate_up, const ExpertStack& w_down,
-               const ExpertStack& g_gate_up, const ExpertStack& g_down, float* ga = nullptr, float* gd = nullptr)
-      : gate_up(w_gate_up.bf16 ? nullptr : w_gate_up.f32(e)),
-        down(w_down.bf16 ? nullptr : w_down.f32(e)),
-        grad_gate_up(g_gate_up.data == nullptr ? nullptr : g_gate_up.bf16 ? ga : g_gate_up.f32(e)),
+  ExpertSlices(int64_t e, const k3::Sorted& routing, const ExpertStack& g_gate_up, const ExpertStack& g_down,
+               float* ga = nullptr, float* gd = nullptr)
+      : grad_gate_up(g_gate_up.data == nullptr ? nullptr : g_gate_up.bf16 ? ga : g_gate_up.f32(e)),
         grad_down(g_down.data == nullptr ? nullptr : g_down.bf16 ? gd : g_down.f32(e)),
         chosen(routing.offsets[e + 1] > routing.offsets[e]),
         e_(e),
@@ -287,7 +283,7 @@ struct ExpertSlices {
         g_down_(g_down) {
     if (chosen) return;
     for (const ExpertStack* g : {&g_gate_up, &g_down})  // (+0.0 is all zero bits in fp32 and bf16 alike)
-      if (g->data != nullptr) std::memset(g->at(e), 0, g->size * (g->bf16 ? 2 : 4));
+      if (g->data != nullptr) std::memset(g->at(e), 0, g->bytes());
   }
   // bf16 gradients: the expert's fp32 sums rounded into its slices (after its last product)
   void finish() const {
@@ -365,7 +361,7 @@ struct NextExpert {
     if (g_down != nullptr && g_down->data != nullptr) grad_down = lines(*g_down, e + 1, true);
   }
   static k3::Prefetch lines(const ExpertStack& stack, int64_t e, bool for_write) {
-    return k3::Prefetch(stack.f32(e), stack.bf16 ? (stack.size + 1) / 2 : stack.size, for_write);  // (bytes)
+    return k3::Prefetch(stack.f32(e), (stack.bytes() + 3) / 4, for_write);  // (a byte range, counted in floats)
   }
 };
 
@@ -477,10 +473,9 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
                    const float* grad_out, float* grad_x, float* grad_weights, const ExpertStack& grad_gate_up,
                    const ExpertStack& grad_down, float* accumulators, const float* saved_h, int n_threads) {
   const int two_i = 2 * inter;
-  const bool bf16 = gate_up.bf16 || grad_gate_up.bf16;
-  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, true, bf16, grad_x, accumulators, n_threads,
-                         [&](Rows& s, int64_t e, int64_t hi, float* dx_acc) {
-    const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down, s.ga.data(), s.gd.data());
+  return each_own_expert(routing, n_experts, n_tokens, hidden, inter, true, gate_up.bf16, grad_x, accumulators,
+                         n_threads, [&](Rows& s, int64_t e, int64_t hi, float* dx_acc) {
+    const ExpertSlices expert(e, routing, grad_gate_up, grad_down, s.ga.data(), s.gd.data());
     if (!expert.chosen) return;
     float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
     const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
@@ -579,10 +574,8 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   if (small && !K3_HAVE_SMALL_GEMM) return 1;
   if (weights_bf16 && !small) return 1;
   const int64_t gate_up_size = (int64_t)2 * inter * hidden, down_size = (int64_t)hidden * inter;
-  const ExpertStack gate_up_stack{const_cast<void*>(gate_up_weights), gate_up_size, weights_bf16 != 0};
-  const ExpertStack down_stack{const_cast<void*>(down_weights), down_size, weights_bf16 != 0};
-  const float* gate_up = static_cast<const float*>(gate_up_weights);  // (the sgemm path: fp32)
-  const float* down = static_cast<const float*>(down_weights);
+  const ExpertStack gate_up{const_cast<void*>(gate_up_weights), gate_up_size, weights_bf16 != 0};
+  const ExpertStack down{const_cast<void*>(down_weights), down_size, weights_bf16 != 0};
   const Activation act{act_kind, act_beta, act_linear_beta};
   const int64_t n_assign = n_tokens * top_k;
   std::unique_ptr<k3::Sorted> sorted_ptr;
@@ -592,9 +585,8 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
     sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts);
 #if K3_HAVE_SMALL_GEMM
     if (small)
-      return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up_stack,
-                           gate_up_transposed, down_stack, down_transposed, n_experts, inter, act, sorted, out,
-                           saved_h, n_threads);
+      return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up, gate_up_transposed,
+                           down, down_transposed, n_experts, inter, act, sorted, out, saved_h, n_threads);
 #endif
     for (int64_t e = 0; e < n_experts; ++e)
       for (int64_t start = sorted_ptr->offsets[e]; start < sorted_ptr->offsets[e + 1]; start += kTile) {
@@ -620,9 +612,9 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
       const int64_t e = tile_expert[t], start = tiles[t];
       const int rows = (int)std::min<int64_t>(kTile, offsets[e + 1] - start);
       gather_and_project(s, order.data() + start, rows, top_k, hidden, inter, x, top_k_weights, nullptr,
-                         gate_up + e * gate_up_size, gate_up_transposed);
+                         gate_up.f32(e), gate_up_transposed);
       apply_glu(s.h.data(), s.glu.data(), s.weight.data(), rows, inter, act);
-      const float* wd = down + e * down_size;
+      const float* wd = down.f32(e);
       float* y = sorted + start * hidden;
       if (down_transposed)
         gemm(false, false, rows, hidden, inter, 1.0f, s.glu.data(), inter, wd, hidden, 0.0f, y, hidden);
@@ -684,9 +676,9 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
     for (int64_t e = 0; e < n_experts; ++e) {
       if (scratch == nullptr) continue;
       Rows& s = *scratch;
-      const ExpertSlices expert(e, routing, gate_up, down, grad_gate_up, grad_down);
+      const ExpertSlices expert(e, routing, grad_gate_up, grad_down);
       if (!expert.chosen) continue;
-      const float *wgu = expert.gate_up, *wd = expert.down;
+      const float *wgu = gate_up.f32(e), *wd = down.f32(e);
       float *ggu = expert.grad_gate_up, *gd = expert.grad_down;
       const int64_t begin = routing.offsets[e], end = routing.offsets[e + 1];
       for (int64_t start = begin; start < end; start += kTile) {
