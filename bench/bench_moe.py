@@ -18,17 +18,18 @@ and sparse backward run ``csrc/router_cpu.cpp``), plus ``k3_gmm_torch``, the sam
   expert at full width, so it does strictly more work) vs `DeepseekV3MoE` whose hidden size equals our latent
   size (same expert count, top-k, intermediate size, one shared expert).
 
-Throughput is tokens/s of the forward (no grad) and of forward+backward (of a fixed random projection of the
-output, each step starting without parameter gradients, as after ``zero_grad()``), on fresh inputs drawn before
-the clock starts, the best of ``--reps`` runs. Peak memory is the largest total size of the tensors allocated
-during one call that are alive at once (saved activations, gradients and temporaries; not the inputs), replayed from the profiler's allocation record (exact,
-where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32 GEMM rate of this
-machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a perfect
-grouped GEMM (also under ``--dtype bfloat16``: our experts kernel computes in fp32 from the bf16 values, and
-the bf16 GEMM rate is printed beside it). The in-tree eager paths are slow enough that they run on ``--slow-tokens`` tokens. Under each
-ratio, what ``--target`` (5x) times the fastest in-tree row asks of ours, as a share of our roofline: the whole
-K3 layer does ~1.6x the in-tree layer's matmul FLOPs (a router over twice the width, a full-width shared expert,
-the latent projections), so there a 5x target can ask for most of this machine's GEMM rate.
+Throughput is tokens/s of the forward (no grad) and of forward+backward (of a fixed random projection of the output,
+each step starting without parameter gradients, as after ``zero_grad()``), on fresh inputs drawn before the clock
+starts, the best of ``--reps`` runs. Peak memory is the largest total size of the tensors allocated during one call
+that are alive at once (saved activations, gradients and temporaries; not the inputs), replayed from the profiler's
+allocation record (exact, where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32
+GEMM rate of this machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a
+perfect grouped GEMM (also under ``--dtype bfloat16``: our experts kernel computes in fp32 from the bf16 values, and
+the bf16 GEMM rate is printed beside it). The in-tree eager paths are slow enough that they run on ``--slow-tokens``
+tokens. Under each ratio, what ``--target`` (5x) times the fastest in-tree row asks of ours, as a share of our
+roofline: the whole K3 layer does ~1.6x the in-tree layer's matmul FLOPs (a router over twice the width, a
+full-width shared expert, the latent projections), so there a 5x target can ask for most of this machine's GEMM
+rate.
 """
 
 from __future__ import annotations

@@ -809,8 +809,8 @@ LINEAR_SHAPES = [(2048, 896, 256), (1, 896, 256), (37, 40, 50), (100, 17, 31), (
 @pytest.mark.parametrize("shape", LINEAR_SHAPES)
 def test_linear_bf16_f32_is_an_fp32_sum_of_exact_products(amx, shape):
     """linear_bf16_f32 on bf16 operands (edges in every dimension: rows and columns no multiple of 32, k no
-    multiple of 32; fewer than 16 rows; none): against the float64 product, within the bound of any fp32 summation order,
-    like F.linear on fp32 copies; and within 1e-5 relative of that fp32 GEMM."""
+    multiple of 32; fewer than 16 rows; none): against the float64 product, within the bound of any fp32
+    summation order, like F.linear on fp32 copies; and within 1e-5 relative of that fp32 GEMM."""
     m, n, k = shape
     gen = torch.Generator().manual_seed(m + n + k)
     a = torch.randn(m, k, generator=gen).bfloat16()
@@ -847,8 +847,9 @@ def test_linear_bf16_f32_gradients_and_where_it_declines(amx):
 @pytest.mark.parametrize("tokens", [300, 3])
 def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     """A bf16 KimiK3Router computes its fp32 logits through linear_bf16_f32 (the tile unit for 300 tokens, dot
-    products for 3): within the fp32-summation bound of the float64 logits (as the kernels-off path's F.linear on fp32 copies is), and the same experts chosen; a router
-    kept in fp32 (`router_fp32`) on bf16 inputs does not use it (its weight is no bf16 value)."""
+    products for 3): within the fp32-summation bound of the float64 logits (as the kernels-off path's F.linear on
+    fp32 copies is), and the same experts chosen; a router kept in fp32 (`router_fp32`) on bf16 inputs does not
+    use it (its weight is no bf16 value)."""
     from test_moe import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3Router
 

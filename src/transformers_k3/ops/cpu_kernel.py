@@ -461,8 +461,8 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     """
     if library() is None or not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
         return None  # (copying all experts' weights per call would cost more than the kernel saves)
-    small = _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)[-1]
-    if gate_up_proj.dtype != torch.float32 and not small:
+    if gate_up_proj.dtype != torch.float32 and not _experts_sizes(hidden_states, gate_up_proj, top_k_index,
+                                                                   transposed)[-1]:  # fmt: skip
         return None  # (bf16 weights: the small-GEMM path only)
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
