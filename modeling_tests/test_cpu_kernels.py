@@ -521,7 +521,7 @@ def _bf16_experts_run(experts, x, idx, w, probe, dtype, transposed):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     gate_up = gate_up.to(dtype).contiguous().requires_grad_()
     down = down.to(dtype).contiguous().requires_grad_()
-    xs, ws = x.to(dtype).requires_grad_(), w.clone().requires_grad_()
+    xs, ws = x.to(dtype).detach().requires_grad_(), w.clone().requires_grad_()  # (x itself left as it was)
     out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu_activation)
     (out * probe.to(dtype)).sum().backward()
     grad_gate_up, grad_down = gate_up.grad, down.grad
@@ -537,7 +537,8 @@ def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch
     fp32 kernel's on the operands' exact fp32 copies, rounded to bf16 once, bitwise (the weight gradients of
     each expert summed in fp32 and rounded by the kernel as torch rounds: ties to even); the routing weights
     stay fp32 and their gradient is the fp32 kernel's exactly. Against the float64 loop on the same values, the
-    output is within one bf16 rounding. Expert 3, never chosen, gets exact zeros."""
+    output is within one bf16 rounding. Expert 3, never chosen, gets exact zeros. A backward that recomputes the
+    gate/up products gives the same bits as one that reads the forward's."""
     if not kernel.k3_moe_small_gemm_available():
         pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 here)")
     monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)
@@ -550,13 +551,19 @@ def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch
     gen = torch.Generator().manual_seed(31)
     x = torch.randn(300, 40, generator=gen).bfloat16().float()
     probe = torch.randn(300, 40, generator=gen).bfloat16().float()
+    forward = cpu_kernel._experts_forward
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         low = _bf16_experts_run(experts, x, idx, w, probe, torch.bfloat16, transposed)
         full = _bf16_experts_run(experts, x, idx, w, probe, torch.float32, transposed)
+        # a backward that recomputes the gate/up products (as when the forward saved none) gives the same bits
+        monkeypatch.setattr(cpu_kernel, "_experts_forward",
+                            lambda *a, save_products=False, **k: (forward(*a, **k), None))  # fmt: skip
+        recomputed = _bf16_experts_run(experts, x, idx, w, probe, torch.bfloat16, transposed)
     finally:
         torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, low))
     for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), low, full):
         expected_dtype = torch.float32 if name == "weights" else torch.bfloat16
         assert got.dtype == expected_dtype, name
