@@ -5,7 +5,8 @@ Trains the tiny K3 for a few AdamW steps twice, each rank on its half of a fixed
 1. DDP through accelerate (``Accelerator(cpu=True)``, distributed type MULTI_CPU, gloo);
 2. FSDP2 through PyTorch's ``fully_shard`` (every decoder layer, then the root), the engine accelerate's FSDP2 path
    uses. accelerate itself cannot run FSDP on CPU: ``AcceleratorState`` switches to ``DistributedType.FSDP`` only
-   for GPU-like devices, so an ``fsdp_plugin`` with ``cpu=True`` is ignored and the model is wrapped in DDP.
+   for GPU-like devices, so an ``fsdp_plugin`` with ``cpu=True`` is ignored and the model is wrapped in DDP;
+3. FSDP2 again with bf16 compute (``MixedPrecisionPolicy``), counting the calls the fused CPU kernels computed.
 
 Rank 0 prints ``RESULT {json}`` with the global-batch loss of every step for both runs (the mean of the ranks'
 losses, which equals the single-process loss on the full batch since the halves hold equal token counts).
@@ -79,6 +80,32 @@ def main() -> None:
     result["fsdp_local_fraction"] = local / total
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     result["fsdp2"] = train(model, optimizer, ids, lambda loss: loss.backward(), world)
+
+    # 3. FSDP2 with bf16 compute (MixedPrecisionPolicy: the unsharded parameters cast to bf16, gradients reduced in
+    #    fp32), counting the calls the fused CPU kernels computed (bf16 experts, the router's bf16 -> fp32 logits)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from transformers_k3.ops import cpu_kernel
+
+    counts = {"experts": 0, "router": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            counts[name] += out is not None
+            return out
+        return wrapper
+
+    cpu_kernel.moe_experts = counting("experts", cpu_kernel.moe_experts)
+    cpu_kernel.linear_bf16_f32 = counting("router", cpu_kernel.linear_bf16_f32)
+    model = make_model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    result["fsdp2_bf16"] = train(model, optimizer, ids, lambda loss: loss.backward(), world)
+    result["bf16_kernel_calls"] = counts
     result["seconds"] = time.time() - start
     accelerator.wait_for_everyone()
     if rank == 0:
