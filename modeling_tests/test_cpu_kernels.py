@@ -888,3 +888,115 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     calls.clear()
     kept(x)
     assert calls == [None]
+
+
+@pytest.fixture
+def linear_bf16(kernel):
+    if not kernel.k3_linear_bf16_available():
+        pytest.skip("this build has no bf16 few-row linear (no AVX-512)")
+
+
+# (rows, N, K): a decode step's shapes (K no multiple of 16 or 32, N no multiple of 16, one output, K = 1), up to 15
+# rows, and leading dimensions kept
+LINEAR_BF16_SHAPES = [((1, 256), 128), ((1, 1, 256), 1), ((3, 37), 100), ((15, 16), 17), ((2, 3, 300), 33),
+                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", LINEAR_BF16_SHAPES)
+def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, shape, with_bias):
+    """linear_bf16 on bf16 operands: every output is the float64 value of x w^T + b, summed in fp32 in some order
+    (within K 2^-24 sum |products|) and rounded to bf16 once (to nearest: within half a bf16 ulp); and it is torch's
+    bf16 F.linear except where the two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound)."""
+    x_shape, n = shape
+    k = x_shape[-1]
+    gen = torch.Generator().manual_seed(sum(x_shape) + n)
+    x = torch.randn(x_shape, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    out = cpu_kernel.linear_bf16(x, w, b)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x_shape[:-1], n)
+    x2 = x.reshape(-1, k)
+    exact = x2.double() @ w.double().t() + (0 if b is None else b.double())
+    bound = _fp32_sum_bound(x2, w) + (0 if b is None else b.double().abs() * 2.0**-24)
+    # half a bf16 ulp (8 significant bits) at the largest value the fp32 sum can take
+    half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs() + bound)) - 8)
+    err = (out.reshape(-1, n).double() - exact).abs()
+    assert (err <= half_ulp + bound).all()
+    ref = torch.nn.functional.linear(x, w, b).reshape(-1, n)
+    differ = out.reshape(-1, n) != ref
+    assert ((ref.double() - exact).abs()[differ] <= 2 * half_ulp[differ] + bound[differ]).all()
+    if differ.numel():
+        assert differ.float().mean() <= 0.01
+
+
+def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16):
+    """None (then F.linear) for: fp32 or mixed dtypes, 16 rows or more, a gradient wanted, an fp32 bias, a shape
+    mismatch (F.linear raises its own error), the kernels turned off."""
+    x, w = torch.randn(2, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    assert cpu_kernel.linear_bf16(x, w) is not None
+    assert cpu_kernel.linear_bf16(x.float(), w.float()) is None
+    assert cpu_kernel.linear_bf16(x, w.float()) is None
+    assert cpu_kernel.linear_bf16(torch.randn(16, 32).bfloat16(), w) is None
+    assert cpu_kernel.linear_bf16(x.requires_grad_(), w) is None
+    with torch.no_grad():
+        assert cpu_kernel.linear_bf16(x, w) is not None
+    x = x.detach()
+    assert cpu_kernel.linear_bf16(x, w.requires_grad_()) is None
+    w = w.detach()
+    assert cpu_kernel.linear_bf16(x, w, torch.randn(8)) is None
+    assert cpu_kernel.linear_bf16(torch.randn(2, 31).bfloat16(), w) is None
+    with cpu_kernel.use_cpu_kernel(False):
+        assert cpu_kernel.linear_bf16(x, w) is None
+
+
+def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(linear_bf16, monkeypatch):
+    """apply_linear(layer, x): a plain nn.Linear on a bf16 decode step without autograd goes through linear_bf16
+    (within one bf16 rounding of the layer's own output); fp32 inputs and training are the layer's own call,
+    bitwise, gradients included; a layer with a forward hook, a global module hook, a forward set on the instance
+    (accelerate's hooks) or a PEFT LoRA wrapper is called as usual, so the hook or the adapter takes part."""
+    from transformers_k3.layers.linear import apply_linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 24, bias=True)
+    calls = []
+    original = cpu_kernel.linear_bf16
+    monkeypatch.setattr(cpu_kernel, "linear_bf16", lambda *a: calls.append(original(*a)) or calls[-1])
+    x = torch.randn(3, 48, requires_grad=True)
+    y = apply_linear(layer, x)
+    assert torch.equal(y, layer(x)) and calls == []
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, 24) @ layer.weight)
+    layer.bfloat16()
+    xb = x.detach().bfloat16()
+    with torch.no_grad():
+        out = apply_linear(layer, xb)
+        assert len(calls) == 1 and calls[0] is out
+        torch.testing.assert_close(out, layer(xb), atol=0, rtol=2**-7)  # (one bf16 rounding apart at most)
+    xg = xb.clone().requires_grad_()
+    assert torch.equal(apply_linear(layer, xg), layer(xg)) and calls[-1] is None  # autograd: the layer's own
+    calls.clear()
+    seen = []
+    with torch.no_grad():
+        handle = layer.register_forward_hook(lambda module, args, output: seen.append("hook"))
+        apply_linear(layer, xb)
+        handle.remove()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: seen.append("global"))
+        apply_linear(layer, xb)
+        handle.remove()
+        layer.forward = lambda inp: seen.append("instance") or torch.nn.functional.linear(inp, layer.weight)
+        apply_linear(layer, xb)
+        del layer.forward
+        assert seen == ["hook", "global", "instance"] and calls == []
+        apply_linear(layer, xb)
+        assert len(calls) == 1
+    peft = pytest.importorskip("peft")
+    model = torch.nn.Sequential()
+    model.add_module("proj", layer)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False))
+    wrapped = lora.base_model.model.proj
+    assert wrapped.base_layer is layer and type(wrapped) is not torch.nn.Linear
+    with torch.no_grad():
+        adapted = apply_linear(wrapped, xb)
+        assert torch.equal(adapted, wrapped(xb))
+    assert not torch.allclose(adapted.float(), out.float(), atol=1e-2)  # the adapter took part

@@ -353,6 +353,44 @@ def test_bf16_forward_and_generate(tiny_model):
     assert greedy(model, ids, 4).shape == (1, 16)
 
 
+def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatch):
+    """A bf16 decode step (one token after a cached prefill) on CPU computes every projection it calls (KDA, MLA,
+    the dense MLP, the MoE's latent and shared ones, lm_head) through cpu_kernel.linear_bf16, and its logits match
+    the step with the kernel declining (torch's bf16 matmul) to bf16 accuracy; the prefill (2 x 12 = 24 rows > 15)
+    does not use it."""
+    from transformers_k3 import KimiK3HybridCache
+    from transformers_k3.ops import cpu_kernel
+
+    if cpu_kernel.library() is None or not cpu_kernel.library().k3_linear_bf16_available():
+        pytest.skip("no bf16 few-row linear kernel in this build")
+    model = tiny_model.to(torch.bfloat16)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
+    original, calls = cpu_kernel.linear_bf16, []
+    steps = {}
+    for use_kernel in (True, False):
+        def counted(*args, use_kernel=use_kernel):
+            out = original(*args) if use_kernel else None
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(cpu_kernel, "linear_bf16", counted)
+        cache = KimiK3HybridCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :12], past_key_values=cache, use_cache=True)
+            assert not any(calls)
+            calls.clear()
+            steps[use_kernel] = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits.float()
+        if use_kernel:
+            # every linear layer once, but the AttnRes projections (their weights are read, never called) and
+            # kv_b_proj (absorbed MLA decode folds its weight into the query and output)
+            called = linears - sum(type(m) is torch.nn.Linear and name.endswith(("res_proj", "kv_b_proj"))
+                                   for name, m in model.named_modules())
+            assert all(calls) and len(calls) == called, (len(calls), called)
+        calls.clear()
+    torch.testing.assert_close(steps[True], steps[False], atol=0.05 * steps[False].abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_experts_implementations_agree_in_the_model(tiny_model, impl):
     ids = torch.randint(3, 512, (2, 9))

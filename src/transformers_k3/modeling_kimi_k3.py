@@ -22,6 +22,7 @@ from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.kda import KimiK3DeltaAttention
+from .layers.linear import apply_linear
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
 from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
@@ -350,7 +351,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             **({"output_router_logits": True, **kwargs} if aux_coef else kwargs),
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
+        logits = apply_linear(self.lm_head, hidden_states)
         if self.config.logit_scale != 1.0:
             logits = logits * self.config.logit_scale
         loss = None

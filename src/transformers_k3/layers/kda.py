@@ -14,6 +14,7 @@ from torch import nn
 
 from ..ops.conv import causal_conv1d, causal_conv1d_update
 from ..ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda
+from .linear import apply_linear
 from .norm import KimiK3GatedRMSNorm
 
 # New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'
@@ -68,7 +69,9 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_proj = nn.Linear(proj, hidden, bias=False)
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        if self.use_full_rank_gate:
+            return apply_linear(self.g_proj, x)
+        return apply_linear(self.g_b_proj, apply_linear(self.g_a_proj, x))
 
     def _short_convs(self, projections, cache_layer, cu_seqlens) -> list[torch.Tensor]:
         """q, k, v after their causal convolutions and SiLU, reading/writing the conv window in the cache."""
@@ -124,15 +127,15 @@ class KimiK3DeltaAttention(nn.Module):
         cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
         recorded = cache_layer.rollback_window(seq_len) if cache_layer is not None else 0
 
-        projections = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+        projections = tuple(apply_linear(proj, hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if recorded:
             raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2)
             window_before = cache_layer.conv_state.clone() if cache_layer.has_state else None
         q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim)
                    for t in self._short_convs(projections, cache_layer, cu_seqlens))
-        g = kda_forget_gate(self.f_b_proj(self.f_a_proj(hidden_states)), self.A_log, self.dt_bias,
-                            self.lower_bound, self.head_dim)
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        f = apply_linear(self.f_b_proj, apply_linear(self.f_a_proj, hidden_states))
+        g = kda_forget_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
+        beta = torch.sigmoid(apply_linear(self.b_proj, hidden_states).float())
 
         state = cache_layer.recurrent_state if cache_layer is not None and cache_layer.has_state else None
         if recorded:
@@ -154,7 +157,7 @@ class KimiK3DeltaAttention(nn.Module):
 
         gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
         out = self.o_norm(core, gate).reshape(batch, seq_len, self.proj_dim)
-        return self.o_proj(out.to(hidden_states.dtype))
+        return apply_linear(self.o_proj, out.to(hidden_states.dtype))
 
 
 __all__ = ["KimiK3DeltaAttention", "kda_forget_gate"]

@@ -21,6 +21,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import cpu_kernel
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
+from .linear import apply_linear
 from .norm import KimiK3RMSNorm
 
 
@@ -41,7 +42,8 @@ class KimiK3MLP(nn.Module):
         self.glu_fn = get_glu_fn(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.glu_fn(self.gate_proj(hidden_states), self.up_proj(hidden_states)))
+        gate, up = apply_linear(self.gate_proj, hidden_states), apply_linear(self.up_proj, hidden_states)
+        return apply_linear(self.down_proj, self.glu_fn(gate, up))
 
 
 class KimiK3Router(nn.Module):
@@ -325,12 +327,12 @@ class KimiK3SparseMoE(nn.Module):
         y = hidden_states.reshape(-1, self.hidden_size)
 
         _, topk_weights, topk_indices = self.gate(y)  # routing is decided on the full-width input
-        z = self.routed_expert_down_proj(y) if self.is_latent else y
+        z = apply_linear(self.routed_expert_down_proj, y) if self.is_latent else y
         routed = self.experts(z, topk_indices, topk_weights)
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)  # on the fully summed latent
         if self.is_latent:
-            routed = self.routed_expert_up_proj(routed)
+            routed = apply_linear(self.routed_expert_up_proj, routed)
 
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(y)
