@@ -897,9 +897,9 @@ def linear_bf16(kernel):
 
 
 # (rows, N, K): a decode step's shapes (K no multiple of 16 or 32, N no multiple of 16, one output, K = 1), up to 15
-# rows, and leading dimensions kept
+# rows (row groups of 4, 2 and 1), a larger product on 4 rows, and leading dimensions kept
 LINEAR_BF16_SHAPES = [((1, 256), 128), ((1, 1, 256), 1), ((3, 37), 100), ((15, 16), 17), ((2, 3, 300), 33),
-                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8)]  # fmt: skip
+                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8), ((4, 1000), 300)]  # fmt: skip
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -931,13 +931,18 @@ def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, shape, wit
 
 
 def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16):
-    """None (then F.linear) for: fp32 or mixed dtypes, 16 rows or more, a gradient wanted, an fp32 bias, a shape
-    mismatch (F.linear raises its own error), the kernels turned off."""
+    """None (then F.linear) for: fp32 or mixed dtypes, 16 rows or more, 5 to 15 rows of a product over 2^20
+    multiply-adds (torch's matmul is the faster there), a gradient wanted, an fp32 bias, a shape mismatch (F.linear
+    raises its own error), the kernels turned off."""
     x, w = torch.randn(2, 32).bfloat16(), torch.randn(8, 32).bfloat16()
     assert cpu_kernel.linear_bf16(x, w) is not None
     assert cpu_kernel.linear_bf16(x.float(), w.float()) is None
     assert cpu_kernel.linear_bf16(x, w.float()) is None
+    assert cpu_kernel.linear_bf16(torch.randn(15, 32).bfloat16(), w) is not None
     assert cpu_kernel.linear_bf16(torch.randn(16, 32).bfloat16(), w) is None
+    big = torch.zeros(1024, 1024).bfloat16()  # (rows x 2^20 multiply-adds)
+    assert cpu_kernel.linear_bf16(torch.randn(4, 1024).bfloat16(), big) is not None
+    assert cpu_kernel.linear_bf16(torch.randn(5, 1024).bfloat16(), big) is None
     assert cpu_kernel.linear_bf16(x.requires_grad_(), w) is None
     with torch.no_grad():
         assert cpu_kernel.linear_bf16(x, w) is not None

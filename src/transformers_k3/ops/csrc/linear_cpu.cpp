@@ -1,14 +1,15 @@
 // A bf16 linear layer on a few rows (a decode step): out = bf16(x w^T + bias) for bf16 x [M, K], w [N, K],
-// bias [N] (or none), M < 16, AVX-512.
+// bias [N] (or none), M <= 15, AVX-512.
 //
 // torch's CPU matmul in bf16 (oneDNN) spends ~35 us per call on this machine whatever the size, where the fp32
-// one spends ~5 us on a [1, 256] x [256, 128] product: a bf16 model's decode step, which is dozens of such
-// products, ran ~40 % slower than the same model in fp32. Here each output is a dot product over K, the weight's
-// rows read once and converted in registers (bf16 -> fp32 is exact), the products summed in fp32 (FMA) and the
-// sum rounded to bf16 once, as torch rounds (to nearest, ties to even): the quantity torch's bf16 matmul computes
-// (exact products, fp32 sums, one rounding), with the sums in another order.
+// one spends ~5 us on a [1, 256] x [256, 128] product: a bf16 model's decode step, dozens of such products, ran
+// slower than the same model in fp32. Here each output is a dot product over K of exact products of bf16 values
+// summed in fp32, rounded to bf16 once as torch rounds (to nearest, ties to even): the quantity torch's bf16
+// matmul computes, with the sums in another order. The threads split w's rows in blocks of 16 outputs; within a
+// block, x's rows go in groups of up to 4, so that w is read from memory once per call and from cache once per
+// group (not once per row).
 //
-// Layout: row-major bf16 bits; out [M, N]. The threads split w's rows in blocks of 16 outputs.
+// Layout: row-major bf16 bits; out [M, N].
 
 #include <omp.h>
 
@@ -54,42 +55,73 @@ inline __m512 sum_lanes16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, sums);
 }
 
-// sums [m, 16]: the dot products of x's rows with w's rows j0 .. j0 + cols - 1 (cols <= 16; the lanes past cols
-// repeat the last row's, ignored). With AVX512_BF16 (VDPBF16PS: 32 products of bf16 pairs, each exact, added into
-// 16 fp32 sums, rounding to nearest even; bf16 subnormals, |v| < 1.2e-38, count as zero), x's bf16 rows as they
-// are; otherwise fp32 FMAs on x's rows converted once (xf, k apart) and w's converted in registers (two more
-// instructions per 16 products, which bound the loop).
+// sums[r * Q + q] (Q = 16 / R) = the dot product of row r of x (R rows, k apart) with the row wq[q] of w: R x Q
+// sums in 16 registers, so that each vector of w read serves R rows (for R = 4, 8 loads per 16 multiply-add
+// instructions; one row at a time would stream all of w once per row). With AVX512_BF16 (VDPBF16PS: 32 products
+// of bf16 pairs, each exact, added into 16 fp32 sums, rounding to nearest even; bf16 subnormals, |v| < 1.2e-38,
+// count as zero) x's bf16 rows as they are; otherwise fp32 FMAs on x's rows converted once (xf) and w's
+// converted in registers (two more instructions per 16 products).
+template <int R>
+inline void dots(const uint16_t* x, const float* xf, int k, const uint16_t* const* wq, float* sums) {
+  constexpr int Q = 16 / R;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  (void)xf;
+  for (int p = 0; p < k; p += 32) {  // (the last, partial block masked: zeros past k)
+    const __mmask32 mk = k - p >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (k - p)) - 1);
+    __m512bh xv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + (int64_t)r * k + p);
+#pragma GCC unroll 16
+    for (int q = 0; q < Q; ++q) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, wq[q] + p);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r * Q + q] = _mm512_dpbf16_ps(acc[r * Q + q], xv[r], wv);
+    }
+  }
+#else
+  (void)x;
+  for (int p = 0; p < k; p += 16) {
+    const __mmask16 mk = k3::lane_mask(k - p);
+    __m512 xv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(mk, xf + (int64_t)r * k + p);
+#pragma GCC unroll 16
+    for (int q = 0; q < Q; ++q) {
+      const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, wq[q] + p));
+      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r * Q + q] = _mm512_fmadd_ps(xv[r], wv, acc[r * Q + q]);
+    }
+  }
+#endif
+  _mm512_storeu_ps(sums, sum_lanes16(acc));
+}
+
+// sums [m, 16]: the dot products of x's m rows with w's rows j0 .. j0 + cols - 1 (cols <= 16; columns past cols
+// repeat the last row's, ignored): rows in groups of 4 (then 2, 1), each group against 16 / R rows of w at a time.
 void block16(const uint16_t* x, const float* xf, int m, const uint16_t* w, int k, int64_t j0, int cols,
              float* sums) {
-  const uint16_t* wq[16];
-  for (int q = 0; q < 16; ++q) wq[q] = w + (j0 + std::min(q, cols - 1)) * k;
-  for (int i = 0; i < m; ++i) {
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int q = 0; q < 16; ++q) acc[q] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
-    (void)xf;
-    const uint16_t* xi = x + (int64_t)i * k;
-    for (int p = 0; p < k; p += 32) {  // (the last, partial block masked: zeros past k)
-      const __mmask32 mk = k - p >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (k - p)) - 1);
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, xi + p);
-#pragma GCC unroll 16
-      for (int q = 0; q < 16; ++q) acc[q] = _mm512_dpbf16_ps(acc[q], xv, (__m512bh)_mm512_maskz_loadu_epi16(mk, wq[q] + p));
+  alignas(64) float part[16];
+  for (int i = 0, rows; i < m; i += rows) {
+    rows = m - i >= 4 ? 4 : m - i >= 2 ? 2 : 1;
+    const int per = 16 / rows;  // rows of w per call
+    for (int q0 = 0; q0 < 16; q0 += per) {
+      const uint16_t* wq[16];
+      for (int q = 0; q < per; ++q) wq[q] = w + (j0 + std::min(q0 + q, cols - 1)) * k;
+      const uint16_t* xi = x + (int64_t)i * k;
+      const float* xfi = xf == nullptr ? nullptr : xf + (int64_t)i * k;
+      if (rows == 4)
+        dots<4>(xi, xfi, k, wq, part);
+      else if (rows == 2)
+        dots<2>(xi, xfi, k, wq, part);
+      else
+        dots<1>(xi, xfi, k, wq, part);
+      for (int r = 0; r < rows; ++r)
+        for (int q = 0; q < per; ++q) sums[(i + r) * 16 + q0 + q] = part[r * per + q];
     }
-#else
-    (void)x;
-    const float* xi = xf + (int64_t)i * k;
-    for (int p = 0; p < k; p += 16) {
-      const __mmask16 mk = k3::lane_mask(k - p);
-      const __m512 xv = _mm512_maskz_loadu_ps(mk, xi + p);
-#pragma GCC unroll 16
-      for (int q = 0; q < 16; ++q) {
-        const __m512i raw = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, wq[q] + p));
-        acc[q] = _mm512_fmadd_ps(xv, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), acc[q]);
-      }
-    }
-#endif
-    _mm512_storeu_ps(sums + i * 16, sum_lanes16(acc));
   }
 }
 
@@ -109,10 +141,11 @@ int k3_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
   if (m < 0 || m > kMaxRows || n < 0 || k <= 0 || n_threads <= 0) return 1;
   if (m == 0 || n == 0) return 0;
 #if defined(__AVX512BF16__)
-  k3::aligned_vector<float> rows;  // (not needed: the products read x's bf16 rows)
+  const float* xf = nullptr;  // (not needed: the products read x's bf16 rows)
 #else
   k3::aligned_vector<float> rows((size_t)m * k);
   k3::bf16_to_float(x, m * k, rows.data());
+  const float* xf = rows.data();
 #endif
   const int64_t blocks = (n + 15) / 16;
   // a thread per 64K multiply-adds at least: a product that small takes ~2 us on one thread, about what starting
@@ -124,7 +157,7 @@ int k3_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
     const int64_t j0 = b * 16;
     const int cols = (int)std::min<int64_t>(16, n - j0);
     alignas(64) float sums[kMaxRows * 16];
-    block16(x, rows.data(), (int)m, w, k, j0, cols, sums);
+    block16(x, xf, (int)m, w, k, j0, cols, sums);
     for (int i = 0; i < m; ++i) {
       float* s = sums + i * 16;
       if (bias != nullptr)
