@@ -55,7 +55,7 @@ SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(
     SOURCE_DIR / name for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp")
 )
-HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "small_gemm.h", SOURCE_DIR / "glu_avx512.h")
+HEADERS = tuple(SOURCE_DIR / name for name in ("common.h", "small_gemm.h", "glu_avx512.h", "bf16_rows.h"))
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
@@ -398,7 +398,7 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     the AMX tile unit (``csrc/amx_cpu.cpp``): every product of two bf16 values is exact in fp32 and the
     products are summed in fp32, as in the fp32 GEMM (the order of the sums differs, as between any two GEMMs);
     torch has no CPU matmul with bf16 operands and an fp32 result. Differentiable: the backward is the PyTorch
-    path's (fp32 products, gradients rounded to each input's dtype). Fewer than 16 rows (a decode step) take
+    path's (fp32 products, gradients rounded to each input's dtype). Fewer than 12 rows (a decode step) take
     AVX-512 dot products instead (packing the weight for the tile unit would cost more than the products).
     Returns None where it cannot run (other dtypes or devices, kernels off or without AMX, under
     torch.compile); then use the PyTorch path."""
