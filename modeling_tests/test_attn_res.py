@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,11 +21,19 @@ def spec_attn_res(candidates, w, n, eps):
     return sum(a.unsqueeze(-1) * r.double() for a, r in zip(alpha, candidates)), alpha
 
 
-def test_read_matches_spec_formula_and_fla_naive():
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("seq", [1, 5])
+def test_read_matches_spec_formula_and_fla_naive(monkeypatch, stacked, seq):
+    """Both ways a read is computed (the candidates stacked, as for a decode step's small reads, or one by one, as
+    for a long prefill's), at a decode step's and a short prompt's length, against the spec's formula in float64
+    and fla's naive AttnRes."""
+    from transformers_k3.layers import attn_res
+
+    monkeypatch.setattr(attn_res, "STACKED_MAX_ELEMENTS", 1 << 30 if stacked else 0)
     fla = load_fla_reference("ops/attnres/naive.py")
     torch.manual_seed(0)
     H, eps = 64, 1e-5
-    candidates = [torch.randn(2, 5, H) * s for s in (1.0, 3.0, 0.5, 2.0)]
+    candidates = [torch.randn(2, seq, H) * s for s in (1.0, 3.0, 0.5, 2.0)]
     w, n = torch.randn(H), 1 + 0.1 * torch.randn(H)
     mix, alpha = KimiK3AttnResRead(eps)(candidates, w.view(1, H), n)
     want_mix, want_alpha = spec_attn_res(candidates, w, n, eps)
