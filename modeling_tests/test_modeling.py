@@ -581,3 +581,26 @@ def test_preallocated_cache_with_storage_dtype(tiny_model):
         tiny_model(ids, past_key_values=KimiK3HybridCache(tiny_model.config, batch_size=3), use_cache=True)
     with pytest.raises(ValueError, match="max_cache_len"):
         KimiK3HybridCache(tiny_model.config, max_cache_len=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_three_op_form_bitwise(dtype):
+    """KimiK3RMSNorm (F.rms_norm inside) against the form transformers' Llama / Kimi Linear norms write out, at
+    decode, prompt and odd widths and magnitudes: the same bits forward, gradients within fp32 rounding."""
+    from transformers_k3.layers.norm import KimiK3RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    for hidden, shape, scale in [(128, (1, 1), 1.0), (100, (2, 7), 1e3), (7168, (3, 5), 1e-3), (16, (4, 300), 1.0)]:
+        norm = KimiK3RMSNorm(hidden, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(hidden, generator=gen))
+        norm = norm.to(dtype)
+        x = (torch.randn(*shape, hidden, generator=gen) * scale).to(dtype).requires_grad_()
+        x32 = x.float()
+        want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        got = norm(x)
+        assert torch.equal(got, want)
+        probe = torch.randn(got.shape, generator=gen).to(dtype)
+        (g_want,) = torch.autograd.grad((want.float() * probe.float()).sum(), x)
+        (g_got,) = torch.autograd.grad((got.float() * probe.float()).sum(), x)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6 * g_want.abs().max().item())
