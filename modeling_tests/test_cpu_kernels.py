@@ -5,6 +5,7 @@ the up cap, SiLU, experts split over several tasks, transposed weights, sentinel
 building them is cached, atomic and falls back cleanly. The numerics of every public KDA entry point are
 also run with the kernel on and off in test_ops_kda.py."""
 
+import functools
 import logging
 import os
 import pathlib
@@ -1005,3 +1006,74 @@ def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(lin
         adapted = apply_linear(wrapped, xb)
         assert torch.equal(adapted, wrapped(xb))
     assert not torch.allclose(adapted.float(), out.float(), atol=1e-2)  # the adapter took part
+
+
+@pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 2.5, None), ("silu",)])
+@pytest.mark.parametrize("shape", [(2048, 32), (1, 1, 32), (300, 77), (5, 3, 1)])
+def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, shape):
+    """cpu_kernel.glu (the routed experts' AVX-512 GLU on separate gate and up tensors) against situ_glu / silu_glu
+    in float64: values within 2e-6 relative and gradients within 2e-6 of the largest, at a decode step's, a prompt's
+    and odd widths, with an infinite gate and a large up (the caps); bf16 inputs give the fp32 result rounded."""
+    from transformers_k3.layers.activations import silu_glu, situ_glu
+
+    if not kernel.k3_moe_small_gemm_available():
+        pytest.skip("no AVX-512 GLU in this build")
+    gen = torch.Generator().manual_seed(shape[-1])
+    a, u = torch.randn(shape, generator=gen) * 5, torch.randn(shape, generator=gen) * 40
+    a.view(-1)[0] = float("inf")
+    if activation[0] == "silu":
+        a.view(-1)[0] = 3.0  # (silu(inf) * u is inf, no cap)
+        reference = silu_glu
+    else:
+        reference = functools.partial(situ_glu, beta=activation[1], linear_beta=activation[2])
+    ad, ud = a.double().requires_grad_(), u.double().requires_grad_()
+    want = reference(ad, ud)
+    probe = torch.randn(shape, generator=gen, dtype=torch.float64)
+    (want * probe).sum().backward()
+    ag, ug = a.clone().requires_grad_(), u.clone().requires_grad_()
+    got = cpu_kernel.glu(ag, ug, activation)
+    assert got.dtype == torch.float32 and got.shape == shape
+    assert ((got.double() - want.detach()).abs() <= 2e-6 * want.detach().abs() + 1e-30).all()
+    (got * probe.float()).sum().backward()
+    for mine, theirs in ((ag.grad, ad.grad), (ug.grad, ud.grad)):
+        assert (mine.double() - theirs).abs().max() <= 2e-6 * theirs.abs().max()
+    with torch.no_grad():
+        fp32 = cpu_kernel.glu(a.bfloat16().float(), u.bfloat16().float(), activation)
+        assert torch.equal(cpu_kernel.glu(a.bfloat16(), u.bfloat16(), activation), fp32.bfloat16())
+    assert cpu_kernel.glu(a, u.bfloat16(), activation) is None  # mixed dtypes: the caller's torch path
+    with cpu_kernel.use_cpu_kernel(False):
+        assert cpu_kernel.glu(a, u, activation) is None
+
+
+def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
+    """KimiK3MLP (the dense MLP and the shared experts) runs SiTU through cpu_kernel.glu, forward and backward,
+    matching the torch path to fp32 rounding; a SiLU MLP keeps torch's own ops (bit for bit Kimi Linear)."""
+    from test_moe import make_config as moe_config
+    from transformers_k3.layers.moe import KimiK3MLP
+
+    if not kernel.k3_moe_small_gemm_available():
+        pytest.skip("no AVX-512 GLU in this build")
+    calls = []
+    original = cpu_kernel.glu
+    monkeypatch.setattr(cpu_kernel, "glu", lambda *a: calls.append(original(*a)) or calls[-1])
+    for act, expect_kernel in (("situ", True), ("silu", False)):
+        torch.manual_seed(0)
+        mlp = KimiK3MLP(moe_config(hidden_act=act), intermediate_size=24)
+        x = torch.randn(5, mlp.hidden_size, requires_grad=True)
+        calls.clear()
+        out = mlp(x)
+        if expect_kernel:
+            assert len(calls) == 1 and calls[0] is not None
+        else:
+            assert calls == []
+        out.square().sum().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+        x.grad = None
+        mlp.zero_grad()
+        with cpu_kernel.use_cpu_kernel(False):
+            ref = mlp(x)
+            ref.square().sum().backward()
+        ref_grads = [x.grad] + [p.grad for p in mlp.parameters()]
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5 * r.abs().max().item())

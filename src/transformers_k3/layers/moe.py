@@ -40,10 +40,14 @@ class KimiK3MLP(nn.Module):
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
         self.glu_fn = get_glu_fn(config)
+        self.glu = glu_spec(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = apply_linear(self.gate_proj, hidden_states), apply_linear(self.up_proj, hidden_states)
-        return apply_linear(self.down_proj, self.glu_fn(gate, up))
+        # SiTU on CPU: one kernel call (the routed experts' GLU) where torch runs ~9 element-wise ops (~15 in the
+        # backward); SiLU stays torch's own, bit for bit Kimi Linear's
+        act = cpu_kernel.glu(gate, up, self.glu) if self.glu[0] == "situ" else None
+        return apply_linear(self.down_proj, self.glu_fn(gate, up) if act is None else act)
 
 
 class KimiK3Router(nn.Module):

@@ -546,6 +546,33 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
   });
 }
 #endif
+#if K3_HAVE_SMALL_GEMM
+// k3_glu's rows, the kind and beta dispatched once: row r of gate / up / grad_out (null in the forward) -> row r of
+// out / grad_gate / grad_up.
+template <int Kind, bool Beta4, bool Backward>
+void dense_glu_rows(const float* gate, const float* up, const float* grad_out, float* out, float* grad_gate,
+                    float* grad_up, int64_t rows, int inter, const Activation& act, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const k3::FlushDenormals flush;  // (as in the experts kernel)
+    const size_t o = (size_t)r * inter;
+    k3::glu::row<Kind, Beta4, Backward>(gate + o, up + o, Backward ? grad_out + o : nullptr, out + o,
+                                        Backward ? grad_gate + o : nullptr, Backward ? grad_up + o : nullptr, inter,
+                                        1.0f, act.beta, act.linear_beta);
+  }
+}
+
+template <bool Backward>
+void dense_glu(const float* gate, const float* up, const float* grad_out, float* out, float* grad_gate,
+               float* grad_up, int64_t rows, int inter, const Activation& act, int threads) {
+  if (act.kind == 0)
+    dense_glu_rows<0, false, Backward>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
+  else if (act.beta == 4.0f)
+    dense_glu_rows<1, true, Backward>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
+  else
+    dense_glu_rows<1, false, Backward>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
+}
+#endif
 }  // namespace
 
 extern "C" {
@@ -559,6 +586,29 @@ int k3_moe_set_vector_glu(int enable) {
   const int previous = g_vector_glu;
   g_vector_glu = enable != 0 && K3_HAVE_SMALL_GEMM;
   return previous;
+}
+
+// The GLU of the dense MLP and the shared experts, act(gate, up) over [rows, I] (fp32, contiguous, separate gate
+// and up tensors: their projections are separate layers), with the experts kernel's AVX-512 forms (the same
+// values as the routed experts compute; a few ulp from torch's tanh and sigmoid). Forward (grad_out null): out =
+// act. Backward: out = act as well, grad_gate = grad_out d act / d gate, grad_up = grad_out d act / d up.
+// Rows split over the threads above 16K elements. Returns 0, 1 on invalid arguments or without AVX-512.
+int k3_glu(const float* gate, const float* up, int64_t rows, int inter, int act_kind, float act_beta,
+           float act_linear_beta, const float* grad_out, float* out, float* grad_gate, float* grad_up, int n_threads) {
+#if K3_HAVE_SMALL_GEMM
+  if (rows < 0 || inter <= 0 || n_threads <= 0 || (act_kind != 0 && !(act_kind == 1 && act_beta > 0.0f))) return 1;
+  const Activation act{act_kind, act_beta, act_linear_beta};
+  const int threads = rows * inter >= 16384 ? n_threads : 1;
+  if (grad_out == nullptr)
+    dense_glu<false>(gate, up, nullptr, out, nullptr, nullptr, rows, inter, act, threads);
+  else
+    dense_glu<true>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
+  return 0;
+#else
+  (void)gate, (void)up, (void)rows, (void)inter, (void)act_kind, (void)act_beta, (void)act_linear_beta;
+  (void)grad_out, (void)out, (void)grad_gate, (void)grad_up, (void)n_threads;
+  return 1;
+#endif
 }
 
 // `saved_h` (small-GEMM path; may be null): [N * k, 2I], receives the gate/up products in expert-sorted order
