@@ -4,8 +4,9 @@ in a kernel.
 torch's CPU matmul in bf16 costs ~35 us per call on a 2-core Sapphire Rapids whatever the size (~5 us in fp32),
 so a bf16 model's decode step, dozens of one-row products, ran slower than the same model in fp32, and a bf16
 MoE layer's decode step slower than transformers' in-tree one (it has two more projections). For bf16 inputs of
-at most 15 rows on CPU with no gradient wanted, `cpu_kernel.linear_bf16` computes the same quantity (exact
-products of the bf16 values, fp32 sums, one rounding to bf16) in ~10 us.
+a few rows on CPU (up to 4, or up to 15 for small products: where it is the faster) with no gradient wanted,
+`cpu_kernel.linear_bf16` computes the same quantity (exact products of the bf16 values, fp32 sums, one rounding
+to bf16) in ~10 us.
 
 The layers stay plain `nn.Linear` modules (transformers' bitsandbytes, fp8 and GGUF integrations replace only
 modules whose type is exactly `nn.Linear`), and the kernel runs only where calling the module would run
@@ -25,7 +26,7 @@ from ..ops import cpu_kernel
 
 def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; for a plain `nn.Linear` (see the module docstring) on bf16 ``x`` that `cpu_kernel.linear_bf16`
-    takes (CPU, <= 15 rows, no autograd, kernels on), its result."""
+    takes (CPU, a few rows, no autograd, kernels on), its result."""
     # (torch.compile traces the layer's own call: the check stops before the module internals it reads)
     if x.dtype is torch.bfloat16 and not torch.compiler.is_compiling() and type(layer) is nn.Linear and (
         _nothing_around(layer)

@@ -552,13 +552,16 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
 template <int Kind, bool Beta4, bool Backward>
 void dense_glu_rows(const float* gate, const float* up, const float* grad_out, float* out, float* grad_gate,
                     float* grad_up, int64_t rows, int inter, const Activation& act, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp parallel num_threads(threads)
+  {
     const k3::FlushDenormals flush;  // (as in the experts kernel)
-    const size_t o = (size_t)r * inter;
-    k3::glu::row<Kind, Beta4, Backward>(gate + o, up + o, Backward ? grad_out + o : nullptr, out + o,
-                                        Backward ? grad_gate + o : nullptr, Backward ? grad_up + o : nullptr, inter,
-                                        1.0f, act.beta, act.linear_beta);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const size_t o = (size_t)r * inter;
+      k3::glu::row<Kind, Beta4, Backward>(gate + o, up + o, Backward ? grad_out + o : nullptr, out + o,
+                                          Backward ? grad_gate + o : nullptr, Backward ? grad_up + o : nullptr, inter,
+                                          1.0f, act.beta, act.linear_beta);
+    }
   }
 }
 
