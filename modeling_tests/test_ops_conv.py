@@ -112,6 +112,23 @@ def test_varlen_equals_separate(with_state):
         torch.testing.assert_close(final[i : i + 1], final_i, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_over_concatenated_channels_is_the_separate_updates_bitwise(dtype):
+    """KDA's decode step updates q's, k's and v's convolutions in one call over their concatenated channels (the
+    cache holds them as one [B, 3P, W - 1] window): bitwise the three calls on the window's channel blocks, the
+    outputs and the updated window alike, for one and a few tokens."""
+    gen = torch.Generator().manual_seed(0)
+    for batch, steps, channels, width in [(1, 1, 512, 4), (2, 1, 64, 4), (3, 2, 96, 4), (4, 1, 48, 3)]:
+        xs = [torch.randn(batch, steps, channels, generator=gen).to(dtype) for _ in range(3)]
+        weights = [torch.randn(channels, width, generator=gen) for _ in range(3)]
+        window = torch.randn(batch, 3 * channels, width - 1, generator=gen).to(dtype)
+        separate, joint = window.clone(), window.clone()
+        want = [causal_conv1d_update(x, separate[:, i * channels:(i + 1) * channels], w)
+                for i, (x, w) in enumerate(zip(xs, weights))]
+        got = causal_conv1d_update(torch.cat(xs, dim=-1), joint, torch.cat(weights)).split(channels, dim=-1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(joint, separate)
+
+
 def test_bf16_inputs_fp32_weights():
     x, weight, state = make(length=7, dtype=torch.bfloat16)
     y, final = causal_conv1d(x, weight, initial_state=state.bfloat16(), output_final_state=True)
