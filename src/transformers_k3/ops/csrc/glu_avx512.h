@@ -9,6 +9,8 @@
 // Same values as the scalar forms to a few ulp (tested against float64 in test_cpu_kernels.py).
 #pragma once
 
+#include <type_traits>
+
 #include "common.h"
 #include "small_gemm.h"  // K3_HAVE_SMALL_GEMM: AVX-512
 
@@ -165,17 +167,27 @@ inline void all_rows(const float* h, const float* dglu, const float* weight, flo
   }
 }
 
+// Calls f(kind, beta4) with the activation as compile-time constants (std::integral_constant<int, Kind> and
+// std::bool_constant<Beta4>, for row<Kind, Beta4, ...>): SiLU, SiTU at beta = 4, SiTU at any other beta.
+template <class F>
+inline void with_activation(int kind, float beta, F&& f) {
+  if (kind == 0)
+    f(std::integral_constant<int, 0>{}, std::false_type{});
+  else if (beta == 4.0f)
+    f(std::integral_constant<int, 1>{}, std::true_type{});
+  else
+    f(std::integral_constant<int, 1>{}, std::false_type{});
+}
+
 // Every row of a tile (h [rows, 2I]: gate half, then up half), forward or backward, with the kind and beta
 // dispatched once per tile.
 template <bool Backward>
 inline void rows(const float* h, const float* dglu, const float* weight, float* glu, float* dh, int n_rows,
                  int inter, int kind, float beta, float linear_beta) {
-  if (kind == 0)
-    all_rows<0, false, Backward>(h, dglu, weight, glu, dh, n_rows, inter, beta, linear_beta);
-  else if (beta == 4.0f)
-    all_rows<1, true, Backward>(h, dglu, weight, glu, dh, n_rows, inter, beta, linear_beta);
-  else
-    all_rows<1, false, Backward>(h, dglu, weight, glu, dh, n_rows, inter, beta, linear_beta);
+  with_activation(kind, beta, [&](auto kind_c, auto beta4_c) {
+    all_rows<decltype(kind_c)::value, decltype(beta4_c)::value, Backward>(h, dglu, weight, glu, dh, n_rows, inter,
+                                                                          beta, linear_beta);
+  });
 }
 
 }  // namespace glu

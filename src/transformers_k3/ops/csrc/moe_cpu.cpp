@@ -547,33 +547,24 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
 }
 #endif
 #if K3_HAVE_SMALL_GEMM
-// k3_glu's rows, the kind and beta dispatched once: row r of gate / up / grad_out (null in the forward) -> row r of
-// out / grad_gate / grad_up.
-template <int Kind, bool Beta4, bool Backward>
-void dense_glu_rows(const float* gate, const float* up, const float* grad_out, float* out, float* grad_gate,
-                    float* grad_up, int64_t rows, int inter, const Activation& act, int threads) {
-#pragma omp parallel num_threads(threads)
-  {
-    const k3::FlushDenormals flush;  // (as in the experts kernel)
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const size_t o = (size_t)r * inter;
-      k3::glu::row<Kind, Beta4, Backward>(gate + o, up + o, Backward ? grad_out + o : nullptr, out + o,
-                                          Backward ? grad_gate + o : nullptr, Backward ? grad_up + o : nullptr, inter,
-                                          1.0f, act.beta, act.linear_beta);
-    }
-  }
-}
-
+// k3_glu's rows, the kind and beta dispatched once (k3::glu::with_activation, as for the experts' tiles): row r of
+// gate / up / grad_out (null in the forward) -> row r of out / grad_gate / grad_up.
 template <bool Backward>
 void dense_glu(const float* gate, const float* up, const float* grad_out, float* out, float* grad_gate,
                float* grad_up, int64_t rows, int inter, const Activation& act, int threads) {
-  if (act.kind == 0)
-    dense_glu_rows<0, false, Backward>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
-  else if (act.beta == 4.0f)
-    dense_glu_rows<1, true, Backward>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
-  else
-    dense_glu_rows<1, false, Backward>(gate, up, grad_out, out, grad_gate, grad_up, rows, inter, act, threads);
+  k3::glu::with_activation(act.kind, act.beta, [&](auto kind_c, auto beta4_c) {
+#pragma omp parallel num_threads(threads)
+    {
+      const k3::FlushDenormals flush;  // (as in the experts kernel)
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        const size_t o = (size_t)r * inter;
+        k3::glu::row<decltype(kind_c)::value, decltype(beta4_c)::value, Backward>(
+            gate + o, up + o, Backward ? grad_out + o : nullptr, out + o, Backward ? grad_gate + o : nullptr,
+            Backward ? grad_up + o : nullptr, inter, 1.0f, act.beta, act.linear_beta);
+      }
+    }
+  });
 }
 #endif
 }  // namespace
