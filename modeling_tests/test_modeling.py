@@ -585,9 +585,10 @@ def test_preallocated_cache_with_storage_dtype(tiny_model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_the_three_op_form_bitwise(dtype):
-    """KimiK3RMSNorm (F.rms_norm inside) against the form transformers' Llama / Kimi Linear norms write out, at
-    decode, prompt and odd widths and magnitudes: the same bits forward, gradients within fp32 rounding."""
-    from transformers_k3.layers.norm import KimiK3RMSNorm
+    """KimiK3RMSNorm and KimiK3GatedRMSNorm (F.rms_norm inside) against the form transformers' Llama / Kimi Linear
+    norms write out, at decode, prompt and odd widths and magnitudes: the same bits forward, gradients within fp32
+    rounding."""
+    from transformers_k3.layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     for hidden, shape, scale in [(128, (1, 1), 1.0), (100, (2, 7), 1e3), (7168, (3, 5), 1e-3), (16, (4, 300), 1.0)]:
@@ -604,3 +605,11 @@ def test_rms_norm_is_the_three_op_form_bitwise(dtype):
         (g_want,) = torch.autograd.grad((want.float() * probe.float()).sum(), x)
         (g_got,) = torch.autograd.grad((got.float() * probe.float()).sum(), x)
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6 * g_want.abs().max().item())
+        # the gated norm on KDA's output: the same normalisation, then weight and sigmoid gate in fp32
+        gated = KimiK3GatedRMSNorm(hidden, eps=1e-5)
+        with torch.no_grad():
+            gated.weight.copy_(torch.randn(hidden, generator=gen))
+        gate = torch.randn(x.shape, generator=gen).to(dtype)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+        want = (gated.weight.float() * normed * torch.sigmoid(gate.float())).to(dtype)
+        assert torch.equal(gated(x, gate), want)

@@ -37,9 +37,9 @@ class KimiK3GatedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        # (the normalisation as one F.rms_norm call, bitwise the three-op form: see KimiK3RMSNorm)
+        hidden_states = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],),
+                                   eps=self.variance_epsilon)
         hidden_states = self.weight.to(torch.float32) * hidden_states * torch.sigmoid(gate.to(torch.float32))
         return hidden_states.to(input_dtype)
 
