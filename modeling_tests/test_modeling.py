@@ -546,12 +546,25 @@ def test_packed_sequences_equal_separate_sequences(tiny_model):
     assert_close_logits(got_cu, want)
 
 
+FP32_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+                   "e_score_correction_bias")
+
+
 def test_bf16_load_keeps_fp32_parameters(tmp_path, tiny_model):
+    """Loading (and building) in bf16 keeps in fp32 what the release stores in fp32 (K3_SPEC.md 2.2): the KDA decay
+    parameters, the short convolutions' filters, the selection bias; the filters are the checkpoint's values, not
+    bf16 roundings of them."""
     tiny_model.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    saved = tiny_model.state_dict()
     for name, tensor in model.state_dict().items():
-        want = torch.float32 if name.endswith(("A_log", "dt_bias", "e_score_correction_bias")) else torch.bfloat16
+        want = torch.float32 if name.endswith(FP32_PARAMETERS) else torch.bfloat16
         assert tensor.dtype == want, name
+        if "conv1d" in name:
+            assert torch.equal(tensor, saved[name]), name
+    built = AutoModelForCausalLM.from_config(tiny_model.config, dtype=torch.bfloat16)
+    for name, tensor in built.state_dict().items():
+        assert (tensor.dtype == torch.float32) == name.endswith(FP32_PARAMETERS), name
 
 
 def test_preallocated_cache_with_storage_dtype(tiny_model):

@@ -168,9 +168,10 @@ class KimiK3PreTrainedModel(KimiK3ExpertsChoice, PreTrainedModel):
     _is_stateful = True
     _can_compile_fullgraph = False
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"rotary_emb\.(cos|sin)_cached"]
-    # The release keeps these in fp32 (K3_SPEC.md 2.2): the KDA decay parameters and the router's selection bias,
-    # whose small Quantile-Balancing updates a bf16 copy would round away.
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
+    # The release keeps these in fp32 (K3_SPEC.md 2.2): the KDA decay parameters, the KDA short convolutions' filters
+    # (which the convolution applies in fp32, section 4.2) and the router's selection bias, whose small
+    # Quantile-Balancing updates a bf16 copy would round away.
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "e_score_correction_bias"]
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3Router, index=0),
         "hidden_states": [
