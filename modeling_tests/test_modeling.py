@@ -113,6 +113,15 @@ def test_bad_config_names_the_field(overrides, field):
         KimiK3TextConfig.tiny(**overrides)
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "default"}, {"type": "default", "rope_theta": 10000.0}])
+def test_rope_scaling_that_scales_nothing_is_accepted(tmp_path, scaling):
+    """A config.json may spell "no RoPE scaling" as the default type (SGLang reads it as a no-op): it loads (the
+    model reads no RoPE setting at all; any other type is refused, test_bad_config_names_the_field)."""
+    config = KimiK3TextConfig.tiny(rope_scaling=scaling)
+    config.save_pretrained(tmp_path)
+    assert KimiK3TextConfig.from_pretrained(tmp_path).rope_scaling == scaling
+
+
 def test_full_size_defaults_match_the_release():
     config = KimiK3TextConfig()
     assert (config.hidden_size, config.num_hidden_layers, config.num_experts, config.num_experts_per_tok) == (

@@ -282,9 +282,13 @@ class KimiK3TextConfig(PreTrainedConfig):
             _check(isinstance(value, (int, float)) and value > 0, name, f"must be a positive number, got {value!r}")
         _check(self.mla_latent_norm_eps is None or self.mla_latent_norm_eps > 0, "mla_latent_norm_eps",
                "must be a positive number or null")
-        _check(self.rope_scaling is None, "rope_scaling",
-               "must be null: the K3 text model has no positional encoding (NoPE MLA), so a RoPE scaling "
-               "(and its yarn mscale) cannot be honoured")
+        # {"rope_type": "default"} is no scaling at all (SGLang reads it as a no-op too); any other type would
+        # scale a RoPE the model does not have, and its yarn mscale would change the attention scale
+        scaling = self.rope_scaling
+        _check(scaling is None or (isinstance(scaling, dict)
+                                   and scaling.get("rope_type", scaling.get("type")) == "default"), "rope_scaling",
+               f"must be null (or {{'rope_type': 'default'}}, no scaling): the K3 text model has no positional "
+               f"encoding (NoPE MLA), so a RoPE scaling (and its yarn mscale) cannot be honoured; got {scaling!r}")
 
         # KDA
         lac = self.linear_attn_config
