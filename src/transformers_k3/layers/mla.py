@@ -45,6 +45,34 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return scores + mask
 
 
+def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
+    """``latent [B, S, r] @ q_cat[B, M, r]^T`` as fp32 ``[B, S, M]``: the absorbed decode's attention logits.
+
+    A bf16 matmul would round every logit to bf16 (8 bits: ~0.03 at a logit of 10) before the fp32 softmax, which
+    made decode steps ~3x less accurate than the prefill's attention (which keeps its logits in fp32), where K3's
+    decode kernels in SGLang keep them in fp32 too. Every product of two bf16 values is exact in fp32 and the
+    products are summed in fp32 here: on CPU by the kernels' bf16 -> fp32 GEMM, on CUDA by a bmm with an fp32
+    output; otherwise on fp32 copies of the latent, `CONTEXT_BLOCK` tokens at a time (so a long context is never
+    copied whole)."""
+    keys = q_cat.transpose(1, 2)
+    if latent.dtype == torch.float32 and q_cat.dtype == torch.float32:
+        return torch.matmul(latent, keys)
+    if latent.device.type == "cpu":
+        from ..ops import cpu_kernel
+
+        rows = [cpu_kernel.linear_bf16_f32(latent[b], q_cat[b]) for b in range(latent.shape[0])]
+        if all(r is not None for r in rows):
+            return torch.stack(rows)
+    elif latent.device.type == "cuda" and latent.dtype == q_cat.dtype:
+        try:
+            return torch.bmm(latent, keys, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # (a torch or dtype without fp32-output bmm: the blocks below)
+            pass
+    keys = keys.float()
+    return torch.cat([torch.matmul(latent[:, start:start + CONTEXT_BLOCK].float(), keys)
+                      for start in range(0, latent.shape[1], CONTEXT_BLOCK)], dim=1)
+
+
 def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
     """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA on CPU); the
     model then builds no ``[T, context]`` mask for it."""
@@ -121,7 +149,7 @@ class KimiK3MLA(nn.Module):
         # Scores as latent @ queries^T: the (long) latent stays the row-major left operand, so no step ever copies
         # or transposes the cache; one matmul covers [c_kv | k_pe] against [q_latent | q_pe].
         q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
-        scores = torch.matmul(latent, q_cat.transpose(1, 2)) * self.scaling  # [B, S, n*T]
+        scores = latent_scores(latent, q_cat) * self.scaling  # [B, S, n*T], fp32
         scores = scores.transpose(1, 2).reshape(batch, heads, q_len, seq)  # a view: [B, n, T, S]
         if attention_mask is not None:
             scores = _apply_mask(scores, attention_mask)
