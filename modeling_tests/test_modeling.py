@@ -655,9 +655,9 @@ def test_preallocated_cache_with_storage_dtype(tiny_model):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_the_three_op_form_bitwise(dtype):
-    """KimiK3RMSNorm and KimiK3GatedRMSNorm (F.rms_norm inside) against the form transformers' Llama / Kimi Linear
-    norms write out, at decode, prompt and odd widths and magnitudes: the same bits forward, gradients within fp32
-    rounding."""
+    """KimiK3RMSNorm and KimiK3GatedRMSNorm (F.rms_norm inside) against the form the reference writes out
+    (SGLang's RMSNorm.forward_native: fp32 ``x * rsqrt(mean(x^2) + eps)``, times the weight in fp32, rounded once), at
+    decode, prompt and odd widths and magnitudes: the same bits forward, gradients within fp32 rounding."""
     from transformers_k3.layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
 
     gen = torch.Generator().manual_seed(0)
@@ -668,7 +668,7 @@ def test_rms_norm_is_the_three_op_form_bitwise(dtype):
         norm = norm.to(dtype)
         x = (torch.randn(*shape, hidden, generator=gen) * scale).to(dtype).requires_grad_()
         x32 = x.float()
-        want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        want = ((x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight.float()).to(dtype)
         got = norm(x)
         assert torch.equal(got, want)
         probe = torch.randn(got.shape, generator=gen).to(dtype)
