@@ -548,6 +548,12 @@ def test_tokenizer_conversion_matches_tiktoken(tmp_path, official_bf16):
         assert hf.encode(sample, add_special_tokens=False) == ids
         assert hf.decode(ids) == sample
     assert hf.convert_tokens_to_ids("<|media_pad|>") == n + 21 and hf.eos_token == "[EOS]"
+    from transformers import AutoTokenizer
+
+    from transformers_k3 import KIMI_K3_RESPONSE_TEMPLATE
+
+    # the converted directory's tokenizer parses chat answers (the text-generation pipeline's reasoning / content)
+    assert AutoTokenizer.from_pretrained(out).response_template == KIMI_K3_RESPONSE_TEMPLATE
     assert (out / "tokenizer_config.tiktoken.json").is_file() and (out / "tiktoken.model").is_file()
     back = tmp_path / "back"
     export_to_official(out, back, progress=False)  # the release's own tokenizer files come back

@@ -61,13 +61,36 @@ def test_main_command_image_and_long_prompt(tmp_path):
 
     image = tmp_path / "shape.png"
     data.draw_shape("circle", "red", 56).save(image)
-    result = _run_main("--image", str(image), "--max-new-tokens", "8")
+    result = _run_main("--image", str(image), "--max-new-tokens", "40")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "[response]" in result.stderr
+    # the answer ends at the end of the message (the shipped generation config must not forbid it: a no-repeat
+    # n-gram rule banned <|end_of_msg|>, whose closing n-gram the prompt's user message already has)
+    assert result.stdout.rstrip().endswith("<|close|>message<|sep|><|end_of_msg|>"), result.stdout
+    assert "[response] a red circle" in result.stderr
     long_prompt = "import os\n" + "x = os.path.join('a', 'b')\n" * 60
     result = _run_main(long_prompt, "--max-new-tokens", "4", "--prefill-chunk", "64")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "prefill" in result.stderr
+
+
+@needs_small
+def test_pipeline_on_the_small_model_is_deterministic_and_parses_chat_answers():
+    """transformers' text-generation pipeline on the shipped directory: greedy by the shipped generation config (the
+    pipeline would otherwise sample), and a chat answer that stops at its end and comes back split into reasoning and
+    content (the shipped tokenizer carries K3's response template)."""
+    from transformers import pipeline
+
+    from transformers_k3 import KIMI_K3_RESPONSE_TEMPLATE
+
+    generator = pipeline("text-generation", model=str(SMALL_DIR))
+    assert generator.tokenizer.response_template == KIMI_K3_RESPONSE_TEMPLATE
+    first, second = (generator("def fibonacci(n):", max_new_tokens=12)[0]["generated_text"] for _ in range(2))
+    assert first == second and first.startswith("def fibonacci(n):")
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    answer = generator(messages, max_new_tokens=120)[0]["generated_text"][-1]
+    assert answer["role"] == "assistant" and answer["content"] and answer["reasoning_content"]
+    assert "<|" not in answer["content"] + answer["reasoning_content"]
 
 
 @needs_small

@@ -214,6 +214,13 @@ def convert_tiktoken_tokenizer(input_dir: str | Path, output_dir: str | Path, pa
         model_max_length=tokenizer_config.get("model_max_length", int(1e30)), clean_up_tokenization_spaces=False,
         **roles,
     )
+    if tokenizer_config.get("response_template") is None:
+        from ..chat import KIMI_K3_RESPONSE_TEMPLATE
+
+        # (transformers' text-generation pipeline then returns a chat answer's reasoning and content apart)
+        tokenizer.response_template = KIMI_K3_RESPONSE_TEMPLATE
+    else:
+        tokenizer.response_template = tokenizer_config["response_template"]
     output_dir.mkdir(parents=True, exist_ok=True)
     if config_path.name == "tokenizer_config.json" and config_path.is_file():
         shutil.copy2(config_path, output_dir / ORIGINAL_CONFIG)

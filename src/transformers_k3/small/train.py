@@ -39,6 +39,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from ..chat import KIMI_K3_RESPONSE_TEMPLATE
     from ..tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KIMI_K3_SPECIAL_TOKENS, MEDIA_PAD, VIDEO_PLACEHOLDER
 
     specials = ["[PAD]", "[BOS]"] + list(KIMI_K3_SPECIAL_TOKENS) + [VIDEO_PLACEHOLDER]
@@ -54,6 +55,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         extra_special_tokens={"image_token": MEDIA_PAD}, model_max_length=1 << 20, padding_side="left",
     )
     tokenizer.chat_template = KIMI_K3_CHAT_TEMPLATE
+    tokenizer.response_template = KIMI_K3_RESPONSE_TEMPLATE  # (the pipeline's reasoning / content split)
     for index, token in enumerate(specials):
         assert tokenizer.convert_tokens_to_ids(token) == index, token
     return tokenizer
@@ -206,7 +208,7 @@ def image_accuracy(model, processor, n_images: int = 96, seed: int = 12345) -> d
 @torch.no_grad()
 def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 48) -> str:
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False, no_repeat_ngram_size=0,
+    out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False, repetition_penalty=1.0,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
 
@@ -329,9 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     # Save: fp32 when it fits in ~20 MB, else bf16.
     dtype = torch.float32 if n_params * 4 <= 20e6 else torch.bfloat16
     # A model this small loops on greedy decoding ("the number of the number of ..."); the shipped generation
-    # default forbids repeating any 4-gram, which keeps decoding deterministic. `metrics["sample_greedy"]` is plain
-    # greedy (the flag overridden) so the number reflects the model alone.
-    model.generation_config.no_repeat_ngram_size = 4
+    # default damps tokens already seen (repetition_penalty 1.2, greedy still: deterministic). Not a no-repeat
+    # n-gram rule: that would forbid a chat answer's closing <|end_of_msg|>, whose n-gram every user message in the
+    # prompt already ends with. `metrics["sample_greedy"]` is plain greedy, so the number reflects the model alone.
+    model.generation_config.repetition_penalty = 1.2
+    model.generation_config.do_sample = False  # (the text-generation pipeline samples unless told otherwise)
     model.to(dtype).save_pretrained(out)
     processor.save_pretrained(out)
     model.to(torch.float32)
