@@ -245,6 +245,26 @@ def test_generate_with_an_image_equals_recomputing_without_cache(model, processo
     assert torch.equal(out, ids)
 
 
+def test_assisted_and_prompt_lookup_decoding_with_an_image_equal_greedy(model, processor):
+    """The multimodal model allows the generation modes the text model does (its hybrid cache crops KDA states):
+    prompt-lookup decoding with an image in the prompt (its first call appends draft tokens to the prompt, past the
+    processor's mm_token_type_ids) and assisted decoding (the model as its own draft) on text give the greedy
+    tokens."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": rgb(70, 50)},
+                                             {"type": "text", "text": "What is it? What is it?"}]}]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        want = greedy(model, inputs, 8)
+        assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0, prompt_lookup_num_tokens=3), want)
+        text = processor(text="What is it? What is it? What", return_tensors="pt")
+        assert torch.equal(model.generate(**text, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0, assistant_model=model), greedy(model, text, 8))
+        with pytest.raises(ValueError, match="mm_token_type_ids"):
+            model(**{**inputs, "mm_token_type_ids": F.pad(inputs["mm_token_type_ids"], (0, 2))})
+
+
 def test_generate_with_a_video(model, processor):
     inputs = processor(text=f"Watch {VIDEO} now", videos=[frames(6, 40, 30)], return_tensors="pt")
     assert inputs["video_grid_thw"].tolist() == [[4, 4, 4], [2, 4, 4]]  # t > 1 chunks

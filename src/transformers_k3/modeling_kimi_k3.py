@@ -140,8 +140,9 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return (partial, *bank)
 
 
-class KimiK3ExpertsChoice:
-    """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen."""
+class KimiK3ModelMixin:
+    """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
+    which generation modes the hybrid cache allows."""
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -154,8 +155,20 @@ class KimiK3ExpertsChoice:
             K3_GROUPED_MM if requested_experts is None else requested_experts
         )
 
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent
+        state cannot be cropped. `KimiK3HybridCache` can: with past recording on (which assisted decoding turns
+        on) each KDA layer keeps its state after every recent token, and `crop` restores the right one."""
+        if generation_mode == GenerationMode.ASSISTED_GENERATION:
+            self._is_stateful = False  # instance attribute, shadows the class flag for this check only
+            try:
+                return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+            finally:
+                del self._is_stateful
+        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
-class KimiK3PreTrainedModel(KimiK3ExpertsChoice, PreTrainedModel):
+
+class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     config: KimiK3TextConfig
     config_class = KimiK3TextConfig
     base_model_prefix = "model"
@@ -209,18 +222,6 @@ class KimiK3PreTrainedModel(KimiK3ExpertsChoice, PreTrainedModel):
             init.zeros_(module.mlp_res_proj.weight)
         elif isinstance(module, KimiK3Model) and module.config.use_attn_res:
             init.zeros_(module.output_attn_res_proj.weight)
-
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent
-        state cannot be cropped. `KimiK3HybridCache` can: with past recording on (which assisted decoding turns
-        on) each KDA layer keeps its state after every recent token, and `crop` restores the right one."""
-        if generation_mode == GenerationMode.ASSISTED_GENERATION:
-            self._is_stateful = False  # instance attribute, shadows the class flag for this check only
-            try:
-                return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
-            finally:
-                del self._is_stateful
-        return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):

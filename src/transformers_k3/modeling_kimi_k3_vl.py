@@ -25,7 +25,7 @@ from .layers.vision import (
     KimiK3VisionTower,
     sincos_time_table,
 )
-from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ExpertsChoice, KimiK3ForCausalLM
+from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ModelMixin, KimiK3ForCausalLM
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
@@ -34,7 +34,7 @@ class KimiK3PlaceholderMismatchError(ValueError):
     """The number of ``<|media_pad|>`` slots in the input differs from the number of media embeddings."""
 
 
-class KimiK3VLPreTrainedModel(KimiK3ExpertsChoice, PreTrainedModel):
+class KimiK3VLPreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     config: KimiK3Config
     config_class = KimiK3Config
     base_model_prefix = "language_model"
@@ -115,6 +115,14 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, GenerationMixin):
         """Write media embeddings into the ``<|media_pad|>`` slots, row-major (sample by sample, left to right)."""
         slots = input_ids == self.config.media_placeholder_token_id
         pad_id = self.config.media_placeholder_token_id
+        if mm_token_type_ids is not None and mm_token_type_ids.shape[-1] != input_ids.shape[-1]:
+            extra = input_ids.shape[-1] - mm_token_type_ids.shape[-1]
+            if extra < 0:
+                raise ValueError(f"`mm_token_type_ids` has {mm_token_type_ids.shape[-1]} positions for "
+                                 f"{input_ids.shape[-1]} input ids: pass the ones the processor returned with them")
+            # tokens appended after the prompt it was made for (assisted decoding's first call adds the draft's
+            # candidates to the prompt) are text
+            mm_token_type_ids = torch.nn.functional.pad(mm_token_type_ids, (0, extra))
         if image_embeds is not None and video_embeds is not None and mm_token_type_ids is None:
             raise ValueError(
                 "images and videos in one batch share the `<|media_pad|>` slots: pass `mm_token_type_ids` (returned "
