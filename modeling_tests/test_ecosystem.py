@@ -376,6 +376,24 @@ def bnb_cpu_skip_list(model) -> list[str]:
             if isinstance(module, torch.nn.Linear) and (module.in_features % 64 or module.out_features % 32)]
 
 
+def test_qlora_skip_list_extends_the_users_and_covers_full_size(tmp_path):
+    """A user's own llm_int8_skip_modules is extended, not replaced; at full size (meta device: no memory) only the
+    1-wide AttnRes pseudo-query projections cannot be packed."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from transformers_k3.modeling_kimi_k3 import _narrow_for_bnb_4bit
+
+    mine = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["model.layers.0.self_attn.q_proj"])
+    got = _narrow_for_bnb_4bit(KimiK3ForCausalLM, None, mine, {"config": KimiK3TextConfig.tiny()})
+    assert "model.layers.0.self_attn.q_proj" in got.llm_int8_skip_modules and "lm_head" not in got.llm_int8_skip_modules
+    assert any(name.endswith("b_proj") for name in got.llm_int8_skip_modules)
+    full = _narrow_for_bnb_4bit(KimiK3ForCausalLM, None, BitsAndBytesConfig(load_in_4bit=True),
+                                {"config": KimiK3TextConfig()})
+    narrow = set(full.llm_int8_skip_modules) - {"lm_head"}
+    assert narrow and all(name.endswith("_res_proj") for name in narrow), sorted(narrow)[:5]
+
+
 def test_qlora_4bit_on_cpu(tmp_path):
     """QLoRA: the model loads in bitsandbytes NF4 on CPU; its logits equal an fp32 model holding the dequantized
     weights (1e-5 relative), LoRA adapters on the attention projections of the 4-bit model train (loss falls),
@@ -387,11 +405,14 @@ def test_qlora_4bit_on_cpu(tmp_path):
     torch.manual_seed(0)
     base = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval(), std=0.05)
     base.save_pretrained(tmp_path / "fp32")
+    # no skip list: from_pretrained keeps the layers bitsandbytes' CPU kernel cannot pack out of 4-bit by itself
     quant_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.float32,
-                                      llm_int8_skip_modules=bnb_cpu_skip_list(base) + ["lm_head"])
+                                      bnb_4bit_compute_dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", quantization_config=quant_config,
                                                  device_map="cpu").eval()
+    assert quant_config.llm_int8_skip_modules is None  # (the caller's object is left alone)
+    skipped = set(model.config.quantization_config.llm_int8_skip_modules)
+    assert skipped == set(bnb_cpu_skip_list(base)) | {"lm_head"}
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert "model.layers.0.self_attn.q_proj" in quantized and "model.layers.2.self_attn.q_a_proj" in quantized
     assert len(quantized) >= 30

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.generation.utils import GenerationMode
@@ -140,6 +141,36 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return (partial, *bank)
 
 
+def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
+    """A copy of a bitsandbytes 4-bit ``quantization_config`` whose ``llm_int8_skip_modules`` also holds the linear
+    layers its CPU kernel cannot pack (blocks of 32 output rows x 64 input columns): at full size the 1-wide AttnRes
+    pseudo-query projections (``*_res_proj``), in small configs also narrow KDA / MLA / latent projections. Quantized,
+    they fail at the first forward with a reshape error from inside bitsandbytes; kept in the model dtype they cost a
+    few KB at full size (on any device). transformers' default skips (the LM head) are kept and a user's list is
+    extended, not replaced; the caller's object is left as it was."""
+    import copy
+
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    config = kwargs.get("config")
+    if not isinstance(config, PretrainedConfig):
+        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+               if k in kwargs}
+        config = cls.config_class.from_pretrained(path, **hub)
+    with torch.device("meta"):
+        skeleton = cls(copy.deepcopy(config))  # (meta tensors: no memory, only the module tree)
+    narrow = [name for name, module in skeleton.named_modules()
+              if type(module) is nn.Linear and (module.in_features % 64 or module.out_features % 32)]
+    if not narrow:
+        return quantization_config
+    quantization_config = copy.deepcopy(quantization_config)
+    skip = quantization_config.llm_int8_skip_modules
+    if skip is None:  # (a list replaces transformers' defaults: keep them)
+        skip = get_keys_to_not_convert(skeleton)
+    quantization_config.llm_int8_skip_modules = sorted(set(skip) | set(narrow))
+    return quantization_config
+
+
 class KimiK3ModelMixin:
     """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
     which generation modes the hybrid cache allows."""
@@ -154,6 +185,16 @@ class KimiK3ModelMixin:
         return super().get_correct_experts_implementation(
             K3_GROUPED_MM if requested_experts is None else requested_experts
         )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; when quantizing to bitsandbytes 4-bit (QLoRA), the linear layers its CPU
+        kernel cannot pack are added to ``llm_int8_skip_modules`` first (`_narrow_for_bnb_4bit`)."""
+        quantization_config = kwargs.get("quantization_config")
+        if getattr(quantization_config, "load_in_4bit", False):
+            kwargs["quantization_config"] = _narrow_for_bnb_4bit(cls, pretrained_model_name_or_path,
+                                                                 quantization_config, kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent
