@@ -106,6 +106,12 @@ def test_flat_k3_kimi_linear_config_is_routed_to_k3(tmp_path):
         (dict(hidden_size=-4), "hidden_size"),
         (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
         (dict(routed_scaling_factor=0), "routed_scaling_factor"),
+        (dict(pad_token_id=10**6), "pad_token_id"),
+        (dict(eos_token_id=[2, 10**6]), "eos_token_id"),
+        (dict(attention_dropout=2.0), "attention_dropout"),
+        (dict(max_position_embeddings=0), "max_position_embeddings"),
+        (dict(mlp_layer_types=["dense", "foo", "sparse", "sparse", "sparse", "sparse"]), "mlp_layer_types"),
+        (dict(first_k_dense_replace=10), "first_k_dense_replace"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):

@@ -176,9 +176,13 @@ class KimiK3TextConfig(PreTrainedConfig):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         self.layer_types = self._layer_types_from_lists()
-        self.mlp_layer_types = [
-            "sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)
-        ]
+        derived = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
+        # (informational: derived from num_experts / first_k_dense_replace / moe_layer_freq, which the layers read;
+        # a saved config carries it, and a given one must say the same)
+        _check(self.mlp_layer_types is None or list(self.mlp_layer_types) == derived, "mlp_layer_types",
+               f"{self.mlp_layer_types!r} disagrees with num_experts / first_k_dense_replace / moe_layer_freq, which "
+               f"make the layers {derived}; set those fields (or drop mlp_layer_types)")
+        self.mlp_layer_types = derived
         _drop_dequantized_on_load_quantization(self)
         self.validate_k3()
 
@@ -268,6 +272,14 @@ class KimiK3TextConfig(PreTrainedConfig):
                      "qk_nope_head_dim", "v_head_dim"):
             positive(name)
         positive("q_lora_rank", allow_none=True)
+        positive("max_position_embeddings")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name, None)
+            ids = value if isinstance(value, (list, tuple)) else [value]
+            _check(all(i is None or (isinstance(i, int) and 0 <= i < self.vocab_size) for i in ids), name,
+                   f"must be a token id in [0, vocab_size={self.vocab_size}) (or null), got {value!r}")
+        _check(isinstance(self.attention_dropout, (int, float)) and 0 <= self.attention_dropout < 1,
+               "attention_dropout", f"must be a probability in [0, 1), got {self.attention_dropout!r}")
         _check(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0, "qk_rope_head_dim",
                f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
         _check(self.hidden_act in _ALLOWED_ACTS, "hidden_act",
@@ -327,8 +339,10 @@ class KimiK3TextConfig(PreTrainedConfig):
                        f"the kept groups hold {self.topk_group * per_group} experts, fewer than top-k "
                        f"{self.num_experts_per_token}")
             positive("moe_layer_freq")
-            _check(isinstance(self.first_k_dense_replace, int) and self.first_k_dense_replace >= 0,
-                   "first_k_dense_replace", f"must be a non-negative integer, got {self.first_k_dense_replace!r}")
+            _check(isinstance(self.first_k_dense_replace, int)
+                   and 0 <= self.first_k_dense_replace < self.num_hidden_layers, "first_k_dense_replace",
+                   f"must be an integer in [0, num_hidden_layers={self.num_hidden_layers}) (layers from it on are "
+                   f"MoE; for a model without MoE set num_experts to null), got {self.first_k_dense_replace!r}")
             _check(isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0,
                    "routed_scaling_factor", f"must be a positive number, got {self.routed_scaling_factor!r}")
             _check(isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0,
