@@ -340,3 +340,19 @@ def test_aux_loss_is_off_by_default_and_adds_the_balance_loss_when_on():
     on.aux_loss.backward()
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
     assert router_aux_loss(on.router_logits, routers, batch_size=2).shape == ()
+
+
+def test_callback_is_made_on_first_use_and_import_stays_light():
+    """`import transformers_k3` does not import transformers' Trainer (nor peft / bitsandbytes, which it pulls in:
+    seconds per `generate` run, and bitsandbytes' warnings on stderr); the callback is a TrainerCallback when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, transformers_k3; print(any(m in sys.modules for m in "
+            "('transformers.trainer', 'peft', 'bitsandbytes')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr[-2000:]
+    from transformers import TrainerCallback
+
+    assert issubclass(transformers_k3.QuantileBalancingCallback, TrainerCallback)
+    assert transformers_k3.QuantileBalancingCallback is QuantileBalancingCallback

@@ -15,7 +15,7 @@ from transformers import (
 )
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
-from .balancing import QuantileBalancingCallback, RouterBalancer
+from .balancing import RouterBalancer
 from .cache import KimiK3HybridCache
 from .chat import (
     KIMI_K3_RESPONSE_TEMPLATE,
@@ -64,6 +64,14 @@ VIDEO_PROCESSOR_MAPPING.register(
     KimiK3Config, {"pil": KimiK3VideoProcessor, "torchvision": KimiK3VideoProcessor}, exist_ok=True
 )
 AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
+
+def __getattr__(name: str):
+    if name == "QuantileBalancingCallback":  # (made on first use: see balancing.__getattr__)
+        from . import balancing
+
+        return balancing.QuantileBalancingCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "load_small",

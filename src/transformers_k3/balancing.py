@@ -87,7 +87,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import TrainerCallback
 
 from .layers.moe import KimiK3Router, router_aux_loss
 
@@ -417,7 +416,7 @@ class RouterBalancer:
 # --------------------------------------------------------------------------------------------------
 
 
-class QuantileBalancingCallback(TrainerCallback):
+class _QuantileBalancing:
     """Runs `RouterBalancer` inside a `transformers.Trainer`: statistics from every micro-batch of an
     optimizer step (all ranks), the bias update in ``on_step_end`` (after ``optimizer.step()``, before the
     next forward), and the per-layer metrics averaged over the optimizer steps since the last log added to
@@ -473,3 +472,17 @@ class QuantileBalancingCallback(TrainerCallback):
         if self.balancer is not None:
             self.balancer.remove()
             self.balancer = None
+
+
+def __getattr__(name: str):
+    # `QuantileBalancingCallback` is made on first use: subclassing transformers' TrainerCallback imports the Trainer's
+    # modules (and with them peft and bitsandbytes), which made `import transformers_k3` (every `generate` run) take
+    # seconds longer and print bitsandbytes' warnings
+    if name == "QuantileBalancingCallback":
+        from transformers import TrainerCallback
+
+        callback = type("QuantileBalancingCallback", (_QuantileBalancing, TrainerCallback),
+                        {"__module__": __name__, "__doc__": _QuantileBalancing.__doc__})
+        globals()[name] = callback
+        return callback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
