@@ -55,6 +55,17 @@ def test_main_command_generates_python():
     assert "tokens/s" in result.stderr
 
 
+def test_main_command_refuses_bad_arguments_clearly(tmp_path):
+    """Bad arguments end with one line saying what to pass (exit status 1), not a traceback from deep inside."""
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not an image")
+    for args, message in ((("--model", str(tmp_path / "missing")), "does not exist"),
+                          (("--max-new-tokens", "0"), "--max-new-tokens must be at least 1"),
+                          (("--image", str(not_an_image)), "is not an image Pillow can read")):
+        result = _run_main("x", *args)
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 @needs_small
 def test_main_command_image_and_long_prompt(tmp_path):
     from transformers_k3.small import data

@@ -53,7 +53,12 @@ def load(model_dir: str | None):
         model, processor = load_vl(model_dir)
         return model, processor.tokenizer, processor
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir), None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--model {model_dir} has no usable tokenizer ({type(error).__name__}): generation needs the "
+                         "checkpoint's tokenizer files next to its weights (conversion/ writes them)") from None
+    return model, tokenizer, None
 
 
 def _text_model(model):
@@ -79,9 +84,34 @@ def chunked_prefill(model, input_ids: torch.Tensor, chunk: int):
     return cache
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Arguments that would otherwise fail deep inside loading or generation, refused up front with what to pass."""
+    from pathlib import Path
+
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.prefill_chunk < 1:
+        raise SystemExit(f"--prefill-chunk must be at least 1 token, got {args.prefill_chunk}")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        what = "does not exist" if not Path(args.model).exists() else "has no config.json"
+        raise SystemExit(f"--model {args.model} {what}: pass a K3 checkpoint directory (one written by "
+                         "save_pretrained or by conversion/), or leave --model out for the shipped small model")
+    if args.image is not None:
+        from PIL import Image, UnidentifiedImageError
+
+        if not Path(args.image).is_file():
+            raise SystemExit(f"--image {args.image}: no such file")
+        try:
+            with Image.open(args.image) as image:
+                image.verify()
+        except (UnidentifiedImageError, OSError, SyntaxError) as error:
+            raise SystemExit(f"--image {args.image} is not an image Pillow can read ({error})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
+    _check_args(args)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     model, tokenizer, processor = load(args.model)
