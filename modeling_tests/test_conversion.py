@@ -210,6 +210,10 @@ def test_official_bf16_round_trip_is_bit_exact(official_bf16, text_model, tmp_pa
         assert torch.equal(tensor, reference[name].to(tensor.dtype)), name
 
     back = tmp_path / "official_again"
+    for bad in ("banana", "0MB"):  # refused before anything is written
+        with pytest.raises(CheckpointError, match="max_shard_size"):
+            export_to_official(ours, back, max_shard_size=bad, progress=False)
+        assert not back.exists()
     export_to_official(ours, back, max_shard_size=SHARD, progress=False)
     original, again = shard_tensors(official_bf16), shard_tensors(back)
     assert sorted(original) == sorted(again)

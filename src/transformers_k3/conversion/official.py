@@ -45,7 +45,8 @@ from .keymap import (
     per_expert_name,
 )
 from .quant import QuantFormatError, check_mxfp4_shapes, dequantize_fp8_block, dequantize_mxfp4
-from .streaming import Checkpoint, CheckpointError, OutputTensor, Piece, TensorInfo, atomic_output_dir, execute_plan
+from .streaming import (Checkpoint, CheckpointError, OutputTensor, Piece, TensorInfo, atomic_output_dir, execute_plan,
+                        parse_size)
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -404,6 +405,10 @@ def writing_checkpoint(source: Checkpoint, plan: "ConversionPlan", output_dir, o
     caller's config and tokenizer files, and renames it to `output_dir` only once everything is written."""
     if output_dir is None:
         raise ValueError("output_dir is required unless dry_run=True")
+    try:
+        parse_size(max_shard_size)  # (a bad size is the caller's error, before anything is written)
+    except ValueError as error:
+        raise CheckpointError(f"max_shard_size: {error}") from None
     with atomic_output_dir(output_dir, overwrite) as tmp:
         execute_plan(plan.outputs, tmp, max_shard_size, progress, file_order=source.files,
                      desc=f"{source.directory.name} -> {Path(output_dir).name}")

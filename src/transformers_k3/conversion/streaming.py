@@ -81,7 +81,10 @@ def parse_size(size: int | str) -> int:
     number, unit = float(match.group(1)), match.group(2).rstrip("B")
     base = 1024 if unit.endswith("I") else 1000
     power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    if int(number * base**power) < 1:
+        raise ValueError(f"size {size!r} is below one byte (use e.g. 5GB, 500MB or a number of bytes)")
     return int(number * base**power)
+
 
 
 # --------------------------------------------------------------------------------------------------
