@@ -1,10 +1,12 @@
 """Kimi K3 image processor (K3_SPEC.md section 7.6).
 
-An image of ``W x H`` pixels is scaled down (never up) so that it has at most ``in_patch_limit`` 14x14 patches and
-at most ``patch_limit_on_one_side`` patches per side, resized with PIL's bicubic filter, composited onto a
-background if it is transparent, padded with black at the right and bottom to a multiple of 28 (``patch_size *
-merge_kernel_size``), normalised, and cut into patches. Its grid is ``(1, gh, gw)`` patches and it occupies
-``gh * gw / 4`` ``<|media_pad|>`` tokens in the prompt.
+An image of ``W x H`` pixels is scaled down (never up) by the reference's rule (spec 7.6: the scale that brings
+``(W // 14) * (H // 14)`` to ``in_patch_limit`` and each side to ``patch_limit_on_one_side`` patches, never above
+1), resized with PIL's bicubic filter, composited onto a background if it is transparent, padded with black at the
+right and bottom to a multiple of 28 (``patch_size * merge_kernel_size``), normalised, and cut into patches. Its
+grid is ``(1, gh, gw)`` patches and it occupies ``gh * gw / 4`` ``<|media_pad|>`` tokens in the prompt. The limit
+is the reference's target, not a hard bound: the floor divisions and the padding to whole 2x2 merges can leave
+somewhat more patches (a 4000x3000 image under a limit of 16 gets 24; a 1000x1 strip, padded to 28 rows, 68).
 
 Everything runs on the CPU with PIL and NumPy, so the resize is PIL's own (the reference resizes with PIL too);
 torchvision is not needed. The official ``preprocessor_config.json`` keeps its settings in a ``media_proc_cfg``
@@ -173,7 +175,8 @@ class KimiK3ImageProcessor(BaseImageProcessor):
     Args:
         patch_size (`int`, defaults to 14): side of a vision patch in pixels.
         merge_kernel_size (`int`, defaults to 2): side of the window of patches merged into one text token.
-        in_patch_limit (`int`, defaults to 16384): most patches per image; larger images are scaled down.
+        in_patch_limit (`int`, defaults to 16384): patches per image that larger images are scaled down to (the
+            reference's rule: padding to whole merges can leave a few more, see the module docstring).
         patch_limit_on_one_side (`int`, defaults to 512): most patches along either side.
         image_mean, image_std (`list[float]`, default 0.5 each): per-channel normalisation.
         fixed_output_tokens (`int`, *optional*): if set, the placeholder count of every image (spec 7.6 step 8).

@@ -66,7 +66,8 @@ def build_processor(tokenizer):
     from ..processing_kimi_k3 import KimiK3Processor
     from ..video_processing_kimi_k3 import KimiK3VideoProcessor
 
-    # 16 patches (4 merged tokens) per image at most: any input image is scaled to the training size (~56x56).
+    # ~16 patches (4 merged tokens) per image: an input image is scaled down to about the training size (~56x56;
+    # the reference's rule pads to whole 2x2 merges, so odd aspect ratios can keep a few more).
     return KimiK3Processor(image_processor=KimiK3ImageProcessor(in_patch_limit=16),
                            video_processor=KimiK3VideoProcessor(in_patch_limit=16), tokenizer=tokenizer)
 
