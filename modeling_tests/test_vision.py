@@ -28,6 +28,7 @@ from transformers_k3.layers.vision import (
     merge_sd2_tpool,
     rope_2d_angles,
 )
+from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
 from transformers_k3.modeling_kimi_k3_vl import KimiK3PlaceholderMismatchError
 
 from conftest import randomize_
@@ -263,6 +264,20 @@ def test_assisted_and_prompt_lookup_decoding_with_an_image_equal_greedy(model, p
                                           pad_token_id=0, assistant_model=model), greedy(model, text, 8))
         with pytest.raises(ValueError, match="mm_token_type_ids"):
             model(**{**inputs, "mm_token_type_ids": F.pad(inputs["mm_token_type_ids"], (0, 2))})
+
+
+def test_from_pretrained_routes_text_fields_to_the_text_config(model, tmp_path):
+    """``from_pretrained(dir, output_router_logits=True, ...)`` on the multimodal model sets those text-model fields
+    (the composite config has none of them), as on the text model; a bad value is a config error naming it."""
+    model.save_pretrained(tmp_path)
+    loaded = KimiK3ForConditionalGeneration.from_pretrained(tmp_path, output_router_logits=True,
+                                                            router_aux_loss_coef=0.01)
+    assert loaded.config.text_config.output_router_logits and loaded.config.text_config.router_aux_loss_coef == 0.01
+    ids = torch.tensor([[5, 6, 7, 8]])
+    out = loaded(ids, labels=ids)
+    assert out.router_logits is not None and out.aux_loss is not None
+    with pytest.raises(KimiK3ConfigError, match="`rms_norm_eps`"):
+        KimiK3ForConditionalGeneration.from_pretrained(tmp_path, rms_norm_eps=-1.0)
 
 
 def test_generate_with_a_video(model, processor):

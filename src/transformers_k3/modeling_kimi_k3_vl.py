@@ -13,12 +13,14 @@ Media are only needed on the prefill step: afterwards the text model's cache hol
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
-from .configuration_kimi_k3 import KimiK3Config
+from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.vision import (
     KimiK3MultiModalProjector,
     KimiK3VisionPositionEmbedding,
@@ -64,6 +66,26 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, GenerationMixin):
     Inputs beyond the text model's: ``pixel_values [patches, 3, 14, 14]`` with ``image_grid_thw [images, 3]``,
     ``pixel_values_videos`` with ``video_grid_thw [chunks, 3]``, and ``mm_token_type_ids`` (1 image slot, 2 video
     slot) which `KimiK3Processor` returns; it is required only when one batch mixes images and videos."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' ``from_pretrained``; keyword arguments that set text-model fields the composite config does
+        not have (``output_router_logits=True``, ``router_aux_loss_coef=...``, ``rms_norm_eps``...) go to
+        ``config.text_config``, as they would for `KimiK3ForCausalLM`, instead of reaching ``__init__``."""
+        text_only = set(KimiK3TextConfig().to_dict()) - set(KimiK3Config.tiny().to_dict())
+        text_fields = {key: kwargs.pop(key) for key in list(kwargs) if key in text_only}
+        if text_fields:
+            config = kwargs.pop("config", None)
+            if not isinstance(config, KimiK3Config):
+                hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
+                       if k in kwargs}
+                config = KimiK3Config.from_pretrained(pretrained_model_name_or_path, **hub)
+            config = copy.deepcopy(config)
+            for key, value in text_fields.items():
+                setattr(config.text_config, key, value)
+            config.text_config.validate_k3()
+            kwargs["config"] = config
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def __init__(self, config: KimiK3Config):
         super().__init__(config)
