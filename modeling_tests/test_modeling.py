@@ -111,7 +111,7 @@ def test_flat_k3_kimi_linear_config_is_routed_to_k3(tmp_path):
         (dict(attention_dropout=2.0), "attention_dropout"),
         (dict(max_position_embeddings=0), "max_position_embeddings"),
         (dict(mlp_layer_types=["dense", "foo", "sparse", "sparse", "sparse", "sparse"]), "mlp_layer_types"),
-        (dict(first_k_dense_replace=10), "first_k_dense_replace"),
+        (dict(first_k_dense_replace=-1), "first_k_dense_replace"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):

@@ -339,10 +339,9 @@ class KimiK3TextConfig(PreTrainedConfig):
                        f"the kept groups hold {self.topk_group * per_group} experts, fewer than top-k "
                        f"{self.num_experts_per_token}")
             positive("moe_layer_freq")
-            _check(isinstance(self.first_k_dense_replace, int)
-                   and 0 <= self.first_k_dense_replace < self.num_hidden_layers, "first_k_dense_replace",
-                   f"must be an integer in [0, num_hidden_layers={self.num_hidden_layers}) (layers from it on are "
-                   f"MoE; for a model without MoE set num_experts to null), got {self.first_k_dense_replace!r}")
+            # (>= num_hidden_layers is allowed: every layer dense, as DeepSeek-style configs spell a dense model)
+            _check(isinstance(self.first_k_dense_replace, int) and self.first_k_dense_replace >= 0,
+                   "first_k_dense_replace", f"must be a non-negative integer, got {self.first_k_dense_replace!r}")
             _check(isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0,
                    "routed_scaling_factor", f"must be a positive number, got {self.routed_scaling_factor!r}")
             _check(isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0,
