@@ -230,11 +230,16 @@ def test_projector_output_has_unit_rms_with_unit_norm_weight():
 
 
 # ---------------------------------------------------------------- generation
-def test_generate_with_an_image_equals_recomputing_without_cache(model, processor):
+def ask_about_an_image(processor, question):
+    """A chat prompt (generation stub included) with one 70x50 image and ``question``, as model inputs."""
     messages = [{"role": "user", "content": [{"type": "image", "image": rgb(70, 50)},
-                                             {"type": "text", "text": "What is it?"}]}]
-    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt")
+                                             {"type": "text", "text": question}]}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
+def test_generate_with_an_image_equals_recomputing_without_cache(model, processor):
+    inputs = ask_about_an_image(processor, "What is it?")
     with torch.no_grad():
         out = greedy(model, inputs, 5)
         ids = inputs["input_ids"]
@@ -251,10 +256,7 @@ def test_assisted_and_prompt_lookup_decoding_with_an_image_equal_greedy(model, p
     prompt-lookup decoding with an image in the prompt (its first call appends draft tokens to the prompt, past the
     processor's mm_token_type_ids) and assisted decoding (the model as its own draft) on text give the greedy
     tokens."""
-    messages = [{"role": "user", "content": [{"type": "image", "image": rgb(70, 50)},
-                                             {"type": "text", "text": "What is it? What is it?"}]}]
-    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt")
+    inputs = ask_about_an_image(processor, "What is it? What is it?")
     with torch.no_grad():
         want = greedy(model, inputs, 8)
         assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None,
