@@ -191,6 +191,10 @@ class KimiK3ModelMixin:
         """transformers' ``from_pretrained``; when quantizing to bitsandbytes 4-bit (QLoRA), the linear layers its CPU
         kernel cannot pack are added to ``llm_int8_skip_modules`` first (`_narrow_for_bnb_4bit`)."""
         quantization_config = kwargs.get("quantization_config")
+        if isinstance(quantization_config, dict) and quantization_config.get("load_in_4bit"):
+            from transformers import BitsAndBytesConfig
+
+            quantization_config = BitsAndBytesConfig.from_dict(quantization_config)
         if getattr(quantization_config, "load_in_4bit", False):
             kwargs["quantization_config"] = _narrow_for_bnb_4bit(cls, pretrained_model_name_or_path,
                                                                  quantization_config, kwargs)
