@@ -60,8 +60,10 @@ def implementations_for(name: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 
 
-def gemm_rate(size: int = 1024, reps: int = 3, dtype: torch.dtype = torch.float32) -> float:
-    """Measured GEMM FLOP/s at ``size`` cubed (fp32 unless ``dtype``)."""
+def gemm_rate(size: int = 1024, reps: int = 12, dtype: torch.dtype = torch.float32) -> float:
+    """Measured GEMM FLOP/s at ``size`` cubed (fp32 unless ``dtype``), the best of ``reps`` calls (this machine's
+    speed drifts: with 3 calls the probe once read 205 GFLOP/s where torch reaches ~310-320, which overstated every
+    "roofline" share by 1.5x)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(reps))
