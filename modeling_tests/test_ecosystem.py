@@ -230,6 +230,62 @@ def test_trainer_normalises_by_num_items_in_batch(tmp_path, train_tokenizer):
     assert max_rel_err(wrong, want) > 0.1  # the check can tell the two normalisations apart
 
 
+def test_trainer_resume_from_checkpoint_restores_the_experts(tmp_path, train_tokenizer):
+    """A checkpoint holds the experts per expert (the official layout save_pretrained writes for a model built from a
+    config) and the Trainer restores it with a plain load_state_dict: the experts' pre-hook fuses them, so a run
+    resumed on a freshly initialised model ends with the uninterrupted run's weights and selection biases (the
+    experts kept their random init before, with only a missing / unexpected keys warning)."""
+    from transformers_k3 import QuantileBalancingCallback
+
+    rows = learnable_sequences(16, seed=5)
+    collate = DataCollatorForLanguageModeling(train_tokenizer, mlm=False)
+
+    def run(output, seed, resume=None):
+        torch.manual_seed(seed)
+        model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()), std=0.05, seed=seed)
+        args = training_args(tmp_path, output_dir=str(tmp_path / output), per_device_train_batch_size=4,
+                             max_steps=4, save_strategy="steps", save_steps=2, train_sampling_strategy="sequential")
+        Trainer(model=model, args=args, train_dataset=[{"input_ids": r} for r in rows], data_collator=collate,
+                callbacks=[QuantileBalancingCallback()]).train(resume_from_checkpoint=resume)
+        return model
+
+    whole = run("whole", seed=0)
+    resumed = run("resumed", seed=1, resume=str(tmp_path / "whole" / "checkpoint-2"))
+    want = whole.state_dict()
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+
+def test_trainer_aux_loss_under_gradient_accumulation_is_a_token_weighted_mean(tmp_path, train_tokenizer):
+    """With router_aux_loss_coef > 0 and gradient accumulation, one optimizer step follows the gradient of the mean
+    token loss over the whole batch plus coef x the token-weighted mean of the micro-batches' aux losses (each aux
+    loss a mean over its own micro-batch). It was their sum: the aux term grew with the accumulation steps. Checked
+    with plain SGD, lr 1, against losses computed without the Trainer."""
+    rows = [list(range(3, 5)), list(range(10, 14)), list(range(20, 44)), list(range(50, 72))]  # 1/3/23/21 targets
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny(router_aux_loss_coef=0.5)), std=0.05)
+    collate = DataCollatorForLanguageModeling(train_tokenizer, mlm=False)
+    reference = copy.deepcopy(model).train()
+    count = sum(len(r) - 1 for r in rows)
+    total = 0.0
+    for micro in (rows[:2], rows[2:]):
+        batch = collate([{"input_ids": r} for r in micro])
+        out = reference(**batch)
+        targets = sum(len(r) - 1 for r in micro)
+        ce = out.loss - 0.5 * out.aux_loss  # (the model's plain-call loss: mean CE + coef x aux)
+        total = total + ce * targets / count + 0.5 * out.aux_loss * targets / count
+    total.backward()
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+                         learning_rate=1.0, optim="sgd", max_grad_norm=0.0, train_sampling_strategy="sequential")
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": r} for r in rows], data_collator=collate).train()
+    router = [n for n, _ in model.named_parameters() if n.endswith("gate.weight")]
+    got = torch.cat([(start[n] - p.detach()).flatten() for n, p in model.named_parameters() if n in router])
+    want = torch.cat([p.grad.flatten() for n, p in reference.named_parameters() if n in router])
+    assert max_rel_err(got, want) < 2e-5, max_rel_err(got, want)
+
+
 # ================================================================ packed sequences
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_packed_batch_loss_and_gradients_equal_padded_batch(train_tokenizer, flash_kwargs):

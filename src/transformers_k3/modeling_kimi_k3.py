@@ -386,6 +386,22 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
             key for key in loading_info.unexpected_keys if not key.startswith(("vision_tower.", "mm_projector."))
         }
 
+    @staticmethod
+    def _aux_share(labels: torch.Tensor, kwargs: dict) -> torch.Tensor | float:
+        """This call's share of the auxiliary balance loss. With ``num_items_in_batch`` (transformers' Trainer under
+        gradient accumulation, and across ranks when it averages tokens over devices) the LM loss is this
+        micro-batch's summed token losses over the whole batch's count, and the Trainer no longer divides by the
+        accumulation steps; the aux loss, a mean over this micro-batch, takes the same share (its target tokens over
+        that count), so the accumulated total is the token-weighted mean of the micro-batches' aux losses instead
+        of their sum (it was multiplied by the accumulation steps). Otherwise 1."""
+        num_items = kwargs.get("num_items_in_batch")
+        if num_items is None:
+            return 1.0
+        shifted = kwargs.get("shift_labels")
+        if shifted is None:
+            shifted = labels[..., 1:]
+        return (shifted != -100).sum() / num_items
+
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
@@ -412,7 +428,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
                 attention_mask=attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None,
             )
             if loss is not None:
-                loss = loss + aux_coef * aux_loss.to(loss.device)
+                loss = loss + aux_coef * self._aux_share(labels, kwargs) * aux_loss.to(loss.device)
         return KimiK3CausalLMOutputWithPast(
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,

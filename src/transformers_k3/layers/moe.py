@@ -228,6 +228,26 @@ def _in_out(self: nn.Module, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 ALL_EXPERTS_FUNCTIONS.register(K3_GROUPED_MM, k3_grouped_mm_experts_forward)
 
 
+def _fuse_per_expert_weights(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of `KimiK3Experts`: per-expert ``{e}.w1/w2/w3.weight`` (the official layout, which
+    ``save_pretrained`` writes for a model built from a config) become ``gate_up_proj`` / ``down_proj``, as
+    ``from_pretrained`` fuses them. transformers' Trainer restores checkpoints (``resume_from_checkpoint``,
+    ``load_best_model_at_end``) with a plain ``load_state_dict``, which otherwise left the experts as they were
+    (only a missing / unexpected keys warning)."""
+    if f"{prefix}gate_up_proj" in state_dict or f"{prefix}0.w1.weight" not in state_dict:
+        return
+    n = module.num_experts
+    names = [f"{prefix}{e}.{w}.weight" for e in range(n) for w in ("w1", "w2", "w3")]
+    if not all(name in state_dict for name in names):
+        return  # (incomplete: load_state_dict reports the missing fused weights and the unexpected ones)
+    w1, w2, w3 = ([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(n)] for w in ("w1", "w2", "w3"))
+    gate_up = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(w1, w3)])  # [E, 2I, D]
+    down = torch.stack(w2)  # [E, D, I]
+    if getattr(module, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    state_dict[f"{prefix}gate_up_proj"], state_dict[f"{prefix}down_proj"] = gate_up, down
+
+
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
     """The routed experts as fused 3-D weights (transformers' experts interface layout).
@@ -252,6 +272,7 @@ class KimiK3Experts(nn.Module):
         # Only the gate half's activation; kept because the experts interface expects an `act_fn`.
         # The gated paths never use it: they call `_apply_gate`, which also caps the up half.
         self.act_fn = get_gate_act_fn(config)
+        self.register_load_state_dict_pre_hook(_fuse_per_expert_weights)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         return self.glu_fn(gate_up_out)
