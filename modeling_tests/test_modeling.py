@@ -549,12 +549,52 @@ def test_assisted_decoding_equals_greedy(tiny_model, monkeypatch):
     assert torch.equal(want, got_self)
 
 
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+def test_continuing_a_conversation_with_speculative_decoding_equals_greedy(tiny_model, mode):
+    """A second turn from the first turn's returned cache with prompt-lookup or assisted decoding: their first step
+    fed the whole history on top of the cache (transformers leaves it unsliced), which a recurrent state absorbs twice
+    (wrong tokens from the first step); now it feeds only the tokens the cache lacks."""
+    base = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    first = tiny_model.generate(torch.cat([base, base, base[:, :3]], 1), max_new_tokens=10, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
+    history = torch.cat([first.sequences, base], 1)
+    want = greedy(tiny_model, history, 10, use_cache=False)
+    extra = dict(prompt_lookup_num_tokens=4) if mode == "prompt_lookup" else dict(assistant_model=tiny_model)
+    assert torch.equal(greedy(tiny_model, history, 10, past_key_values=first.past_key_values, **extra), want)
+
+
 # ---------------------------------------------------------------- chunked prefill, offload, persistence
 def test_chunked_prefill_in_generate_equals_one_shot(tiny_model):
     ids = torch.randint(3, 512, (2, 90))
     want = greedy(tiny_model, ids, 8)
     for chunk in (16, 64, 37):
         assert torch.equal(greedy(tiny_model, ids, 8, prefill_chunk_size=chunk), want), chunk
+
+
+def test_left_padded_prompt_prefilled_token_by_token_equals_the_prompt_alone(tiny_model):
+    """Left padding leaves the KDA state untouched also when a padded prompt is pre-filled one token at a time
+    (prefill_chunk_size=1: a one-token step can be a padded position; the padding was only zeroed for longer steps)."""
+    long, short = torch.randint(3, 512, (1, 9)), torch.randint(3, 512, (1, 5))
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1)])
+    mask = torch.cat([torch.ones(1, 9, dtype=torch.long), (ids[1:] != 0).long()])
+    alone = greedy(tiny_model, short, 6)[0, -6:]
+    for chunk in (1, 2, 64):
+        got = greedy(tiny_model, ids, 6, attention_mask=mask, prefill_chunk_size=chunk)
+        assert torch.equal(got[1, -6:], alone), chunk
+
+
+def test_attention_mask_holes_are_refused_and_right_padding_is_not(tiny_model):
+    """A mask with masked tokens between attended ones has no exact meaning for a recurrent state (it still decays
+    across the hole): a clear error instead of a silently different result; right padding (training) passes."""
+    ids = torch.randint(3, 512, (2, 10))
+    hole = torch.ones(2, 10, dtype=torch.long)
+    hole[1, 4] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="position 4 of row 1 between attended tokens"):
+        tiny_model(ids, attention_mask=hole)
+    right = torch.ones(2, 10, dtype=torch.long)
+    right[1, 7:] = 0
+    with torch.no_grad():
+        assert_close_logits(tiny_model(ids, attention_mask=right).logits[1, :7], tiny_model(ids[1:, :7]).logits[0])
 
 
 def test_offloaded_latents_give_the_same_tokens(tiny_model):

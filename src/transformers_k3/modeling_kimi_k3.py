@@ -171,6 +171,24 @@ def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
     return quantization_config
 
 
+def _check_padding_only(attention_mask: torch.Tensor) -> None:
+    """A 2-D attention mask may mask tokens before a row's first attended one (left padding) or after its last (right
+    padding), not between attended ones: the KDA layers' recurrent state would still decay across a masked hole
+    and their short convolutions would see it as zeros, so the result would be neither the sequence with those
+    tokens nor the one without them."""
+    attended = attention_mask.bool()
+    started = attended.long().cummax(dim=1).values.bool()
+    more_later = attended.flip(1).long().cummax(dim=1).values.flip(1).bool()
+    holes = started & more_later & ~attended
+    if bool(holes.any()):
+        row, position = (int(i) for i in holes.nonzero()[0])
+        raise ValueError(
+            f"attention_mask masks position {position} of row {row} between attended tokens; K3's KDA layers (a "
+            "recurrent state) take only left padding (and right padding), not holes: drop those tokens from the "
+            "input instead (if generate inferred this mask from pad_token_id because the ids contain the pad id, "
+            "pass the attention_mask explicitly)")
+
+
 class KimiK3ModelMixin:
     """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
     which generation modes the hybrid cache allows."""
@@ -211,6 +229,22 @@ class KimiK3ModelMixin:
             finally:
                 del self._is_stateful
         return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+
+class KimiK3GenerationMixin:
+    """Mixed into K3's generating classes (text and multimodal) before transformers' GenerationMixin."""
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, **kwargs):
+        """transformers' preparation, with the tokens a given cache already holds dropped from a first step that would
+        feed them all: assisted and prompt-lookup decoding leave the first step unsliced (right for an empty cache),
+        so continuing a conversation from a returned cache ran the whole history through the model again on top of
+        it (a recurrent KDA state absorbs it twice: wrong tokens from the first step)."""
+        if next_sequence_length is None and past_key_values is not None and input_ids is not None:
+            cached = past_key_values.get_seq_length()
+            if 0 < cached < input_ids.shape[1]:
+                next_sequence_length = input_ids.shape[1] - cached
+        return super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
+                                                     past_key_values=past_key_values, **kwargs)
 
 
 class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
@@ -342,6 +376,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         kda_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if kda_mask is not None and bool(kda_mask.all()):
             kda_mask = None
+        if kda_mask is not None:
+            _check_padding_only(kda_mask)
 
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:
@@ -360,7 +396,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), past_key_values=past_key_values)
 
 
-class KimiK3ForCausalLM(KimiK3PreTrainedModel, GenerationMixin):
+class KimiK3ForCausalLM(KimiK3PreTrainedModel, KimiK3GenerationMixin, GenerationMixin):
     """K3 text decoder with the LM head. Accepts the text config or, for text-only use of a full K3
     checkpoint, the composite `KimiK3Config` (its ``text_config`` is used)."""
 

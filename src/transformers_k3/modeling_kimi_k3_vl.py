@@ -27,7 +27,8 @@ from .layers.vision import (
     KimiK3VisionTower,
     sincos_time_table,
 )
-from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ModelMixin, KimiK3ForCausalLM
+from .modeling_kimi_k3 import (KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3GenerationMixin,
+                               KimiK3ModelMixin)
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
@@ -60,7 +61,7 @@ class KimiK3VLPreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
             init.copy_(module.time_weight, sincos_time_table(module.weight.shape[-1], module.num_frames))
 
 
-class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, GenerationMixin):
+class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMixin, GenerationMixin):
     """K3 with the vision tower: images and video chunks in, text out.
 
     Inputs beyond the text model's: ``pixel_values [patches, 3, 14, 14]`` with ``image_grid_thw [images, 3]``,

@@ -123,9 +123,10 @@ class KimiK3DeltaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
         batch, seq_len, _ = hidden_states.shape
-        if attention_mask is not None and attention_mask.dim() == 2 and seq_len > 1:
+        if attention_mask is not None and attention_mask.dim() == 2:
             # Left padding: zeroed inputs make q = k = v = 0 at padded positions, so they leave the state at 0
-            # and the first real token sees the same zero history as at a sequence start.
+            # and the first real token sees the same zero history as at a sequence start (also when a padded
+            # prompt is pre-filled one token at a time: then a one-token step can be a padded position).
             hidden_states = hidden_states * attention_mask[:, -seq_len:, None].to(hidden_states.dtype)
         cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
         recorded = cache_layer.rollback_window(seq_len) if cache_layer is not None else 0
