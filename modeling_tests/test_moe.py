@@ -179,6 +179,24 @@ def test_router_logits_are_fp32_for_bf16_inputs_and_router_fp32_keeps_fp32_weigh
     assert KimiK3Router(make_config(router_fp32=True)).weight.dtype == torch.float32
 
 
+def test_casting_the_model_keeps_the_selection_bias_and_an_fp32_router_in_fp32():
+    """model.to(bf16) / .half() (not only loading with dtype=) keep the selection bias in fp32 with its values: a
+    bf16 copy would round Quantile Balancing's small updates away (1 + 1e-4 is 1 in bf16). With router_fp32 the
+    weight stays fp32 too; device moves are unaffected."""
+    cfg, router = make_router()
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(1 + torch.linspace(-1e-4, 1e-4, 8))
+    before = router.e_score_correction_bias.clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)):
+        moved = cast(router)
+        assert moved.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(moved.e_score_correction_bias, before)
+        assert moved.weight.dtype != torch.float32
+        router = moved.float()
+    fp32_router = KimiK3Router(make_config(router_fp32=True)).bfloat16()
+    assert fp32_router.weight.dtype == torch.float32
+
+
 def test_router_selects_k_distinct_experts_and_weights_sum_to_scaling_factor():
     cfg, router = make_router(num_experts=16, num_experts_per_tok=4)
     _, weights, idx = router(inputs(200, cfg.hidden_size))

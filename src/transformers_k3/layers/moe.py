@@ -74,9 +74,27 @@ class KimiK3Router(nn.Module):
         self.topk_group = config.topk_group
         # `router_fp32`: the checkpoint stores the router in fp32; the model must also keep it there when
         # it is cast to a lower dtype. The logits are fp32 either way.
-        weight_dtype = torch.float32 if getattr(config, "router_fp32", False) else None
+        self.weight_fp32 = bool(getattr(config, "router_fp32", False))
+        weight_dtype = torch.float32 if self.weight_fp32 else None
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(torch.bfloat16)`` / ``.half()`` leave the selection bias (and, with ``router_fp32``, the
+        weight) in fp32 with their values unchanged, as loading with ``dtype=`` does: Quantile Balancing's small
+        updates would be rounded away in a bf16 bias. Device moves apply as usual."""
+        kept = {"e_score_correction_bias": self.e_score_correction_bias}
+        if self.weight_fp32:
+            kept["weight"] = self.weight.data
+        result = super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if before.dtype == torch.float32 and after.is_floating_point() and after.dtype != torch.float32:
+                if name == "weight":
+                    self.weight.data = before.to(after.device)
+                else:
+                    self.e_score_correction_bias = before.to(after.device)
+        return result
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
