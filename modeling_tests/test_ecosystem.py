@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -394,6 +395,51 @@ def test_lora_on_attention_and_experts_save_load_merge(tmp_path):
         print(f"LoRA merged vs unmerged: rel {err:.1e}")
         assert err < 5e-5  # W + BA rounded once vs x(W) + (xA)B: ~1e-5 measured
         assert max_rel_err(incremental_logits(merged, ids, prefill=9), merged_logits) < 1e-5
+
+
+def test_lora_with_quantile_balancing_keeps_the_selection_biases(tmp_path, train_tokenizer):
+    """The selection biases Quantile Balancing trains are base-model buffers that a PEFT adapter does not carry: the
+    callback writes them into every checkpoint and a resumed LoRA run reads them back (it ends with the
+    uninterrupted run's biases and adapters), and save_router_biases / load_router_biases carry them next to a
+    saved adapter (a fresh base with both gives the trained model's logits)."""
+    peft = pytest.importorskip("peft")
+    from transformers_k3 import QuantileBalancingCallback, load_router_biases, save_router_biases
+
+    rows = learnable_sequences(16, seed=6)
+    collate = DataCollatorForLanguageModeling(train_tokenizer, mlm=False)
+
+    def lora_model():
+        torch.manual_seed(0)
+        base = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()), std=0.05)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=KDA_PROJECTIONS))
+
+    def run(output, resume=None):
+        model = lora_model()
+        args = training_args(tmp_path, output_dir=str(tmp_path / output), max_steps=4, save_strategy="steps",
+                             save_steps=2, train_sampling_strategy="sequential")
+        Trainer(model=model, args=args, train_dataset=[{"input_ids": r} for r in rows], data_collator=collate,
+                callbacks=[QuantileBalancingCallback()]).train(resume_from_checkpoint=resume)
+        return model
+
+    whole = run("whole")
+    biases = [m.e_score_correction_bias for m in whole.modules() if hasattr(m, "e_score_correction_bias")]
+    assert all(b.abs().sum() > 0 for b in biases)
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = run("resumed", resume=True)  # (the last checkpoint of its output directory)
+    want = whole.state_dict()
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+    whole.save_pretrained(tmp_path / "adapter")
+    save_router_biases(whole, tmp_path / "adapter" / "router_biases.safetensors")
+    fresh = peft.PeftModel.from_pretrained(lora_model().base_model.model, tmp_path / "adapter")
+    load_router_biases(fresh, tmp_path / "adapter" / "router_biases.safetensors")
+    ids = torch.randint(3, 512, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(ids).logits, whole.eval()(ids).logits)
+    with pytest.raises(ValueError, match="not this model's"):
+        load_router_biases(KimiK3ForCausalLM(KimiK3TextConfig.tiny(num_hidden_layers=3, linear_attn_config={
+            "kda_layers": [1, 2], "full_attn_layers": [3]})), tmp_path / "adapter" / "router_biases.safetensors")
 
 
 def test_lora_on_experts_alone_changes_the_output_and_trains():

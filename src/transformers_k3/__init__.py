@@ -15,7 +15,7 @@ from transformers import (
 )
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
-from .balancing import RouterBalancer
+from .balancing import RouterBalancer, load_router_biases, save_router_biases
 from .cache import KimiK3HybridCache
 from .chat import (
     KIMI_K3_RESPONSE_TEMPLATE,
@@ -82,6 +82,8 @@ __all__ = [
     "format_kimi_k3_tool_calls",
     "parse_kimi_k3_response",
     "QuantileBalancingCallback",
+    "load_router_biases",
+    "save_router_biases",
     "RouterBalancer",
     "KimiK3Config",
     "KimiK3ConfigError",

@@ -92,7 +92,10 @@ from .layers.moe import KimiK3Router, router_aux_loss
 
 __all__ = [
     "QuantileBalancingCallback",
+    "ROUTER_BIASES_NAME",
     "RouterBalancer",
+    "load_router_biases",
+    "save_router_biases",
     "quantile_balancing_update",
     "router_aux_loss",
     "router_entropy",
@@ -412,6 +415,47 @@ class RouterBalancer:
 
 
 # --------------------------------------------------------------------------------------------------
+# The selection biases on their own (PEFT adapters do not carry them)
+# --------------------------------------------------------------------------------------------------
+
+ROUTER_BIASES_NAME = "k3_router_biases.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def _router_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every router's selection-bias buffer, keyed by the router's name in the plain model (a PEFT wrapper's
+    ``base_model.model.`` prefix dropped, so that biases move between wrapped and unwrapped models)."""
+    return {name.removeprefix(_PEFT_PREFIX): module.e_score_correction_bias
+            for name, module in model.named_modules() if isinstance(module, KimiK3Router)}
+
+
+def save_router_biases(model: nn.Module, path) -> None:
+    """Write the routers' selection biases (``e_score_correction_bias``, which Quantile Balancing trains) to a
+    safetensors file. They are buffers of the base model, so a PEFT adapter saved with ``save_pretrained`` does not
+    carry them: save them next to it (`QuantileBalancingCallback` does so in every checkpoint) and load them with
+    `load_router_biases` after loading the adapter onto the base model."""
+    from safetensors.torch import save_file
+
+    biases = {name: bias.detach().float().cpu().contiguous() for name, bias in _router_biases(model).items()}
+    if not biases:
+        raise ValueError("the model has no K3 router (KimiK3Router): nothing to save")
+    save_file(biases, str(path), metadata={"format": "pt"})
+
+
+def load_router_biases(model: nn.Module, path) -> None:
+    """Copy the selection biases saved by `save_router_biases` into ``model``'s routers (all of them, by name)."""
+    from safetensors.torch import load_file
+
+    saved, biases = load_file(str(path)), _router_biases(model)
+    if set(saved) != set(biases):
+        raise ValueError(f"{path} holds the selection biases of routers {sorted(saved)[:3]}..., the model has "
+                         f"{sorted(biases)[:3]}... ({len(saved)} vs {len(biases)} routers): not this model's")
+    with torch.no_grad():
+        for name, bias in biases.items():
+            bias.copy_(saved[name])
+
+
+# --------------------------------------------------------------------------------------------------
 # Trainer integration
 # --------------------------------------------------------------------------------------------------
 
@@ -446,6 +490,31 @@ class _QuantileBalancing:
         if self.balancer is None:
             self.balancer = RouterBalancer(model, **self.balancer_kwargs)
         self.balancer.reset()  # nothing recorded before training (e.g. an initial evaluation) counts
+        if state.global_step > 0:  # resumed: the biases the checkpoint saved (a PEFT resume restores only adapters)
+            import os
+
+            # (callbacks are not told which checkpoint the Trainer resumed from: the one of this step in the output
+            # directory, as Trainer names them, or the one the arguments name)
+            candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+            if isinstance(args.resume_from_checkpoint, str):
+                candidates.insert(0, args.resume_from_checkpoint)
+            paths = [os.path.join(c, ROUTER_BIASES_NAME) for c in candidates
+                     if os.path.isfile(os.path.join(c, ROUTER_BIASES_NAME))]
+            if paths:
+                load_router_biases(model, paths[0])
+            elif any(name.startswith(_PEFT_PREFIX) for name, _ in model.named_modules()):
+                warnings.warn(f"resumed at step {state.global_step} but found no {ROUTER_BIASES_NAME} in "
+                              f"{candidates}: the routers' selection biases (not part of a PEFT adapter) start from "
+                              "the base model's values; load_router_biases(model, path) restores them", stacklevel=2)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        """Every checkpoint also gets the selection biases in their own file (a PEFT checkpoint holds only the
+        adapters; `on_train_begin` of a resumed run reads them back)."""
+        import os
+
+        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if model is not None and os.path.isdir(directory) and args.should_save:
+            save_router_biases(model, os.path.join(directory, ROUTER_BIASES_NAME))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.balancer is None:
