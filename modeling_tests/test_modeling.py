@@ -571,6 +571,22 @@ def test_chunked_prefill_in_generate_equals_one_shot(tiny_model):
         assert torch.equal(greedy(tiny_model, ids, 8, prefill_chunk_size=chunk), want), chunk
 
 
+def test_beam_search_keeps_a_reserved_cache_and_cache_implementations_map(tiny_model):
+    """Beam search reorders a reserved (preallocated) latent buffer in place: its capacity never drops to the
+    current length (which made every later step regrow and copy it); generate's cache_implementation names map onto
+    the hybrid cache ("offloaded": latents kept on the CPU between steps) or are refused by name."""
+    ids = torch.randint(3, 512, (1, 12))
+    want = greedy(tiny_model, ids, 8, num_beams=3, use_cache=False)
+    cache = KimiK3HybridCache(tiny_model.config, max_cache_len=100, batch_size=3)
+    assert torch.equal(greedy(tiny_model, ids, 8, num_beams=3, past_key_values=cache), want)
+    assert all(layer.latent.shape[1] == 100 for layer in cache.layers if hasattr(layer, "latent"))
+    plain = greedy(tiny_model, ids, 6)
+    for implementation in ("dynamic", "static", "offloaded", "offloaded_static"):
+        assert torch.equal(greedy(tiny_model, ids, 6, cache_implementation=implementation), plain), implementation
+    with pytest.raises(ValueError, match="cache_implementation='sliding_window' is not available for K3"):
+        greedy(tiny_model, ids, 2, cache_implementation="sliding_window")
+
+
 def test_left_padded_prompt_prefilled_token_by_token_equals_the_prompt_alone(tiny_model):
     """Left padding leaves the KDA state untouched also when a padded prompt is pre-filled one token at a time
     (prefill_chunk_size=1: a one-token step can be a padded position; the padding was only zeroed for longer steps)."""

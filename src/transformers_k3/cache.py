@@ -239,11 +239,18 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self.length = max(0, self.length + tokens_to_remove)
 
     def _apply(self, fn) -> None:
+        """The kept rows ``fn(latent)`` in a buffer of the same capacity (a reserved buffer stays reserved)."""
         if self.is_initialized:
-            self.latent = fn(self.latent[:, : self.length]).contiguous()
+            kept = fn(self.latent[:, : self.length])
+            buffer = kept.new_empty(kept.shape[0], self.latent.shape[1], kept.shape[2])
+            buffer[:, : self.length] = kept
+            self.latent = buffer
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        # (beam search, every step: in place, so the buffer keeps its capacity and is never regrown)
+        if self.is_initialized:
+            live = self.latent[:, : self.length]
+            live.copy_(live.index_select(0, beam_idx.to(live.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply(lambda t: t.repeat_interleave(repeats, dim=0))

@@ -189,6 +189,10 @@ def _check_padding_only(attention_mask: torch.Tensor) -> None:
             "pass the attention_mask explicitly)")
 
 
+# generate(cache_implementation=...) -> where the hybrid cache keeps its MLA latents between steps
+_CACHE_IMPLEMENTATIONS = {None: None, "dynamic": None, "static": None, "offloaded": "cpu", "offloaded_static": "cpu"}
+
+
 class KimiK3ModelMixin:
     """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
     which generation modes the hybrid cache allows."""
@@ -310,9 +314,17 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
             return
         if generation_config.use_cache is False:
             return
+        # transformers' cache_implementation names map onto the hybrid cache: it is always sized for the whole
+        # generation ("static"), and "offloaded" keeps the MLA latents in CPU memory between steps
+        implementation = getattr(generation_config, "cache_implementation", None)
+        if implementation not in _CACHE_IMPLEMENTATIONS:
+            raise ValueError(f"cache_implementation={implementation!r} is not available for K3: its hybrid cache (KDA "
+                             f"states + MLA latents) takes {sorted(k for k in _CACHE_IMPLEMENTATIONS if k)} (or none); "
+                             "for other layouts build a KimiK3HybridCache and pass it as past_key_values")
         # Latent buffers sized for the whole generation at once (prompt + new tokens): no regrowth copies.
         cache = KimiK3HybridCache(self.config.get_text_config(),
-                                  max_cache_len=max_cache_length if max_cache_length and max_cache_length > 0 else None)
+                                  max_cache_len=max_cache_length if max_cache_length and max_cache_length > 0 else None,
+                                  offload_latents_to=_CACHE_IMPLEMENTATIONS[implementation])
         if generation_config.is_assistant:  # an assistant's drafts are rolled back after verification
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache
