@@ -1,5 +1,6 @@
 """The K3 text model end to end: Auto classes, save/load, caching and generation, padding, outputs, training."""
 
+import copy
 import json
 
 import pytest
@@ -684,6 +685,20 @@ def test_bf16_load_keeps_fp32_parameters(tmp_path, tiny_model):
     built = AutoModelForCausalLM.from_config(tiny_model.config, dtype=torch.bfloat16)
     for name, tensor in built.state_dict().items():
         assert (tensor.dtype == torch.float32) == name.endswith(FP32_PARAMETERS), name
+
+
+def test_preallocated_cache_stores_the_activations_dtype(tiny_model):
+    """A cache reserved with batch_size but no dtype (the activations' dtype unknown at construction) stores a bf16
+    model's latents in bf16, as documented (it kept fp32 buffers: twice the memory), with the reserved capacity and
+    the same tokens; a batch size below 1 is refused."""
+    model = copy.deepcopy(tiny_model).bfloat16()
+    ids = torch.randint(3, 512, (2, 12))
+    cache = KimiK3HybridCache(model.config, max_cache_len=64, batch_size=2)
+    assert torch.equal(greedy(model, ids, 5, past_key_values=cache), greedy(model, ids, 5))
+    latents = [layer.latent for layer in cache.layers if hasattr(layer, "latent")]
+    assert all(t.dtype == torch.bfloat16 and t.shape[1] == 64 for t in latents)
+    with pytest.raises(ValueError, match="`batch_size` must be a positive"):
+        KimiK3HybridCache(model.config, batch_size=0)
 
 
 def test_preallocated_cache_with_storage_dtype(tiny_model):

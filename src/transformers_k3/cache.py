@@ -210,6 +210,10 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
                     "Build it with the batch size you generate with (`batch_size=`) and the model's config."
                 )
             self.dtype, self.device = latent_states.dtype, latent_states.device
+            if self.storage_dtype is None and self.length == 0 and self.latent.dtype != latent_states.dtype:
+                # reserved before the activations' dtype was known (the default dtype): store in theirs, as the
+                # docstring says (a bf16 model kept fp32 latents: twice the memory), still empty so nothing is lost
+                self.latent = torch.empty_like(self.latent, dtype=latent_states.dtype)
         new_len = self.length + latent_states.shape[1]
         if new_len > self.latent.shape[1]:
             capacity = max(new_len, 2 * self.latent.shape[1])
@@ -298,6 +302,9 @@ class KimiK3HybridCache(Cache):
         self.config = text_config
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"`max_cache_len` must be a positive number of tokens, got {max_cache_len}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"`batch_size` must be a positive number of sequences (or None: allocate on the first "
+                             f"forward), got {batch_size}")
         layers = [
             KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback)
             if kind == "linear_attention" else
