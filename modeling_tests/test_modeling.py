@@ -562,6 +562,9 @@ def test_continuing_a_conversation_with_speculative_decoding_equals_greedy(tiny_
     want = greedy(tiny_model, history, 10, use_cache=False)
     extra = dict(prompt_lookup_num_tokens=4) if mode == "prompt_lookup" else dict(assistant_model=tiny_model)
     assert torch.equal(greedy(tiny_model, history, 10, past_key_values=first.past_key_values, **extra), want)
+    # only the new tokens with the cache: a clear error (it failed deep in the convolution with a size mismatch)
+    with pytest.raises(ValueError, match="pass the whole sequence"):
+        greedy(tiny_model, base, 2, past_key_values=first.past_key_values)
 
 
 # ---------------------------------------------------------------- chunked prefill, offload, persistence
@@ -699,6 +702,13 @@ def test_preallocated_cache_stores_the_activations_dtype(tiny_model):
     assert all(t.dtype == torch.bfloat16 and t.shape[1] == 64 for t in latents)
     with pytest.raises(ValueError, match="`batch_size` must be a positive"):
         KimiK3HybridCache(model.config, batch_size=0)
+    # reset() empties the cache but keeps what the user set up: the reserved buffers, past recording
+    cache.activate_past_recording()
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    assert all(layer.latent is t for layer, t in zip((l for l in cache.layers if hasattr(l, "latent")), latents))
+    assert all(layer.record_past for layer in cache.layers if hasattr(layer, "conv_state"))
+    assert torch.equal(greedy(model, ids, 5, past_key_values=cache), greedy(model, ids, 5))
 
 
 def test_preallocated_cache_with_storage_dtype(tiny_model):

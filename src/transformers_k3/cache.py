@@ -97,7 +97,9 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
         self.has_previous_state[0] = self.is_conv_states_initialized[0] and self.is_recurrent_states_initialized[0]
 
     def reset(self) -> None:
+        recording = self.record_past  # (a reset cache keeps recording for assisted decoding if it was)
         self.__init__(self.conv_width, self.max_rollback)
+        self.record_past = recording
 
     def rollback_window(self, seq_len: int) -> int:
         """How many trailing tokens of a forward of `seq_len` tokens must be run token by token and recorded."""
@@ -179,6 +181,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self.storage_dtype = storage_dtype
         self.device = None
         self.dtype = None
+        self.reserved = False  # allocated up front by KimiK3HybridCache(batch_size=...): kept through reset()
 
     @property
     def batch_size(self) -> int:
@@ -234,7 +237,10 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.latent, self.length, self.is_initialized = None, 0, False
+        if self.reserved:  # a buffer the user reserved (`batch_size=`) stays reserved, emptied
+            self.length, self.device = 0, None
+        else:
+            self.latent, self.length, self.is_initialized = None, 0, False
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
@@ -316,6 +322,7 @@ class KimiK3HybridCache(Cache):
             for layer in layers:
                 if isinstance(layer, KimiK3MLACacheLayer):
                     layer.allocate(batch_size, width, torch.device(device) if device is not None else None)
+                    layer.reserved = True
         super().__init__(layers=layers)
 
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:

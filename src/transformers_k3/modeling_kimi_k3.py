@@ -243,10 +243,15 @@ class KimiK3GenerationMixin:
         feed them all: assisted and prompt-lookup decoding leave the first step unsliced (right for an empty cache),
         so continuing a conversation from a returned cache ran the whole history through the model again on top of
         it (a recurrent KDA state absorbs it twice: wrong tokens from the first step)."""
-        if next_sequence_length is None and past_key_values is not None and input_ids is not None:
+        if past_key_values is not None and input_ids is not None:
             cached = past_key_values.get_seq_length()
-            if 0 < cached < input_ids.shape[1]:
+            if next_sequence_length is None and 0 < cached < input_ids.shape[1]:
                 next_sequence_length = input_ids.shape[1] - cached
+            if kwargs.get("is_first_iteration") and cached >= input_ids.shape[1]:
+                raise ValueError(
+                    f"the cache passed as past_key_values already holds {cached} tokens but input_ids has "
+                    f"{input_ids.shape[1]}: pass the whole sequence (the history the cache holds, then the new "
+                    "tokens) as input_ids, as generate() returned it; only the tokens past the cache are computed")
         return super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
                                                      past_key_values=past_key_values, **kwargs)
 
