@@ -247,7 +247,7 @@ class KimiK3GenerationMixin:
             cached = past_key_values.get_seq_length()
             if next_sequence_length is None and 0 < cached < input_ids.shape[1]:
                 next_sequence_length = input_ids.shape[1] - cached
-            if kwargs.get("is_first_iteration") and cached >= input_ids.shape[1]:
+            if next_sequence_length is not None and next_sequence_length <= 0:
                 raise ValueError(
                     f"the cache passed as past_key_values already holds {cached} tokens but input_ids has "
                     f"{input_ids.shape[1]}: pass the whole sequence (the history the cache holds, then the new "
