@@ -141,6 +141,17 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return (partial, *bank)
 
 
+def config_for_from_pretrained(cls, path, kwargs) -> PretrainedConfig:
+    """The config a ``cls.from_pretrained(path, **kwargs)`` call will use: ``kwargs["config"]`` if it is one, else
+    ``cls.config_class`` read from ``path`` (with the call's hub arguments), for the overrides that must see it
+    before transformers builds the model."""
+    config = kwargs.get("config")
+    if isinstance(config, PretrainedConfig):
+        return config
+    hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+    return cls.config_class.from_pretrained(path, **hub)
+
+
 def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
     """A copy of a bitsandbytes 4-bit ``quantization_config`` whose ``llm_int8_skip_modules`` also holds the linear
     layers its CPU kernel cannot pack (blocks of 32 output rows x 64 input columns): at full size the 1-wide AttnRes
@@ -152,11 +163,7 @@ def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
 
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    config = kwargs.get("config")
-    if not isinstance(config, PretrainedConfig):
-        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
-               if k in kwargs}
-        config = cls.config_class.from_pretrained(path, **hub)
+    config = config_for_from_pretrained(cls, path, kwargs)
     with torch.device("meta"):
         skeleton = cls(copy.deepcopy(config))  # (meta tensors: no memory, only the module tree)
     narrow = [name for name, module in skeleton.named_modules()

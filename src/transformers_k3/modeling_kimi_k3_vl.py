@@ -28,7 +28,7 @@ from .layers.vision import (
     sincos_time_table,
 )
 from .modeling_kimi_k3 import (KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3GenerationMixin,
-                               KimiK3ModelMixin)
+                               KimiK3ModelMixin, config_for_from_pretrained)
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
@@ -76,12 +76,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
         text_only = set(KimiK3TextConfig().to_dict()) - set(KimiK3Config.tiny().to_dict())
         text_fields = {key: kwargs.pop(key) for key in list(kwargs) if key in text_only}
         if text_fields:
-            config = kwargs.pop("config", None)
-            if not isinstance(config, KimiK3Config):
-                hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder")
-                       if k in kwargs}
-                config = KimiK3Config.from_pretrained(pretrained_model_name_or_path, **hub)
-            config = copy.deepcopy(config)
+            config = copy.deepcopy(config_for_from_pretrained(cls, pretrained_model_name_or_path, kwargs))
             for key, value in text_fields.items():
                 setattr(config.text_config, key, value)
             config.text_config.validate_k3()
