@@ -215,6 +215,27 @@ class KimiK3ModelMixin:
             K3_GROUPED_MM if requested_experts is None else requested_experts
         )
 
+    def _apply(self, fn, recurse=True):
+        """``model.to(torch.bfloat16)`` / ``.half()`` keep what the release stores in fp32
+        (``_keep_in_fp32_modules_strict``: the KDA decay parameters and convolution filters, the selection biases)
+        in fp32 with their values, as ``from_pretrained(dtype=...)`` does, so that casting a loaded model computes
+        what loading it in that dtype computes (a bf16 A_log / dt_bias changed every KDA decay). Device moves apply
+        as usual."""
+        keys = tuple(getattr(self, "_keep_in_fp32_modules_strict", None) or ())
+        kept = {name: tensor.data for name, tensor in [*self.named_parameters(), *self.named_buffers()]
+                if tensor.dtype == torch.float32 and any(key in name for key in keys)} if keys else {}
+        result = super()._apply(fn, recurse)
+        for name, before in kept.items():
+            module_name, _, attr = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            after = getattr(module, attr)
+            if after.is_floating_point() and after.dtype != torch.float32:
+                if isinstance(after, nn.Parameter):
+                    after.data = before.to(after.device)
+                else:
+                    setattr(module, attr, before.to(after.device))
+        return result
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; when quantizing to bitsandbytes 4-bit (QLoRA), the linear layers its CPU
