@@ -22,6 +22,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.attn_res import KimiK3AttnResRead
+from .layers.casting import apply_keeping_fp32
 from .layers.kda import KimiK3DeltaAttention
 from .layers.linear import apply_linear
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
@@ -222,19 +223,8 @@ class KimiK3ModelMixin:
         what loading it in that dtype computes (a bf16 A_log / dt_bias changed every KDA decay). Device moves apply
         as usual."""
         keys = tuple(getattr(self, "_keep_in_fp32_modules_strict", None) or ())
-        kept = {name: tensor.data for name, tensor in [*self.named_parameters(), *self.named_buffers()]
-                if tensor.dtype == torch.float32 and any(key in name for key in keys)} if keys else {}
-        result = super()._apply(fn, recurse)
-        for name, before in kept.items():
-            module_name, _, attr = name.rpartition(".")
-            module = self.get_submodule(module_name)
-            after = getattr(module, attr)
-            if after.is_floating_point() and after.dtype != torch.float32:
-                if isinstance(after, nn.Parameter):
-                    after.data = before.to(after.device)
-                else:
-                    setattr(module, attr, before.to(after.device))
-        return result
+        return apply_keeping_fp32(self, lambda: super(KimiK3ModelMixin, self)._apply(fn, recurse),
+                                  lambda name: any(key in name for key in keys))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):

@@ -22,6 +22,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 from ..ops import cpu_kernel
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .linear import apply_linear
+from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
 
@@ -83,18 +84,8 @@ class KimiK3Router(nn.Module):
         """``model.to(torch.bfloat16)`` / ``.half()`` leave the selection bias (and, with ``router_fp32``, the
         weight) in fp32 with their values unchanged, as loading with ``dtype=`` does: Quantile Balancing's small
         updates would be rounded away in a bf16 bias. Device moves apply as usual."""
-        kept = {"e_score_correction_bias": self.e_score_correction_bias}
-        if self.weight_fp32:
-            kept["weight"] = self.weight.data
-        result = super()._apply(fn, recurse)
-        for name, before in kept.items():
-            after = getattr(self, name)
-            if before.dtype == torch.float32 and after.is_floating_point() and after.dtype != torch.float32:
-                if name == "weight":
-                    self.weight.data = before.to(after.device)
-                else:
-                    self.e_score_correction_bias = before.to(after.device)
-        return result
+        names = ("e_score_correction_bias", "weight") if self.weight_fp32 else ("e_score_correction_bias",)
+        return apply_keeping_fp32(self, lambda: super(KimiK3Router, self)._apply(fn, recurse), names.__contains__)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
