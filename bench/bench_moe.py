@@ -8,7 +8,9 @@ in-tree MoE layers at the same shape, in one process.
 Two tables. Our modules run under every experts implementation: transformers' eager / grouped_mm / batched_mm
 and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`; on CPU in fp32 it runs
 the fused experts kernel, ``csrc/moe_cpu.cpp``, forward and backward, and in the whole layer the router's top-k
-and sparse backward run ``csrc/router_cpu.cpp``), plus ``k3_gmm_torch``, the same with the kernels turned off
+and sparse backward run ``csrc/router_cpu.cpp``; there an fp32 router on a CPU with the AMX tile unit selects through
+its screen, approximate logits with an error bound and exact fp32 logits only for the experts the bound cannot rule
+out, instead of the full fp32 router GEMM), plus ``k3_gmm_torch``, the same with the kernels turned off
 (the PyTorch path); the in-tree modules under transformers' three.
 
 * experts only: `KimiK3Experts` vs transformers' `KimiLinearExperts` and `Qwen3_5MoeExperts` (DeepSeek-V3's
@@ -24,13 +26,13 @@ starts, the best of ``--reps`` runs. Peak memory is the largest total size of th
 that are alive at once (saved activations, gradients and temporaries; not the inputs), replayed from the profiler's
 allocation record (exact, where sampling the process RSS missed short-lived peaks). "roofline" is the measured fp32
 GEMM rate of this machine divided by the layer's matmul FLOPs per token (x3 for forward+backward): the speed of a
-perfect grouped GEMM (also under ``--dtype bfloat16``: our experts kernel computes in fp32 from the bf16 values, and
-the bf16 GEMM rate is printed beside it). The in-tree eager paths are slow enough that they run on ``--slow-tokens``
-tokens. Under each ratio, what ``--target`` (5x) times the fastest in-tree row asks of ours, as a share of our
-roofline: the whole K3 layer does ~1.6x the in-tree layer's matmul FLOPs (a router over twice the width, a
-full-width shared expert, the latent projections), so there a 5x target can ask for most of this machine's GEMM
-rate.
-"""
+perfect grouped GEMM (for the whole K3 layer it counts the full router GEMM, which the screened selection skips,
+so a share near or above 100 % is possible; also under ``--dtype bfloat16``: our experts kernel computes in fp32
+from the bf16 values, and the bf16 GEMM rate is printed beside it). The in-tree eager paths are slow enough that
+they run on ``--slow-tokens`` tokens. Under each ratio, what ``--target`` (5x) times the fastest in-tree row asks of
+ours, as a share of our roofline: the whole K3 layer does ~1.6x the in-tree layer's matmul FLOPs (a router over
+twice the width, a full-width shared expert, the latent projections), so there a 5x target can ask for most of this
+machine's GEMM rate."""
 
 from __future__ import annotations
 

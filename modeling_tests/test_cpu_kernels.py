@@ -891,6 +891,178 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     assert calls == [None]
 
 
+# --------------------------------------------------------------------------------------------------
+# The fp32 router's screened selection (bf16 tile-unit logits with an error bound, exact fp32 for candidates)
+
+
+def _screened(x, weight, bias, top_k, screen=True, cache=None):
+    out = cpu_kernel.router_screened_topk(x, weight, bias, top_k, {} if cache is None else cache, screen=screen)
+    assert out is not None
+    return out
+
+
+# (tokens, experts, hidden, k): K3's scaled-down router; tile edges everywhere (tokens no multiple of 32, experts no
+# multiple of 16, hidden no multiple of 32); k = E; one token (a decode step); no tokens
+SCREEN_SHAPES = [(2048, 896, 256, 16), (70, 50, 40, 7), (33, 17, 34, 16), (5, 16, 64, 16), (1, 896, 256, 16),
+                 (0, 8, 32, 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SCREEN_SHAPES)
+def test_router_screened_topk_is_the_fp32_selection(amx, shape):
+    """router_screened_topk, which computes exact fp32 logits only for the experts that its bound cannot rule out,
+    against the same kernel with every logit computed in fp32 (screen=False): bitwise the same experts, order and
+    scores, on 1 and 3 threads (rows of very different scales: the bound is per token); and against the GEMM path
+    (router_sigmoid_topk on F.linear's logits): the same experts wherever the k-th and (k+1)-th biased scores are
+    not within fp32 rounding of each other, scores within 1e-5 (rows scaled up to 1e3: logits of ~1e3 differ by
+    ~1e-4 between two fp32 sums)."""
+    n, e, h, k = shape
+    gen = torch.Generator().manual_seed(n + e + h + k)
+    x = torch.randn(n, h, generator=gen) * torch.logspace(-3, 3, n or 1)[:n, None]
+    weight, bias = torch.randn(e, h, generator=gen) / h**0.5, torch.randn(e, generator=gen) * 0.05
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results += [_screened(x, weight, bias, k), _screened(x, weight, bias, k, screen=False)]
+    finally:
+        torch.set_num_threads(previous)
+    index, scores = results[0]
+    assert index.shape == scores.shape == (n, k) and index.dtype == torch.int64
+    for other_index, other_scores in results[1:]:
+        assert torch.equal(other_index, index) and cpu_kernel.same_bits(other_scores, scores)
+    ref_index, ref_scores = cpu_kernel.router_sigmoid_topk(torch.nn.functional.linear(x, weight), bias, k)
+    biased = (torch.sigmoid(x.double() @ weight.double().t()) + bias.double()).sort(-1, descending=True).values
+    clear = biased[:, k - 1] - biased[:, k] > 1e-6 if k < e else torch.ones(n, dtype=torch.bool)
+    assert clear.float().mean() > 0.99 if n > 100 else clear.all()
+    assert torch.equal(index[clear], ref_index[clear])
+    torch.testing.assert_close(scores[clear], ref_scores[clear], atol=1e-5, rtol=0)
+
+
+def test_router_screened_topk_ties_are_torchs(amx):
+    """Logits that every fp32 sum gets exactly (small multiples of powers of two, so also exact in bf16), with many
+    equal values: the screen must keep every tied expert, and the result is bitwise router_topk's on torch.sigmoid
+    of the exact logits (equal biased scores rank the lower expert id first, as torch.topk)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(-2, 3, (300, 64), generator=gen).float() / 4
+    weight = torch.randint(-1, 2, (96, 64), generator=gen).float() / 8
+    bias = torch.randint(-1, 2, (96,), generator=gen).float() / 64
+    logits = x @ weight.t()
+    assert torch.equal(logits.double(), x.double() @ weight.double().t())  # exact
+    scores = torch.sigmoid(logits)
+    expected = cpu_kernel.router_topk(scores, bias, 9)
+    biased = scores + bias
+    kth = biased.gather(1, expected[:, -1:])
+    assert ((biased == kth).sum(-1) > 1).float().mean() > 0.3  # (ties at the boundary are common)
+    index, selected = _screened(x, weight, bias, 9)
+    assert torch.equal(index, expected) and cpu_kernel.same_bits(selected, scores.gather(1, index))
+
+
+def test_router_screened_topk_rows_it_cannot_bound_and_where_it_declines(amx):
+    """Rows with NaN, an infinity or products near fp32's range are computed directly: the GEMM path's selection
+    (NaN ranks first, as torch.topk). A weight or bias with a value that is not finite, k > 16, fp32-only
+    arguments, an odd hidden size and the kernels turned off give None. The weight's tiles are kept in the
+    caller's cache until the weight changes (in place: its version)."""
+    gen = torch.Generator().manual_seed(8)
+    x, weight = torch.randn(40, 32, generator=gen), torch.randn(24, 32, generator=gen) / 6
+    bias = torch.randn(24, generator=gen) * 0.05
+    x[3, 5], x[4, 0], x[5] = float("nan"), float("inf"), x[5] * 1e30
+    index, selected = _screened(x, weight, bias, 4)
+    ref_index, ref_selected = cpu_kernel.router_sigmoid_topk(torch.nn.functional.linear(x, weight), bias, 4)
+    assert torch.equal(index[3:6], ref_index[3:6]) and cpu_kernel.same_bits(selected[3:6], ref_selected[3:6])
+    assert torch.equal(index[3], torch.arange(4))  # all NaN: the first four
+
+    cache = {}
+    first = _screened(x[6:], weight, bias, 4, cache=cache)
+    key = cache["entry"][0]
+    weight.mul_(-1)  # (a new version, the same storage)
+    second = _screened(x[6:], weight, bias, 4, cache=cache)
+    assert cache["entry"][0] != key and not torch.equal(first[0], second[0])
+    assert torch.equal(second[0], _screened(x[6:], weight, bias, 4)[0])
+
+    bad = weight.clone()
+    bad[2, 3] = float("nan")
+    assert cpu_kernel.router_screened_topk(x, bad, bias, 4, {}) is None
+    assert cpu_kernel.router_screened_topk(x, weight, bias.clone().fill_(float("inf")), 4, {}) is None
+    assert cpu_kernel.router_screened_topk(x, weight, bias, 17, {}) is None
+    assert cpu_kernel.router_screened_topk(x[:, :31], weight[:, :31], bias, 4, {}) is None
+    assert cpu_kernel.router_screened_topk(x.bfloat16(), weight.bfloat16(), bias, 4, {}) is None
+    with cpu_kernel.use_cpu_kernel(False):
+        assert cpu_kernel.router_screened_topk(x, weight, bias, 4, {}) is None
+
+
+def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monkeypatch):
+    """KimiK3SparseMoE in fp32 routes through router_screened_topk (no [N, E] GEMM): the layer's output and its
+    gradients (input, router weight, experts) match the kernels-off path (<= 1e-5). The router gives its logits
+    whenever they are read: called directly, under a forward hook (Quantile Balancing's), or when the model records
+    ``output_router_logits``; then the screen does not run."""
+    from test_moe import make_config as moe_config
+    from transformers_k3.layers.moe import KimiK3SparseMoE
+
+    layer = KimiK3SparseMoE(moe_config(num_experts=48, num_experts_per_tok=6, _experts_implementation=K3_GROUPED_MM))
+    randomize(layer, seed=9)
+    layer.gate.e_score_correction_bias.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(10))
+    calls = []
+    original = cpu_kernel.router_screened_topk
+    monkeypatch.setattr(cpu_kernel, "router_screened_topk",
+                        lambda *a, **k: calls.append(original(*a, **k)) or calls[-1])  # fmt: skip
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        out = layer(xs)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), xs.grad, layer.gate.weight.grad, layer.experts.gate_up_proj.grad
+
+    got = run()
+    assert len(calls) == 1 and calls[0] is not None
+    with cpu_kernel.use_cpu_kernel(False):
+        want = run()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    calls.clear()
+    logits, _, _ = layer.gate(x)  # a direct call: the logits
+    assert logits.shape == (80, 48) and calls == []
+    seen = []
+    handle = layer.gate.register_forward_hook(lambda module, args, output: seen.append(output[0]))
+    with torch.no_grad():
+        layer(x)
+    handle.remove()
+    assert calls == [] and seen[0].shape == (80, 48)
+    with torch.no_grad():
+        layer(x)
+    assert len(calls) == 1
+
+
+def test_model_records_router_logits_with_the_screen_on(amx):
+    """A model asked for ``output_router_logits`` returns every MoE layer's [N, E] logits (the screen steps
+    aside for that call), those of the kernels-off path (<= 1e-5), and the next plain call screens again."""
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, moe_module.SCREEN_MIN_TOKENS + 8))
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+        with cpu_kernel.use_cpu_kernel(False):
+            ref = model(ids, output_router_logits=True)
+    assert len(out.router_logits) == len(ref.router_logits) > 0
+    for a, b in zip(out.router_logits, ref.router_logits):
+        assert a.shape == (ids.shape[1], model.config.num_experts)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    calls = []
+    original = cpu_kernel.router_screened_topk
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(cpu_kernel, "router_screened_topk", lambda *a, **k: calls.append(original(*a, **k)) or calls[-1])
+        model(ids, output_router_logits=True)
+        assert calls == []
+        model(ids)
+    assert len(calls) == len(out.router_logits) and all(c is not None for c in calls)
+
+
 @pytest.fixture
 def linear_bf16(kernel):
     if not kernel.k3_linear_bf16_available():

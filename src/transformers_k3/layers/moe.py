@@ -20,6 +20,11 @@ from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import cpu_kernel
+
+try:  # transformers' output recording (`output_router_logits`): which outputs the running forward collects
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # (then any hook on a router counts as reading its logits)
+    _active_collector = None
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .linear import apply_linear
 from .casting import apply_keeping_fp32
@@ -51,6 +56,12 @@ class KimiK3MLP(nn.Module):
         return apply_linear(self.down_proj, self.glu_fn(gate, up) if act is None else act)
 
 
+# The fp32 router screens its selection (`cpu_kernel.router_screened_topk`) from this many tokens: below, the fp32
+# GEMM of a few rows is cheaper than the screen's fixed costs (2 threads, 896 experts, width 256: 1 token 53 vs 31 us,
+# 8 tokens 67 vs 43, 32 tokens 121 vs 144, 2,048 tokens 3.5 vs 5.5 ms).
+SCREEN_MIN_TOKENS = 32
+
+
 class KimiK3Router(nn.Module):
     """Sigmoid (or softmax) top-k router with a selection-only correction bias (spec 6.3, step 1).
 
@@ -79,6 +90,8 @@ class KimiK3Router(nn.Module):
         weight_dtype = torch.float32 if self.weight_fp32 else None
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        # the weight's bf16 tiles and norms for `cpu_kernel.router_screened_topk`, until the weight changes
+        self._screen_cache: dict = {}
 
     def _apply(self, fn, recurse=True):
         """``model.to(torch.bfloat16)`` / ``.half()`` leave the selection bias (and, with ``router_fp32``, the
@@ -87,10 +100,31 @@ class KimiK3Router(nn.Module):
         names = ("e_score_correction_bias", "weight") if self.weight_fp32 else ("e_score_correction_bias",)
         return apply_keeping_fp32(self, lambda: super(KimiK3Router, self)._apply(fn, recurse), names.__contains__)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_states: torch.Tensor, need_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
-        topk_indices [N, k] int64)`` with ``N`` the number of tokens."""
+        topk_indices [N, k] int64)`` with ``N`` the number of tokens.
+
+        ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so where nothing else
+        observes this call's output (`logits_observed`: a forward hook, or transformers' ``output_router_logits``
+        recording), an fp32 router on a CPU with the AMX tile unit, given at least `SCREEN_MIN_TOKENS` tokens,
+        selects without the ``[N, E]`` fp32 GEMM
+        (`cpu_kernel.router_screened_topk`: the same selection and scores as from fp32 logits) and returns None in
+        place of the logits."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        if (
+            not need_logits and hidden_states.shape[0] >= SCREEN_MIN_TOKENS and not self.use_softmax
+            and self.num_expert_group == 1 and not self.logits_observed()
+        ):  # fmt: skip
+            chosen = cpu_kernel.router_screened_topk(
+                hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self._screen_cache
+            )
+            if chosen is not None:
+                topk_indices, selected = chosen
+                if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+                    selected = cpu_kernel.selected_scores(hidden_states, self.weight, topk_indices, selected)
+                return None, self._final_weights(selected), topk_indices
         # a bf16 model on CPU: the same fp32 logits from the bf16 operands in a kernel (exact products, fp32 sums;
         # the AMX tile unit for prefill), where torch would run an fp32 GEMM on upcast copies of both, the
         # weight's made anew each call
@@ -126,10 +160,28 @@ class KimiK3Router(nn.Module):
             topk_weights = cpu_kernel.selected_scores(h, weight, topk_indices, selected)
         else:
             topk_weights = selected
+        return router_logits, self._final_weights(topk_weights), topk_indices
+
+    def _final_weights(self, selected: torch.Tensor) -> torch.Tensor:
+        """The chosen (unbiased) scores renormalized over the k and scaled."""
         if self.renormalize:
-            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-        topk_weights = topk_weights * self.routed_scaling_factor
-        return router_logits, topk_weights, topk_indices
+            selected = selected / (selected.sum(dim=-1, keepdim=True) + 1e-20)
+        return selected * self.routed_scaling_factor
+
+    def logits_observed(self) -> bool:
+        """Whether something other than the MoE layer reads this call's logits: a forward hook on the router
+        (Quantile Balancing's `RouterBalancer`, a user's), or transformers' output recording asked for
+        ``router_logits`` (its hooks stay installed but are inactive otherwise)."""
+        hooks = (*self._forward_hooks.values(), *getattr(nn.modules.module, "_global_forward_hooks", {}).values())
+        recording = False
+        for hook in hooks:
+            if _active_collector is None or getattr(hook, "__name__", None) != "output_capturing_hook":
+                return True
+            recording = True
+        if recording:
+            collected = _active_collector.get()
+            return collected is not None and "router_logits" in collected
+        return False
 
     def _keep_best_groups(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
         """Group-limited routing: rank groups by the sum of their two best (biased) scores, keep the
@@ -360,7 +412,7 @@ class KimiK3SparseMoE(nn.Module):
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
 
-        _, topk_weights, topk_indices = self.gate(y)  # routing is decided on the full-width input
+        _, topk_weights, topk_indices = self.gate(y, need_logits=False)  # decided on the full-width input
         z = apply_linear(self.routed_expert_down_proj, y) if self.is_latent else y
         routed = self.experts(z, topk_indices, topk_weights)
         if self.routed_expert_norm is not None:

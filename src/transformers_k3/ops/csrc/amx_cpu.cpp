@@ -22,6 +22,7 @@
 #include "common.h"
 #include "bf16_rows.h"
 #include "small_gemm.h"
+#include "amx_tiles.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -85,6 +86,28 @@ void pack_b(const uint16_t* b, int64_t n, int k, int64_t n_blocks, int k_blocks,
     }
 }
 
+// Tiles 0-3 = the 32 x 32 block of a_block [32, lda] (bf16, zero-padded rows) times the pair np of packed b's
+// 16-column blocks: (rows 0-15, 16-31) x (columns 0-15, 16-31).
+inline void pair_product(const uint16_t* a_block, int64_t lda, const uint16_t* packed, int64_t np, int k_blocks) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint16_t* b0 = packed + (2 * np) * k_blocks * kTileElems;
+  const uint16_t* b1 = b0 + (int64_t)k_blocks * kTileElems;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const uint16_t* ak = a_block + kb * kKBlock;
+    _tile_loadd(4, ak, lda * 2);
+    _tile_loadd(5, ak + 16 * lda, lda * 2);
+    _tile_loadd(6, b0 + kb * kTileElems, 64);
+    _tile_loadd(7, b1 + kb * kTileElems, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // Fewer than kAmxMinRows rows of a (a decode step): packing b for the tile unit would cost more than the
 // products, so each output is an AVX-512 dot product over k (bf16_rows.h: b's rows read once per group of 4 rows of
 // a, the threads splitting b's rows). Measured at the router's [896, 256] weight, 2 threads: 1 row 24 us, 8 rows 73,
@@ -95,7 +118,69 @@ static_assert(kAmxMinRows - 1 <= k3::bf16_rows::kMaxRows, "the few-row products 
 }  // namespace
 #endif
 
+// The tile unit's pieces for other kernels (amx_tiles.h): the router's screened selection (router_cpu.cpp).
+namespace k3 {
+namespace amx {
+
+bool available() {
+#if K3_HAVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+int64_t packed_elements(int64_t n, int k) {
+  const int64_t k_blocks = (k + 31) / 32, n_pairs = (n + 31) / 32;
+  return 2 * n_pairs * k_blocks * 512;
+}
+
+void pack(const uint16_t* b, int64_t n, int k, uint16_t* packed) {
+#if K3_HAVE_AMX
+  const int k_blocks = (k + kKBlock - 1) / kKBlock;
+  pack_b(b, n, k, 2 * ((n + 31) / 32), k_blocks, packed);  // (an orphaned work-sharing loop: serial here)
+#else
+  (void)b, (void)n, (void)k, (void)packed;
+#endif
+}
+
+void begin() {
+#if K3_HAVE_AMX
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+#endif
+}
+
+void end() {
+#if K3_HAVE_AMX
+  _tile_release();
+#endif
+}
+
+void block(const uint16_t* a_block, int64_t lda, const uint16_t* packed, int64_t n, int k, float* out, int64_t ldo) {
+#if K3_HAVE_AMX
+  const int k_blocks = (k + kKBlock - 1) / kKBlock;
+  const int64_t n_pairs = (n + 31) / 32;
+  for (int64_t np = 0; np < n_pairs; ++np) {
+    pair_product(a_block, lda, packed, np, k_blocks);
+    float* o = out + np * 32;
+    _tile_stored(0, o, ldo * 4);
+    _tile_stored(1, o + 16, ldo * 4);
+    _tile_stored(2, o + 16 * ldo, ldo * 4);
+    _tile_stored(3, o + 16 * ldo + 16, ldo * 4);
+  }
+#else
+  (void)a_block, (void)lda, (void)packed, (void)n, (void)k, (void)out, (void)ldo;
+#endif
+}
+
+}  // namespace amx
+}  // namespace k3
+
 extern "C" {
+
+// uint16 elements of a [n, k] matrix packed for the tile unit (k3_router_screen_prepare's output).
+int64_t k3_amx_packed_elements(int64_t n, int k) { return k3::amx::packed_elements(n, k); }
 
 // 1 if this build and this process can use the AMX tile unit for k3_gemm_bf16_f32, else 0.
 int k3_amx_available() {
@@ -157,23 +242,7 @@ int k3_gemm_bf16_f32(const uint16_t* a, const uint16_t* b, int64_t m, int64_t n,
         }
       }
       for (int64_t np = 0; np < n_pairs; ++np) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint16_t* b0 = packed.data() + (2 * np) * k_blocks * kTileElems;
-        const uint16_t* b1 = b0 + (int64_t)k_blocks * kTileElems;
-        for (int kb = 0; kb < k_blocks; ++kb) {
-          const uint16_t* ak = a_block.data() + kb * kKBlock;
-          _tile_loadd(4, ak, lda * 2);
-          _tile_loadd(5, ak + 16 * lda, lda * 2);
-          _tile_loadd(6, b0 + kb * kTileElems, 64);
-          _tile_loadd(7, b1 + kb * kTileElems, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        pair_product(a_block.data(), lda, packed.data(), np, k_blocks);
         const int64_t n0 = np * 32;
         const int cols = (int)std::min<int64_t>(32, n - n0);
         if (rows == 32 && cols == 32) {

@@ -18,7 +18,10 @@
 #include <memory>
 #include <vector>
 
+#include "amx_tiles.h"
+#include "bf16_rows.h"
 #include "common.h"
+#include "glu_avx512.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -86,6 +89,8 @@ class Best16 {
   }
 
   bool full() const { return filled_ >= top_k_; }
+  // the current k-th value (the set full)
+  float kth_value() const { return _mm512_cvtss_f32(kth()); }
   // the current k-th value in every lane
   __m512 kth() const { return _mm512_permutexvar_ps(_mm512_set1_epi32(top_k_ - 1), vals_); }
 
@@ -267,6 +272,57 @@ bool fused_sigmoid_available() {
 #endif
 }
 
+
+#if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
+// ---- The screened selection (k3_router_screened_topk) ----
+
+// fp32 -> bf16 bits, to nearest, ties to even (finite values; as torch's .to(torch.bfloat16))
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// One row's exact logits for the experts ids[0 .. n): fp32 dot products of x with w's rows, 16 experts at a time
+// (one accumulator each over the row's 16-lane chunks, in order, then bf16_rows::sum_lanes16's fixed tree), so a
+// logit does not depend on which other experts are computed with it.
+void exact_logits(const float* x, const float* w, int hidden, const int32_t* ids, int n, float* out) {
+  for (int j0 = 0; j0 < n; j0 += 16) {
+    const int cnt = std::min(16, n - j0);
+    __m512 acc[16];
+    const float* rows[16];
+    for (int q = 0; q < 16; ++q) {
+      acc[q] = _mm512_setzero_ps();
+      rows[q] = w + (int64_t)ids[j0 + std::min(q, cnt - 1)] * hidden;
+    }
+    for (int i = 0; i < hidden; i += 16) {
+      const __mmask16 m = k3::lane_mask(hidden - i);
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+      for (int q = 0; q < 16; ++q) acc[q] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, rows[q] + i), acc[q]);
+    }
+    _mm512_mask_storeu_ps(out + j0, k3::lane_mask(cnt), k3::bf16_rows::sum_lanes16(acc));
+  }
+}
+
+// One row the direct way (a row whose bound is not finite: inf / NaN inputs, or products near fp32's range):
+// every exact logit, then k3_router_sigmoid_topk's selection on them.
+void exact_row(const float* x, const float* w, int hidden, int64_t n_experts, const float* bias, int top_k,
+               int32_t* ids, float* logits, float* scores, int64_t* index, float* selected) {
+  for (int64_t e = 0; e < n_experts; ++e) ids[e] = (int32_t)e;
+  exact_logits(x, w, hidden, ids, (int)n_experts, logits);
+  sigmoid_row(logits, n_experts, scores);
+  row_topk16(scores, bias, n_experts, top_k, index);
+  for (int j = 0; j < top_k; ++j) selected[j] = scores[index[j]];
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -384,6 +440,223 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
     }
   }
   return 0;
+}
+
+
+// ---- The screened selection: the router's fp32 logits without the full fp32 GEMM ----
+//
+// An fp32 model's router multiplies [N, H] by [H, E] in fp32 only to keep, per token, k of E experts and their k
+// scores. Here the tile unit computes every logit approximately from bf16-rounded operands, several times faster
+// than the fp32 GEMM, with a rigorous per-(token, expert) bound B on its distance from the fp32 logit. Per token,
+// an expert can be among the k best only if the upper end of its biased-score interval reaches a floor under the
+// k-th largest lower end (the k-th largest of each lane's two largest lower ends: distinct experts), which leaves
+// a few more than k candidates; only their logits are computed in fp32 (dot products in a fixed order) and the k
+// best of those exact scores are chosen, ranked as k3_router_sigmoid_topk ranks them. So the result is the
+// selection and the scores of fp32 logits, by construction, not by tolerance.
+//
+// The bound, for x^ = bf16(x), w^ = bf16(w) (rounded to nearest), r_x = x - x^, r_w = w - w^:
+//   |x^.w^ - x.w| <= |x^.r_w| + |r_x.w| <= |x^| |r_w| + |r_x| (|w^| + |r_w|)         (Cauchy-Schwarz)
+// plus each fp32 sum's rounding (the tile unit's of the exact bf16 products, ours of the fp32 products), at most
+// g = (H + 2) 2^-24 times the sum of the absolute products, itself <= |x^| |w^| and |x| |w| respectively:
+//   B = rw (|x^| + |r_x| + g |x|) + |w^| (|r_x| + g (|x^| + |x|)),  rw = |r_w|, scaled by 1 + 2^-16,
+// plus 2^-126 per product for the tile unit's subnormals (read as zero, results flushed). The weight's norms are
+// summed in double, each token's in fp32 and scaled up by that sum's rounding bound. Scores: with s~ = s(l~),
+// |s(l) - s~| <= s'(l~) (e^B - 1), since |d/dy log s'(y)| = |1 - 2 s(y)| <= 1, and e^B - 1 <= B (1 + 0.7183 B)
+// for B <= 1; always <= B / 4. s~ comes from the experts kernel's sigmoid (a few ulp), and the interval of the
+// biased score is widened by 4e-6 (1 + |bias|): more than that sigmoid's error (also in s~ (1 - s~)), the exact
+// sigmoid's rounding and the rounding of the sums. Rows whose bound is not finite (inf / NaN in x, products near
+// fp32's range) take every logit exactly.
+
+// w [E, H] fp32 -> packed [k3::amx::packed_elements(E, H)] bf16 tiles and norms [2 E]: |w^_e|, |w_e - w^_e|
+// (rounded up). Returns 0, 1 on invalid arguments, 3 where unavailable (no AMX / AVX-512 / Sleef exp, or H odd), 4
+// if w has a value that is not finite, 2 if scratch could not be allocated.
+int k3_router_screen_prepare(const float* w, int64_t n_experts, int hidden, uint16_t* packed, float* norms) {
+  if (n_experts < 1 || hidden < 1) return 1;
+#if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
+  if (!k3::amx::available() || !fused_sigmoid_available() || hidden % 2 != 0) return 3;
+  std::vector<uint16_t> wb;
+  try {
+    wb.resize((size_t)(n_experts * hidden));
+  } catch (...) {
+    return 2;
+  }
+  for (int64_t e = 0; e < n_experts; ++e) {
+    double hat = 0.0, res = 0.0;
+    for (int i = 0; i < hidden; ++i) {
+      const float v = w[e * hidden + i];
+      if (!std::isfinite(v)) return 4;
+      const uint16_t h = to_bf16(v);
+      const double vh = from_bf16(h), r = (double)v - vh;
+      wb[e * hidden + i] = h;
+      hat += vh * vh;
+      res += r * r;
+    }
+    norms[e] = (float)(std::sqrt(hat) * (1.0 + 1e-6));
+    norms[n_experts + e] = (float)(std::sqrt(res) * (1.0 + 1e-6));
+  }
+  k3::amx::pack(wb.data(), n_experts, hidden, packed);
+  return 0;
+#else
+  (void)w, (void)packed, (void)norms;
+  return 3;
+#endif
+}
+
+// x [N, H] fp32, w [E, H] fp32 with its k3_router_screen_prepare output, bias [E] fp32 (finite) -> out_index [N, k]
+// int64 and out_scores [N, k] fp32: as k3_router_sigmoid_topk on the fp32 logits x w^T (see above). `screen` 0
+// computes every row the direct way (for tests). Returns 0, 1 on invalid arguments, 2 if scratch could not be
+// allocated, 3 where unavailable (as k3_router_screen_prepare, or k > 16), 4 if the bias is not finite.
+int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const float* w, int64_t n_experts,
+                            const uint16_t* packed, const float* norms, const float* bias, int top_k, int screen,
+                            int64_t* out_index, float* out_scores, int n_threads) {
+  if (n_tokens < 0 || hidden < 1 || top_k < 1 || top_k > n_experts || n_threads < 1) return 1;
+#if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
+  if (!k3::amx::available() || !fused_sigmoid_available() || top_k > 16 || hidden % 2 != 0 ||
+      n_experts >= ((int64_t)1 << 30))
+    return 3;
+  const int64_t lda = (hidden + 31) / 32 * 32, ldo = (n_experts + 31) / 32 * 32;
+  const int64_t n_blocks = (n_tokens + 31) / 32;
+  const double g = (hidden + 2) * std::ldexp(1.0, -24);
+  const double norm_scale = 1.0 + (hidden + 64) * std::ldexp(1.0, -23);
+  const float* w_hat = norms;
+  const float* w_res = norms + n_experts;
+  float max_w = 0.0f;
+  for (int64_t e = 0; e < n_experts; ++e) max_w = std::max(max_w, w_hat[e] + w_res[e]);
+  std::vector<float> margin;
+  try {
+    margin.resize(n_experts);
+  } catch (...) {
+    return 2;
+  }
+  for (int64_t e = 0; e < n_experts; ++e) {
+    if (!std::isfinite(bias[e])) return 4;
+    margin[e] = 4e-6f * (1.0f + std::fabs(bias[e]));
+  }
+  struct Scratch {
+    k3::aligned_vector<uint16_t> a;
+    k3::aligned_vector<float> approx, hi, logits, scores;
+    std::vector<int32_t> ids;
+    Scratch(int64_t lda, int64_t ldo, int64_t n_experts)
+        : a(32 * lda), approx(32 * ldo), hi(n_experts), logits(n_experts), scores(n_experts), ids(n_experts) {}
+  };
+  int status = 0;
+#pragma omp parallel num_threads(n_threads)
+  {
+    const std::unique_ptr<Scratch> s = k3::new_scratch<Scratch>(status, lda, ldo, n_experts);
+    if (s != nullptr && screen) k3::amx::begin();
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      if (s == nullptr) continue;
+      const int64_t t0 = blk * 32;
+      const int rows = (int)std::min<int64_t>(32, n_tokens - t0);
+      float p_row[32], q_row[32], c_row[32];
+      bool direct[32];
+      for (int r = 0; r < 32; ++r) {  // the block's rows in bf16 (zero-padded), and each row's bound factors
+        uint16_t* dst = s->a.data() + r * lda;
+        std::memset(dst, 0, sizeof(uint16_t) * lda);
+        direct[r] = !screen;
+        if (r >= rows || !screen) continue;
+        const float* xr = x + (t0 + r) * hidden;
+        __m512 sh = _mm512_setzero_ps(), sr = sh, sx = sh;
+        for (int i = 0; i < hidden; i += 16) {  // bf16 to nearest, ties to even (finite values), and the norms
+          const __mmask16 m = k3::lane_mask(hidden - i);
+          const __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
+          const __m512i u = _mm512_castps_si512(v);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+          const __m512i h =
+              _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+          _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(h));
+          const __m512 vh = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), d = _mm512_sub_ps(v, vh);
+          sh = _mm512_fmadd_ps(vh, vh, sh);
+          sr = _mm512_fmadd_ps(d, d, sr);
+          sx = _mm512_fmadd_ps(v, v, sx);
+        }
+        // (fp32 sums of squares: relative error < (H / 16 + 4) 2^-24, inside `norm_scale`)
+        const double nh = std::sqrt((double)_mm512_reduce_add_ps(sh)) * norm_scale;
+        const double nr = std::sqrt((double)_mm512_reduce_add_ps(sr)) * norm_scale;
+        const double nx = std::sqrt((double)_mm512_reduce_add_ps(sx)) * norm_scale;
+        const double scale = 1.0 + std::ldexp(1.0, -16);
+        p_row[r] = (float)((nh + nr + g * nx) * scale * (1.0 + 1e-6));
+        q_row[r] = (float)((nr + g * (nh + nx)) * scale * (1.0 + 1e-6));
+        // the tile unit's subnormal inputs (read as zero) and results (flushed): < 2^-126 each
+        c_row[r] = (float)(1e-30 + 2e-38 * std::sqrt((double)hidden) * (nh + max_w));
+        // (NaN norms fail the test too)
+        direct[r] = !(nx * max_w < 1e30 && std::isfinite(p_row[r]) && std::isfinite(q_row[r]));
+      }
+      if (screen) k3::amx::block(s->a.data(), lda, packed, n_experts, hidden, s->approx.data(), ldo);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r;
+        const float* xr = x + t * hidden;
+        int64_t* index = out_index + t * top_k;
+        float* selected = out_scores + t * top_k;
+        if (direct[r]) {
+          exact_row(xr, w, hidden, n_experts, bias, top_k, s->ids.data(), s->logits.data(), s->scores.data(), index,
+                    selected);
+          continue;
+        }
+        const float* approx = s->approx.data() + r * ldo;
+        const __m512 p = _mm512_set1_ps(p_row[r]), q = _mm512_set1_ps(q_row[r]), c = _mm512_set1_ps(c_row[r]);
+        __m512 first = _mm512_set1_ps(-INFINITY), second = first;  // each lane's two largest lower ends
+        for (int64_t e = 0; e < n_experts; e += 16) {  // each expert's biased-score interval
+          const __mmask16 m = k3::lane_mask(n_experts - e);
+          const __m512 l = _mm512_maskz_loadu_ps(m, approx + e);
+          const __m512 bound = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, w_res + e),
+                                               _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(m, w_hat + e), c));
+          // |s(l) - s(l~)| <= s'(l~) (e^B - 1) (|d/dy log s'(y)| = |1 - 2 s(y)| <= 1), and e^B - 1 <= B (1 + 0.7183 B)
+          // for B <= 1; always <= B / 4 (s' <= 1/4)
+          const __m512 sv = k3::glu::Sigmoid(l).value;
+          const __m512 slope = _mm512_mul_ps(sv, _mm512_sub_ps(_mm512_set1_ps(1.0f), sv));
+          const __m512 quarter = _mm512_mul_ps(bound, _mm512_set1_ps(0.25f));
+          const __m512 local = _mm512_mul_ps(_mm512_mul_ps(slope, bound),
+                                             _mm512_fmadd_ps(bound, _mm512_set1_ps(0.7183f), _mm512_set1_ps(1.01f)));
+          const __mmask16 small = _mm512_cmp_ps_mask(bound, _mm512_set1_ps(1.0f), _CMP_LE_OQ);
+          const __m512 half_width = _mm512_add_ps(_mm512_mask_blend_ps(small, quarter, _mm512_min_ps(local, quarter)),
+                                                  _mm512_maskz_loadu_ps(m, margin.data() + e));
+          const __m512 mid = _mm512_add_ps(sv, _mm512_maskz_loadu_ps(m, bias + e));
+          const __m512 low = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_sub_ps(mid, half_width));
+          second = _mm512_max_ps(_mm512_min_ps(first, low), second);
+          first = _mm512_max_ps(low, first);
+          _mm512_mask_storeu_ps(s->hi.data() + e, m, _mm512_add_ps(mid, half_width));
+        }
+        // a floor under the k-th largest lower end (the k-th largest of the lanes' two largest, which are distinct
+        // experts): every expert whose upper end is below it has k others above it
+        const float kth = kth_largest_of_32(first, second, top_k);
+        int n_cand = 0;
+        const __m512 kv = _mm512_set1_ps(kth);
+        for (int64_t e = 0; e < n_experts; e += 16) {  // candidates, in expert order
+          const __mmask16 m = k3::lane_mask(n_experts - e);
+          const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s->hi.data() + e), kv, _CMP_GE_OQ);
+          const __m512i id = _mm512_add_epi32(_mm512_set1_epi32((int)e),
+                                              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+          _mm512_mask_compressstoreu_epi32(s->ids.data() + n_cand, keep, id);
+          n_cand += __builtin_popcount(keep);
+        }
+        if (n_cand < top_k) {  // (cannot happen: the k experts that set kth are candidates)
+          exact_row(xr, w, hidden, n_experts, bias, top_k, s->ids.data(), s->logits.data(), s->scores.data(), index,
+                    selected);
+          continue;
+        }
+        exact_logits(xr, w, hidden, s->ids.data(), n_cand, s->logits.data());
+        sigmoid_row(s->logits.data(), n_cand, s->scores.data());
+        Best16 best(top_k);  // the k best exact biased scores, in expert order (ties keep the lower id)
+        for (int c = 0; c < n_cand; ++c) {
+          const float key = s->scores[c] + bias[s->ids[c]];
+          if (!best.full() || key > best.kth_value()) best.insert(_mm512_set1_ps(key), c);
+        }
+        best.store(index);  // positions among the candidates
+        for (int j = 0; j < top_k; ++j) {
+          selected[j] = s->scores[index[j]];
+          index[j] = s->ids[index[j]];
+        }
+      }
+    }
+    if (s != nullptr && screen) k3::amx::end();
+  }
+  return status;
+#else
+  (void)x, (void)w, (void)packed, (void)norms, (void)bias, (void)screen, (void)out_index, (void)out_scores;
+  return 3;
+#endif
 }
 
 }  // extern "C"
