@@ -902,9 +902,10 @@ def _screened(x, weight, bias, top_k, screen=True, cache=None):
 
 
 # (tokens, experts, hidden, k): K3's scaled-down router; tile edges everywhere (tokens no multiple of 32, experts no
-# multiple of 16, hidden no multiple of 32); k = E; one token (a decode step); no tokens
+# multiple of 16, hidden no multiple of 32); k = E; one token (a decode step); no tokens; a wide input (the bound's
+# summation terms grow with the width)
 SCREEN_SHAPES = [(2048, 896, 256, 16), (70, 50, 40, 7), (33, 17, 34, 16), (5, 16, 64, 16), (1, 896, 256, 16),
-                 (0, 8, 32, 3)]  # fmt: skip
+                 (0, 8, 32, 3), (64, 128, 2048, 8)]  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SCREEN_SHAPES)
@@ -979,6 +980,12 @@ def test_router_screened_topk_rows_it_cannot_bound_and_where_it_declines(amx):
     second = _screened(x[6:], weight, bias, 4, cache=cache)
     assert cache["entry"][0] != key and not torch.equal(first[0], second[0])
     assert torch.equal(second[0], _screened(x[6:], weight, bias, 4)[0])
+
+    with torch.inference_mode():  # a weight made there has no version counter: no caching, the same result
+        frozen = weight.clone()
+        assert torch.equal(_screened(x[6:], frozen, bias, 4, cache=cache)[0], second[0])
+        frozen.mul_(-1)
+        assert torch.equal(_screened(x[6:], frozen, bias, 4, cache=cache)[0], first[0])
 
     bad = weight.clone()
     bad[2, 3] = float("nan")

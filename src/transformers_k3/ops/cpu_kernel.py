@@ -423,9 +423,11 @@ def router_screened_topk(
     if not _sigmoid_matches_torch(lib):
         return None
     w = weight.detach()
-    key = (w.data_ptr(), w._version, tuple(w.shape), w.stride())
+    # (an inference tensor, e.g. a weight made under torch.inference_mode, has no version counter to tell an in-place
+    # change: its tiles are made anew for each call)
+    key = None if w.is_inference() else (w.data_ptr(), w._version, tuple(w.shape), w.stride())
     entry = cache.get("entry")  # (one tuple, replaced whole: a concurrent call sees the old or the new one)
-    if entry is None or entry[0] != key:
+    if entry is None or key is None or entry[0] != key:
         num_experts, hidden = w.shape
         dense = w.contiguous()
         packed = torch.empty(lib.k3_amx_packed_elements(num_experts, hidden), dtype=torch.int16)
