@@ -290,6 +290,26 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
+// sigmoid(x) to within 1e-4 (absolute) for the screen's intervals, whose margin covers it: t = 2^(-|x| log2 e) from
+// a degree-5 polynomial of the fractional power (relative error < 1e-6) and vscalef, 1 / (1 + t) from the reciprocal
+// estimate alone (relative error < 2^-14); 1 / (1 + t) for x >= 0, t / (1 + t) below. (Finite x only.)
+inline __m512 screen_sigmoid(__m512 x) {
+  const __m512 y =
+      _mm512_max_ps(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-1.44269504f)), _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // 2^f: Taylor coefficients of e^(f ln 2) to degree 5
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512 t = _mm512_scalef_ps(p, n);
+  const __m512 inv = _mm512_rcp14_ps(_mm512_add_ps(t, _mm512_set1_ps(1.0f)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_mul_ps(inv, negative, t, inv);
+}
+
 // One row's exact logits for the experts ids[0 .. n): fp32 dot products of x with w's rows, 16 experts at a time
 // (one accumulator each over the row's 16-lane chunks, in order, then bf16_rows::sum_lanes16's fixed tree), so a
 // logit does not depend on which other experts are computed with it.
@@ -462,8 +482,8 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
 // plus 2^-126 per product for the tile unit's subnormals (read as zero, results flushed). The weight's norms are
 // summed in double, each token's in fp32 and scaled up by that sum's rounding bound. Scores: with s~ = s(l~),
 // |s(l) - s~| <= s'(l~) (e^B - 1), since |d/dy log s'(y)| = |1 - 2 s(y)| <= 1, and e^B - 1 <= B (1 + 0.7183 B)
-// for B <= 1; always <= B / 4. s~ comes from the experts kernel's sigmoid (a few ulp), and the interval of the
-// biased score is widened by 4e-6 (1 + |bias|): more than that sigmoid's error (also in s~ (1 - s~)), the exact
+// for B <= 1; always <= B / 4. s~ comes from a coarse sigmoid (screen_sigmoid: error < 1e-4), and the interval of
+// the biased score is widened by 4e-4 (1 + |bias|): more than that sigmoid's error (also in s~ (1 - s~)), the exact
 // sigmoid's rounding and the rounding of the sums. Rows whose bound is not finite (inf / NaN in x, products near
 // fp32's range) take every logit exactly.
 
@@ -530,7 +550,7 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
   }
   for (int64_t e = 0; e < n_experts; ++e) {
     if (!std::isfinite(bias[e])) return 4;
-    margin[e] = 4e-6f * (1.0f + std::fabs(bias[e]));
+    margin[e] = 4e-4f * (1.0f + std::fabs(bias[e]));
   }
   struct Scratch {
     k3::aligned_vector<uint16_t> a;
@@ -604,7 +624,7 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
                                                _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(m, w_hat + e), c));
           // |s(l) - s(l~)| <= s'(l~) (e^B - 1) (|d/dy log s'(y)| = |1 - 2 s(y)| <= 1), and e^B - 1 <= B (1 + 0.7183 B)
           // for B <= 1; always <= B / 4 (s' <= 1/4)
-          const __m512 sv = k3::glu::Sigmoid(l).value;
+          const __m512 sv = screen_sigmoid(l);
           const __m512 slope = _mm512_mul_ps(sv, _mm512_sub_ps(_mm512_set1_ps(1.0f), sv));
           const __m512 quarter = _mm512_mul_ps(bound, _mm512_set1_ps(0.25f));
           const __m512 local = _mm512_mul_ps(_mm512_mul_ps(slope, bound),
