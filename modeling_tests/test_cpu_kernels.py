@@ -895,8 +895,8 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
 # The fp32 router's screened selection (bf16 tile-unit logits with an error bound, exact fp32 for candidates)
 
 
-def _screened(x, weight, bias, top_k, screen=True, cache=None):
-    out = cpu_kernel.router_screened_topk(x, weight, bias, top_k, {} if cache is None else cache, screen=screen)
+def _screened(x, weight, bias, top_k, screen=True):
+    out = cpu_kernel.router_screened_topk(x, weight, bias, top_k, screen=screen)
     assert out is not None
     return out
 
@@ -960,42 +960,40 @@ def test_router_screened_topk_ties_are_torchs(amx):
 
 
 def test_router_screened_topk_rows_it_cannot_bound_and_where_it_declines(amx):
-    """Rows with NaN, an infinity or products near fp32's range are computed directly: the GEMM path's selection
-    (NaN ranks first, as torch.topk). A weight or bias with a value that is not finite, k > 16, fp32-only
-    arguments, an odd hidden size and the kernels turned off give None. The weight's tiles are kept in the
-    caller's cache until the weight changes (in place: its version)."""
+    """Rows with NaN, an infinity or products near fp32's range, and tiny rows, are the GEMM path's selection (NaN
+    ranks first, as torch.topk). A weight or bias with a value that is not finite, k > 16, fp32-only arguments, an
+    odd hidden size and the kernels turned off give None. Nothing is cached between calls: an in-place change
+    through ``.data`` (which bumps no version counter) is seen by the next call."""
     gen = torch.Generator().manual_seed(8)
     x, weight = torch.randn(40, 32, generator=gen), torch.randn(24, 32, generator=gen) / 6
     bias = torch.randn(24, generator=gen) * 0.05
-    x[3, 5], x[4, 0], x[5] = float("nan"), float("inf"), x[5] * 1e30
+    x[3, 5], x[4, 0], x[5], x[7] = float("nan"), float("inf"), x[5] * 1e30, x[7] * 1e-30
+    x[8, :16] = 1e-41  # (subnormal)
     index, selected = _screened(x, weight, bias, 4)
     ref_index, ref_selected = cpu_kernel.router_sigmoid_topk(torch.nn.functional.linear(x, weight), bias, 4)
-    assert torch.equal(index[3:6], ref_index[3:6]) and cpu_kernel.same_bits(selected[3:6], ref_selected[3:6])
+    assert torch.equal(index[3:9], ref_index[3:9]) and cpu_kernel.same_bits(selected[3:9], ref_selected[3:9])
     assert torch.equal(index[3], torch.arange(4))  # all NaN: the first four
 
-    cache = {}
-    first = _screened(x[6:], weight, bias, 4, cache=cache)
-    key = cache["entry"][0]
-    weight.mul_(-1)  # (a new version, the same storage)
-    second = _screened(x[6:], weight, bias, 4, cache=cache)
-    assert cache["entry"][0] != key and not torch.equal(first[0], second[0])
-    assert torch.equal(second[0], _screened(x[6:], weight, bias, 4)[0])
-
-    with torch.inference_mode():  # a weight made there has no version counter: no caching, the same result
-        frozen = weight.clone()
-        assert torch.equal(_screened(x[6:], frozen, bias, 4, cache=cache)[0], second[0])
-        frozen.mul_(-1)
-        assert torch.equal(_screened(x[6:], frozen, bias, 4, cache=cache)[0], first[0])
+    parameter = torch.nn.Parameter(weight.clone())
+    first = _screened(x[9:], parameter, bias, 4)
+    version = parameter._version
+    parameter.data.mul_(-1)  # (the same storage; no new version)
+    assert parameter._version == version
+    second = _screened(x[9:], parameter, bias, 4)
+    assert not torch.equal(first[0], second[0])
+    assert torch.equal(second[0], _screened(x[9:], -weight, bias, 4)[0])
+    with torch.inference_mode():
+        assert torch.equal(_screened(x[9:], weight.clone(), bias, 4)[0], first[0])
 
     bad = weight.clone()
     bad[2, 3] = float("nan")
-    assert cpu_kernel.router_screened_topk(x, bad, bias, 4, {}) is None
-    assert cpu_kernel.router_screened_topk(x, weight, bias.clone().fill_(float("inf")), 4, {}) is None
-    assert cpu_kernel.router_screened_topk(x, weight, bias, 17, {}) is None
-    assert cpu_kernel.router_screened_topk(x[:, :31], weight[:, :31], bias, 4, {}) is None
-    assert cpu_kernel.router_screened_topk(x.bfloat16(), weight.bfloat16(), bias, 4, {}) is None
+    assert cpu_kernel.router_screened_topk(x, bad, bias, 4) is None
+    assert cpu_kernel.router_screened_topk(x, weight, bias.clone().fill_(float("inf")), 4) is None
+    assert cpu_kernel.router_screened_topk(x, weight, bias, 17) is None
+    assert cpu_kernel.router_screened_topk(x[:, :31], weight[:, :31], bias, 4) is None
+    assert cpu_kernel.router_screened_topk(x.bfloat16(), weight.bfloat16(), bias, 4) is None
     with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.router_screened_topk(x, weight, bias, 4, {}) is None
+        assert cpu_kernel.router_screened_topk(x, weight, bias, 4) is None
 
 
 def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monkeypatch):
@@ -1009,7 +1007,8 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     layer = KimiK3SparseMoE(moe_config(num_experts=48, num_experts_per_tok=6, _experts_implementation=K3_GROUPED_MM))
     randomize(layer, seed=9)
     layer.gate.e_score_correction_bias.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
-    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(10))
+    tokens = moe_module.SCREEN_MIN_TOKENS + 8
+    x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(10))
     calls = []
     original = cpu_kernel.router_screened_topk
     monkeypatch.setattr(cpu_kernel, "router_screened_topk",
@@ -1031,13 +1030,13 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
 
     calls.clear()
     logits, _, _ = layer.gate(x)  # a direct call: the logits
-    assert logits.shape == (80, 48) and calls == []
+    assert logits.shape == (tokens, 48) and calls == []
     seen = []
     handle = layer.gate.register_forward_hook(lambda module, args, output: seen.append(output[0]))
     with torch.no_grad():
         layer(x)
     handle.remove()
-    assert calls == [] and seen[0].shape == (80, 48)
+    assert calls == [] and seen[0].shape == (tokens, 48)
     with torch.no_grad():
         layer(x)
     assert len(calls) == 1

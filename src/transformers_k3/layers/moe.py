@@ -57,9 +57,10 @@ class KimiK3MLP(nn.Module):
 
 
 # The fp32 router screens its selection (`cpu_kernel.router_screened_topk`) from this many tokens: below, the fp32
-# GEMM of a few rows is cheaper than the screen's fixed costs (2 threads, 896 experts, width 256: 1 token 53 vs 31 us,
-# 8 tokens 67 vs 43, 32 tokens 121 vs 144, 2,048 tokens 3.5 vs 5.5 ms).
-SCREEN_MIN_TOKENS = 32
+# GEMM of a few rows is cheaper than the screen's fixed costs, mostly rounding and packing the weight for the tile
+# unit on each call (2 threads, 896 experts, width 256: 1 token 183 vs 27 us, 128 tokens 300 vs 272, 256 tokens 448
+# vs 532, 2,048 tokens 2.3 vs 4.2 ms).
+SCREEN_MIN_TOKENS = 256
 
 
 class KimiK3Router(nn.Module):
@@ -90,8 +91,6 @@ class KimiK3Router(nn.Module):
         weight_dtype = torch.float32 if self.weight_fp32 else None
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        # the weight's bf16 tiles and norms for `cpu_kernel.router_screened_topk`, until the weight changes
-        self._screen_cache: dict = {}
 
     def _apply(self, fn, recurse=True):
         """``model.to(torch.bfloat16)`` / ``.half()`` leave the selection bias (and, with ``router_fp32``, the
@@ -117,9 +116,8 @@ class KimiK3Router(nn.Module):
             not need_logits and hidden_states.shape[0] >= SCREEN_MIN_TOKENS and not self.use_softmax
             and self.num_expert_group == 1 and not self.logits_observed()
         ):  # fmt: skip
-            chosen = cpu_kernel.router_screened_topk(
-                hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self._screen_cache
-            )
+            bias = self.e_score_correction_bias
+            chosen = cpu_kernel.router_screened_topk(hidden_states, self.weight, bias, self.top_k)
             if chosen is not None:
                 topk_indices, selected = chosen
                 if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):

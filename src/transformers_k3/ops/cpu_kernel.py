@@ -253,13 +253,9 @@ def _load() -> ctypes.CDLL:
         lib.k3_linear_bf16_available.argtypes = []
         lib.k3_linear_bf16_rows.restype = i32
         lib.k3_linear_bf16_rows.argtypes = [pointer, pointer, pointer, i64, i64, i32, pointer, i32]
-        lib.k3_router_screen_prepare.restype = i32
-        lib.k3_router_screen_prepare.argtypes = [pointer, i64, i32, pointer, pointer]
         lib.k3_router_screened_topk.restype = i32
-        lib.k3_router_screened_topk.argtypes = [pointer, i64, i32, pointer, i64, pointer, pointer, pointer, i32, i32,
-                                                pointer, pointer, i32]  # fmt: skip
-        lib.k3_amx_packed_elements.restype = i64
-        lib.k3_amx_packed_elements.argtypes = [i64, i32]
+        lib.k3_router_screened_topk.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, i32, pointer, pointer,
+                                                i32]  # fmt: skip
         lib.k3_router_backward.restype = i32
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         return lib
@@ -400,18 +396,19 @@ class _SelectedScores(torch.autograd.Function):
 
 
 def router_screened_topk(
-    hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, cache: dict, screen: bool = True
+    hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, screen: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The sigmoid router's selection for an fp32 ``hidden_states [N, H]`` and ``weight [E, H]`` without the
     ``[N, E]`` fp32 GEMM: ``(index [N, k] int64, selected [N, k] fp32)``, the same as `router_sigmoid_topk` on
     fp32 logits ``hidden_states weight^T`` (their selection and their sigmoid scores, by construction; only the
     order of each logit's fp32 sum differs from torch's GEMM, as between any two GEMMs). The tile unit computes
     every logit from bf16-rounded operands with a rigorous bound on its error, which rules out all but a few more
-    than ``k`` experts per token; only those logits are computed in fp32 (``csrc/router_cpu.cpp``). No gradient
-    (the router attaches `selected_scores`). ``cache``: a dict kept by the caller, where the weight's bf16 tiles
-    and norms are kept until the weight changes (its data pointer or version). ``screen=False`` computes every
-    logit in fp32 (for tests). None where it cannot run: kernels off or unbuilt, no AMX, not fp32 on CPU, ``k >
-    16``, an odd ``H``, a weight or bias with a value that is not finite, under torch.compile."""
+    than ``k`` experts per token; only those logits are computed in fp32 (``csrc/router_cpu.cpp``). The weight is
+    rounded and packed for the tile unit on every call (a few percent of it; no cache that an in-place change
+    through ``.data``, which bumps no version counter, could leave stale). No gradient (the router attaches
+    `selected_scores`). ``screen=False`` computes every logit in fp32 (for tests). None where it cannot run:
+    kernels off or unbuilt, no AMX, not fp32 on CPU, ``k > 16``, an odd ``H``, a weight or bias with a value that
+    is not finite, under torch.compile."""
     if not (
         hidden_states.dtype == weight.dtype == bias.dtype == torch.float32 and hidden_states.dim() == 2
         and top_k <= 16 and hidden_states.shape[1] % 2 == 0
@@ -422,34 +419,17 @@ def router_screened_topk(
     lib = library()
     if not _sigmoid_matches_torch(lib):
         return None
-    w = weight.detach()
-    # (an inference tensor, e.g. a weight made under torch.inference_mode, has no version counter to tell an in-place
-    # change: its tiles are made anew for each call)
-    key = None if w.is_inference() else (w.data_ptr(), w._version, tuple(w.shape), w.stride())
-    entry = cache.get("entry")  # (one tuple, replaced whole: a concurrent call sees the old or the new one)
-    if entry is None or key is None or entry[0] != key:
-        num_experts, hidden = w.shape
-        dense = w.contiguous()
-        packed = torch.empty(lib.k3_amx_packed_elements(num_experts, hidden), dtype=torch.int16)
-        norms = torch.empty(2 * num_experts, dtype=torch.float32)
-        status = lib.k3_router_screen_prepare(dense.data_ptr(), num_experts, hidden, packed.data_ptr(),
-                                              norms.data_ptr())  # fmt: skip
-        entry = cache["entry"] = (key, status, packed, norms)
-    _, status, packed, norms = entry
-    if status != 0:
-        return None  # (4: a weight that is not finite; the direct path ranks its NaNs as torch does)
+    x, w = hidden_states.detach().contiguous(), weight.detach().contiguous()  # (held until the call returns)
     shift = bias.detach().contiguous()
-    x, w = hidden_states.detach().contiguous(), w.contiguous()  # (held until the call returns)
     num_tokens = x.shape[0]
     index = torch.empty(num_tokens, top_k, dtype=torch.int64)
     selected = torch.empty(num_tokens, top_k, dtype=torch.float32)
     status = lib.k3_router_screened_topk(
-        x.data_ptr(), num_tokens, x.shape[1], w.data_ptr(), w.shape[0], packed.data_ptr(), norms.data_ptr(),
-        shift.data_ptr(), top_k, int(screen), index.data_ptr(), selected.data_ptr(),
-        max(1, torch.get_num_threads()),
+        x.data_ptr(), num_tokens, x.shape[1], w.data_ptr(), w.shape[0], shift.data_ptr(), top_k, int(screen),
+        index.data_ptr(), selected.data_ptr(), max(1, torch.get_num_threads()),
     )  # fmt: skip
     if status != 0:
-        if status not in (3, 4):  # (4: a bias that is not finite; the direct path ranks it as torch does)
+        if status not in (3, 4):  # (4: a weight or bias that is not finite; the GEMM path ranks it as torch does)
             logger.warning("transformers_k3: screened CPU router kernel returned status %d, using the GEMM", status)
         return None
     return index, selected

@@ -179,9 +179,6 @@ void block(const uint16_t* a_block, int64_t lda, const uint16_t* packed, int64_t
 
 extern "C" {
 
-// uint16 elements of a [n, k] matrix packed for the tile unit (k3_router_screen_prepare's output).
-int64_t k3_amx_packed_elements(int64_t n, int k) { return k3::amx::packed_elements(n, k); }
-
 // 1 if this build and this process can use the AMX tile unit for k3_gemm_bf16_f32, else 0.
 int k3_amx_available() {
 #if K3_HAVE_AMX

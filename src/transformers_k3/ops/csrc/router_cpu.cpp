@@ -310,6 +310,39 @@ inline __m512 screen_sigmoid(__m512 x) {
   return _mm512_mask_mul_ps(inv, negative, t, inv);
 }
 
+// A row of fp32 values as bf16 bits (to nearest, ties to even: as torch's .to(torch.bfloat16) for finite values)
+// into dst, and the norms the screen's bound takes: |bf16(row)|, |row - bf16(row)| and |row|, from sums of squares
+// in double (no underflow or overflow for any fp32 row; their rounding, < H 2^-53, and the result's rounding to
+// fp32 are inside the 2^-20 it is scaled up by). A norm that is not finite (inf / NaN in the row) comes out as such.
+inline void bf16_row_norms(const float* row, int hidden, uint16_t* dst, float& hat, float& res, float& full) {
+  __m512d sh = _mm512_setzero_pd(), sr = sh, sx = sh;
+  auto add_squares = [](__m256 v, __m512d acc) {
+    const __m512d d = _mm512_cvtps_pd(v);
+    return _mm512_fmadd_pd(d, d, acc);
+  };
+  for (int i = 0; i < hidden; i += 16) {
+    const __mmask16 m = k3::lane_mask(hidden - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(h));
+    const __m512 vh = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), d = _mm512_sub_ps(v, vh);  // (d exact)
+    for (int half = 0; half < 2; ++half) {
+      const auto part = [half](__m512 a) {
+        return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), half));
+      };
+      sh = add_squares(part(vh), sh);
+      sr = add_squares(part(d), sr);
+      sx = add_squares(part(v), sx);
+    }
+  }
+  const double scale = 1.0 + std::ldexp(1.0, -20);
+  hat = (float)(std::sqrt(_mm512_reduce_add_pd(sh)) * scale);
+  res = (float)(std::sqrt(_mm512_reduce_add_pd(sr)) * scale);
+  full = (float)(std::sqrt(_mm512_reduce_add_pd(sx)) * scale);
+}
+
 // One row's exact logits for the experts ids[0 .. n): fp32 dot products of x with w's rows, 16 experts at a time
 // (one accumulator each over the row's 16-lane chunks, in order, then bf16_rows::sum_lanes16's fixed tree), so a
 // logit does not depend on which other experts are computed with it.
@@ -479,56 +512,23 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
 // plus each fp32 sum's rounding (the tile unit's of the exact bf16 products, ours of the fp32 products), at most
 // g = (H + 2) 2^-24 times the sum of the absolute products, itself <= |x^| |w^| and |x| |w| respectively:
 //   B = rw (|x^| + |r_x| + g |x|) + |w^| (|r_x| + g (|x^| + |x|)),  rw = |r_w|, scaled by 1 + 2^-16,
-// plus 2^-126 per product for the tile unit's subnormals (read as zero, results flushed). The weight's norms are
-// summed in double, each token's in fp32 and scaled up by that sum's rounding bound. Scores: with s~ = s(l~),
+// plus 2^-126 per product for the tile unit's subnormals (read as zero, results flushed). The norms (x's and w's
+// rows) are summed in double and rounded up (bf16_row_norms). Scores: with s~ = s(l~),
 // |s(l) - s~| <= s'(l~) (e^B - 1), since |d/dy log s'(y)| = |1 - 2 s(y)| <= 1, and e^B - 1 <= B (1 + 0.7183 B)
 // for B <= 1; always <= B / 4. s~ comes from a coarse sigmoid (screen_sigmoid: error < 1e-4), and the interval of
 // the biased score is widened by 4e-4 (1 + |bias|): more than that sigmoid's error (also in s~ (1 - s~)), the exact
 // sigmoid's rounding and the rounding of the sums. Rows whose bound is not finite (inf / NaN in x, products near
 // fp32's range) take every logit exactly.
 
-// w [E, H] fp32 -> packed [k3::amx::packed_elements(E, H)] bf16 tiles and norms [2 E]: |w^_e|, |w_e - w^_e|
-// (rounded up). Returns 0, 1 on invalid arguments, 3 where unavailable (no AMX / AVX-512 / Sleef exp, or H odd), 4
-// if w has a value that is not finite, 2 if scratch could not be allocated.
-int k3_router_screen_prepare(const float* w, int64_t n_experts, int hidden, uint16_t* packed, float* norms) {
-  if (n_experts < 1 || hidden < 1) return 1;
-#if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
-  if (!k3::amx::available() || !fused_sigmoid_available() || hidden % 2 != 0) return 3;
-  std::vector<uint16_t> wb;
-  try {
-    wb.resize((size_t)(n_experts * hidden));
-  } catch (...) {
-    return 2;
-  }
-  for (int64_t e = 0; e < n_experts; ++e) {
-    double hat = 0.0, res = 0.0;
-    for (int i = 0; i < hidden; ++i) {
-      const float v = w[e * hidden + i];
-      if (!std::isfinite(v)) return 4;
-      const uint16_t h = to_bf16(v);
-      const double vh = from_bf16(h), r = (double)v - vh;
-      wb[e * hidden + i] = h;
-      hat += vh * vh;
-      res += r * r;
-    }
-    norms[e] = (float)(std::sqrt(hat) * (1.0 + 1e-6));
-    norms[n_experts + e] = (float)(std::sqrt(res) * (1.0 + 1e-6));
-  }
-  k3::amx::pack(wb.data(), n_experts, hidden, packed);
-  return 0;
-#else
-  (void)w, (void)packed, (void)norms;
-  return 3;
-#endif
-}
-
-// x [N, H] fp32, w [E, H] fp32 with its k3_router_screen_prepare output, bias [E] fp32 (finite) -> out_index [N, k]
-// int64 and out_scores [N, k] fp32: as k3_router_sigmoid_topk on the fp32 logits x w^T (see above). `screen` 0
-// computes every row the direct way (for tests). Returns 0, 1 on invalid arguments, 2 if scratch could not be
-// allocated, 3 where unavailable (as k3_router_screen_prepare, or k > 16), 4 if the bias is not finite.
+// x [N, H] fp32, w [E, H] fp32, bias [E] fp32 -> out_index [N, k] int64 and out_scores [N, k] fp32: as
+// k3_router_sigmoid_topk on the fp32 logits x w^T (see above). The weight's bf16 tiles and norms are made here, on
+// every call (a few percent of the call: a cache keyed on the tensor would miss in-place changes through .data,
+// which bump no version counter). `screen` 0 computes every row the direct way (for tests). Returns 0, 1 on invalid
+// arguments, 2 if scratch could not be allocated, 3 where unavailable (no AMX / AVX-512 / Sleef exp, k > 16, or H
+// odd), 4 if w or the bias has a value that is not finite (then the caller's GEMM path ranks it as torch does).
 int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const float* w, int64_t n_experts,
-                            const uint16_t* packed, const float* norms, const float* bias, int top_k, int screen,
-                            int64_t* out_index, float* out_scores, int n_threads) {
+                            const float* bias, int top_k, int screen, int64_t* out_index, float* out_scores,
+                            int n_threads) {
   if (n_tokens < 0 || hidden < 1 || top_k < 1 || top_k > n_experts || n_threads < 1) return 1;
 #if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
   if (!k3::amx::available() || !fused_sigmoid_available() || top_k > 16 || hidden % 2 != 0 ||
@@ -537,14 +537,16 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
   const int64_t lda = (hidden + 31) / 32 * 32, ldo = (n_experts + 31) / 32 * 32;
   const int64_t n_blocks = (n_tokens + 31) / 32;
   const double g = (hidden + 2) * std::ldexp(1.0, -24);
-  const double norm_scale = 1.0 + (hidden + 64) * std::ldexp(1.0, -23);
-  const float* w_hat = norms;
-  const float* w_res = norms + n_experts;
-  float max_w = 0.0f;
-  for (int64_t e = 0; e < n_experts; ++e) max_w = std::max(max_w, w_hat[e] + w_res[e]);
-  std::vector<float> margin;
+  std::vector<float> margin, w_hat, w_res;
+  k3::aligned_vector<uint16_t> wb, packed;
   try {
     margin.resize(n_experts);
+    w_hat.resize(n_experts);
+    w_res.resize(n_experts);
+    if (screen) {
+      wb.resize((size_t)(n_experts * hidden));
+      packed.resize((size_t)k3::amx::packed_elements(n_experts, hidden));
+    }
   } catch (...) {
     return 2;
   }
@@ -552,6 +554,20 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
     if (!std::isfinite(bias[e])) return 4;
     margin[e] = 4e-4f * (1.0f + std::fabs(bias[e]));
   }
+  bool w_finite = true;
+  if (screen) {  // w in bf16 and its norms, then its tiles
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(&& : w_finite)
+    for (int64_t e = 0; e < n_experts; ++e) {
+      float full;
+      bf16_row_norms(w + e * hidden, hidden, wb.data() + e * hidden, w_hat[e], w_res[e], full);
+      w_finite = w_finite && std::isfinite(full);
+    }
+    if (!w_finite) return 4;
+#pragma omp parallel num_threads(n_threads)
+    k3::amx::pack(wb.data(), n_experts, hidden, packed.data());  // (its work-sharing loop splits the tiles)
+  }
+  float max_w = 0.0f;
+  for (int64_t e = 0; e < n_experts; ++e) max_w = std::max(max_w, w_hat[e] + w_res[e]);
   struct Scratch {
     k3::aligned_vector<uint16_t> a;
     k3::aligned_vector<float> approx, hi, logits, scores;
@@ -576,25 +592,9 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
         std::memset(dst, 0, sizeof(uint16_t) * lda);
         direct[r] = !screen;
         if (r >= rows || !screen) continue;
-        const float* xr = x + (t0 + r) * hidden;
-        __m512 sh = _mm512_setzero_ps(), sr = sh, sx = sh;
-        for (int i = 0; i < hidden; i += 16) {  // bf16 to nearest, ties to even (finite values), and the norms
-          const __mmask16 m = k3::lane_mask(hidden - i);
-          const __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
-          const __m512i u = _mm512_castps_si512(v);
-          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-          const __m512i h =
-              _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-          _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(h));
-          const __m512 vh = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), d = _mm512_sub_ps(v, vh);
-          sh = _mm512_fmadd_ps(vh, vh, sh);
-          sr = _mm512_fmadd_ps(d, d, sr);
-          sx = _mm512_fmadd_ps(v, v, sx);
-        }
-        // (fp32 sums of squares: relative error < (H / 16 + 4) 2^-24, inside `norm_scale`)
-        const double nh = std::sqrt((double)_mm512_reduce_add_ps(sh)) * norm_scale;
-        const double nr = std::sqrt((double)_mm512_reduce_add_ps(sr)) * norm_scale;
-        const double nx = std::sqrt((double)_mm512_reduce_add_ps(sx)) * norm_scale;
+        float hat, res, full;
+        bf16_row_norms(x + (t0 + r) * hidden, hidden, dst, hat, res, full);
+        const double nh = hat, nr = res, nx = full;
         const double scale = 1.0 + std::ldexp(1.0, -16);
         p_row[r] = (float)((nh + nr + g * nx) * scale * (1.0 + 1e-6));
         q_row[r] = (float)((nr + g * (nh + nx)) * scale * (1.0 + 1e-6));
@@ -603,7 +603,7 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
         // (NaN norms fail the test too)
         direct[r] = !(nx * max_w < 1e30 && std::isfinite(p_row[r]) && std::isfinite(q_row[r]));
       }
-      if (screen) k3::amx::block(s->a.data(), lda, packed, n_experts, hidden, s->approx.data(), ldo);
+      if (screen) k3::amx::block(s->a.data(), lda, packed.data(), n_experts, hidden, s->approx.data(), ldo);
       for (int r = 0; r < rows; ++r) {
         const int64_t t = t0 + r;
         const float* xr = x + t * hidden;
@@ -620,8 +620,8 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
         for (int64_t e = 0; e < n_experts; e += 16) {  // each expert's biased-score interval
           const __mmask16 m = k3::lane_mask(n_experts - e);
           const __m512 l = _mm512_maskz_loadu_ps(m, approx + e);
-          const __m512 bound = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, w_res + e),
-                                               _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(m, w_hat + e), c));
+          const __m512 bound = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, w_res.data() + e),
+                                               _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(m, w_hat.data() + e), c));
           // |s(l) - s(l~)| <= s'(l~) (e^B - 1) (|d/dy log s'(y)| = |1 - 2 s(y)| <= 1), and e^B - 1 <= B (1 + 0.7183 B)
           // for B <= 1; always <= B / 4 (s' <= 1/4)
           const __m512 sv = screen_sigmoid(l);
@@ -674,7 +674,7 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
   }
   return status;
 #else
-  (void)x, (void)w, (void)packed, (void)norms, (void)bias, (void)screen, (void)out_index, (void)out_scores;
+  (void)x, (void)w, (void)bias, (void)screen, (void)out_index, (void)out_scores;
   return 3;
 #endif
 }
