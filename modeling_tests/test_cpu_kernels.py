@@ -994,6 +994,29 @@ def test_router_screened_topk_rows_it_cannot_bound_and_where_it_declines(amx):
     assert cpu_kernel.router_screened_topk(x.bfloat16(), weight.bfloat16(), bias, 4) is None
     with cpu_kernel.use_cpu_kernel(False):
         assert cpu_kernel.router_screened_topk(x, weight, bias, 4) is None
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernel.router_screened_topk(x, weight[:, :30], bias, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernel.router_screened_topk(x, weight, bias[:20], 4)
+
+
+def test_router_screened_topk_tiny_rows_keep_their_bound(amx):
+    """A row of values ~1e-21 against weights ~1e21 (O(1) logits): the row's norms, whose squares are below fp32's
+    range, must not vanish from the bound. x's entries round to 1.0 x scale in bf16 with the largest residuals, so
+    the approximate logit of expert 0 is 0 where the exact one is 0.74, and expert 1 (logit 0, bias 0.1) would win
+    if the bound were ~0 (it did, with the norms summed in fp32: found by review)."""
+    hidden = 256
+    sign = torch.tensor([1.0, -1.0]).repeat(hidden // 2)
+    row = torch.where(sign > 0, torch.tensor(1 + 0.99 * 2**-8), torch.tensor(1 - 0.99 * 2**-9))
+    weight = torch.zeros(4, hidden)
+    weight[0] = sign
+    bias = torch.tensor([0.0, 0.1, 0.0, 0.0])
+    for power in (0, 40, 70, 80):
+        scale = 2.0**-power
+        x, w = (row * scale).expand(32, hidden).contiguous(), weight / scale
+        index, selected = _screened(x, w, bias, 1)
+        assert (index == 0).all(), power
+        assert torch.equal(index, _screened(x, w, bias, 1, screen=False)[0])
 
 
 def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monkeypatch):

@@ -416,6 +416,11 @@ def router_screened_topk(
         and enabled() and not torch.compiler.is_compiling() and amx_available()
     ):  # fmt: skip
         return None
+    if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[1] or bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"router_screened_topk: hidden_states {tuple(hidden_states.shape)}, weight {tuple(weight.shape)} and bias "
+            f"{tuple(bias.shape)} do not fit: expected [N, H], [E, H] and [E]"
+        )
     lib = library()
     if not _sigmoid_matches_torch(lib):
         return None

@@ -291,7 +291,7 @@ inline float from_bf16(uint16_t h) {
 }
 
 // sigmoid(x) to within 1e-4 (absolute) for the screen's intervals, whose margin covers it: t = 2^(-|x| log2 e) from
-// a degree-5 polynomial of the fractional power (relative error < 1e-6) and vscalef, 1 / (1 + t) from the reciprocal
+// a degree-5 polynomial of the fractional power (relative error < 4e-6) and vscalef, 1 / (1 + t) from the reciprocal
 // estimate alone (relative error < 2^-14); 1 / (1 + t) for x >= 0, t / (1 + t) below. (Finite x only.)
 inline __m512 screen_sigmoid(__m512 x) {
   const __m512 y =
