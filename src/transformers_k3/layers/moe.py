@@ -58,8 +58,8 @@ class KimiK3MLP(nn.Module):
 
 # The fp32 router screens its selection (`cpu_kernel.router_screened_topk`) from this many tokens: below, the fp32
 # GEMM of a few rows is cheaper than the screen's fixed costs, mostly rounding and packing the weight for the tile
-# unit on each call (2 threads, 896 experts, width 256: 1 token 183 vs 27 us, 128 tokens 300 vs 272, 256 tokens 448
-# vs 532, 2,048 tokens 2.3 vs 4.2 ms).
+# unit on each call (2 threads, 896 experts, width 256: 1 token 143 vs 24 us, 128 tokens 306 vs 274, 256 tokens 448
+# vs 525, 2,048 tokens 2.35 vs 4.07 ms).
 SCREEN_MIN_TOKENS = 256
 
 
