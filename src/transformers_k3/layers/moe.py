@@ -20,15 +20,15 @@ from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import cpu_kernel
+from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
+from .linear import apply_linear
+from .casting import apply_keeping_fp32
+from .norm import KimiK3RMSNorm
 
 try:  # transformers' output recording (`output_router_logits`): which outputs the running forward collects
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # (then any hook on a router counts as reading its logits)
     _active_collector = None
-from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
-from .linear import apply_linear
-from .casting import apply_keeping_fp32
-from .norm import KimiK3RMSNorm
 
 
 class KimiK3MLP(nn.Module):

@@ -132,13 +132,14 @@ bool available() {
 
 int64_t packed_elements(int64_t n, int k) {
   const int64_t k_blocks = (k + 31) / 32, n_pairs = (n + 31) / 32;
-  return 2 * n_pairs * k_blocks * 512;
+  return 2 * n_pairs * k_blocks * 512;  // (kTileElems bf16 values per tile)
 }
 
 void pack(const uint16_t* b, int64_t n, int k, uint16_t* packed) {
 #if K3_HAVE_AMX
   const int k_blocks = (k + kKBlock - 1) / kKBlock;
-  pack_b(b, n, k, 2 * ((n + 31) / 32), k_blocks, packed);  // (an orphaned work-sharing loop: serial here)
+  // (called by a whole team of threads, its work-sharing loop splits the tiles; outside a parallel region, serial)
+  pack_b(b, n, k, 2 * ((n + 31) / 32), k_blocks, packed);
 #else
   (void)b, (void)n, (void)k, (void)packed;
 #endif
@@ -202,7 +203,7 @@ int k3_gemm_bf16_f32(const uint16_t* a, const uint16_t* b, int64_t m, int64_t n,
   const int64_t n_pairs = (n + 31) / 32, m_blocks = (m + 31) / 32;
   k3::aligned_vector<uint16_t> packed;
   try {
-    packed.resize((size_t)(2 * n_pairs) * k_blocks * kTileElems);
+    packed.resize((size_t)k3::amx::packed_elements(n, k));
   } catch (...) {
     return 2;
   }

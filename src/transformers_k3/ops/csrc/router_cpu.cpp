@@ -276,20 +276,6 @@ bool fused_sigmoid_available() {
 #if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
 // ---- The screened selection (k3_router_screened_topk) ----
 
-// fp32 -> bf16 bits, to nearest, ties to even (finite values; as torch's .to(torch.bfloat16))
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  const uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 // sigmoid(x) to within 1e-4 (absolute) for the screen's intervals, whose margin covers it: t = 2^(-|x| log2 e) from
 // a degree-5 polynomial of the fractional power (relative error < 4e-6) and vscalef, 1 / (1 + t) from the reciprocal
 // estimate alone (relative error < 2^-14); 1 / (1 + t) for x >= 0, t / (1 + t) below. (Finite x only.)
@@ -310,10 +296,10 @@ inline __m512 screen_sigmoid(__m512 x) {
   return _mm512_mask_mul_ps(inv, negative, t, inv);
 }
 
-// A row of fp32 values as bf16 bits (to nearest, ties to even: as torch's .to(torch.bfloat16) for finite values)
-// into dst, and the norms the screen's bound takes: |bf16(row)|, |row - bf16(row)| and |row|, from sums of squares
-// in double (no underflow or overflow for any fp32 row; their rounding, < H 2^-53, and the result's rounding to
-// fp32 are inside the 2^-20 it is scaled up by). A norm that is not finite (inf / NaN in the row) comes out as such.
+// A row of fp32 values as bf16 bits (k3::bf16_bits: as torch's .to(torch.bfloat16)) into dst, and the norms the
+// screen's bound takes: |bf16(row)|, |row - bf16(row)| and |row|, from sums of squares in double (no underflow or
+// overflow for any fp32 row; their rounding, < H 2^-53, and the result's rounding to fp32 are inside the 2^-20 it
+// is scaled up by). A norm that is not finite (inf / NaN in the row) comes out as such.
 inline void bf16_row_norms(const float* row, int hidden, uint16_t* dst, float& hat, float& res, float& full) {
   __m512d sh = _mm512_setzero_pd(), sr = sh, sx = sh;
   auto add_squares = [](__m256 v, __m512d acc) {
@@ -323,9 +309,7 @@ inline void bf16_row_norms(const float* row, int hidden, uint16_t* dst, float& h
   for (int i = 0; i < hidden; i += 16) {
     const __mmask16 m = k3::lane_mask(hidden - i);
     const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m512i h = k3::bf16_bits(v);
     _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(h));
     const __m512 vh = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), d = _mm512_sub_ps(v, vh);  // (d exact)
     for (int half = 0; half < 2; ++half) {

@@ -206,17 +206,20 @@ inline void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
-// dst[0 .. n) = src rounded to bf16 as torch rounds (c10::BFloat16: to nearest, ties to even; any NaN -> 0x7FC0).
+// v rounded to bf16 as torch rounds (c10::BFloat16: to nearest, ties to even; any NaN -> 0x7FC0), the 16 bits in
+// the low half of each 32-bit lane.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// dst[0 .. n) = src rounded to bf16 as torch rounds (bf16_bits).
 inline void float_to_bf16(const float* src, int64_t n, uint16_t* dst) {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = lane_mask(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, bias)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(bf16_bits(_mm512_maskz_loadu_ps(m, src + i))));
   }
 }
 
