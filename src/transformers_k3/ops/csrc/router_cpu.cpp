@@ -327,24 +327,36 @@ inline void bf16_row_norms(const float* row, int hidden, uint16_t* dst, float& h
   full = (float)(std::sqrt(_mm512_reduce_add_pd(sx)) * scale);
 }
 
-// One row's exact logits for the experts ids[0 .. n): fp32 dot products of x with w's rows, 16 experts at a time
-// (one accumulator each over the row's 16-lane chunks, in order, then bf16_rows::sum_lanes16's fixed tree), so a
-// logit does not depend on which other experts are computed with it.
+// The exact logits of the experts ids[0 .. cnt) (cnt <= G <= 16): the dot products of x with G of w's rows (lanes
+// past cnt repeat the last row, not stored), one accumulator each over the row's 16-lane chunks, in order, then
+// bf16_rows::sum_lanes16's fixed tree (the accumulators past G zero: its lane q reads only accumulator q). So a
+// logit's bits depend neither on G nor on which other experts are computed with it.
+template <int G>
+inline void exact_group(const float* x, const float* w, int hidden, const int32_t* ids, int cnt, float* out) {
+  __m512 acc[16];
+  const float* rows[G];
+  for (int q = 0; q < 16; ++q) acc[q] = _mm512_setzero_ps();
+  for (int q = 0; q < G; ++q) rows[q] = w + (int64_t)ids[std::min(q, cnt - 1)] * hidden;
+  for (int i = 0; i < hidden; i += 16) {
+    const __mmask16 m = k3::lane_mask(hidden - i);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+    for (int q = 0; q < G; ++q) acc[q] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, rows[q] + i), acc[q]);
+  }
+  _mm512_mask_storeu_ps(out, k3::lane_mask(cnt), k3::bf16_rows::sum_lanes16(acc));
+}
+
+// One row's exact logits for the experts ids[0 .. n): 16 at a time, a last group of up to 12 as 8 and 4 (a row's
+// candidates are ~k + 6: a 16-wide tail would read mostly repeated rows).
 void exact_logits(const float* x, const float* w, int hidden, const int32_t* ids, int n, float* out) {
-  for (int j0 = 0; j0 < n; j0 += 16) {
-    const int cnt = std::min(16, n - j0);
-    __m512 acc[16];
-    const float* rows[16];
-    for (int q = 0; q < 16; ++q) {
-      acc[q] = _mm512_setzero_ps();
-      rows[q] = w + (int64_t)ids[j0 + std::min(q, cnt - 1)] * hidden;
-    }
-    for (int i = 0; i < hidden; i += 16) {
-      const __mmask16 m = k3::lane_mask(hidden - i);
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-      for (int q = 0; q < 16; ++q) acc[q] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, rows[q] + i), acc[q]);
-    }
-    _mm512_mask_storeu_ps(out + j0, k3::lane_mask(cnt), k3::bf16_rows::sum_lanes16(acc));
+  for (int j0 = 0; j0 < n;) {
+    const int left = n - j0, width = left > 12 ? 16 : left > 4 ? 8 : 4, cnt = std::min(width, left);
+    if (width == 16)
+      exact_group<16>(x, w, hidden, ids + j0, cnt, out + j0);
+    else if (width == 8)
+      exact_group<8>(x, w, hidden, ids + j0, cnt, out + j0);
+    else
+      exact_group<4>(x, w, hidden, ids + j0, cnt, out + j0);
+    j0 += cnt;
   }
 }
 
