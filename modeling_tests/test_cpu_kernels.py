@@ -940,6 +940,28 @@ def test_router_screened_topk_is_the_fp32_selection(amx, shape):
     torch.testing.assert_close(scores[clear], ref_scores[clear], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("bias_kind", ["spread", "wide", "shifted", "one_huge", "huge", "zero"])
+@pytest.mark.parametrize("logit_scale", [0.1, 1.0, 3.0, 10.0])
+def test_router_screened_topk_any_bias_and_logit_scale(amx, bias_kind, logit_scale):
+    """The screen's floor and its cheap pre-check (an upper bound of s(up) against floor - bias - margin) hold
+    whatever the bias: spread like a trained router's (0.1), wider than the scores (1, 10), all shifted far below
+    zero, one expert's ~1e3 above the rest, all ~1e6 (the margin then exceeds the scores), zero; and logits small
+    or saturating the sigmoid: bitwise the selection with every logit in fp32."""
+    gen = torch.Generator().manual_seed(11)
+    n, e, h, k = 300, 200, 64, 8
+    x = torch.randn(n, h, generator=gen) * logit_scale
+    weight = torch.randn(e, h, generator=gen) / h**0.5
+    noise = torch.randn(e, generator=gen)
+    bias = {"spread": noise * 0.1, "wide": noise * torch.tensor([1.0, 10.0]).repeat(e // 2),
+            "shifted": noise * 0.05 - 5.0, "one_huge": torch.where(torch.arange(e) == 7, 1e3, noise * 0.01),
+            "huge": noise * 1e6, "zero": torch.zeros(e)}[bias_kind]  # fmt: skip
+    index, scores = _screened(x, weight, bias, k)
+    ref_index, ref_scores = _screened(x, weight, bias, k, screen=False)
+    assert torch.equal(index, ref_index) and cpu_kernel.same_bits(scores, ref_scores)
+    if bias_kind == "one_huge":
+        assert (index[:, 0] == 7).all()
+
+
 def test_router_screened_topk_ties_are_torchs(amx):
     """Logits that every fp32 sum gets exactly (small multiples of powers of two, so also exact in bf16), with many
     equal values: the screen must keep every tied expert, and the result is bitwise router_topk's on torch.sigmoid

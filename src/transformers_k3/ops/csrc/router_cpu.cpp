@@ -360,6 +360,113 @@ void exact_logits(const float* x, const float* w, int hidden, const int32_t* ids
   }
 }
 
+// The experts' side of the screen, per call: bound factors, bias, margin and ceiling = bias + margin rounded up.
+struct ScreenExperts {
+  int64_t n;
+  const float *w_res, *w_hat, *bias, *margin, *ceiling;
+};
+
+// A row's scratch: up / down (n each), near / ids (n + 16 each: whole vectors are stored past the count).
+struct ScreenScratch {
+  float *up, *down;
+  int32_t *near, *ids;
+};
+
+// The lower end of the biased score of experts id (present lanes; -inf elsewhere): s~(down) + bias - margin.
+inline __m512 lower_end(const ScreenExperts& ex, const float* down, __mmask16 present, __m512i id) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 d = _mm512_mask_i32gather_ps(zero, present, id, down, 4);
+  const __m512 b = _mm512_mask_i32gather_ps(zero, present, id, ex.bias, 4);
+  const __m512 m = _mm512_mask_i32gather_ps(zero, present, id, ex.margin, 4);
+  const __m512 v = _mm512_sub_ps(_mm512_add_ps(screen_sigmoid(d), b), m);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), present, v);
+}
+
+// x rounded down to fp32
+inline float float_below(double x) {
+  const float f = (float)x;
+  return (double)f > x ? std::nextafter(f, -INFINITY) : f;
+}
+
+// One row's candidates (see "The screened selection" below: passes A and B) into sc.ids, in expert order; returns
+// their count.
+// approx: the row's approximate logits; the bound of expert e is p w_res[e] + q w_hat[e] + c.
+int screen_row(const float* approx, float p_row, float q_row, float c_row, const ScreenExperts& ex, int top_k,
+               const ScreenScratch& sc) {
+  const int64_t n_experts = ex.n;
+  const __m512 p = _mm512_set1_ps(p_row), q = _mm512_set1_ps(q_row), c = _mm512_set1_ps(c_row);
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 none = _mm512_set1_ps(-INFINITY), kw = _mm512_set1_ps(4.0f);
+  // pass A: each expert's logit interval [down, up] (rounded outwards), and each lane's two best experts by the
+  // key down + 4 bias
+  __m512 key1 = none, key2 = none;
+  __m512i id1 = _mm512_setzero_si512(), id2 = id1;
+  for (int64_t e = 0; e < n_experts; e += 16) {
+    const __mmask16 m = k3::lane_mask(n_experts - e);
+    const __m512 l = _mm512_maskz_loadu_ps(m, approx + e);
+    const __m512 bound = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, ex.w_res + e),
+                                         _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(m, ex.w_hat + e), c));
+    const __m512 u = _mm512_add_round_ps(l, bound, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+    const __m512 d = _mm512_sub_round_ps(l, bound, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    _mm512_mask_storeu_ps(sc.up + e, m, u);
+    _mm512_mask_storeu_ps(sc.down + e, m, d);
+    const __m512 key = _mm512_mask_mov_ps(none, m, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, ex.bias + e), kw, d));
+    const __m512i id = _mm512_add_epi32(_mm512_set1_epi32((int)e), lanes);
+    const __mmask16 above2 = _mm512_cmp_ps_mask(key, key2, _CMP_GT_OQ);
+    const __mmask16 above1 = _mm512_cmp_ps_mask(key, key1, _CMP_GT_OQ);  // (within above2)
+    key2 = _mm512_mask_mov_ps(_mm512_mask_mov_ps(key2, above2, key), above1, key1);
+    id2 = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(id2, above2, id), above1, id1);
+    key1 = _mm512_mask_mov_ps(key1, above1, key);
+    id1 = _mm512_mask_mov_epi32(id1, above1, id);
+  }
+  // a first floor: the k-th largest lower end of those (up to 32 distinct) experts
+  const __mmask16 present1 = _mm512_cmp_ps_mask(key1, none, _CMP_GT_OQ);
+  const __mmask16 present2 = _mm512_cmp_ps_mask(key2, none, _CMP_GT_OQ);
+  const float floor1 = kth_largest_of_32(lower_end(ex, sc.down, present1, id1), lower_end(ex, sc.down, present2, id2),
+                                         top_k);
+  // pass B: the near experts' ids into sc.near, in order (no branch: each vector's compressed, stored whole). An
+  // expert is out if y = floor1 - ceiling and t' <= e^-up have y (1 + t') > 1 (see "The screened selection").
+  const __m512 fv1 = _mm512_set1_ps(floor1);
+  int n_near = 0;
+  for (int64_t e = 0; e < n_experts; e += 16) {
+    const __mmask16 m = k3::lane_mask(n_experts - e);
+    const __m512 u = _mm512_maskz_loadu_ps(m, sc.up + e);
+    // 2^x, x = -up log2 e (up clamped to [-69, 69]), as the bits (x + 127) 2^23: the linear interpolation of 2^x
+    // between integers, within [1, 1.0615] of it
+    const __m512 z = _mm512_fmadd_ps(_mm512_min_ps(_mm512_max_ps(u, _mm512_set1_ps(-69.0f)), _mm512_set1_ps(69.0f)),
+                                     _mm512_set1_ps(-1.44269504f * 8388608.0f), _mm512_set1_ps(127.0f * 8388608.0f));
+    const __m512 t = _mm512_castsi512_ps(_mm512_cvtps_epi32(z));
+    const __m512 y = _mm512_sub_ps(fv1, _mm512_maskz_loadu_ps(m, ex.ceiling + e));
+    const __m512 w = _mm512_mul_ps(y, _mm512_fmadd_ps(t, _mm512_set1_ps(1.0f / 1.0625f), _mm512_set1_ps(1.0f)));
+    const __mmask16 near = _mm512_mask_cmp_ps_mask(m, w, _mm512_set1_ps(1.0f + 0x1p-20f), _CMP_NGT_UQ);
+    _mm512_storeu_si512(sc.near + n_near,
+                        _mm512_maskz_compress_epi32(near, _mm512_add_epi32(_mm512_set1_epi32((int)e), lanes)));
+    n_near += __builtin_popcount(near);
+  }
+  // the floor: also the k-th largest lower end of the near experts (distinct); then the candidates: the near
+  // experts whose upper end s~(up) + ceiling reaches it (in order)
+  __m512 first = none, second = none;
+  for (int j = 0; j < n_near; j += 16) {
+    const __mmask16 m = k3::lane_mask(n_near - j);
+    const __m512 low = lower_end(ex, sc.down, m, _mm512_maskz_loadu_epi32(m, sc.near + j));
+    second = _mm512_max_ps(_mm512_min_ps(first, low), second);
+    first = _mm512_max_ps(low, first);
+  }
+  const __m512 fv = _mm512_set1_ps(std::max(floor1, kth_largest_of_32(first, second, top_k)));
+  int n_cand = 0;
+  for (int j = 0; j < n_near; j += 16) {
+    const __mmask16 m = k3::lane_mask(n_near - j);
+    const __m512i id = _mm512_maskz_loadu_epi32(m, sc.near + j);
+    const __m512 u = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, id, sc.up, 4);
+    const __m512 ceiling = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, id, ex.ceiling, 4);
+    const __m512 hi = _mm512_add_ps(screen_sigmoid(u), ceiling);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, hi, fv, _CMP_GE_OQ);
+    _mm512_storeu_si512(sc.ids + n_cand, _mm512_maskz_compress_epi32(keep, id));
+    n_cand += __builtin_popcount(keep);
+  }
+  return n_cand;
+}
+
 // One row the direct way (a row whose bound is not finite: inf / NaN inputs, or products near fp32's range):
 // every exact logit, then k3_router_sigmoid_topk's selection on them.
 void exact_row(const float* x, const float* w, int hidden, int64_t n_experts, const float* bias, int top_k,
@@ -498,10 +605,10 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
 // scores. Here the tile unit computes every logit approximately from bf16-rounded operands, several times faster
 // than the fp32 GEMM, with a rigorous per-(token, expert) bound B on its distance from the fp32 logit. Per token,
 // an expert can be among the k best only if the upper end of its biased-score interval reaches a floor under the
-// k-th largest lower end (the k-th largest of each lane's two largest lower ends: distinct experts), which leaves
-// a few more than k candidates; only their logits are computed in fp32 (dot products in a fixed order) and the k
-// best of those exact scores are chosen, ranked as k3_router_sigmoid_topk ranks them. So the result is the
-// selection and the scores of fp32 logits, by construction, not by tolerance.
+// k-th largest lower end (of distinct experts), which leaves a few more than k candidates; only their logits are
+// computed in fp32 (dot products in a fixed order) and the k best of those exact scores are chosen, ranked as
+// k3_router_sigmoid_topk ranks them. So the result is the selection and the scores of fp32 logits, by
+// construction, not by tolerance.
 //
 // The bound, for x^ = bf16(x), w^ = bf16(w) (rounded to nearest), r_x = x - x^, r_w = w - w^:
 //   |x^.w^ - x.w| <= |x^.r_w| + |r_x.w| <= |x^| |r_w| + |r_x| (|w^| + |r_w|)         (Cauchy-Schwarz)
@@ -509,12 +616,34 @@ int k3_router_backward(const float* h, int64_t n_tokens, int hidden, const float
 // g = (H + 2) 2^-24 times the sum of the absolute products, itself <= |x^| |w^| and |x| |w| respectively:
 //   B = rw (|x^| + |r_x| + g |x|) + |w^| (|r_x| + g (|x^| + |x|)),  rw = |r_w|, scaled by 1 + 2^-16,
 // plus 2^-126 per product for the tile unit's subnormals (read as zero, results flushed). The norms (x's and w's
-// rows) are summed in double and rounded up (bf16_row_norms). Scores: with s~ = s(l~),
-// |s(l) - s~| <= s'(l~) (e^B - 1), since |d/dy log s'(y)| = |1 - 2 s(y)| <= 1, and e^B - 1 <= B (1 + 0.7183 B)
-// for B <= 1; always <= B / 4. s~ comes from a coarse sigmoid (screen_sigmoid: error < 1e-4), and the interval of
-// the biased score is widened by 4e-4 (1 + |bias|): more than that sigmoid's error (also in s~ (1 - s~)), the exact
-// sigmoid's rounding and the rounding of the sums. Rows whose bound is not finite (inf / NaN in x, products near
-// fp32's range) take every logit exactly.
+// rows) are summed in double and rounded up (bf16_row_norms). So the fp32 logit l is in [l~ - B, l~ + B], and in
+// [down, up], their ends rounded outwards (AVX-512's per-instruction rounding; were flush-to-zero on, a flushed end
+// would move by < 2^-126, inside the margin below).
+//
+// Scores. The key that ranks expert e is K = fl(S + b), S the fp32 sigmoid of l (Sleef's exp within 1 ulp, then
+// two roundings): |K - (s(l) + b)| <= eps = 2^-21 + 2^-24 (1 + |b|). screen_sigmoid (s~) is within 1e-4 of s. The
+// margin m = 4e-4 (1 + |b|) exceeds 1e-4 + eps + the fp32 roundings of the ends below (each < 2^-23 (2 + |b| + m)),
+// so with s monotone and d <= l <= u:
+//   lower end  s~(down) + b - m  <=  s(l) + b - eps  <=  K  <=  s(l) + b + eps  <=  s~(up) + c,  upper end,
+// c = b + m rounded up (the ceiling). A floor F: the k-th largest lower end over a set of distinct experts (-inf
+// where it has fewer than k): k experts have K >= F, so one with K < F has k experts strictly above it and is not
+// among the k best, and each of the k best has K >= F. The candidates are the experts whose upper end is >= F
+// (ties kept), in expert order: a superset of the k best, which Best16 then picks as k3_router_sigmoid_topk would
+// (equal keys: the lower id first).
+//
+// Per row (screen_row), so that most experts cost a few instructions:
+//   pass A: B, up and down of every expert (stored), and each lane's two best experts (ids) by the key
+//     down + 4 b (any key is correct: it only picks the experts of the first floor; the slope of s is <= 1/4);
+//     F1 = the k-th largest lower end of those <= 32 distinct experts (their down, b and m gathered).
+//   pass B: an expert is near unless a cheap test proves s(up) < y = F1 - c, hence K < F1. t: the bits of
+//     (x + 127) 2^23 as an integer, x = -up log2 e (up clamped to [-69, 69]), are 2^floor(x) (1 + frac(x)): within
+//     [1, 2 / (e ln 2) = 1.0615] of 2^x (the fma's and the constants' roundings move x by < 2e-5); t' = t / 1.0625
+//     <= 0.99907 e^-up (up <= 69; above it t' < 2^-99 vanishes in 1 + t'). Out if fl(fl(y) fl(1 + t')) > 1 + 2^-20:
+//     then y (1 + e^-up) > 1 (three roundings of 2^-24 each), i.e. s(up) < y (for up > 69: y > 1 > s(up)). NaN or
+//     F1 = -inf: near. The near ids are compressed into a list (no branch).
+//   F = max(F1, F2), F2 the k-th largest lower end of the near experts (distinct; every expert with K >= F1 is
+//     near, so F2 >= F1 where it counts); the candidates: the near experts with s~(up) + c >= F.
+// Rows whose bound is not finite (inf / NaN in x, products near fp32's range) take every logit exactly.
 
 // x [N, H] fp32, w [E, H] fp32, bias [E] fp32 -> out_index [N, k] int64 and out_scores [N, k] fp32: as
 // k3_router_sigmoid_topk on the fp32 logits x w^T (see above). The weight's bf16 tiles and norms are made here, on
@@ -533,10 +662,11 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
   const int64_t lda = (hidden + 31) / 32 * 32, ldo = (n_experts + 31) / 32 * 32;
   const int64_t n_blocks = (n_tokens + 31) / 32;
   const double g = (hidden + 2) * std::ldexp(1.0, -24);
-  std::vector<float> margin, w_hat, w_res;
+  std::vector<float> margin, ceiling, w_hat, w_res;
   k3::aligned_vector<uint16_t> wb, packed;
   try {
     margin.resize(n_experts);
+    ceiling.resize(n_experts);
     w_hat.resize(n_experts);
     w_res.resize(n_experts);
     if (screen) {
@@ -546,9 +676,11 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
   } catch (...) {
     return 2;
   }
+  ScreenExperts ex{n_experts, w_res.data(), w_hat.data(), bias, margin.data(), ceiling.data()};
   for (int64_t e = 0; e < n_experts; ++e) {
     if (!std::isfinite(bias[e])) return 4;
     margin[e] = 4e-4f * (1.0f + std::fabs(bias[e]));
+    ceiling[e] = -float_below(-((double)bias[e] + (double)margin[e]));  // (rounded up)
   }
   bool w_finite = true;
   if (screen) {  // w in bf16 and its norms, then its tiles
@@ -566,10 +698,11 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
   for (int64_t e = 0; e < n_experts; ++e) max_w = std::max(max_w, w_hat[e] + w_res[e]);
   struct Scratch {
     k3::aligned_vector<uint16_t> a;
-    k3::aligned_vector<float> approx, hi, logits, scores;
-    std::vector<int32_t> ids;
+    k3::aligned_vector<float> approx, up, down, logits, scores;
+    std::vector<int32_t> near, ids;
     Scratch(int64_t lda, int64_t ldo, int64_t n_experts)
-        : a(32 * lda), approx(32 * ldo), hi(n_experts), logits(n_experts), scores(n_experts), ids(n_experts) {}
+        : a(32 * lda), approx(32 * ldo), up(n_experts), down(n_experts), logits(n_experts), scores(n_experts),
+          near(n_experts + 16), ids(n_experts + 16) {}
   };
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -611,43 +744,9 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
           continue;
         }
         const float* approx = s->approx.data() + r * ldo;
-        const __m512 p = _mm512_set1_ps(p_row[r]), q = _mm512_set1_ps(q_row[r]), c = _mm512_set1_ps(c_row[r]);
-        __m512 first = _mm512_set1_ps(-INFINITY), second = first;  // each lane's two largest lower ends
-        for (int64_t e = 0; e < n_experts; e += 16) {  // each expert's biased-score interval
-          const __mmask16 m = k3::lane_mask(n_experts - e);
-          const __m512 l = _mm512_maskz_loadu_ps(m, approx + e);
-          const __m512 bound = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, w_res.data() + e),
-                                               _mm512_fmadd_ps(q, _mm512_maskz_loadu_ps(m, w_hat.data() + e), c));
-          // |s(l) - s(l~)| <= s'(l~) (e^B - 1) (|d/dy log s'(y)| = |1 - 2 s(y)| <= 1), and e^B - 1 <= B (1 + 0.7183 B)
-          // for B <= 1; always <= B / 4 (s' <= 1/4)
-          const __m512 sv = screen_sigmoid(l);
-          const __m512 slope = _mm512_mul_ps(sv, _mm512_sub_ps(_mm512_set1_ps(1.0f), sv));
-          const __m512 quarter = _mm512_mul_ps(bound, _mm512_set1_ps(0.25f));
-          const __m512 local = _mm512_mul_ps(_mm512_mul_ps(slope, bound),
-                                             _mm512_fmadd_ps(bound, _mm512_set1_ps(0.7183f), _mm512_set1_ps(1.01f)));
-          const __mmask16 small = _mm512_cmp_ps_mask(bound, _mm512_set1_ps(1.0f), _CMP_LE_OQ);
-          const __m512 half_width = _mm512_add_ps(_mm512_mask_blend_ps(small, quarter, _mm512_min_ps(local, quarter)),
-                                                  _mm512_maskz_loadu_ps(m, margin.data() + e));
-          const __m512 mid = _mm512_add_ps(sv, _mm512_maskz_loadu_ps(m, bias + e));
-          const __m512 low = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, _mm512_sub_ps(mid, half_width));
-          second = _mm512_max_ps(_mm512_min_ps(first, low), second);
-          first = _mm512_max_ps(low, first);
-          _mm512_mask_storeu_ps(s->hi.data() + e, m, _mm512_add_ps(mid, half_width));
-        }
-        // a floor under the k-th largest lower end (the k-th largest of the lanes' two largest, which are distinct
-        // experts): every expert whose upper end is below it has k others above it
-        const float kth = kth_largest_of_32(first, second, top_k);
-        int n_cand = 0;
-        const __m512 kv = _mm512_set1_ps(kth);
-        for (int64_t e = 0; e < n_experts; e += 16) {  // candidates, in expert order
-          const __mmask16 m = k3::lane_mask(n_experts - e);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, s->hi.data() + e), kv, _CMP_GE_OQ);
-          const __m512i id = _mm512_add_epi32(_mm512_set1_epi32((int)e),
-                                              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-          _mm512_mask_compressstoreu_epi32(s->ids.data() + n_cand, keep, id);
-          n_cand += __builtin_popcount(keep);
-        }
-        if (n_cand < top_k) {  // (cannot happen: the k experts that set kth are candidates)
+        const int n_cand = screen_row(approx, p_row[r], q_row[r], c_row[r], ex, top_k,
+                                      {s->up.data(), s->down.data(), s->near.data(), s->ids.data()});
+        if (n_cand < top_k) {  // (cannot happen: the k experts that set the floor are candidates)
           exact_row(xr, w, hidden, n_experts, bias, top_k, s->ids.data(), s->logits.data(), s->scores.data(), index,
                     selected);
           continue;
