@@ -512,7 +512,8 @@ int k3_router_sigmoid_topk(const float* logits, const float* bias, int64_t n_tok
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
   {
-    const std::unique_ptr<k3::aligned_vector<float>> row = k3::new_scratch<k3::aligned_vector<float>>(status, n_experts);
+    const std::unique_ptr<k3::aligned_vector<float>> row =
+        k3::new_scratch<k3::aligned_vector<float>>(status, n_experts);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_tokens; ++t) {
       if (row == nullptr) continue;
