@@ -962,6 +962,34 @@ def test_router_screened_topk_any_bias_and_logit_scale(amx, bias_kind, logit_sca
         assert (index[:, 0] == 7).all()
 
 
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_router_screened_topk_extreme_biases_few_experts_and_flush_to_zero(amx, flush_denormal):
+    """The screen's edge paths, bitwise the selection with every logit in fp32: biases near fp32's range (the key
+    down + 4 b overflows to +-inf, the ceiling b + m rounded up to +inf, the lower end b - m to -inf, so the first
+    floor is -inf), +-1e30 (b + m rounds), 1 or 2 experts, k = E or 16; subnormal inputs against weights ~1e30 and the
+    reverse (the bound's 2^-126 per product); and all of it with flush-to-zero / denormals-are-zero set, as other
+    code may leave them."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(37, 34, generator=gen) * 4
+    x[3], x[4, ::2], x[5] = 0.0, 1e-39, x[5] * 1e-39
+    big = torch.finfo(torch.float32).max
+    biases = [torch.full((17,), big), -torch.rand(17, generator=gen) * big, torch.tensor([1e30, -1e30]).repeat(9)[:17],
+              torch.where(torch.arange(17) % 3 == 0, -big, torch.randn(17, generator=gen) * 0.1)]  # fmt: skip
+    if flush_denormal and not torch.set_flush_denormal(True):
+        pytest.skip("flush-to-zero is not supported on this CPU")
+    try:
+        for e in (1, 2, 17):
+            weight = torch.randn(e, 34, generator=gen) / 6
+            for bias in biases:
+                for k in sorted({1, min(e, 16)}):
+                    for xs, ws in ((x, weight), (x * 1e-39, weight * 1e30), (x * 1e30, weight * 1e-39)):
+                        index, scores = _screened(xs, ws, bias[:e].contiguous(), k)
+                        ref_index, ref_scores = _screened(xs, ws, bias[:e].contiguous(), k, screen=False)
+                        assert torch.equal(index, ref_index) and cpu_kernel.same_bits(scores, ref_scores)
+    finally:
+        torch.set_flush_denormal(False)  # (torch's default; it has no getter)
+
+
 def test_router_screened_topk_ties_are_torchs(amx):
     """Logits that every fp32 sum gets exactly (small multiples of powers of two, so also exact in bf16), with many
     equal values: the screen must keep every tied expert, and the result is bitwise router_topk's on torch.sigmoid
