@@ -1328,3 +1328,55 @@ def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5 * r.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", [(70, 128), (3, 5, 7), (1, 16), (300, 33)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
+    """KimiK3RMSNorm in fp32 under autograd (cpu_kernel.rms_norm: torch's two ops forward, k3_rms_norm_backward
+    backward): the output bitwise the kernels-off module's, the input and weight gradients within 1e-5 of the largest
+    of float64 autograd through the formula (as close as autograd in fp32 comes), at row widths that are no multiple
+    of 16 and rows across the kernel's 64-row blocks; 1 and 3 threads bitwise the same; a frozen weight (LoRA) or a
+    frozen input get only the other gradient; without autograd, bf16, or with the kernels off the module's own ops."""
+    from transformers_k3.layers.norm import KimiK3RMSNorm
+
+    gen = torch.Generator().manual_seed(shape[-1])
+    norm = KimiK3RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    x, probe = torch.randn(shape, generator=gen) * scale, torch.randn(shape, generator=gen)
+    xd, wd = x.double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    (xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * wd * probe.double()).sum().backward()
+
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            xs = x.clone().requires_grad_()
+            norm.weight.grad = None
+            out = norm(xs)
+            assert out.grad_fn is not None and "RMSNorm" in type(out.grad_fn).__name__
+            (out * probe).sum().backward()
+            results.append((out.detach(), xs.grad, norm.weight.grad))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with cpu_kernel.use_cpu_kernel(False):
+        assert torch.equal(results[0][0], norm(x.clone().requires_grad_()).detach())
+    for mine, want in ((results[0][1], xd.grad), (results[0][2], wd.grad)):
+        assert (mine.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+    norm.weight.requires_grad_(False)
+    xs = x.clone().requires_grad_()
+    (norm(xs) * probe).sum().backward()
+    assert torch.equal(xs.grad, results[0][1])
+    norm.weight.requires_grad_(True)
+    norm.weight.grad = None
+    (norm(x) * probe).sum().backward()
+    assert torch.equal(norm.weight.grad, results[0][2])
+
+    assert cpu_kernel.rms_norm(x, norm.weight.detach(), 1e-6) is None  # no autograd: the module's own ops
+    assert cpu_kernel.rms_norm(x.bfloat16().requires_grad_(), norm.weight, 1e-6) is None
+    with cpu_kernel.use_cpu_kernel(False):
+        assert cpu_kernel.rms_norm(x.requires_grad_(), norm.weight, 1e-6) is None

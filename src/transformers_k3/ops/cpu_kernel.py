@@ -48,6 +48,7 @@ import threading
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    SOURCE_DIR / name for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp")
+    SOURCE_DIR / name
+    for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp")
 )
 HEADERS = tuple(
     SOURCE_DIR / name for name in ("common.h", "small_gemm.h", "glu_avx512.h", "bf16_rows.h", "amx_tiles.h")
@@ -256,6 +258,8 @@ def _load() -> ctypes.CDLL:
         lib.k3_router_screened_topk.restype = i32
         lib.k3_router_screened_topk.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, i32, pointer, pointer,
                                                 i32]  # fmt: skip
+        lib.k3_rms_norm_backward.restype = i32
+        lib.k3_rms_norm_backward.argtypes = [pointer, pointer, pointer, i64, i32, f32, pointer, pointer, i32]
         lib.k3_router_backward.restype = i32
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         return lib
@@ -600,6 +604,46 @@ class _Glu(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         _, grad_gate, grad_up = _glu(gate, up, ctx.activation, grad_out=grad)
         return grad_gate, grad_up, None
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``F.rms_norm(hidden_states, (H,), eps=eps) * weight`` for fp32 ``hidden_states [..., H]`` and ``weight [H]`` on
+    CPU: the forward is those two ops (the same bits), the backward one kernel pass per row (``k3_rms_norm_backward``)
+    where autograd through them runs ~12 element-wise passes. For autograd only (None without it, and where it does
+    not apply: other dtypes or devices, mismatched shapes, kernels off, torch.compile)."""
+    if not (
+        torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+        and applies(hidden_states, weight, differentiable=True)
+        and weight.dim() == 1 and hidden_states.dim() >= 1 and hidden_states.shape[-1] == weight.shape[0] > 0
+    ):  # fmt: skip
+        return None
+    if library() is None:
+        return None
+    return _RMSNorm.apply(hidden_states, weight, float(eps))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, weight, eps):
+        ctx.save_for_backward(hidden_states, weight)
+        ctx.eps = eps
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=eps) * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        hidden_states, weight = ctx.saved_tensors
+        hidden = hidden_states.shape[-1]
+        x = hidden_states.detach().reshape(-1, hidden).contiguous()
+        g = grad.reshape(-1, hidden).float().contiguous()
+        w = weight.detach().contiguous()
+        grad_x, grad_w = torch.empty_like(x), torch.empty(hidden, dtype=torch.float32)
+        status = library().k3_rms_norm_backward(x.data_ptr(), w.data_ptr(), g.data_ptr(), x.shape[0], hidden, ctx.eps,
+                                                grad_x.data_ptr(), grad_w.data_ptr(), max(1, torch.get_num_threads()))
+        if status != 0:
+            raise RuntimeError(f"the RMSNorm kernel's backward returned status {status}")
+        need_x, need_w = ctx.needs_input_grad[:2]
+        return grad_x.view(hidden_states.shape) if need_x else None, grad_w if need_w else None, None
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:
