@@ -728,7 +728,10 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
         const double scale = 1.0 + std::ldexp(1.0, -16);
         p_row[r] = (float)((nh + nr + g * nx) * scale * (1.0 + 1e-6));
         q_row[r] = (float)((nr + g * (nh + nx)) * scale * (1.0 + 1e-6));
-        // the tile unit's subnormal inputs (read as zero) and results (flushed): < 2^-126 each
+        // the tile unit's subnormal inputs (read as zero) and results (flushed): a flushed x^_i (|x^_i| < 2^-126)
+        // moves its product by < 2^-126 |w^_i|, a flushed w^_i by < 2^-126 |x^_i|, so the inputs move the sum by
+        // < 2^-126 sum_i (|x^_i| + |w^_i|) <= 2^-126 sqrt(H) (|x^| + |w^|) (Cauchy-Schwarz; 2e-38 > 2^-126); each
+        // flushed partial sum by < 2^-126, at most H of them, inside the 1e-30
         c_row[r] = (float)(1e-30 + 2e-38 * std::sqrt((double)hidden) * (nh + max_w));
         // (NaN norms fail the test too)
         direct[r] = !(nx * max_w < 1e30 && std::isfinite(p_row[r]) && std::isfinite(q_row[r]));
