@@ -163,6 +163,13 @@ inline __m512 sort_descending(__m512 v) {
   return merge_descending(v);
 }
 
+// Each lane's two largest values so far (first >= second), after one more vector v (NaN lanes of v are skipped: max
+// and min return their second operand when either is NaN); kth_largest_of_32 then takes a floor from them.
+inline void keep_two_largest(__m512 v, __m512& first, __m512& second) {
+  second = _mm512_max_ps(_mm512_min_ps(first, v), second);
+  first = _mm512_max_ps(v, first);
+}
+
 // The k-th largest (k <= 16) of the 32 values in a and b: sorted descending and ascending, their lane-wise maximum
 // holds the 16 largest as a bitonic sequence, which the last merge (k = 16) sorts.
 inline float kth_largest_of_32(__m512 a, __m512 b, int k) {
@@ -181,10 +188,7 @@ void row_topk16(const float* scores, const float* bias, int64_t n_experts, int t
   __mmask16 present;
   __m512 first = _mm512_set1_ps(-INFINITY), second = first;
   for (int64_t e = 0; e < n_experts; e += 16) {
-    const __m512 v = chunk(scores, bias, n_experts, e, present);
-    // (NaN lanes are skipped: max and min return their second operand when either is NaN)
-    second = _mm512_max_ps(_mm512_min_ps(first, v), second);
-    first = _mm512_max_ps(v, first);
+    keep_two_largest(chunk(scores, bias, n_experts, e, present), first, second);
   }
   const __m512 floor = _mm512_set1_ps(kth_largest_of_32(first, second, top_k));
   Best16 best(top_k);
@@ -448,9 +452,7 @@ int screen_row(const float* approx, float p_row, float q_row, float c_row, const
   __m512 first = none, second = none;
   for (int j = 0; j < n_near; j += 16) {
     const __mmask16 m = k3::lane_mask(n_near - j);
-    const __m512 low = lower_end(ex, sc.down, m, _mm512_maskz_loadu_epi32(m, sc.near + j));
-    second = _mm512_max_ps(_mm512_min_ps(first, low), second);
-    first = _mm512_max_ps(low, first);
+    keep_two_largest(lower_end(ex, sc.down, m, _mm512_maskz_loadu_epi32(m, sc.near + j)), first, second);
   }
   const __m512 fv = _mm512_set1_ps(std::max(floor1, kth_largest_of_32(first, second, top_k)));
   int n_cand = 0;
