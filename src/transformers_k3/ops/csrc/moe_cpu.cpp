@@ -626,7 +626,7 @@ int k3_moe_experts_forward(const float* x, int64_t n_tokens, int hidden, const i
   std::vector<int64_t> tiles;  // start row (in sorted order) of each task; its expert in tile_expert
   std::vector<int64_t> tile_expert;
   try {
-    sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts);
+    sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts, !small);
 #if K3_HAVE_SMALL_GEMM
     if (small)
       return small_forward(x, n_tokens, hidden, *sorted_ptr, top_k_weights, top_k, gate_up, gate_up_transposed,
@@ -697,7 +697,7 @@ int k3_moe_experts_backward(const float* x, int64_t n_tokens, int hidden, const 
   const int64_t n_assign = n_tokens * top_k;
   std::unique_ptr<k3::Sorted> sorted_ptr;
   try {
-    sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts);
+    sorted_ptr = std::make_unique<k3::Sorted>(top_k_index, n_assign, n_experts, !small);
   } catch (...) {
     return 2;
   }
