@@ -419,9 +419,9 @@ def test_bf16_forward_and_generate(tiny_model):
 
 def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatch):
     """A bf16 decode step (one token after a cached prefill) on CPU computes every projection it calls (KDA, MLA,
-    the dense MLP, the MoE's latent and shared ones, lm_head) through cpu_kernel.linear_bf16, and its logits match
-    the step with the kernel declining (torch's bf16 matmul) to bf16 accuracy; the prefill (2 x 12 = 24 rows > 15)
-    does not use it."""
+    the dense MLP, lm_head) through cpu_kernel.linear_bf16, the MoE layers' (latent and shared) inside the layer's
+    decode kernel (cpu_kernel.MoeDecode, the same products), and its logits match the step with the kernel
+    declining (torch's bf16 matmul) to bf16 accuracy; the prefill (2 x 12 = 24 rows > 15) does not use it."""
     from transformers_k3 import KimiK3HybridCache
     from transformers_k3.ops import cpu_kernel
 
@@ -432,6 +432,11 @@ def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatc
     ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
     original, calls = cpu_kernel.linear_bf16, []
     steps = {}
+    moe_layers = [name for name, m in model.named_modules() if type(m).__name__ == "KimiK3SparseMoE"]
+    moe_linears = sum(type(m) is torch.nn.Linear and name.startswith(tuple(p + "." for p in moe_layers))
+                      for name, m in model.named_modules())  # fmt: skip
+    decode, decoded = cpu_kernel.MoeDecode.__call__, []
+    monkeypatch.setattr(cpu_kernel.MoeDecode, "__call__", lambda self, y: decoded.append(1) or decode(self, y))
     for use_kernel in (True, False):
         def counted(*args, use_kernel=use_kernel):
             out = original(*args) if use_kernel else None
@@ -448,9 +453,10 @@ def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatc
         if use_kernel:
             # every linear layer once, but the AttnRes projections (their weights are read, never called) and
             # kv_b_proj (absorbed MLA decode folds its weight into the query and output)
-            called = linears - sum(type(m) is torch.nn.Linear and name.endswith(("res_proj", "kv_b_proj"))
-                                   for name, m in model.named_modules())
+            called = linears - moe_linears - sum(type(m) is torch.nn.Linear and name.endswith(("res_proj", "kv_b_proj"))
+                                                 for name, m in model.named_modules())  # fmt: skip
             assert all(calls) and len(calls) == called, (len(calls), called)
+            assert moe_layers and moe_linears and len(decoded) == len(moe_layers)
         calls.clear()
     torch.testing.assert_close(steps[True], steps[False], atol=0.05 * steps[False].abs().max().item(), rtol=0)
 

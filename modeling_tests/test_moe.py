@@ -678,3 +678,189 @@ def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
         torch.testing.assert_close(out, experts(x, idx, w), atol=1e-5, rtol=1e-5)
         cfg._experts_implementation = K3_GROUPED_MM
     assert calls == [1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode step: the whole layer in one kernel call (KimiK3SparseMoE._decode_step, cpu_kernel.MoeDecode)
+# ----------------------------------------------------------------------------------------------------
+
+
+def decode_kernel_or_skip():
+    if cpu_kernel.library() is None or cpu_kernel.moe_decode_max_tokens() == 0:
+        pytest.skip("the fused decode step needs the CPU kernels with AVX-512")
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """The calls that reached the decode kernel (each a number of tokens)."""
+    calls = []
+    run = cpu_kernel.MoeDecode.__call__
+
+    def counted(self, y):
+        calls.append(y.shape[0])
+        return run(self, y)
+
+    monkeypatch.setattr(cpu_kernel.MoeDecode, "__call__", counted)
+    return calls
+
+
+def modules_path(moe, x):
+    """The layer through its modules (the decode kernel turned off)."""
+    limit = cpu_kernel.moe_decode_max_tokens
+    cpu_kernel.moe_decode_max_tokens = lambda: 0
+    try:
+        with torch.no_grad():
+            return moe(x)
+    finally:
+        cpu_kernel.moe_decode_max_tokens = limit
+
+
+DECODE_CASES = {
+    "latent": {},
+    "latent_no_norm": {"latent_moe_use_norm": False},
+    "non_latent": {"routed_expert_hidden_size": None},
+    "non_latent_no_shared": {"routed_expert_hidden_size": None, "num_shared_experts": 0},
+    "two_shared_top3": {"num_shared_experts": 2, "num_experts_per_tok": 3},
+    "silu": {"hidden_act": "silu"},
+    "no_linear_cap": {"activation_situ_linear_beta": None},
+    "beta_2": {"activation_situ_beta": 2.0},
+    "no_renormalize": {"moe_renormalize": False},
+    "top1_of_4": {"num_experts": 4, "num_experts_per_tok": 1},
+    "top16_of_40_odd_widths": {"num_experts": 40, "num_experts_per_tok": 16, "hidden_size": 72,
+                               "routed_expert_hidden_size": 24, "moe_intermediate_size": 20},
+    "router_fp32": {"router_fp32": True},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype, decode_calls):
+    """A decode step (1-4 tokens, no autograd) runs the whole layer in one kernel call: in fp32 within 1e-5 of the
+    float64 per-token reference written from the spec and of the modules (the sums in another order); in bf16 the
+    modules' bits where their products and GLUs are our kernels' (AMX for the router logits; SiTU: the shared
+    expert's SiLU is torch's, rounded to bf16 twice), else within a bf16 rounding (and within 2e-2 of the
+    float64 reference, as the modules are)."""
+    decode_kernel_or_skip()
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM, **DECODE_CASES[case])
+    moe = moe.to(dtype)
+    for n in (1, 2, 4):
+        x = inputs(1, n, cfg.hidden_size, seed=100 + n).to(dtype)
+        with torch.no_grad():
+            out = moe(x)
+        assert decode_calls[-1:] == [n] and out.shape == x.shape and out.dtype == dtype
+        modules = modules_path(moe, x)
+        reference = ref_moe(moe, x, cfg)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out, modules, atol=1e-6, rtol=1e-5)
+        else:
+            if cpu_kernel.amx_available() and cfg.hidden_act == "situ":
+                assert torch.equal(out, modules)
+            else:
+                torch.testing.assert_close(out, modules, atol=2e-2, rtol=1e-2)
+            assert ((out.double() - reference).norm() / reference.norm()) < 2e-2
+    assert len(decode_calls) == 3
+
+
+def test_decode_step_reads_the_weights_at_each_call(decode_calls):
+    """In-place updates (an optimizer step, Quantile Balancing's bias), replaced parameters and a cast to another
+    dtype and back all reach the next decode step."""
+    decode_kernel_or_skip()
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    x = inputs(1, 1, cfg.hidden_size)
+    outs = []
+
+    def step():  # the decode step, checked against the float64 reference on the weights as they are now
+        with torch.no_grad():
+            outs.append(moe(x))
+        torch.testing.assert_close(outs[-1].double(), ref_moe(moe, x, cfg), atol=1e-5, rtol=1e-5)
+
+    step()
+    with torch.no_grad():
+        moe.experts.down_proj.mul_(2.0)
+        moe.gate.e_score_correction_bias.copy_(torch.linspace(5, -5, cfg.num_experts))  # forces the choice
+        step()
+        moe.routed_expert_up_proj.weight = torch.nn.Parameter(moe.routed_expert_up_proj.weight * -1)
+        step()
+        moe.bfloat16().float()
+        step()
+    assert all(not torch.allclose(a, b) for a, b in zip(outs, outs[1:]))
+    assert decode_calls == [1, 1, 1, 1]
+
+
+def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
+    """The modules run (and give their own result) with autograd, more than 4 tokens, a hook on any submodule
+    (its own or global; a router hook reads the logits), transformers' experts implementations, a softmax or
+    grouped router, a layer too large for the one-thread kernel, and another submodule class (a LoRA layer); no
+    tokens give an empty result."""
+    decode_kernel_or_skip()
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    x = inputs(1, 3, cfg.hidden_size)
+    expected = modules_path(moe, x)
+
+    def check(layer=moe, inp=x, grad=False):
+        decode_calls.clear()
+        with torch.set_grad_enabled(grad):
+            out = layer(inp)
+        assert decode_calls == []
+        return out
+
+    out = check(grad=True)
+    assert out.grad_fn is not None
+    torch.testing.assert_close(out.detach(), expected, atol=1e-6, rtol=1e-5)
+    check(inp=inputs(1, 5, cfg.hidden_size))
+    seen = []
+    for module in (moe, moe.gate, moe.experts, moe.routed_expert_norm, moe.shared_experts.down_proj):
+        handle = module.register_forward_hook(lambda *args: seen.append(1))
+        torch.testing.assert_close(check(), expected, atol=1e-6, rtol=1e-5)
+        handle.remove()
+    assert len(seen) == 5
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    check()
+    handle.remove()
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        cfg._experts_implementation = impl
+        torch.testing.assert_close(check(), expected, atol=1e-5, rtol=1e-5)
+    cfg._experts_implementation = K3_GROUPED_MM
+    for overrides in ({"moe_router_activation_func": "softmax"}, {"num_experts": 16, "num_expert_group": 4,
+                                                                  "topk_group": 2}):
+        other_cfg, other = make_moe(_experts_implementation=K3_GROUPED_MM, **overrides)
+        torch.testing.assert_close(check(other), ref_moe(other, x, other_cfg).float(), atol=1e-5, rtol=1e-5)
+
+    class Wrapped(torch.nn.Linear):  # (a LoRA or quantized layer is another class)
+        pass
+
+    big_cfg, big = make_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=512, routed_expert_hidden_size=256,
+                            num_experts=64, num_experts_per_tok=16, moe_intermediate_size=64)  # 1.18M MACs
+    check(big, inputs(1, 1, 512))  # fp32: beyond the one-thread kernel's limit
+    with torch.no_grad():
+        big.bfloat16()(inputs(1, 1, 512).bfloat16())
+    assert decode_calls == [1]  # bf16: within its larger limit
+    lora = Wrapped(cfg.routed_expert_hidden_size, cfg.hidden_size, bias=False)
+    lora.weight = moe.routed_expert_up_proj.weight
+    moe.routed_expert_up_proj = lora
+    torch.testing.assert_close(check(), expected, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        assert moe(inputs(1, 0, cfg.hidden_size)).shape == (1, 0, cfg.hidden_size)
+
+
+def test_decode_step_drops_its_plan_when_pickled(decode_calls):
+    """The kernel's description of this process's memory is neither pickled nor deep-copied: a copy plans anew
+    on its own weights."""
+    import copy
+    import io
+
+    decode_kernel_or_skip()
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    x = inputs(1, 2, cfg.hidden_size)
+    with torch.no_grad():
+        out = moe(x)
+        twin = copy.deepcopy(moe)
+        buffer = io.BytesIO()
+        torch.save(moe, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert torch.equal(twin(x), out) and torch.equal(loaded(x), out)
+        twin.experts.down_proj.zero_()
+        assert torch.equal(moe(x), out) and not torch.equal(twin(x), out)
+    assert decode_calls == [2] * 5

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
@@ -409,6 +410,10 @@ class KimiK3SparseMoE(nn.Module):
         """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
+        if not torch.is_grad_enabled() and y.shape[0] <= cpu_kernel.moe_decode_max_tokens() and y.is_cpu:
+            out = self._decode_step(y)  # a decode step on CPU: the whole layer in one kernel call
+            if out is not None:
+                return out.view(orig_shape)
 
         _, topk_weights, topk_indices = self.gate(y, need_logits=False)  # decided on the full-width input
         z = apply_linear(self.routed_expert_down_proj, y) if self.is_latent else y
@@ -421,6 +426,118 @@ class KimiK3SparseMoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(y)
         return routed.view(orig_shape)
+
+    def __getstate__(self) -> dict:
+        # (the decode plan describes this process's memory to the kernel: not pickled or deep-copied, made anew
+        # on the next decode step)
+        state = super().__getstate__()
+        state.pop("_decode_plan", None)
+        return state
+
+    def _decode_step(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The layer on a few tokens in one kernel call (`cpu_kernel.MoeDecode`: the modules' quantities, bf16
+        bitwise, the fp32 sums in another order; several times faster at decode, where the ~15 ops and calls of
+        the modules cost nearly all of the time), where that is what calling the modules would compute: each
+        submodule of its exact class with no hooks of its own (the router's forward hooks aside, when they do not
+        read its logits: `KimiK3Router.logits_observed`) and no global ones, no replaced ``forward`` (accelerate's
+        offload), the experts under ``"k3_grouped_mm"``, an ungrouped sigmoid router, linear layers without bias;
+        otherwise None (then the modules run: LoRA, quantized or offloaded layers, recorded router logits, another
+        experts implementation). What was checked once per set of submodules and weights is kept (`_DecodePlan`);
+        the hooks, the experts implementation and the weights' storage are checked on every call."""
+        if _any_global_hooks():
+            return None
+        modules = self._modules  # (an optional submodule set to None is not there)
+        shared = modules.get("shared_experts")
+        key = (y.dtype, modules["gate"], modules["experts"], modules.get("routed_expert_down_proj"),
+               modules.get("routed_expert_norm"), modules.get("routed_expert_up_proj"), shared,
+               *((shared._modules["gate_proj"], shared._modules["up_proj"], shared._modules["down_proj"])
+                 if type(shared) is KimiK3MLP else ()))  # fmt: skip
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None or plan.key != key:
+            plan = _DecodePlan(key)
+            self.__dict__["_decode_plan"] = plan
+        if not plan.usable:
+            return None
+        gate, experts = key[1], key[2]
+        for module in key[3:]:
+            if module is not None and (
+                module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in module.__dict__
+            ):  # fmt: skip
+                return None
+        if (
+            gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
+            or gate.logits_observed() or experts.config._experts_implementation != K3_GROUPED_MM
+            or experts.is_transposed or experts._forward_hooks or experts._forward_pre_hooks
+            or experts._backward_hooks or experts._backward_pre_hooks or "forward" in experts.__dict__
+        ):  # fmt: skip
+            return None
+        if self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks:
+            return None  # (hooks on this layer run around forward, which calls this: a hook that replaces the
+            # input or output still sees it; a backward hook asks for the modules' graph, which no_grad has not)
+        return plan.run(y)
+
+
+def _any_global_hooks() -> bool:
+    return bool(
+        _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+    )  # fmt: skip
+
+
+class _DecodePlan:
+    """`KimiK3SparseMoE._decode_step`'s checks of one set of submodules (``key``: the input dtype and the
+    submodules, by identity) that hold until one is replaced: their classes, the router's and experts' settings,
+    and, re-checked by `run` on each call, the weights' tensors and storage (a ``.to()`` or ``load_state_dict``
+    that replaces or moves them re-plans). ``usable`` False: the modules must run."""
+
+    def __init__(self, key: tuple) -> None:
+        self.key, self.usable = key, False
+        _, gate, experts, down, norm, up, shared, *shared_linears = key
+        linears = [m for m in (down, up) if m is not None] + shared_linears
+        if (
+            type(gate) is not KimiK3Router or type(experts) is not KimiK3Experts
+            or (norm is not None and type(norm) is not KimiK3RMSNorm)
+            or (shared is not None and (type(shared) is not KimiK3MLP or shared.glu != experts.glu_activation))
+            or any(type(m) is not nn.Linear or m.bias is not None for m in linears)
+            or (down is None) != (up is None) or (norm is not None and down is None)
+            or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
+            or getattr(experts, "_is_expert_parallel", False) or experts.has_bias or not experts.has_gate
+            or experts.has_post_expert_norm
+        ):  # fmt: skip
+            return
+        self.gate, self.experts, self.norm, self.linears = gate, experts, norm, linears
+        self.latent, self.shared = down is not None, shared is not None
+        self.refresh()
+        self.usable = True
+
+    def refresh(self) -> None:
+        gate, experts, norm = self.gate, self.experts, self.norm
+        linears, shared = self.linears, self.shared
+        down, up = (linears[0].weight, linears[1].weight) if self.latent else (None, None)
+        self.kernel = cpu_kernel.MoeDecode(
+            self.key[0], gate.weight, gate.e_score_correction_bias, gate.top_k, gate.renormalize,
+            gate.routed_scaling_factor, down, None if norm is None else norm.weight,
+            0.0 if norm is None else norm.variance_epsilon, up, experts.gate_up_proj, experts.down_proj,
+            experts.glu_activation, tuple(m.weight for m in linears[-3:]) if shared else None,
+        )  # fmt: skip
+        self.pointers = tuple(t.data_ptr() for t in self.kernel.tensors)
+
+    def run(self, y: torch.Tensor) -> torch.Tensor | None:
+        """The kernel's result, the weights re-read first: a replaced parameter or buffer, or one whose storage
+        moved (``.to()``, ``param.data = ...``), makes a new kernel description."""
+        gate, experts, linears, norm = self.gate, self.experts, self.linears, self.norm
+        tensors = (gate._parameters["weight"], gate._buffers["e_score_correction_bias"],
+                   experts._parameters["gate_up_proj"], experts._parameters["down_proj"],
+                   *((linears[0]._parameters["weight"], linears[1]._parameters["weight"]) if self.latent else ()),
+                   *((norm._parameters["weight"],) if norm is not None else ()),
+                   *((m._parameters["weight"] for m in linears[-3:]) if self.shared else ()))  # fmt: skip
+        held = self.kernel.tensors
+        if len(tensors) != len(held) or any(a is not b for a, b in zip(tensors, held)) or tuple(
+            t.data_ptr() for t in tensors
+        ) != self.pointers:
+            self.refresh()
+        return self.kernel(y) if self.kernel.usable else None
 
 
 def router_aux_loss(

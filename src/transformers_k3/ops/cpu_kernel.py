@@ -57,7 +57,8 @@ CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(
     SOURCE_DIR / name
-    for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp")
+    for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp",
+                 "moe_decode_cpu.cpp")
 )
 HEADERS = tuple(
     SOURCE_DIR / name for name in ("common.h", "small_gemm.h", "glu_avx512.h", "bf16_rows.h", "amx_tiles.h")
@@ -262,6 +263,10 @@ def _load() -> ctypes.CDLL:
         lib.k3_rms_norm_backward.argtypes = [pointer, pointer, pointer, i64, i32, f32, pointer, pointer, i32]
         lib.k3_router_backward.restype = i32
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
+        lib.k3_moe_decode_max_tokens.restype = i32
+        lib.k3_moe_decode_max_tokens.argtypes = []
+        lib.k3_moe_decode.restype = i32
+        lib.k3_moe_decode.argtypes = [pointer, pointer, pointer, i64, pointer]
         return lib
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
@@ -654,6 +659,98 @@ def _activation_args(activation: tuple) -> tuple[int, float, float]:
 
 def _ptr(x: torch.Tensor | None) -> int | None:
     return None if x is None else x.data_ptr()
+
+
+def moe_decode_max_tokens() -> int:
+    """The most tokens `moe_decode` takes (0: it cannot run here: kernels off, no AVX-512, under torch.compile)."""
+    if not enabled() or torch.compiler.is_compiling():
+        return 0
+    lib = library()
+    if lib is None:
+        return 0
+    cached = getattr(lib, "k3_moe_decode_max_tokens_value", None)
+    if cached is None:
+        cached = lib.k3_moe_decode_max_tokens_value = int(lib.k3_moe_decode_max_tokens())
+    return cached
+
+
+# The decode kernel runs on one thread, the modules' products on every thread: it is taken for layers up to this
+# many multiply-adds per token (router, latent and shared projections, k experts), where the modules' ~15 ops and
+# calls cost more than its products. Measured on 2 threads at 896 experts, top-16, one token (fused / modules, us):
+# fp32 0.52M MACs 97 / 267, 1.6M 312 / 444, 5.5M 898 / 839 (slower), 11.8M 1815 / 1342; bf16 0.52M 66 / 333, 1.6M
+# 183 / 511, 5.5M 492 / 1272, 11.8M 950 / 4731. With more threads the modules' products take less time, their
+# ~200 us of calls do not: the limits keep the kernel's own time at about that.
+MOE_DECODE_MAX_MACS = {torch.float32: 1 << 20, torch.bfloat16: 1 << 21}
+
+
+class MoeDecode:
+    """The whole MoE layer on a few tokens without autograd (``csrc/moe_decode_cpu.cpp``), for one set of weights
+    in one dtype: ``MoeDecode(...)(y [N, H])`` -> ``[N, H]`` in that dtype (fp32 or bf16), N <=
+    `moe_decode_max_tokens`. `KimiK3SparseMoE` makes one per set of its modules' weights, as stored: ``router
+    [E, H]`` (the layer's dtype, or fp32), ``bias [E]`` fp32, the latent projections ``[L, H]`` / ``[H, L]`` and
+    the norm's weight ``[L]`` (None: not a latent layer; ``norm`` None: no norm), the experts ``[E, 2I, L]`` /
+    ``[E, L, I]``, ``activation`` as for `moe_experts`, ``shared`` the shared expert's gate, up ``[S, H]`` and down
+    ``[H, S]`` weights or None. The same quantities as the modules compute (bf16: rounded where they round), the
+    sums in another order. ``usable`` False where the weights do not fit (dtypes, shapes, layouts, devices, tensor
+    types) or the layer is too large for one thread (`MOE_DECODE_MAX_MACS`); a call returns None where ``y`` does
+    not (then run the modules). The weights are read at each call: the caller keeps this only while its tensors
+    and their storage are the modules' (`_DecodePlan`)."""
+
+    def __init__(self, dtype: torch.dtype, router: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+                 scale: float, down_latent: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
+                 up_latent: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor, activation: tuple,
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+        self.dtype, self.usable = dtype, False
+        weights = [gate_up, down]
+        if down_latent is not None:
+            weights += [down_latent, up_latent] + ([norm] if norm is not None else [])
+        if shared is not None:
+            weights += list(shared)
+        self.tensors = (router, bias, *weights)  # (held: their storage stays valid while this is used)
+        if dtype not in (torch.float32, torch.bfloat16) or not (router.dtype is dtype or router.dtype is torch.float32):
+            return
+        if any(w.dtype is not dtype for w in weights) or bias.dtype is not torch.float32:
+            return
+        if any(type(t) not in _PLAIN_TENSORS or not t.is_cpu or not t.is_contiguous() for t in self.tensors):
+            return
+        num_experts, hidden = router.shape if router.dim() == 2 else (0, 0)
+        latent = 0 if down_latent is None else down_latent.shape[0]
+        width = latent or hidden
+        inter = gate_up.shape[1] // 2 if gate_up.dim() == 3 else 0
+        shared_inter = 0 if shared is None else shared[0].shape[0]
+        if (
+            num_experts == 0 or bias.shape != (num_experts,) or not 1 <= top_k <= min(16, num_experts)
+            or gate_up.shape != (num_experts, 2 * inter, width) or down.shape != (num_experts, width, inter)
+            or (latent and (down_latent.shape != (latent, hidden) or up_latent.shape != (hidden, latent)
+                            or (norm is not None and norm.shape != (latent,))))
+            or (shared is not None and (shared[0].shape != (shared_inter, hidden) or shared[1].shape != shared[0].shape
+                                        or shared[2].shape != (hidden, shared_inter)))
+        ):  # fmt: skip
+            return
+        macs = num_experts * hidden + 2 * latent * hidden + 3 * shared_inter * hidden + top_k * 3 * width * inter
+        if macs > MOE_DECODE_MAX_MACS[dtype]:
+            return
+        kind, beta, linear_beta = _activation_args(activation)
+        self.hidden = hidden
+        self.desc = (ctypes.c_int64 * 20)(
+            hidden, int(dtype is torch.bfloat16), router.data_ptr(), int(router.dtype is not dtype),
+            bias.data_ptr(), num_experts, top_k, int(renormalize), _ptr(down_latent) or 0, latent, _ptr(norm) or 0,
+            _ptr(up_latent) or 0, gate_up.data_ptr(), down.data_ptr(), inter, kind,
+            *((0, 0, 0) if shared is None else (w.data_ptr() for w in shared)), shared_inter,
+        )  # fmt: skip
+        self.params = (ctypes.c_float * 4)(scale, eps, beta, linear_beta)
+        self.address = ctypes.addressof(self.desc), ctypes.addressof(self.params)
+        self.usable = True
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor | None:
+        if y.dtype is not self.dtype or type(y) is not torch.Tensor or y.dim() != 2 or y.shape[1] != self.hidden:
+            return None
+        if torch.is_grad_enabled() and y.requires_grad:
+            return None
+        x = y.contiguous()
+        out = torch.empty_like(x)
+        status = library().k3_moe_decode(*self.address, x.data_ptr(), x.shape[0], out.data_ptr())
+        return out if status == 0 else None
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
