@@ -10,8 +10,10 @@
 // The quantities are the modules' own, step by step, with the sums in another order (as between any two GEMMs):
 // * bf16 layers round where the modules round: each projection's output, the experts' sum, the norm's output,
 //   the shared expert's GLU and the final sum are rounded to bf16 (to nearest, ties to even); the router's
-//   logits stay fp32. The router's logits, and the projections the modules run in linear_cpu.cpp, are that
-//   kernel's own products (bf16_rows.h), so those are the modules' bits.
+//   logits stay fp32. The projections the modules run in linear_cpu.cpp, and the router's logits the modules
+//   take from amx_cpu.cpp on a CPU with the tile unit (its few-row case), are those kernels' own products
+//   (bf16_rows.h), so those are the modules' bits (without the tile unit the modules' router logits are torch's
+//   fp32 GEMM of the upcast operands: the same values, the sums in another order).
 // * the selection is k3_router_sigmoid_topk's on those logits (sigmoid scores, the bias for the choice only,
 //   ties to the lower id), the weights the chosen scores renormalized over the k and scaled.
 // * the GLUs are the experts kernel's (glu_avx512.h), the routing weight applied to the GLU output as there.
