@@ -40,42 +40,6 @@ namespace {
 
 constexpr int kMaxTokens = 4;
 
-inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-// out[o] = sum_p x[p] w[o, p] for o < n: w [n, k] (fp32, or bf16 bits read exactly as fp32), x fp32; four rows of
-// w per pass over x, each summed in 16 lanes, the lanes added by _mm512_reduce_add_ps.
-template <class T>
-void dots(const float* x, const T* w, int64_t n, int k, float* out) {
-  int64_t o = 0;
-  for (; o + 4 <= n; o += 4) {
-    const T* w0 = w + o * k;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int p = 0; p < k; p += 16) {
-      const __mmask16 m = k3::lane_mask(k - p);
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + p);
-      a0 = _mm512_fmadd_ps(xv, load_masked(w0 + p, m), a0);
-      a1 = _mm512_fmadd_ps(xv, load_masked(w0 + k + p, m), a1);
-      a2 = _mm512_fmadd_ps(xv, load_masked(w0 + 2 * k + p, m), a2);
-      a3 = _mm512_fmadd_ps(xv, load_masked(w0 + 3 * k + p, m), a3);
-    }
-    out[o] = _mm512_reduce_add_ps(a0);
-    out[o + 1] = _mm512_reduce_add_ps(a1);
-    out[o + 2] = _mm512_reduce_add_ps(a2);
-    out[o + 3] = _mm512_reduce_add_ps(a3);
-  }
-  for (; o < n; ++o) {
-    __m512 a = _mm512_setzero_ps();
-    for (int p = 0; p < k; p += 16) {
-      const __mmask16 m = k3::lane_mask(k - p);
-      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + p), load_masked(w + o * k + p, m), a);
-    }
-    out[o] = _mm512_reduce_add_ps(a);
-  }
-}
-
 // v[0 .. n) rounded to bf16 values (as torch rounds), kept as fp32.
 void round_bf16(float* v, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
@@ -103,7 +67,7 @@ struct Layer {
 // bf16_rows.h's (as linear_cpu.cpp runs the module's projection: `x16` holds x's bf16 bits) and the result is
 // rounded to bf16, as the module's output is.
 void project(const Layer& l, const float* x, const uint16_t* x16, const void* w, int64_t n, int k, float* out) {
-  if (!l.bf16) return dots(x, static_cast<const float*>(w), n, k, out);
+  if (!l.bf16) return k3::dots(x, static_cast<const float*>(w), n, k, out);
   k3::bf16_rows::product(x16, 1, static_cast<const uint16_t*>(w), n, k, nullptr, out, nullptr, 1);
   round_bf16(out, n);
 }
@@ -123,7 +87,7 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
     k3::bf16_rows::product(y16, 1, static_cast<const uint16_t*>(l.router), l.n_experts, H, nullptr, logits.data(),
                            nullptr, 1);
   else
-    dots(y, static_cast<const float*>(l.router), l.n_experts, H, logits.data());
+    k3::dots(y, static_cast<const float*>(l.router), l.n_experts, H, logits.data());
   const int status = k3_router_sigmoid_topk(logits.data(), l.bias, 1, l.n_experts, l.top_k, index.data(),
                                             scores.data(), 1);
   if (status != 0) return status;
@@ -144,15 +108,15 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
     const char* gu = static_cast<const char*>(l.gate_up) + index[j] * gate_up_size * elem;
     const char* dn = static_cast<const char*>(l.down) + index[j] * down_size * elem;
     if (l.bf16)  // (the experts kernel's products: fp32 from the bf16 values, exactly)
-      dots(x, reinterpret_cast<const uint16_t*>(gu), 2 * I, D, h.data());
+      k3::dots(x, reinterpret_cast<const uint16_t*>(gu), 2 * I, D, h.data());
     else
-      dots(x, reinterpret_cast<const float*>(gu), 2 * I, D, h.data());
+      k3::dots(x, reinterpret_cast<const float*>(gu), 2 * I, D, h.data());
     k3::glu::rows<false>(h.data(), nullptr, &scores[j], glu.data(), nullptr, 1, I, l.act_kind, l.act_beta,
                          l.act_linear_beta);
     if (l.bf16)
-      dots(glu.data(), reinterpret_cast<const uint16_t*>(dn), D, I, o.data());
+      k3::dots(glu.data(), reinterpret_cast<const uint16_t*>(dn), D, I, o.data());
     else
-      dots(glu.data(), reinterpret_cast<const float*>(dn), D, I, o.data());
+      k3::dots(glu.data(), reinterpret_cast<const float*>(dn), D, I, o.data());
     for (int i = 0; i < D; ++i) acc[i] += o[i];
   }
   if (l.bf16) round_bf16(acc.data(), D);  // (the experts' output, in the layer's dtype)

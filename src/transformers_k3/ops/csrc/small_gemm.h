@@ -199,6 +199,44 @@ inline __m512 load16(const uint16_t* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// 16 values from p (fp32, or bf16 bits read exactly as fp32), the lanes outside mask m zero.
+inline __m512 load_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_masked(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// out[o] = sum_p x[p] w[o, p] for o < n: w [n, k] as stored (fp32, or bf16 bits read exactly as fp32), x fp32
+// (a matrix-vector product with no transposed copy, for a few rows: a decode step); four rows of w per pass over
+// x, each summed in 16 lanes, the lanes added by _mm512_reduce_add_ps.
+template <class T>
+inline void dots(const float* x, const T* w, int64_t n, int k, float* out) {
+  int64_t o = 0;
+  for (; o + 4 <= n; o += 4) {
+    const T* w0 = w + o * k;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int p = 0; p < k; p += 16) {
+      const __mmask16 m = lane_mask(k - p);
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + p);
+      a0 = _mm512_fmadd_ps(xv, load_masked(w0 + p, m), a0);
+      a1 = _mm512_fmadd_ps(xv, load_masked(w0 + k + p, m), a1);
+      a2 = _mm512_fmadd_ps(xv, load_masked(w0 + 2 * k + p, m), a2);
+      a3 = _mm512_fmadd_ps(xv, load_masked(w0 + 3 * k + p, m), a3);
+    }
+    out[o] = _mm512_reduce_add_ps(a0);
+    out[o + 1] = _mm512_reduce_add_ps(a1);
+    out[o + 2] = _mm512_reduce_add_ps(a2);
+    out[o + 3] = _mm512_reduce_add_ps(a3);
+  }
+  for (; o < n; ++o) {
+    __m512 a = _mm512_setzero_ps();
+    for (int p = 0; p < k; p += 16) {
+      const __mmask16 m = lane_mask(k - p);
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + p), load_masked(w + o * k + p, m), a);
+    }
+    out[o] = _mm512_reduce_add_ps(a);
+  }
+}
+
 // dst[0 .. n) = src as fp32 (bf16 -> fp32 is exact).
 inline void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
