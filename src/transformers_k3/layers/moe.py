@@ -436,16 +436,17 @@ class KimiK3SparseMoE(nn.Module):
 
     def _decode_step(self, y: torch.Tensor) -> torch.Tensor | None:
         """The layer on a few tokens in one kernel call (`cpu_kernel.MoeDecode`: the modules' quantities, bf16
-        bitwise, the fp32 sums in another order; several times faster at decode, where the ~15 ops and calls of
-        the modules cost nearly all of the time), where that is what calling the modules would compute: each
+        rounded where they round, the fp32 sums in another order; several times faster at decode, where the ~15
+        ops and calls of the modules cost nearly all of the time), where that is what calling the modules would compute: each
         submodule of its exact class with no hooks of its own (the router's forward hooks aside, when they do not
         read its logits: `KimiK3Router.logits_observed`) and no global ones, no replaced ``forward`` (accelerate's
         offload), the experts under ``"k3_grouped_mm"``, an ungrouped sigmoid router, linear layers without bias;
         otherwise None (then the modules run: LoRA, quantized or offloaded layers, recorded router logits, another
-        experts implementation). What was checked once per set of submodules and weights is kept (`_DecodePlan`);
-        the hooks, the experts implementation and the weights' storage are checked on every call."""
-        if _any_global_hooks():
-            return None
+        experts implementation, autocast). What was checked once per set of submodules, settings and weights is
+        kept (`_DecodePlan`); the hooks, the experts implementation, the submodules' settings
+        (`_DecodePlan.stale`) and the weights' tensors, storage and shapes are checked on every call."""
+        if _any_global_hooks() or torch.is_autocast_enabled("cpu"):
+            return None  # (under autocast the modules' linear layers compute in its dtype)
         modules = self._modules  # (an optional submodule set to None is not there)
         shared = modules.get("shared_experts")
         key = (y.dtype, modules["gate"], modules["experts"], modules.get("routed_expert_down_proj"),
@@ -453,7 +454,7 @@ class KimiK3SparseMoE(nn.Module):
                *((shared._modules["gate_proj"], shared._modules["up_proj"], shared._modules["down_proj"])
                  if type(shared) is KimiK3MLP else ()))  # fmt: skip
         plan = self.__dict__.get("_decode_plan")
-        if plan is None or plan.key != key:
+        if plan is None or plan.key != key or plan.stale():
             plan = _DecodePlan(key)
             self.__dict__["_decode_plan"] = plan
         if not plan.usable:
@@ -487,18 +488,25 @@ def _any_global_hooks() -> bool:
 
 class _DecodePlan:
     """`KimiK3SparseMoE._decode_step`'s checks of one set of submodules (``key``: the input dtype and the
-    submodules, by identity) that hold until one is replaced: their classes, the router's and experts' settings,
-    and, re-checked by `run` on each call, the weights' tensors and storage (a ``.to()`` or ``load_state_dict``
-    that replaces or moves them re-plans). ``usable`` False: the modules must run."""
+    submodules, by identity) that hold until one is replaced or a setting changes (`stale`): their classes, the
+    router's and experts' settings, and, re-checked by `run` on each call, the weights' tensors, storage and shapes
+    (a ``.to()`` or ``load_state_dict`` that replaces or moves them re-plans). ``usable`` False: the modules must
+    run."""
 
     def __init__(self, key: tuple) -> None:
-        self.key, self.usable = key, False
+        self.key, self.settings, self.usable = key, None, False
         _, gate, experts, down, norm, up, shared, *shared_linears = key
-        linears = [m for m in (down, up) if m is not None] + shared_linears
         if (
             type(gate) is not KimiK3Router or type(experts) is not KimiK3Experts
             or (norm is not None and type(norm) is not KimiK3RMSNorm)
-            or (shared is not None and (type(shared) is not KimiK3MLP or shared.glu != experts.glu_activation))
+            or (shared is not None and type(shared) is not KimiK3MLP)
+        ):  # fmt: skip
+            return
+        self.gate, self.experts, self.norm, self.shared_module = gate, experts, norm, shared
+        self.settings = self.current_settings()
+        linears = [m for m in (down, up) if m is not None] + shared_linears
+        if (
+            (shared is not None and shared.glu != experts.glu_activation)
             or any(type(m) is not nn.Linear or m.bias is not None for m in linears)
             or (down is None) != (up is None) or (norm is not None and down is None)
             or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
@@ -506,37 +514,69 @@ class _DecodePlan:
             or experts.has_post_expert_norm
         ):  # fmt: skip
             return
-        self.gate, self.experts, self.norm, self.linears = gate, experts, norm, linears
+        self.linears = linears
         self.latent, self.shared = down is not None, shared is not None
-        self.refresh()
+        # (the tensors whose shapes give the kernel's sizes: the router's, the experts' gate/up, the latent
+        # down-projection's and the shared gate's)
+        self.sized = (0, 2, *((4,) if self.latent else ()), *((-3,) if self.shared else ()))
+        tensors = self.tensors()
+        if any(t is None for t in tensors):
+            return
+        self.refresh(tensors)
         self.usable = True
 
-    def refresh(self) -> None:
-        gate, experts, norm = self.gate, self.experts, self.norm
-        linears, shared = self.linears, self.shared
-        down, up = (linears[0].weight, linears[1].weight) if self.latent else (None, None)
-        self.kernel = cpu_kernel.MoeDecode(
-            self.key[0], gate.weight, gate.e_score_correction_bias, gate.top_k, gate.renormalize,
-            gate.routed_scaling_factor, down, None if norm is None else norm.weight,
-            0.0 if norm is None else norm.variance_epsilon, up, experts.gate_up_proj, experts.down_proj,
-            experts.glu_activation, tuple(m.weight for m in linears[-3:]) if shared else None,
+    def current_settings(self) -> tuple:
+        """The submodules' settings the kernel's description takes and the modules' forwards read on every call
+        (``top_k``, ``routed_scaling_factor``, ... may be set on a built model: then a new plan is made)."""
+        gate, experts, norm, shared = self.gate, self.experts, self.norm, self.shared_module
+        return (
+            gate.top_k, gate.renormalize, gate.routed_scaling_factor, gate.use_softmax, gate.num_expert_group,
+            experts.glu_activation, experts.has_bias, experts.has_gate, experts.has_post_expert_norm,
+            getattr(experts, "_is_expert_parallel", False), None if norm is None else norm.variance_epsilon,
+            None if shared is None else shared.glu,
         )  # fmt: skip
-        self.pointers = tuple(t.data_ptr() for t in self.kernel.tensors)
+
+    def stale(self) -> bool:
+        """Whether a setting changed since the plan was made."""
+        return self.settings is not None and self.current_settings() != self.settings
+
+    def tensors(self) -> tuple:
+        """The weights as the modules hold them now, in `cpu_kernel.MoeDecode.tensors`' order (None for one that is
+        not a registered parameter or buffer: a parametrized weight, FSDP's views of its flat parameter)."""
+        gate, experts, linears, norm = self.gate, self.experts, self.linears, self.norm
+        return (gate._parameters.get("weight"), gate._buffers.get("e_score_correction_bias"),
+                experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj"),
+                *((linears[0]._parameters.get("weight"), linears[1]._parameters.get("weight")) if self.latent else ()),
+                *((norm._parameters.get("weight"),) if norm is not None else ()),
+                *((m._parameters.get("weight") for m in linears[-3:]) if self.shared else ()))  # fmt: skip
+
+    def refresh(self, tensors: tuple) -> None:
+        """A new kernel description of ``tensors`` (as `tensors` returns them, none None)."""
+        gate, experts, norm = self.gate, self.experts, self.norm
+        router, bias, gate_up, down, *rest = tensors
+        down_latent, up_latent = (rest[0], rest[1]) if self.latent else (None, None)
+        self.kernel = cpu_kernel.MoeDecode(
+            self.key[0], router, bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor, down_latent,
+            None if norm is None else rest[2], 0.0 if norm is None else norm.variance_epsilon, up_latent, gate_up,
+            down, experts.glu_activation, tuple(rest[-3:]) if self.shared else None,
+        )  # fmt: skip
+        self.pointers = [t.data_ptr() for t in tensors]
+        self.shapes = [tensors[i].shape for i in self.sized]
 
     def run(self, y: torch.Tensor) -> torch.Tensor | None:
         """The kernel's result, the weights re-read first: a replaced parameter or buffer, or one whose storage
-        moved (``.to()``, ``param.data = ...``), makes a new kernel description."""
-        gate, experts, linears, norm = self.gate, self.experts, self.linears, self.norm
-        tensors = (gate._parameters["weight"], gate._buffers["e_score_correction_bias"],
-                   experts._parameters["gate_up_proj"], experts._parameters["down_proj"],
-                   *((linears[0]._parameters["weight"], linears[1]._parameters["weight"]) if self.latent else ()),
-                   *((norm._parameters["weight"],) if norm is not None else ()),
-                   *((m._parameters["weight"] for m in linears[-3:]) if self.shared else ()))  # fmt: skip
-        held = self.kernel.tensors
-        if len(tensors) != len(held) or any(a is not b for a, b in zip(tensors, held)) or tuple(
-            t.data_ptr() for t in tensors
-        ) != self.pointers:
-            self.refresh()
+        moved or whose shape changed (``.to()``, ``param.data = ...``), makes a new kernel description; a weight
+        that is no longer a registered parameter or buffer, None."""
+        tensors = self.tensors()
+        try:
+            pointers = [t.data_ptr() for t in tensors]
+        except AttributeError:  # (a None)
+            return None
+        if (
+            pointers != self.pointers or any(a is not b for a, b in zip(tensors, self.kernel.tensors))
+            or [tensors[i].shape for i in self.sized] != self.shapes
+        ):  # fmt: skip
+            self.refresh(tensors)
         return self.kernel(y) if self.kernel.usable else None
 
 

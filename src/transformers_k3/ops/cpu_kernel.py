@@ -662,7 +662,8 @@ def _ptr(x: torch.Tensor | None) -> int | None:
 
 
 def moe_decode_max_tokens() -> int:
-    """The most tokens `moe_decode` takes (0: it cannot run here: kernels off, no AVX-512, under torch.compile)."""
+    """The most tokens `MoeDecode` takes (0: it cannot run here: kernels off, no AVX-512, under torch.compile, or a
+    sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's scores)."""
     if not enabled() or torch.compiler.is_compiling():
         return 0
     lib = library()
@@ -670,7 +671,8 @@ def moe_decode_max_tokens() -> int:
         return 0
     cached = getattr(lib, "k3_moe_decode_max_tokens_value", None)
     if cached is None:
-        cached = lib.k3_moe_decode_max_tokens_value = int(lib.k3_moe_decode_max_tokens())
+        cached = int(lib.k3_moe_decode_max_tokens()) if _sigmoid_matches_torch(lib) else 0
+        lib.k3_moe_decode_max_tokens_value = cached
     return cached
 
 
@@ -692,7 +694,8 @@ class MoeDecode:
     ``[E, L, I]``, ``activation`` as for `moe_experts`, ``shared`` the shared expert's gate, up ``[S, H]`` and down
     ``[H, S]`` weights or None. The same quantities as the modules compute (bf16: rounded where they round), the
     sums in another order. ``usable`` False where the weights do not fit (dtypes, shapes, layouts, devices, tensor
-    types) or the layer is too large for one thread (`MOE_DECODE_MAX_MACS`); a call returns None where ``y`` does
+    types), the layer is too large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts for the experts
+    kernel (`experts_small_gemm`: the modules then run torch's bf16 products); a call returns None where ``y`` does
     not (then run the modules). The weights are read at each call: the caller keeps this only while its tensors
     and their storage are the modules' (`_DecodePlan`)."""
 
@@ -730,6 +733,8 @@ class MoeDecode:
         macs = num_experts * hidden + 2 * latent * hidden + 3 * shared_inter * hidden + top_k * 3 * width * inter
         if macs > MOE_DECODE_MAX_MACS[dtype]:
             return
+        if dtype is torch.bfloat16 and not experts_small_gemm(width, inter, top_k, 1, 1, num_experts, bf16=True):
+            return  # (bf16 experts the experts kernel does not take: the modules' bf16 products round at each step)
         kind, beta, linear_beta = _activation_args(activation)
         self.hidden = hidden
         self.desc = (ctypes.c_int64 * 20)(

@@ -13,7 +13,10 @@
 //   logits stay fp32. The projections the modules run in linear_cpu.cpp, and the router's logits the modules
 //   take from amx_cpu.cpp on a CPU with the tile unit (its few-row case), are those kernels' own products
 //   (bf16_rows.h), so those are the modules' bits (without the tile unit the modules' router logits are torch's
-//   fp32 GEMM of the upcast operands: the same values, the sums in another order).
+//   fp32 GEMM of the upcast operands: the same values, the sums in another order). The experts' products and the
+//   norm's sum of squares are summed in another order than the experts kernel's and torch's, so where an fp32
+//   value lies next to a bf16 rounding tie it can round the other way (about 1 token in 400 of a random sample
+//   differs from the modules, by an ulp there and a few after it).
 // * the selection is k3_router_sigmoid_topk's on those logits (sigmoid scores, the bias for the choice only,
 //   ties to the lower id), the weights the chosen scores renormalized over the k and scaled.
 // * the GLUs are the experts kernel's (glu_avx512.h), the routing weight applied to the GLU output as there.
