@@ -437,14 +437,15 @@ class KimiK3SparseMoE(nn.Module):
     def _decode_step(self, y: torch.Tensor) -> torch.Tensor | None:
         """The layer on a few tokens in one kernel call (`cpu_kernel.MoeDecode`: the modules' quantities, bf16
         rounded where they round, the fp32 sums in another order; several times faster at decode, where the ~15
-        ops and calls of the modules cost nearly all of the time), where that is what calling the modules would compute: each
-        submodule of its exact class with no hooks of its own (the router's forward hooks aside, when they do not
-        read its logits: `KimiK3Router.logits_observed`) and no global ones, no replaced ``forward`` (accelerate's
-        offload), the experts under ``"k3_grouped_mm"``, an ungrouped sigmoid router, linear layers without bias;
-        otherwise None (then the modules run: LoRA, quantized or offloaded layers, recorded router logits, another
-        experts implementation, autocast). What was checked once per set of submodules, settings and weights is
-        kept (`_DecodePlan`); the hooks, the experts implementation, the submodules' settings
-        (`_DecodePlan.stale`) and the weights' tensors, storage and shapes are checked on every call."""
+        ops and calls of the modules cost nearly all of the time), where that is what calling the modules would
+        compute: each submodule of its exact class with no hooks of its own (the router's forward hooks aside,
+        when they do not read its logits: `KimiK3Router.logits_observed`) and no global ones, no replaced
+        ``forward`` (accelerate's offload), the experts under ``"k3_grouped_mm"``, an ungrouped sigmoid router,
+        linear layers without bias; otherwise None (then the modules run: LoRA, quantized or offloaded layers,
+        recorded router logits, another experts implementation, autocast). What was checked once per set of
+        submodules, settings and weights is kept (`_DecodePlan`); the hooks, the experts implementation, the
+        submodules' settings (`_DecodePlan.stale`) and the weights' tensors, storage and shapes are checked on
+        every call."""
         if _any_global_hooks() or torch.is_autocast_enabled("cpu"):
             return None  # (under autocast the modules' linear layers compute in its dtype)
         modules = self._modules  # (an optional submodule set to None is not there)
