@@ -435,6 +435,19 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
     (expert parallelism) contributing nothing, odd widths; 5 tokens take the other paths, to the same values."""
     if cpu_kernel.library() is None or not cpu_kernel.library().k3_moe_small_gemm_available():
         pytest.skip("the experts kernel's AVX-512 paths are unavailable")
+    # (bf16: the kernel's fp32 result, rounded once)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=8e-3)
+
+    def on_threads(experts, x, idx, w):  # the kernel's output, the same bits on 1, 2 and 3 threads
+        outs = []
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+            with torch.no_grad():
+                outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
+                                                   experts.glu_activation))  # fmt: skip
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]) and outs[0].dtype == dtype
+        return outs[0]
+
     cfg = make_config(num_experts=13, routed_expert_hidden_size=40, moe_intermediate_size=20,
                       _experts_implementation=K3_GROUPED_MM)  # fmt: skip
     experts = randomize(KimiK3Experts(cfg)).to(dtype)
@@ -444,35 +457,18 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
         idx[0, 2] = 13  # a sentinel: another rank's expert (zero weight there; here any weight is dropped)
         w = torch.rand(n, 5, generator=gen)
         x = inputs(n, 40, seed=n).to(dtype)
-        outs = []
-        for threads in (1, 2, 3):
-            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
-            with torch.no_grad():
-                outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
-                                                   experts.glu_activation))  # fmt: skip
-        assert all(torch.equal(o, outs[0]) for o in outs[1:]) and outs[0].dtype == dtype
+        out = on_threads(experts, x, idx, w)
         kept = torch.where(idx < 13, idx, 0)
         ref, _ = ref_experts(experts, x, kept, torch.where(idx < 13, w, 0.0), torch.zeros(n, 40))
-        if dtype == torch.float32:
-            torch.testing.assert_close(outs[0].double(), ref, atol=1e-5, rtol=1e-5)
-        else:
-            torch.testing.assert_close(outs[0].double(), ref, atol=1e-3, rtol=8e-3)  # (one bf16 rounding)
+        torch.testing.assert_close(out.double(), ref, **tolerance)
     # wide enough for several threads (a thread per 2M multiply-adds: here 4 x 16 x 3 x 256 x 192 = 9.4M)
     cfg = make_config(num_experts=20, routed_expert_hidden_size=256, moe_intermediate_size=192,
                       _experts_implementation=K3_GROUPED_MM)  # fmt: skip
     experts = randomize(KimiK3Experts(cfg)).to(dtype)
     idx = torch.stack([torch.randperm(20, generator=gen)[:16] for _ in range(4)])
     w, x = torch.rand(4, 16, generator=gen), inputs(4, 256, seed=9).to(dtype)
-    outs = []
-    for threads in (1, 2, 3):
-        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
-        with torch.no_grad():
-            outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
-                                               experts.glu_activation))  # fmt: skip
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
     ref, _ = ref_experts(experts, x, idx, w, torch.zeros(4, 256))
-    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=8e-3)
-    torch.testing.assert_close(outs[0].double(), ref, **tolerance)
+    torch.testing.assert_close(on_threads(experts, x, idx, w).double(), ref, **tolerance)
 
 
 def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens(k3_path):
