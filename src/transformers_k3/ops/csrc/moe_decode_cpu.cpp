@@ -75,9 +75,6 @@ void project(const Layer& l, const float* x, const uint16_t* x16, const void* w,
   round_bf16(out, n);
 }
 
-// fp32 values (bf16 values in a bf16 layer) -> their bf16 bits.
-void to_bits(const float* v, int64_t n, uint16_t* bits) { k3::float_to_bf16(v, n, bits); }
-
 // One token: y (fp32 values of the layer's dtype) -> out (the same).
 int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
   const int H = l.hidden, D = l.latent > 0 ? l.latent : l.hidden, I = l.inter;
@@ -137,7 +134,7 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
       }
       if (l.bf16) round_bf16(acc.data(), D);
     }
-    if (l.bf16) to_bits(acc.data(), D, bits.data());
+    if (l.bf16) k3::float_to_bf16(acc.data(), D, bits.data());
     project(l, acc.data(), bits.data(), l.up_latent, H, D, routed);
   } else {
     std::memcpy(routed, acc.data(), sizeof(float) * H);
@@ -153,7 +150,7 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
                          l.act_linear_beta);
     if (l.bf16) {
       round_bf16(act.data(), S);
-      to_bits(act.data(), S, bits.data());
+      k3::float_to_bf16(act.data(), S, bits.data());
     }
     project(l, act.data(), bits.data(), l.shared_down, H, S, s.data());
     for (int i = 0; i < H; ++i) routed[i] += s[i];
