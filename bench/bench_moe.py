@@ -333,7 +333,9 @@ def main():
 
 def decode_table(args, experts, layers, experts_inputs, layer_inputs):
     """Latency of one forward call on ``--decode-tokens`` tokens (a decode step), per (module, implementation):
-    the median of ``--decode-calls`` calls, taken round-robin over the rows in 10 rounds."""
+    the median of ``--decode-calls`` calls, taken round-robin over the rows in 10 rounds. Our whole layer under
+    ``k3_grouped_mm`` takes up to 4 tokens in its one-call decode kernel (``csrc/moe_decode_cpu.cpp``); our
+    experts alone, and the layer under the other implementations, call the experts kernel or torch as usual."""
     n = args.decode_tokens
     tables = [("experts only", experts, lambda name: experts_inputs(n))]
     if not args.skip_layers:
