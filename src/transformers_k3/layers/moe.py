@@ -22,7 +22,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import cpu_kernel
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
-from .linear import apply_linear
+from .linear import _nothing_around, apply_linear
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
@@ -461,17 +461,12 @@ class KimiK3SparseMoE(nn.Module):
         if not plan.usable:
             return None
         gate, experts = key[1], key[2]
-        for module in key[3:]:
-            if module is not None and (
-                module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in module.__dict__
-            ):  # fmt: skip
-                return None
+        if not all(_nothing_around(module) for module in key[2:] if module is not None):
+            return None  # (the experts and everything after the router: no hooks, no replaced forward)
         if (
             gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
             or gate.logits_observed() or experts.config._experts_implementation != K3_GROUPED_MM
-            or experts.is_transposed or experts._forward_hooks or experts._forward_pre_hooks
-            or experts._backward_hooks or experts._backward_pre_hooks or "forward" in experts.__dict__
+            or experts.is_transposed
         ):  # fmt: skip
             return None
         if self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks:
