@@ -187,10 +187,10 @@ def test_sources_ship_with_the_package():
 
 @pytest.fixture(params=["small_gemm", "sgemm"])
 def experts_kernel(kernel, request, monkeypatch):
-    """The experts kernel has two paths: register-blocked AVX-512 products with per-thread accumulators (small
-    experts, AVX-512 builds) and sgemm with expert-sorted rows; every experts test runs each, forced."""
+    """The experts kernel has two paths: register-blocked products with per-thread accumulators (small
+    experts, AVX-512 or AVX2 builds) and sgemm with expert-sorted rows; every experts test runs each, forced."""
     if request.param == "small_gemm" and not kernel.k3_moe_small_gemm_available():
-        pytest.skip("this build of the kernels has no small-GEMM path (no AVX-512)")
+        pytest.skip("this build of the kernels has no small-GEMM path (no AVX-512 or AVX2)")
     monkeypatch.setattr(cpu_kernel, "_small_gemm_override", request.param == "small_gemm")
     return request.param
 
@@ -287,10 +287,10 @@ def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
 
 @pytest.fixture(params=["vector", "scalar"])
 def glu_form(request, kernel):
-    """The kernel's GLUs as AVX-512 intrinsics (glu_avx512.h) and as the scalar forms that builds without AVX-512
-    take (forced here through k3_moe_set_vector_glu)."""
+    """The kernel's GLUs as 16-lane vectors (glu_simd.h: AVX-512 or AVX2) and as the scalar forms that builds
+    without either take (forced here through k3_moe_set_vector_glu)."""
     if request.param == "vector" and not kernel.k3_moe_small_gemm_available():
-        pytest.skip("this build has no AVX-512 GLUs")
+        pytest.skip("this build has no vector GLUs (no AVX-512 or AVX2)")
     previous = kernel.k3_moe_set_vector_glu(int(request.param == "vector"))
     yield request.param
     kernel.k3_moe_set_vector_glu(previous)
@@ -541,7 +541,7 @@ def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch
     output is within one bf16 rounding. Expert 3, never chosen, gets exact zeros. A backward that recomputes the
     gate/up products gives the same bits as one that reads the forward's."""
     if not kernel.k3_moe_small_gemm_available():
-        pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 here)")
+        pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 or AVX2 here)")
     monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)
     cfg = make_config(num_experts=16, routed_expert_hidden_size=40, moe_intermediate_size=12)
     experts = randomize(KimiK3Experts(cfg))
@@ -580,7 +580,7 @@ def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel, monke
     bf16 accuracy; where the sgemm path would run (here forced; by default decode steps and full-size experts)
     the kernel declines bf16 weights and the PyTorch path computes the call."""
     if not kernel.k3_moe_small_gemm_available():
-        pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 here)")
+        pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 or AVX2 here)")
     cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg)).bfloat16()
     idx, w = _routing(300, 4, 16)
@@ -613,7 +613,7 @@ def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel, monke
 
 def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
     """The default: small experts (a transposed copy fits in L2) seeing >= 3 rows each on average take the
-    small-GEMM path on AVX-512 builds, unless its per-thread accumulators would outgrow the sorted rows
+    small-GEMM path on AVX-512 and AVX2 builds, unless its per-thread accumulators would outgrow the sorted rows
     (threads - 1 > top-k); decode steps (a token or a few over 896 experts) and K3's full-size experts (latent
     3584, intermediate 3072) go through sgemm. bf16 weights: the small-GEMM path whenever the experts are small."""
     available = bool(kernel.k3_moe_small_gemm_available())
@@ -1262,13 +1262,13 @@ def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(lin
 @pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 2.5, None), ("silu",)])
 @pytest.mark.parametrize("shape", [(2048, 32), (1, 1, 32), (300, 77), (5, 3, 1)])
 def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, shape):
-    """cpu_kernel.glu (the routed experts' AVX-512 GLU on separate gate and up tensors) against situ_glu / silu_glu
+    """cpu_kernel.glu (the routed experts' vector GLU on separate gate and up tensors) against situ_glu / silu_glu
     in float64: values within 2e-6 relative and gradients within 2e-6 of the largest, at a decode step's, a prompt's
     and odd widths, with an infinite gate and a large up (the caps); bf16 inputs give the fp32 result rounded."""
     from transformers_k3.layers.activations import silu_glu, situ_glu
 
     if not kernel.k3_moe_small_gemm_available():
-        pytest.skip("no AVX-512 GLU in this build")
+        pytest.skip("no vector GLU in this build (no AVX-512 or AVX2)")
     gen = torch.Generator().manual_seed(shape[-1])
     a, u = torch.randn(shape, generator=gen) * 5, torch.randn(shape, generator=gen) * 40
     a.view(-1)[0] = float("inf")
@@ -1303,7 +1303,7 @@ def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
     from transformers_k3.layers.moe import KimiK3MLP
 
     if not kernel.k3_moe_small_gemm_available():
-        pytest.skip("no AVX-512 GLU in this build")
+        pytest.skip("no vector GLU in this build (no AVX-512 or AVX2)")
     calls = []
     original = cpu_kernel.glu
     monkeypatch.setattr(cpu_kernel, "glu", lambda *a: calls.append(original(*a)) or calls[-1])

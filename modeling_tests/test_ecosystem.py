@@ -630,7 +630,7 @@ def test_ddp_and_fsdp2_on_two_cpu_processes():
     for engine in ("ddp", "fsdp2"):
         assert result[engine] == pytest.approx(single, rel=1e-5), engine
     # bf16 compute: the same training to bf16 accuracy, through the fused kernels where this build has them (the
-    # experts kernel takes bf16 weights on its AVX-512 small-GEMM path; the router's logits need AMX)
+    # experts kernel takes bf16 weights on its small-GEMM path (AVX-512 or AVX2); the router's logits need AMX)
     print("fsdp2_bf16", result["fsdp2_bf16"], result["bf16_kernel_calls"])
     assert result["fsdp2_bf16"] == pytest.approx(single, rel=2e-2)
     lib = cpu_kernel.library()

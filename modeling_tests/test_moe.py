@@ -24,7 +24,7 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 @pytest.fixture(params=["grouped", "gathered", "fused", "fused_sgemm"])
 def k3_path(request, monkeypatch):
     """`k3_grouped_mm` has these paths on CPU: the fused C++ kernel (fp32, forward and backward; for small
-    experts on AVX-512 its own register-blocked products, else sgemm: "fused_sgemm" forces the latter), and
+    experts on AVX-512 or AVX2 its own register-blocked products, else sgemm: "fused_sgemm" forces the latter), and
     with it turned off the grouped GEMM and (for few assignments) gathered expert weights; the tests that take
     this fixture run it once with each forced."""
     if request.param.startswith("fused"):
@@ -434,7 +434,7 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
     fp32 result rounded once, so within a bf16 rounding), the same bits with 1, 2 or 3 threads, sentinel ids
     (expert parallelism) contributing nothing, odd widths; 5 tokens take the other paths, to the same values."""
     if cpu_kernel.library() is None or not cpu_kernel.library().k3_moe_small_gemm_available():
-        pytest.skip("the experts kernel's AVX-512 paths are unavailable")
+        pytest.skip("the experts kernel's vector paths are unavailable (no AVX-512 or AVX2)")
     # (bf16: the kernel's fp32 result, rounded once)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=8e-3)
 

@@ -8,8 +8,9 @@
   ``N k`` chosen logits only (autograd's would run dense ``[N, E]`` products).
 * ``moe_cpu.cpp``: the routed experts (the ``"k3_grouped_mm"`` implementation), forward and backward. torch's
   CPU grouped GEMM wraps one ``at::mm`` per expert, and gather, GLU, weighting and scatter are each a pass over
-  ``[N k, *]``. Small experts (the scaled-down widths) use register-blocked AVX-512 products
-  (``small_gemm.h``) where sgemm would spend its time packing a few dozen rows; larger ones call sgemm.
+  ``[N k, *]``. Small experts (the scaled-down widths) use register-blocked products on AVX-512 or AVX2 + FMA
+  (``small_gemm.h``, ``simd.h``) where sgemm would spend its time packing a few dozen rows; larger ones call
+  sgemm.
 
 * ``amx_cpu.cpp``: a bf16 x bf16 -> fp32 GEMM on the AMX tile unit, for a bf16 model's router logits (fp32 by
   the spec; torch's CPU matmul has no fp32 result from bf16 operands, so the PyTorch path upcasts both), and its
@@ -61,7 +62,7 @@ SOURCES = tuple(
                  "moe_decode_cpu.cpp")
 )
 HEADERS = tuple(
-    SOURCE_DIR / name for name in ("common.h", "small_gemm.h", "glu_avx512.h", "bf16_rows.h", "amx_tiles.h")
+    SOURCE_DIR / name for name in ("common.h", "simd.h", "small_gemm.h", "glu_simd.h", "bf16_rows.h", "amx_tiles.h")
 )
 
 _lock = threading.Lock()
@@ -563,7 +564,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: tuple) -> torch.Tensor
     torch's tanh and sigmoid) and returned in the inputs' dtype (fp32 or bf16: bf16 inputs are computed in fp32
     and rounded once, as `situ_glu` does). One call where torch takes ~9 element-wise ops forward and ~15 backward,
     each a pass over ``[N, I]``. Differentiable (the backward is the kernel's, one pass). None where it does not
-    apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512, torch.compile."""
+    apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512 / AVX2, torch.compile."""
     if not (
         gate.dtype is up.dtype and gate.dtype in (torch.float32, torch.bfloat16) and gate.is_cpu and up.is_cpu
         and gate.shape == up.shape and gate.dim() >= 1 and gate.shape[-1] > 0
@@ -806,8 +807,8 @@ def _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed):
     return num_tokens, top_k, hidden, inter, threads, small
 
 
-# The experts kernel's small-GEMM path (register-blocked AVX-512 products on in-cache transposed copies of each
-# expert's weights, each thread adding its experts' rows into its own [N, D] accumulator) is taken when
+# The experts kernel's small-GEMM path (register-blocked AVX-512 / AVX2 products on in-cache transposed copies of
+# each expert's weights, each thread adding its experts' rows into its own [N, D] accumulator) is taken when
 # * an expert's three weight matrices hold at most SMALL_EXPERT_FLOATS (its transposed copy stays in a core's L2;
 #   larger experts go through sgemm, where packing costs little next to the products),
 # * the experts see at least SMALL_MIN_ROWS_PER_EXPERT rows on average (the transposes cost about as much as 8
@@ -822,9 +823,10 @@ _small_gemm_override: bool | None = None  # tests force one path (None: the rule
 
 def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_tokens: int, num_experts: int,
                        bf16: bool = False) -> bool:  # fmt: skip
-    """Whether the experts kernel takes its small-GEMM path for these sizes on this machine (AVX-512 build). With
-    bf16 weights (``bf16``), which the sgemm path does not take, whenever the experts are small: the other
-    choice is then the PyTorch path, which is slower and larger at any token count (a decode step included)."""
+    """Whether the experts kernel takes its small-GEMM path for these sizes on this machine (AVX-512 or AVX2
+    build). With bf16 weights (``bf16``), which the sgemm path does not take, whenever the experts are small: the
+    other choice is then the PyTorch path, which is slower and larger at any token count (a decode step
+    included)."""
     if _small_gemm_override is not None:
         return _small_gemm_override and bool(library().k3_moe_small_gemm_available())
     if bf16:

@@ -2,7 +2,7 @@
 // below the tile unit's row count): out [M, N] = x [M, K] w [N, K]^T, M <= 15, each output a dot product over K
 // of exact products of bf16 values summed in fp32, written as fp32 or rounded to bf16 once (to nearest, ties to
 // even, as torch rounds). Within a block of 16 outputs x's rows go in groups of up to 4, so that w is read from
-// memory once per call and from cache once per group. AVX-512 only (K3_HAVE_SMALL_GEMM).
+// memory once per call and from cache once per group. AVX-512 only (K3_HAVE_AVX512).
 #pragma once
 
 #include <omp.h>
@@ -14,7 +14,7 @@
 #include "common.h"
 #include "small_gemm.h"
 
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
 #include <immintrin.h>
 
 namespace k3 {

@@ -16,13 +16,13 @@
 extern "C" {
 
 // 1 if k3_linear_bf16_rows can run in this build (AVX-512), else 0.
-int k3_linear_bf16_available() { return K3_HAVE_SMALL_GEMM; }
+int k3_linear_bf16_available() { return K3_HAVE_AVX512; }
 
 // out [M, N] bf16 = round(x [M, K] w [N, K]^T + bias [N]) (bias may be null), all bf16 bits, M <= 15. Returns 0,
 // 1 on invalid arguments (or without AVX-512).
 int k3_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m, int64_t n, int k,
                         uint16_t* out, int n_threads) {
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
   if (m < 0 || m > k3::bf16_rows::kMaxRows || n < 0 || k <= 0 || n_threads <= 0) return 1;
   k3::bf16_rows::product(x, m, w, n, k, bias, nullptr, out, n_threads);
   return 0;

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "common.h"
-#include "glu_avx512.h"
+#include "glu_simd.h"
 #include "small_gemm.h"
 
 namespace {

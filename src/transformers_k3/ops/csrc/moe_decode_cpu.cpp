@@ -32,13 +32,13 @@
 
 #include "bf16_rows.h"
 #include "common.h"
-#include "glu_avx512.h"
+#include "glu_simd.h"
 #include "small_gemm.h"
 
 extern "C" int k3_router_sigmoid_topk(const float* logits, const float* bias, int64_t n_tokens, int64_t n_experts,
                                       int top_k, int64_t* out_index, float* out_scores, int n_threads);
 
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
 namespace {
 
 constexpr int kMaxTokens = 4;
@@ -47,7 +47,7 @@ constexpr int kMaxTokens = 4;
 void round_bf16(float* v, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = k3::lane_mask(n - i);
-    const __m512i bits = k3::bf16_bits(_mm512_maskz_loadu_ps(m, v + i));
+    const __m512i bits = k3::simd::bf16_bits(_mm512_maskz_loadu_ps(m, v + i));
     _mm512_mask_storeu_ps(v + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
   }
 }
@@ -166,7 +166,7 @@ extern "C" {
 
 // The most tokens k3_moe_decode takes (0 where it cannot run: no AVX-512).
 int k3_moe_decode_max_tokens() {
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
   return kMaxTokens;
 #else
   return 0;
@@ -183,7 +183,7 @@ int k3_moe_decode_max_tokens() {
 // none), so that a decode step's call passes five arguments. Returns 0, 1 on invalid arguments or where it cannot
 // run (N > kMaxTokens, no AVX-512), 3 where the selection kernel is unavailable (k3_router_sigmoid_topk's status).
 int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64_t n_tokens, void* out) {
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
   auto ptr = [&](int i) { return reinterpret_cast<const void*>(static_cast<intptr_t>(desc[i])); };
   const int hidden = (int)desc[0], top_k = (int)desc[6], latent = (int)desc[9], inter = (int)desc[14];
   const int act_kind = (int)desc[15], shared_inter = (int)desc[19];

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "common.h"
-#include "small_gemm.h"  // K3_HAVE_SMALL_GEMM: AVX-512
+#include "simd.h"  // K3_HAVE_AVX512
 
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
 #include <immintrin.h>
 #endif
 
@@ -26,7 +26,7 @@ namespace {
 
 constexpr int64_t kBlockRows = 64;
 
-#if K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
 // One row: dx, and its g x r added into `partial` (the block's dw).
 inline void row_backward(const float* x, const float* w, const float* g, int hidden, float eps, float* dx,
                          float* partial) {

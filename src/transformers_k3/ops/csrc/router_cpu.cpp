@@ -21,7 +21,7 @@
 #include "amx_tiles.h"
 #include "bf16_rows.h"
 #include "common.h"
-#include "glu_avx512.h"
+#include "glu_simd.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -277,7 +277,7 @@ bool fused_sigmoid_available() {
 }
 
 
-#if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
 // ---- The screened selection (k3_router_screened_topk) ----
 
 // sigmoid(x) to within 1e-4 (absolute) for the screen's intervals, whose margin covers it: t = 2^(-|x| log2 e) from
@@ -300,7 +300,7 @@ inline __m512 screen_sigmoid(__m512 x) {
   return _mm512_mask_mul_ps(inv, negative, t, inv);
 }
 
-// A row of fp32 values as bf16 bits (k3::bf16_bits: as torch's .to(torch.bfloat16)) into dst, and the norms the
+// A row of fp32 values as bf16 bits (k3::simd::bf16_bits: as torch's .to(torch.bfloat16)) into dst, and the norms the
 // screen's bound takes: |bf16(row)|, |row - bf16(row)| and |row|, from sums of squares in double (no underflow or
 // overflow for any fp32 row; their rounding, < H 2^-53, and the result's rounding to fp32 are inside the 2^-20 it
 // is scaled up by). A norm that is not finite (inf / NaN in the row) comes out as such.
@@ -313,7 +313,7 @@ inline void bf16_row_norms(const float* row, int hidden, uint16_t* dst, float& h
   for (int i = 0; i < hidden; i += 16) {
     const __mmask16 m = k3::lane_mask(hidden - i);
     const __m512 v = _mm512_maskz_loadu_ps(m, row + i);
-    const __m512i h = k3::bf16_bits(v);
+    const __m512i h = k3::simd::bf16_bits(v);
     _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(h));
     const __m512 vh = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), d = _mm512_sub_ps(v, vh);  // (d exact)
     for (int half = 0; half < 2; ++half) {
@@ -658,7 +658,7 @@ int k3_router_screened_topk(const float* x, int64_t n_tokens, int hidden, const 
                             const float* bias, int top_k, int screen, int64_t* out_index, float* out_scores,
                             int n_threads) {
   if (n_tokens < 0 || hidden < 1 || top_k < 1 || top_k > n_experts || n_threads < 1) return 1;
-#if defined(__AVX512F__) && K3_HAVE_SMALL_GEMM
+#if K3_HAVE_AVX512
   if (!k3::amx::available() || !fused_sigmoid_available() || top_k > 16 || hidden % 2 != 0 ||
       n_experts >= ((int64_t)1 << 30))
     return 3;
