@@ -687,7 +687,7 @@ def test_router_sigmoid_topk_is_torch_sigmoid_then_the_top_k(kernel, num_experts
     router_topk on torch.sigmoid's scores (itself torch.topk's, above), on 1 and 3 threads, with NaN and infinite
     logits; k > 16 is left to router_topk (None)."""
     if not kernel.k3_router_sigmoid_available():
-        pytest.skip("this build has no fused sigmoid (no AVX-512 or no Sleef exp in torch)")
+        pytest.skip("this build has no fused sigmoid (neither AVX-512 nor AVX2, or no Sleef exp in torch)")
     gen = torch.Generator().manual_seed(num_experts * 31 + top_k)
     logits = torch.randn(64, num_experts, generator=gen) * 4
     logits[3, 2], logits[4, 0], logits[4, 1], logits[5] = float("nan"), float("inf"), float("-inf"), float("-inf")
@@ -776,7 +776,7 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
         fused.clear()
         index, weights, grads, aux = run()
         assert calls == []
-        # (builds without AVX-512 have no fused sigmoid: the kernel declines even when the check is forced)
+        # (builds without AVX-512 or AVX2 have no fused sigmoid: the kernel declines even when the check is forced)
         expect_fused = sigmoid_in_kernel and bool(kernel.k3_router_sigmoid_available())
         assert fused and all((result is not None) == expect_fused for result in fused)
         assert torch.equal(index, ref_index)

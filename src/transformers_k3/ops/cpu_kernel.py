@@ -266,6 +266,8 @@ def _load() -> ctypes.CDLL:
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         lib.k3_moe_decode_max_tokens.restype = i32
         lib.k3_moe_decode_max_tokens.argtypes = []
+        lib.k3_moe_decode_bf16_available.restype = i32
+        lib.k3_moe_decode_bf16_available.argtypes = []
         lib.k3_moe_decode.restype = i32
         lib.k3_moe_decode.argtypes = [pointer, pointer, pointer, i64, pointer]
         return lib
@@ -329,10 +331,10 @@ def router_topk(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.T
 def router_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int):
     """``(index [N, k] int64, selected [N, k] fp32)``: per row of ``logits [N, E]`` the ``k`` largest
     ``sigmoid(logits) + bias``, ranked as `router_topk` ranks them, and their unbiased sigmoid scores, in one pass
-    that never writes the ``[N, E]`` scores out; or None where it cannot run (no AVX-512 or no Sleef exp in this
-    torch, k > 16, or the check below failed): then `router_topk` on ``torch.sigmoid``'s scores. The sigmoid is
-    computed as torch.sigmoid computes it (its own vectorised exp, then 1 / (1 + e)), so the scores, and with them
-    the ranking, are bitwise torch's; that is checked against torch.sigmoid once per loaded library."""
+    that never writes the ``[N, E]`` scores out; or None where it cannot run (neither AVX-512 nor AVX2, or no Sleef
+    exp in this torch, k > 16, or the check below failed): then `router_topk` on ``torch.sigmoid``'s scores. The
+    sigmoid is computed as torch.sigmoid computes it (its own vectorised exp, then 1 / (1 + e)), so the scores, and
+    with them the ranking, are bitwise torch's; that is checked against torch.sigmoid once per loaded library."""
     lib = library()
     if lib is None or top_k > 16 or not _sigmoid_matches_torch(lib):
         return None
@@ -663,8 +665,9 @@ def _ptr(x: torch.Tensor | None) -> int | None:
 
 
 def moe_decode_max_tokens() -> int:
-    """The most tokens `MoeDecode` takes (0: it cannot run here: kernels off, no AVX-512, under torch.compile, or a
-    sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's scores)."""
+    """The most tokens `MoeDecode` takes (0: it cannot run here: kernels off, neither AVX-512 nor AVX2, under
+    torch.compile, or a sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's
+    scores). bf16 layers also need AVX-512 (`MoeDecode`)."""
     if not enabled() or torch.compiler.is_compiling():
         return 0
     lib = library()
@@ -696,7 +699,8 @@ class MoeDecode:
     ``[H, S]`` weights or None. The same quantities as the modules compute (bf16: rounded where they round), the
     sums in another order. ``usable`` False where the weights do not fit (dtypes, shapes, layouts, devices, tensor
     types), the layer is too large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts for the experts
-    kernel (`experts_small_gemm`: the modules then run torch's bf16 products); a call returns None where ``y`` does
+    kernel (`experts_small_gemm`: the modules then run torch's bf16 products), or bf16 without AVX-512 (the
+    modules' bf16 projections are then torch's, not the kernels' `linear_bf16`); a call returns None where ``y`` does
     not (then run the modules). The weights are read at each call: the caller keeps this only while its tensors
     and their storage are the modules' (`_DecodePlan`)."""
 
@@ -736,6 +740,8 @@ class MoeDecode:
             return
         if dtype is torch.bfloat16 and not experts_small_gemm(width, inter, top_k, 1, 1, num_experts, bf16=True):
             return  # (bf16 experts the experts kernel does not take: the modules' bf16 products round at each step)
+        if dtype is torch.bfloat16 and not library().k3_moe_decode_bf16_available():
+            return
         kind, beta, linear_beta = _activation_args(activation)
         self.hidden = hidden
         self.desc = (ctypes.c_int64 * 20)(

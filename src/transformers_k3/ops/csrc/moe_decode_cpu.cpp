@@ -1,6 +1,7 @@
 // The whole latent MoE layer (transformers_k3.layers.moe.KimiK3SparseMoE) for a few tokens without autograd, a
 // decode step: router, selection, latent down-projection, routed experts, the norm on their sum, up-projection
-// and shared expert in one call, on one thread, AVX-512 only.
+// and shared expert in one call, on one thread: fp32 layers on AVX-512 or AVX2 + FMA, bf16 layers on AVX-512 only
+// (their projections are bf16_rows.h's, as the modules' are there).
 //
 // Through the modules a decode step of this layer is ~15 torch ops and kernel calls of 2-10 us each, which at
 // these sizes is nearly all of its time (the shipped small model: ~220 us per layer and token, of which the
@@ -19,7 +20,7 @@
 //   differs from the modules, by an ulp there and a few after it).
 // * the selection is k3_router_sigmoid_topk's on those logits (sigmoid scores, the bias for the choice only,
 //   ties to the lower id), the weights the chosen scores renormalized over the k and scaled.
-// * the GLUs are the experts kernel's (glu_avx512.h), the routing weight applied to the GLU output as there.
+// * the GLUs are the experts kernel's (glu_simd.h), the routing weight applied to the GLU output as there.
 //
 // Layout: row-major; y [N, H] and out [N, H] in the layer's dtype (fp32, or bf16 as raw bits), N <= kMaxTokens;
 // every weight as its module stores it ([out, in]; the experts [E, 2I, D] and [E, D, I]), in the layer's dtype,
@@ -38,7 +39,7 @@
 extern "C" int k3_router_sigmoid_topk(const float* logits, const float* bias, int64_t n_tokens, int64_t n_experts,
                                       int top_k, int64_t* out_index, float* out_scores, int n_threads);
 
-#if K3_HAVE_AVX512
+#if K3_HAVE_SIMD
 namespace {
 
 constexpr int kMaxTokens = 4;
@@ -46,9 +47,8 @@ constexpr int kMaxTokens = 4;
 // v[0 .. n) rounded to bf16 values (as torch rounds), kept as fp32.
 void round_bf16(float* v, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = k3::lane_mask(n - i);
-    const __m512i bits = k3::simd::bf16_bits(_mm512_maskz_loadu_ps(m, v + i));
-    _mm512_mask_storeu_ps(v + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+    const uint16_t m = k3::lane_mask(n - i);
+    k3::simd::store(v + i, m, k3::simd::bf16_round(k3::simd::load(v + i, m)));
   }
 }
 
@@ -71,8 +71,10 @@ struct Layer {
 // rounded to bf16, as the module's output is.
 void project(const Layer& l, const float* x, const uint16_t* x16, const void* w, int64_t n, int k, float* out) {
   if (!l.bf16) return k3::dots(x, static_cast<const float*>(w), n, k, out);
+#if K3_HAVE_AVX512  // (k3_moe_decode takes bf16 layers only there)
   k3::bf16_rows::product(x16, 1, static_cast<const uint16_t*>(w), n, k, nullptr, out, nullptr, 1);
   round_bf16(out, n);
+#endif
 }
 
 // One token: y (fp32 values of the layer's dtype) -> out (the same).
@@ -84,8 +86,12 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
 
   // router: fp32 logits; with a bf16 weight the products of the bf16 values (bf16_rows.h, as the module's)
   if (l.bf16 && !l.router_fp32)
+#if K3_HAVE_AVX512
     k3::bf16_rows::product(y16, 1, static_cast<const uint16_t*>(l.router), l.n_experts, H, nullptr, logits.data(),
                            nullptr, 1);
+#else
+    return 1;
+#endif
   else
     k3::dots(y, static_cast<const float*>(l.router), l.n_experts, H, logits.data());
   const int status = k3_router_sigmoid_topk(logits.data(), l.bias, 1, l.n_experts, l.top_k, index.data(),
@@ -164,14 +170,17 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
 
 extern "C" {
 
-// The most tokens k3_moe_decode takes (0 where it cannot run: no AVX-512).
+// The most tokens k3_moe_decode takes (0 where it cannot run: neither AVX-512 nor AVX2).
 int k3_moe_decode_max_tokens() {
-#if K3_HAVE_AVX512
+#if K3_HAVE_SIMD
   return kMaxTokens;
 #else
   return 0;
 #endif
 }
+
+// 1 if k3_moe_decode takes bf16 layers in this build (AVX-512: bf16_rows.h's products, as the modules'), else 0.
+int k3_moe_decode_bf16_available() { return K3_HAVE_AVX512; }
 
 // out [N, H] = the MoE layer on y [N, H] (see the top of this file), the layer described once by
 // desc (int64) = {hidden, bf16, router, router_fp32, bias, E, k, renormalize, down_latent, latent, norm, up_latent,
@@ -181,9 +190,9 @@ int k3_moe_decode_max_tokens() {
 // `router_fp32`; `latent` 0: no latent projections, `norm` 0: no norm on the latent; `shared_inter` 0: no shared
 // expert; the activation as k3_moe_experts_forward's: kind 0 SiLU, 1 SiTU with beta and the up half's cap, <= 0
 // none), so that a decode step's call passes five arguments. Returns 0, 1 on invalid arguments or where it cannot
-// run (N > kMaxTokens, no AVX-512), 3 where the selection kernel is unavailable (k3_router_sigmoid_topk's status).
+// run (N > kMaxTokens, no AVX-512 or AVX2, a bf16 layer without AVX-512), 3 where the selection kernel is unavailable (k3_router_sigmoid_topk's status).
 int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64_t n_tokens, void* out) {
-#if K3_HAVE_AVX512
+#if K3_HAVE_SIMD
   auto ptr = [&](int i) { return reinterpret_cast<const void*>(static_cast<intptr_t>(desc[i])); };
   const int hidden = (int)desc[0], top_k = (int)desc[6], latent = (int)desc[9], inter = (int)desc[14];
   const int act_kind = (int)desc[15], shared_inter = (int)desc[19];
@@ -193,6 +202,7 @@ int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64
       top_k > n_experts || latent < 0 || inter <= 0 || shared_inter < 0 ||
       (act_kind != 0 && !(act_kind == 1 && act_beta > 0.0f)))
     return 1;
+  if (desc[1] != 0 && !K3_HAVE_AVX512) return 1;  // (bf16 layers: k3_moe_decode_bf16_available)
   const k3::FlushDenormals flush;  // (as the experts kernel and the GLU kernel run)
   const Layer l{desc[1] != 0, hidden, latent, inter, shared_inter, top_k, n_experts, ptr(2), ptr(8),
                 ptr(10), ptr(11), ptr(12), ptr(13), ptr(16), ptr(17), ptr(18), desc[3] != 0, desc[7] != 0,

@@ -29,6 +29,9 @@
 // 1 / (1 + exp(-x)) with it, so the same three steps here give bitwise torch's scores. Weak: a torch build
 // without the symbol leaves it null, and the fused sigmoid reports itself unavailable.
 extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
+#elif K3_HAVE_SIMD
+// the same on AVX2, where torch's vectorised loop runs 8 lanes at a time with Sleef's 8-lane exp
+extern "C" __m256 Sleef_expf8_u10(__m256) __attribute__((weak));
 #endif
 
 namespace {
@@ -223,6 +226,15 @@ void sigmoid_row(const float* logits, int64_t n, float* scores) {
     _mm512_mask_storeu_ps(scores + i, m, _mm512_div_ps(one, _mm512_add_ps(e, one)));
   }
 }
+#elif K3_HAVE_SIMD
+void sigmoid_row(const float* logits, int64_t n, float* scores) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i m = k3::simd::lanes8(k3::lane_mask(n - i) & 0xFFu);
+    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_maskload_ps(logits + i, m)));
+    _mm256_maskstore_ps(scores + i, m, _mm256_div_ps(one, _mm256_add_ps(e, one)));
+  }
+}
 #endif
 
 // out = sum_j g[j] W[index[j]] over the k rows (fp32, j in order, from zero)
@@ -271,6 +283,8 @@ inline void add_scaled(float* out, float c, const float* x, int hidden) {
 bool fused_sigmoid_available() {
 #if defined(__AVX512F__)
   return Sleef_expf16_u10 != nullptr;
+#elif K3_HAVE_SIMD
+  return Sleef_expf8_u10 != nullptr;
 #else
   return false;
 #endif
@@ -485,13 +499,13 @@ void exact_row(const float* x, const float* w, int hidden, int64_t n_experts, co
 
 extern "C" {
 
-// 1 if k3_router_sigmoid_topk and k3_sigmoid can run in this build (AVX-512 and torch's Sleef exp), else 0.
+// 1 if k3_router_sigmoid_topk and k3_sigmoid can run in this build (AVX-512 or AVX2, and torch's Sleef exp), else 0.
 int k3_router_sigmoid_available() { return fused_sigmoid_available() ? 1 : 0; }
 
 // y = sigmoid(x) over n floats, computed as k3_router_sigmoid_topk does (for checking it against torch.sigmoid).
 // Returns 0, or 3 where unavailable.
 int k3_sigmoid(const float* x, float* y, int64_t n) {
-#if defined(__AVX512F__)
+#if K3_HAVE_SIMD
   if (!fused_sigmoid_available()) return 3;
   sigmoid_row(x, n, y);
   return 0;
@@ -505,24 +519,33 @@ int k3_sigmoid(const float* x, float* y, int64_t n) {
 // vectorised values), the k experts with the largest scores + bias as k3_router_topk ranks them, and their
 // (unbiased) scores: out_index [N, k] int64 and out_scores [N, k] fp32. The [N, E] scores are never written out:
 // each row's stay in cache between the sigmoid and the selection. Returns 0, 1 on invalid arguments, 2 if scratch
-// could not be allocated, 3 where unavailable (no AVX-512, no Sleef exp in this torch, or k > 16).
+// could not be allocated, 3 where unavailable (no AVX-512 or AVX2, no Sleef exp in this torch, or k > 16). The
+// selection is row_topk16's on AVX-512, row_topk's (the same ranking) on AVX2.
 int k3_router_sigmoid_topk(const float* logits, const float* bias, int64_t n_tokens, int64_t n_experts, int top_k,
                            int64_t* out_index, float* out_scores, int n_threads) {
   if (n_tokens < 0 || top_k < 1 || top_k > n_experts || n_threads < 1) return 1;
-#if defined(__AVX512F__)
+#if K3_HAVE_SIMD
   if (!fused_sigmoid_available() || top_k > 16 || n_experts >= ((int64_t)1 << 31)) return 3;
   int status = 0;
 #pragma omp parallel num_threads(n_threads)
   {
     const std::unique_ptr<k3::aligned_vector<float>> row =
         k3::new_scratch<k3::aligned_vector<float>>(status, n_experts);
+#if !defined(__AVX512F__)
+    const std::unique_ptr<TopK> best = k3::new_scratch<TopK>(status, top_k);
+#endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n_tokens; ++t) {
       if (row == nullptr) continue;
       float* scores = row->data();
       sigmoid_row(logits + t * n_experts, n_experts, scores);
       int64_t* index = out_index + t * top_k;
+#if defined(__AVX512F__)
       row_topk16(scores, bias, n_experts, top_k, index);
+#else
+      if (best == nullptr) continue;
+      row_topk(scores, bias, n_experts, top_k, best->val.data(), best->idx.data(), index);
+#endif
       for (int j = 0; j < top_k; ++j) out_scores[t * top_k + j] = scores[index[j]];
     }
   }

@@ -86,6 +86,8 @@ inline vi bf16_bits(vf v) {
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
 }
+// v rounded to bf16 values (bf16_bits), as fp32
+inline vf bf16_round(vf v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
 // the lanes of m of v, rounded to bf16 (bf16_bits), at p
 inline void store_bf16(uint16_t* p, uint16_t m, vf v) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
@@ -189,6 +191,10 @@ inline __m256i bf16_bits(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 inline vi bf16_bits(vf v) { return {bf16_bits(v.lo), bf16_bits(v.hi)}; }
+inline vf bf16_round(vf v) {
+  const vi b = bf16_bits(v);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(b.lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b.hi, 16))};
+}
 inline void store_bf16(uint16_t* p, uint16_t m, vf v) {
   const vi b = bf16_bits(v);
   // (packus keeps the 16-bit values, < 0x10000, in 128-bit lanes: permute them into order)
