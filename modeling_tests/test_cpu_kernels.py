@@ -1145,7 +1145,7 @@ def test_model_records_router_logits_with_the_screen_on(amx):
 @pytest.fixture
 def linear_bf16(kernel):
     if not kernel.k3_linear_bf16_available():
-        pytest.skip("this build has no bf16 few-row linear (no AVX-512)")
+        pytest.skip("this build has no bf16 few-row linear (no AVX-512 or AVX2)")
 
 
 # (rows, N, K): a decode step's shapes (K no multiple of 16 or 32, N no multiple of 16, one output, K = 1), up to 15

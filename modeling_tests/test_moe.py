@@ -729,16 +729,9 @@ def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 
 
-def decode_kernel_or_skip(dtype=torch.float32):
+def decode_kernel_or_skip():
     if cpu_kernel.library() is None or cpu_kernel.moe_decode_max_tokens() == 0:
         pytest.skip("the fused decode step needs the CPU kernels with AVX-512 or AVX2")
-    if dtype == torch.bfloat16 and not bf16_decode():
-        pytest.skip("the fused decode step takes bf16 layers on AVX-512 only")
-
-
-def bf16_decode() -> bool:
-    """Whether the decode kernel takes bf16 layers here (AVX-512: elsewhere bf16 layers run the modules)."""
-    return bool(cpu_kernel.library().k3_moe_decode_bf16_available())
 
 
 @pytest.fixture
@@ -792,7 +785,7 @@ def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype
     with SiTU and the AMX router logits, equal to theirs but where a sum in another order falls on the other side
     of a bf16 rounding tie (about 1 token in 400 in a 1,200-token review sample; none in these inputs, where a
     flip would show as a few ulp), else within a bf16 rounding."""
-    decode_kernel_or_skip(dtype)
+    decode_kernel_or_skip()
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM, **DECODE_CASES[case])
     moe = moe.to(dtype)
     for n in (1, 2, 4):
@@ -888,7 +881,7 @@ def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
     check(big, inputs(1, 1, 512))  # fp32: beyond the one-thread kernel's limit
     with torch.no_grad():
         big.bfloat16()(inputs(1, 1, 512).bfloat16())
-    assert decode_calls == ([1] if bf16_decode() else [])  # bf16: within its larger limit (AVX-512 builds)
+    assert decode_calls == [1]  # bf16: within its larger limit
     lora = Wrapped(cfg.routed_expert_hidden_size, cfg.hidden_size, bias=False)
     lora.weight = moe.routed_expert_up_proj.weight
     moe.routed_expert_up_proj = lora
@@ -1019,7 +1012,7 @@ def test_decode_step_steps_aside_under_autocast(decode_calls):
 def test_bf16_decode_step_steps_aside_for_experts_the_experts_kernel_does_not_take(decode_calls):
     """bf16 experts larger than the experts kernel takes (3 D I > SMALL_EXPERT_FLOATS) run torch's bf16 products in
     the modules, rounded at each step: not the decode kernel's quantity, so the modules run (their bits)."""
-    decode_kernel_or_skip(torch.bfloat16)
+    decode_kernel_or_skip()
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=128, routed_expert_hidden_size=512,
                         moe_intermediate_size=256)  # 3 x 512 x 256 = 393,216 > 196,608; 1.02M MACs a token
     moe = moe.bfloat16()

@@ -266,8 +266,6 @@ def _load() -> ctypes.CDLL:
         lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
         lib.k3_moe_decode_max_tokens.restype = i32
         lib.k3_moe_decode_max_tokens.argtypes = []
-        lib.k3_moe_decode_bf16_available.restype = i32
-        lib.k3_moe_decode_bf16_available.argtypes = []
         lib.k3_moe_decode.restype = i32
         lib.k3_moe_decode.argtypes = [pointer, pointer, pointer, i64, pointer]
         return lib
@@ -519,7 +517,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
     order. torch spends ~35 us on any such call on this CPU (~5 us in fp32); this one ~10 us with the Python call.
     Returns None where it does not apply: other dtypes, devices or tensor types, more rows, autograd (a gradient
-    is wanted), torch.compile, the kernels off or without AVX-512; then use F.linear."""
+    is wanted), torch.compile, the kernels off or without AVX-512 / AVX2; then use F.linear."""
     # (the checks are ordered and written for speed: they run on every linear layer of a decode step)
     if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
         return None
@@ -667,7 +665,7 @@ def _ptr(x: torch.Tensor | None) -> int | None:
 def moe_decode_max_tokens() -> int:
     """The most tokens `MoeDecode` takes (0: it cannot run here: kernels off, neither AVX-512 nor AVX2, under
     torch.compile, or a sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's
-    scores). bf16 layers also need AVX-512 (`MoeDecode`)."""
+    scores)."""
     if not enabled() or torch.compiler.is_compiling():
         return 0
     lib = library()
@@ -699,8 +697,7 @@ class MoeDecode:
     ``[H, S]`` weights or None. The same quantities as the modules compute (bf16: rounded where they round), the
     sums in another order. ``usable`` False where the weights do not fit (dtypes, shapes, layouts, devices, tensor
     types), the layer is too large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts for the experts
-    kernel (`experts_small_gemm`: the modules then run torch's bf16 products), or bf16 without AVX-512 (the
-    modules' bf16 projections are then torch's, not the kernels' `linear_bf16`); a call returns None where ``y`` does
+    kernel (`experts_small_gemm`: the modules then run torch's bf16 products); a call returns None where ``y`` does
     not (then run the modules). The weights are read at each call: the caller keeps this only while its tensors
     and their storage are the modules' (`_DecodePlan`)."""
 
@@ -740,8 +737,6 @@ class MoeDecode:
             return
         if dtype is torch.bfloat16 and not experts_small_gemm(width, inter, top_k, 1, 1, num_experts, bf16=True):
             return  # (bf16 experts the experts kernel does not take: the modules' bf16 products round at each step)
-        if dtype is torch.bfloat16 and not library().k3_moe_decode_bf16_available():
-            return
         kind, beta, linear_beta = _activation_args(activation)
         self.hidden = hidden
         self.desc = (ctypes.c_int64 * 20)(

@@ -2,7 +2,8 @@
 // below the tile unit's row count): out [M, N] = x [M, K] w [N, K]^T, M <= 15, each output a dot product over K
 // of exact products of bf16 values summed in fp32, written as fp32 or rounded to bf16 once (to nearest, ties to
 // even, as torch rounds). Within a block of 16 outputs x's rows go in groups of up to 4, so that w is read from
-// memory once per call and from cache once per group. AVX-512 only (K3_HAVE_AVX512).
+// memory once per call and from cache once per group. AVX-512 or AVX2 + FMA (K3_HAVE_SIMD); the sums' order
+// differs between the two (each build's modules and decode kernel use the same one).
 #pragma once
 
 #include <omp.h>
@@ -14,7 +15,7 @@
 #include "common.h"
 #include "small_gemm.h"
 
-#if K3_HAVE_AVX512
+#if K3_HAVE_SIMD
 #include <immintrin.h>
 
 namespace k3 {
@@ -22,6 +23,7 @@ namespace bf16_rows {
 
 constexpr int kMaxRows = 15;
 
+#if K3_HAVE_AVX512
 // Lane q of the result: the sum of v[q]'s 16 lanes, for q < 16 (a transposing reduction: each level adds pairs of
 // vectors' halves, so 15 shuffle pairs and adds instead of 16 separate horizontal sums).
 inline __m512 sum_lanes16(__m512 v[16]) {
@@ -121,6 +123,64 @@ inline void block16(const uint16_t* x, const float* xf, int m, const uint16_t* w
     }
   }
 }
+#else
+// AVX2: sums[r * Q + q] = the dot product of row r of xf (x as fp32; R rows, k apart) with w's row wq[q], R x Q
+// sums in 8-lane registers (12 of the 16), each summed across its lanes at the end; k's last k % 8 columns by
+// scalar multiply-adds.
+template <int R, int Q>
+inline void dots8(const float* xf, int k, const uint16_t* const* wq, float* sums) {
+  __m256 acc[R][Q];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 12
+    for (int q = 0; q < Q; ++q) acc[r][q] = _mm256_setzero_ps();
+  const int kb = k / 8 * 8;
+  for (int p = 0; p < kb; p += 8) {
+    __m256 xv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(xf + (int64_t)r * k + p);
+#pragma GCC unroll 12
+    for (int q = 0; q < Q; ++q) {
+      const __m256 wv = simd::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq[q] + p)));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][q] = _mm256_fmadd_ps(xv[r], wv, acc[r][q]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][q]), _mm256_extractf128_ps(acc[r][q], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      for (int p = kb; p < k; ++p) sum += xf[(int64_t)r * k + p] * to_float(wq[q][p]);
+      sums[r * Q + q] = sum;
+    }
+}
+
+// sums [m, 16] as the AVX-512 block16 gives them: x's rows in groups of 4 (then 2, 1), each against 12 / R rows
+// of w at a time.
+inline void block16(const uint16_t* x, const float* xf, int m, const uint16_t* w, int k, int64_t j0, int cols,
+                    float* sums) {
+  (void)x;
+  float part[12];
+  for (int i = 0, rows; i < m; i += rows) {
+    rows = m - i >= 4 ? 4 : m - i >= 2 ? 2 : 1;
+    const int per = 12 / rows;  // rows of w per call
+    for (int q0 = 0; q0 < cols; q0 += per) {
+      const uint16_t* wq[12];
+      for (int q = 0; q < per; ++q) wq[q] = w + (j0 + std::min(q0 + q, cols - 1)) * k;
+      const float* xfi = xf + (int64_t)i * k;
+      if (rows == 4)
+        dots8<4, 3>(xfi, k, wq, part);
+      else if (rows == 2)
+        dots8<2, 6>(xfi, k, wq, part);
+      else
+        dots8<1, 12>(xfi, k, wq, part);
+      for (int r = 0; r < rows; ++r)
+        for (int q = 0; q < per && q0 + q < cols; ++q) sums[(i + r) * 16 + q0 + q] = part[r * per + q];
+    }
+  }
+}
+#endif
 
 // out [m, n] = x [m, k] w [n, k]^T (+ bias [n]) for m <= kMaxRows rows of bf16 x and w (bias bf16 or null): into
 // out32 (fp32) or, rounded to bf16 as torch rounds, into out16; the threads split w's rows in blocks of 16.

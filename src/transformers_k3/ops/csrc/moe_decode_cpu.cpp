@@ -1,7 +1,6 @@
 // The whole latent MoE layer (transformers_k3.layers.moe.KimiK3SparseMoE) for a few tokens without autograd, a
 // decode step: router, selection, latent down-projection, routed experts, the norm on their sum, up-projection
-// and shared expert in one call, on one thread: fp32 layers on AVX-512 or AVX2 + FMA, bf16 layers on AVX-512 only
-// (their projections are bf16_rows.h's, as the modules' are there).
+// and shared expert in one call, on one thread, on AVX-512 or AVX2 + FMA.
 //
 // Through the modules a decode step of this layer is ~15 torch ops and kernel calls of 2-10 us each, which at
 // these sizes is nearly all of its time (the shipped small model: ~220 us per layer and token, of which the
@@ -71,10 +70,8 @@ struct Layer {
 // rounded to bf16, as the module's output is.
 void project(const Layer& l, const float* x, const uint16_t* x16, const void* w, int64_t n, int k, float* out) {
   if (!l.bf16) return k3::dots(x, static_cast<const float*>(w), n, k, out);
-#if K3_HAVE_AVX512  // (k3_moe_decode takes bf16 layers only there)
   k3::bf16_rows::product(x16, 1, static_cast<const uint16_t*>(w), n, k, nullptr, out, nullptr, 1);
   round_bf16(out, n);
-#endif
 }
 
 // One token: y (fp32 values of the layer's dtype) -> out (the same).
@@ -86,12 +83,8 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
 
   // router: fp32 logits; with a bf16 weight the products of the bf16 values (bf16_rows.h, as the module's)
   if (l.bf16 && !l.router_fp32)
-#if K3_HAVE_AVX512
     k3::bf16_rows::product(y16, 1, static_cast<const uint16_t*>(l.router), l.n_experts, H, nullptr, logits.data(),
                            nullptr, 1);
-#else
-    return 1;
-#endif
   else
     k3::dots(y, static_cast<const float*>(l.router), l.n_experts, H, logits.data());
   const int status = k3_router_sigmoid_topk(logits.data(), l.bias, 1, l.n_experts, l.top_k, index.data(),
@@ -179,9 +172,6 @@ int k3_moe_decode_max_tokens() {
 #endif
 }
 
-// 1 if k3_moe_decode takes bf16 layers in this build (AVX-512: bf16_rows.h's products, as the modules'), else 0.
-int k3_moe_decode_bf16_available() { return K3_HAVE_AVX512; }
-
 // out [N, H] = the MoE layer on y [N, H] (see the top of this file), the layer described once by
 // desc (int64) = {hidden, bf16, router, router_fp32, bias, E, k, renormalize, down_latent, latent, norm, up_latent,
 //                 gate_up, down, inter, act_kind, shared_gate, shared_up, shared_down, shared_inter}
@@ -190,7 +180,8 @@ int k3_moe_decode_bf16_available() { return K3_HAVE_AVX512; }
 // `router_fp32`; `latent` 0: no latent projections, `norm` 0: no norm on the latent; `shared_inter` 0: no shared
 // expert; the activation as k3_moe_experts_forward's: kind 0 SiLU, 1 SiTU with beta and the up half's cap, <= 0
 // none), so that a decode step's call passes five arguments. Returns 0, 1 on invalid arguments or where it cannot
-// run (N > kMaxTokens, no AVX-512 or AVX2, a bf16 layer without AVX-512), 3 where the selection kernel is unavailable (k3_router_sigmoid_topk's status).
+// run (N > kMaxTokens, no AVX-512 or AVX2), 3 where the selection kernel is unavailable (k3_router_sigmoid_topk's
+// status).
 int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64_t n_tokens, void* out) {
 #if K3_HAVE_SIMD
   auto ptr = [&](int i) { return reinterpret_cast<const void*>(static_cast<intptr_t>(desc[i])); };
@@ -202,7 +193,6 @@ int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64
       top_k > n_experts || latent < 0 || inter <= 0 || shared_inter < 0 ||
       (act_kind != 0 && !(act_kind == 1 && act_beta > 0.0f)))
     return 1;
-  if (desc[1] != 0 && !K3_HAVE_AVX512) return 1;  // (bf16 layers: k3_moe_decode_bf16_available)
   const k3::FlushDenormals flush;  // (as the experts kernel and the GLU kernel run)
   const Layer l{desc[1] != 0, hidden, latent, inter, shared_inter, top_k, n_experts, ptr(2), ptr(8),
                 ptr(10), ptr(11), ptr(12), ptr(13), ptr(16), ptr(17), ptr(18), desc[3] != 0, desc[7] != 0,

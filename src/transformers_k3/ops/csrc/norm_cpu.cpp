@@ -16,37 +16,33 @@
 #include <vector>
 
 #include "common.h"
-#include "simd.h"  // K3_HAVE_AVX512
-
-#if K3_HAVE_AVX512
-#include <immintrin.h>
-#endif
+#include "simd.h"  // K3_HAVE_SIMD
 
 namespace {
 
 constexpr int64_t kBlockRows = 64;
 
-#if K3_HAVE_AVX512
+#if K3_HAVE_SIMD
 // One row: dx, and its g x r added into `partial` (the block's dw).
 inline void row_backward(const float* x, const float* w, const float* g, int hidden, float eps, float* dx,
                          float* partial) {
-  __m512 ss = _mm512_setzero_ps(), gwx = ss;
-  for (int i = 0; i < hidden; i += 16) {
-    const __mmask16 m = k3::lane_mask(hidden - i);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-    ss = _mm512_fmadd_ps(xv, xv, ss);
-    gwx = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, w + i)), xv, gwx);
+  using namespace k3::simd;
+  vf ss = zero(), gwx = ss;
+  for (int i = 0; i < hidden; i += kLanes) {
+    const uint16_t m = k3::lane_mask(hidden - i);
+    const vf xv = load(x + i, m);
+    ss = fmadd(xv, xv, ss);
+    gwx = fmadd(mul(load(g + i, m), load(w + i, m)), xv, gwx);
   }
-  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)hidden + eps);
-  const float c = r * _mm512_reduce_add_ps(gwx) / (float)hidden;
-  const __m512 rv = _mm512_set1_ps(r), rc = _mm512_set1_ps(r * c);
-  for (int i = 0; i < hidden; i += 16) {
-    const __mmask16 m = k3::lane_mask(hidden - i);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i), gv = _mm512_maskz_loadu_ps(m, g + i);
-    const __m512 gw = _mm512_mul_ps(gv, _mm512_maskz_loadu_ps(m, w + i));
-    _mm512_mask_storeu_ps(dx + i, m, _mm512_mul_ps(rv, _mm512_fnmadd_ps(xv, rc, gw)));
-    _mm512_mask_storeu_ps(partial + i, m,
-                          _mm512_fmadd_ps(_mm512_mul_ps(gv, xv), rv, _mm512_maskz_loadu_ps(m, partial + i)));
+  const float r = 1.0f / std::sqrt(reduce_add(ss) / (float)hidden + eps);
+  const float c = r * reduce_add(gwx) / (float)hidden;
+  const vf rv = splat(r), rc = splat(r * c);
+  for (int i = 0; i < hidden; i += kLanes) {
+    const uint16_t m = k3::lane_mask(hidden - i);
+    const vf xv = load(x + i, m), gv = load(g + i, m);
+    const vf gw = mul(gv, load(w + i, m));
+    store(dx + i, m, mul(rv, fnmadd(xv, rc, gw)));
+    store(partial + i, m, fmadd(mul(gv, xv), rv, load(partial + i, m)));
   }
 }
 #else
