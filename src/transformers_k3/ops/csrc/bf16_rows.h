@@ -141,16 +141,14 @@ inline void dots8(const float* xf, int k, const uint16_t* const* wq, float* sums
     for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(xf + (int64_t)r * k + p);
 #pragma GCC unroll 12
     for (int q = 0; q < Q; ++q) {
-      const __m256 wv = simd::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq[q] + p)));
+      const __m256 wv = simd::load8(wq[q] + p);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[r][q] = _mm256_fmadd_ps(xv[r], wv, acc[r][q]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < Q; ++q) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][q]), _mm256_extractf128_ps(acc[r][q], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+      float sum = simd::reduce_add(acc[r][q]);
       for (int p = kb; p < k; ++p) sum += xf[(int64_t)r * k + p] * to_float(wq[q][p]);
       sums[r * Q + q] = sum;
     }

@@ -135,13 +135,13 @@ inline vf fnmadd(vf a, vf b, vf c) {
 }
 inline __m256 sign_bit() { return _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)); }
 inline vf abs(vf a) { return {_mm256_andnot_ps(sign_bit(), a.lo), _mm256_andnot_ps(sign_bit(), a.hi)}; }
-inline float reduce_add(vf a) {
-  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+inline float reduce_add(__m256 s) {  // (one 8-lane half)
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+inline float reduce_add(vf a) { return reduce_add(_mm256_add_ps(a.lo, a.hi)); }
 inline vmask less(vf a, vf b) {
   return {_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ)};
 }
@@ -172,6 +172,9 @@ inline vf with_sign(vf m, vf x) {
 inline __m256 widen_bf16(__m128i bits) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+// 8 lanes (one half): fp32, or bf16 read as fp32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vf load(const uint16_t* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {widen_bf16(_mm256_castsi256_si128(b)), widen_bf16(_mm256_extracti128_si256(b, 1))};

@@ -296,15 +296,11 @@ inline void transpose_block(const T* src, int rows, int r0, int c0, int64_t lds,
 }
 #else
 constexpr int kTransposeBlock = 8;
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  return simd::widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 // (AVX2: 8 x 8 blocks, the classic three rounds of unpacks, shuffles and 128-bit permutes)
 template <class T>
 inline void transpose_block(const T* src, int rows, int r0, int c0, int64_t lds, float* dst) {
   __m256 v[8], t[8];
-  for (int i = 0; i < 8; ++i) v[i] = load8(src + (r0 + i) * lds + c0);
+  for (int i = 0; i < 8; ++i) v[i] = simd::load8(src + (r0 + i) * lds + c0);
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
