@@ -7,6 +7,7 @@ also run with the kernel on and off in test_ops_kda.py."""
 
 import functools
 import logging
+import math
 import os
 import pathlib
 import stat
@@ -678,6 +679,33 @@ def test_router_topk_ties_nan_and_infinities(kernel, top_k):
     assert index[3].tolist() == list(range(top_k))
     reference = torch.topk(scores[2:3], top_k, dim=-1).indices
     assert reference[0, 0] == 25  # torch.topk agrees on NaN
+
+
+def _reference_topk(values: torch.Tensor, top_k: int) -> list[list[int]]:
+    """Each row's k best by the documented order, in Python: NaN first (in id order), then descending values,
+    equal values by the lower id."""
+    return [sorted(range(len(row)), key=lambda e: (not math.isnan(row[e]), -row[e] if not math.isnan(row[e]) else 0,
+                                                    e))[:top_k] for row in values.tolist()]  # fmt: skip
+
+
+@pytest.mark.parametrize("top_k", [2, 16, 32, 33, 70])
+@pytest.mark.parametrize("num_experts", [37, 896])
+def test_router_topk_many_ties_nans_and_large_k(kernel, num_experts, top_k):
+    """Rows full of ties (scores on a coarse grid, so the floor pass's lanes hold equal values and the k-th is
+    shared by many experts), NaN in some rows (and enough NaN in one that the k-th itself is NaN), infinities,
+    and k beyond the 32 values a floor is taken from (then every expert is looked at): the documented order,
+    against a reference written out in Python (k = 70 on 37 experts: k = E, every expert)."""
+    top_k = min(top_k, num_experts)
+    gen = torch.Generator().manual_seed(num_experts + 7 * top_k)
+    scores = torch.randint(0, 6, (24, num_experts), generator=gen).float() / 4
+    bias = (torch.randint(0, 3, (num_experts,), generator=gen).float() - 1) / 8
+    scores[1, torch.randperm(num_experts, generator=gen)[:5]] = float("nan")
+    scores[2, : min(num_experts, top_k + 3)] = float("nan")  # the k-th best is NaN
+    scores[3, ::3] = float("inf")
+    scores[4, ::2] = float("-inf")
+    scores[5] = float("-inf")
+    index = cpu_kernel.router_topk(scores, bias, top_k)
+    assert index.tolist() == _reference_topk(scores + bias, top_k)
 
 
 @pytest.mark.parametrize("top_k", [1, 5, 16])
