@@ -1287,6 +1287,81 @@ def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(lin
     assert not torch.allclose(adapted.float(), out.float(), atol=1e-2)  # the adapter took part
 
 
+# (x shape, N, UPCAST_BLOCK): a prefill's rows, leading dimensions kept, 16 rows of a small weight, and blocks small
+# enough that both the weight (output features) and the rows are split, with a partial last block of each
+UPCAST_SHAPES = [((40, 96), 200, None), ((2, 17, 64), 33, None), ((16, 40), 24, None), ((300, 50), 70, 1000)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", UPCAST_SHAPES)
+def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, with_bias):
+    """linear_bf16_upcast (a bf16 prefill's linear on a CPU without bf16 instructions, here forced) is the fp32
+    GEMM of the bf16 values rounded once: every output within half a bf16 ulp of an fp32 sum of the exact
+    products (the float64 value within K 2^-24 sum |products|), whole or in blocks; unblocked it is bitwise
+    F.linear on the fp32 copies, rounded; and torch's bf16 F.linear differs only by near-ties (one bf16 ulp)."""
+    x_shape, n, block = shape
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
+    if block is not None:
+        monkeypatch.setattr(cpu_kernel, "UPCAST_BLOCK", block)
+    k = x_shape[-1]
+    gen = torch.Generator().manual_seed(sum(x_shape) + n)
+    x = torch.randn(x_shape, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    out = cpu_kernel.linear_bf16_upcast(x, w, b)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x_shape[:-1], n)
+    x2 = x.reshape(-1, k)
+    exact = x2.double() @ w.double().t() + (0 if b is None else b.double())
+    bound = _fp32_sum_bound(x2, w) + (0 if b is None else b.double().abs() * 2.0**-24)
+    half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs() + bound)) - 8)
+    assert ((out.reshape(-1, n).double() - exact).abs() <= half_ulp + bound).all()
+    if block is None:
+        upcast = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+        assert torch.equal(out, upcast)
+    ref = torch.nn.functional.linear(x, w, b).reshape(-1, n)
+    differ = out.reshape(-1, n) != ref
+    assert ((ref.double() - exact).abs()[differ] <= 2 * half_ulp[differ] + bound[differ]).all()
+    assert differ.float().mean() <= 0.02
+
+
+def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
+    """None (then F.linear) for: up to 15 rows (linear_bf16's), 16 to 31 rows of a weight over 2^20 elements (its
+    fp32 copy would cost more than torch's bf16 products save), fp32 or mixed dtypes, a gradient wanted, an fp32
+    bias, a shape mismatch, the kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there);
+    apply_linear takes it for a plain bf16 nn.Linear on a prefill without autograd."""
+    from transformers_k3.layers.linear import apply_linear
+
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
+    w = torch.randn(8, 32).bfloat16()
+    assert cpu_kernel.linear_bf16_upcast(torch.randn(16, 32).bfloat16(), w) is not None
+    assert cpu_kernel.linear_bf16_upcast(torch.randn(15, 32).bfloat16(), w) is None
+    big = torch.zeros(1024, 1025).bfloat16()
+    assert cpu_kernel.linear_bf16_upcast(torch.randn(31, 1025).bfloat16(), big) is None
+    assert cpu_kernel.linear_bf16_upcast(torch.randn(32, 1025).bfloat16(), big) is not None
+    x = torch.randn(40, 32).bfloat16()
+    assert cpu_kernel.linear_bf16_upcast(x.float(), w.float()) is None
+    assert cpu_kernel.linear_bf16_upcast(x, w.float()) is None
+    assert cpu_kernel.linear_bf16_upcast(x, w, torch.randn(8)) is None
+    assert cpu_kernel.linear_bf16_upcast(torch.randn(40, 31).bfloat16(), w) is None
+    assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is None
+    with torch.no_grad():
+        assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is not None
+    with cpu_kernel.use_cpu_kernel(False):
+        assert cpu_kernel.linear_bf16_upcast(x, w) is None
+    layer = torch.nn.Linear(32, 8).bfloat16()
+    calls = []
+    original = cpu_kernel.linear_bf16_upcast
+    monkeypatch.setattr(cpu_kernel, "linear_bf16_upcast", lambda *a: calls.append(original(*a)) or calls[-1])
+    with torch.no_grad():
+        out = apply_linear(layer, x)
+        assert len(calls) == 1 and calls[0] is out
+        torch.testing.assert_close(out, layer(x), atol=0, rtol=2**-7)
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [True])
+    assert original(x, w) is None
+    with torch.no_grad():
+        assert torch.equal(apply_linear(layer, x), layer(x))
+
+
 @pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 2.5, None), ("silu",)])
 @pytest.mark.parametrize("shape", [(2048, 32), (1, 1, 32), (300, 77), (5, 3, 1)])
 def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, shape):

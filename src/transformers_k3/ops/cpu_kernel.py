@@ -550,6 +550,66 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
+# `linear_bf16_upcast`: from this many rows (or any number past linear_bf16's for weights of at most
+# UPCAST_SMALL_WEIGHT elements, whose fp32 copy stays in cache); each fp32 operand block at most UPCAST_BLOCK floats.
+UPCAST_MIN_ROWS = 32
+UPCAST_SMALL_WEIGHT = 1 << 20
+UPCAST_BLOCK = 1 << 22
+_native_bf16: list[bool] = []  # (cached: whether torch's bf16 matmul has the CPU's bf16 instructions)
+
+
+def native_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 dot-product instructions for torch's bf16 matmul (AVX512_BF16, or the AMX tile
+    unit); without them torch computes a bf16 matmul at a small fraction of its fp32 rate."""
+    if not _native_bf16:
+        try:
+            native = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        except AttributeError:  # (private torch API: else the CPU's flags)
+            flags = _cpu_identity().split()
+            native = "avx512_bf16" in flags or "amx_bf16" in flags
+        _native_bf16.append(native)
+    return _native_bf16[0]
+
+
+def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` for bf16 tensors on a CPU without bf16 dot-product instructions
+    (`native_bf16_matmul` false: AVX2 machines, AVX-512 ones before Cooper Lake), many rows (a prefill; fewer
+    rows are `linear_bf16`'s), no autograd: the fp32 GEMM on fp32 copies of the bf16 values, the bias added in
+    fp32, rounded to bf16 once. That is the quantity torch's bf16 matmul computes (the products of bf16 values
+    are exact in fp32, summed in fp32, rounded once), with the sums in another order; there torch runs ~12 GFLOP/s
+    where its fp32 GEMM runs ~150 (a 2-core Zen 3: [2,048, 256] x [256, 128] 14.8 -> 1.0 ms). The copies are made
+    in blocks of at most UPCAST_BLOCK floats of the weight (output features) and of the input (rows), so the extra
+    memory stays bounded whatever the sizes. Returns None where it does not apply (other dtypes, devices or tensor
+    types, few rows, autograd, a CPU with bf16 instructions, torch.compile, the kernels off); then use F.linear."""
+    if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
+        return None
+    if type(x) is not torch.Tensor or type(weight) not in _PLAIN_TENSORS or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k or k == 0 or n == 0:
+        return None
+    rows = x.numel() // k
+    if rows <= LINEAR_BF16_MAX_ROWS or (rows < UPCAST_MIN_ROWS and n * k > UPCAST_SMALL_WEIGHT):
+        return None
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return None
+    if bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,)):
+        return None
+    if not enabled() or torch.compiler.is_compiling() or native_bf16_matmul():
+        return None
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    x2, out2 = x.reshape(rows, k), out.view(rows, n)
+    cols = max(1, min(n, UPCAST_BLOCK // k))
+    block_rows = max(1, min(rows, UPCAST_BLOCK // max(k, cols)))
+    for j in range(0, n, cols):
+        w = weight[j : j + cols].float()
+        b = None if bias is None else bias[j : j + cols].float()
+        for i in range(0, rows, block_rows):
+            out2[i : i + block_rows, j : j + cols] = F.linear(x2[i : i + block_rows].float(), w, b)  # (rounds once)
+    return out
+
 
 def _linear_bf16_available(lib) -> bool:
     cached = getattr(lib, "k3_linear_bf16_checked", None)
