@@ -518,24 +518,11 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     order. torch spends ~35 us on any such call on this CPU (~5 us in fp32); this one ~10 us with the Python call.
     Returns None where it does not apply: other dtypes, devices or tensor types, more rows, autograd (a gradient
     is wanted), torch.compile, the kernels off or without AVX-512 / AVX2; then use F.linear."""
-    # (the checks are ordered and written for speed: they run on every linear layer of a decode step)
-    if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
-        return None
-    if type(x) is not torch.Tensor or type(weight) not in _PLAIN_TENSORS or weight.dim() != 2:
+    rows = _bf16_linear_rows(x, weight, bias)
+    if rows is None:
         return None
     n, k = weight.shape
-    if x.dim() < 1 or x.shape[-1] != k or k == 0:
-        return None
-    rows = x.numel() // k
     if rows > LINEAR_BF16_MAX_ROWS or (rows > LINEAR_BF16_ANY_SIZE_ROWS and rows * n * k > LINEAR_BF16_SMALL_MACS):
-        return None
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return None
-    if bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,)):
-        return None
-    if not enabled() or torch.compiler.is_compiling():
         return None
     lib = library()
     if lib is None or not _linear_bf16_available(lib):
@@ -549,6 +536,29 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _bf16_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+    """The rows of ``F.linear(x, weight, bias)`` where `linear_bf16` and `linear_bf16_upcast` may compute it (bf16
+    plain tensors on CPU, x's last dimension K = weight's, no gradient wanted, a bf16 bias of N or none, the
+    kernels on, not under torch.compile), else None. (Ordered for speed: it runs on every linear layer of a decode
+    step.)"""
+    if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
+        return None
+    if type(x) is not torch.Tensor or type(weight) not in _PLAIN_TENSORS or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k or k == 0:
+        return None
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return None
+    if bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,)):
+        return None
+    if not enabled() or torch.compiler.is_compiling():
+        return None
+    return x.numel() // k
 
 # `linear_bf16_upcast`: from this many rows (or any number past linear_bf16's for weights of at most
 # UPCAST_SMALL_WEIGHT elements, whose fp32 copy stays in cache); each fp32 operand block at most UPCAST_BLOCK floats.
@@ -581,23 +591,11 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     in blocks of at most UPCAST_BLOCK floats of the weight (output features) and of the input (rows), so the extra
     memory stays bounded whatever the sizes. Returns None where it does not apply (other dtypes, devices or tensor
     types, few rows, autograd, a CPU with bf16 instructions, torch.compile, the kernels off); then use F.linear."""
-    if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
-        return None
-    if type(x) is not torch.Tensor or type(weight) not in _PLAIN_TENSORS or weight.dim() != 2:
+    rows = _bf16_linear_rows(x, weight, bias)
+    if rows is None:
         return None
     n, k = weight.shape
-    if x.dim() < 1 or x.shape[-1] != k or k == 0 or n == 0:
-        return None
-    rows = x.numel() // k
-    if rows <= LINEAR_BF16_MAX_ROWS or (rows < UPCAST_MIN_ROWS and n * k > UPCAST_SMALL_WEIGHT):
-        return None
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return None
-    if bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,)):
-        return None
-    if not enabled() or torch.compiler.is_compiling() or native_bf16_matmul():
+    if rows <= LINEAR_BF16_MAX_ROWS or (rows < UPCAST_MIN_ROWS and n * k > UPCAST_SMALL_WEIGHT) or native_bf16_matmul():
         return None
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     x2, out2 = x.reshape(rows, k), out.view(rows, n)

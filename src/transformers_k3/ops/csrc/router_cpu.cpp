@@ -47,21 +47,25 @@ struct TopK {
   explicit TopK(int top_k) : val(top_k), idx(top_k) {}
 };
 
+// v (expert e) into the sorted working set val / idx of `filled` values: a set not full (filled < k) grows by
+// one, a full one drops its last (the caller has checked that v ranks above it).
+inline void insert_sorted(float v, int64_t e, int top_k, float* val, int64_t* idx, int& filled) {
+  int pos = filled < top_k ? filled++ : top_k - 1;
+  while (pos > 0 && ranks_above(v, val[pos - 1])) {
+    val[pos] = val[pos - 1];
+    idx[pos] = idx[pos - 1];
+    --pos;
+  }
+  val[pos] = v;
+  idx[pos] = e;
+}
+
 // The k best of one row into index[0 .. k), using val / idx (k each) as the sorted working set (builds without
 // AVX2; the others take row_topk_floor or row_topk16, which give the same).
 [[maybe_unused]] void row_topk(const float* scores, const float* bias, int64_t n_experts, int top_k, float* val,
                                int64_t* idx, int64_t* index) {
   int filled = 0;
-  auto insert = [&](float v, int64_t e) {
-    int pos = filled < top_k ? filled++ : top_k - 1;  // a full set drops its last
-    while (pos > 0 && ranks_above(v, val[pos - 1])) {
-      val[pos] = val[pos - 1];
-      idx[pos] = idx[pos - 1];
-      --pos;
-    }
-    val[pos] = v;
-    idx[pos] = e;
-  };
+  auto insert = [&](float v, int64_t e) { insert_sorted(v, e, top_k, val, idx, filled); };
   int64_t e = 0;
   for (; e < n_experts && filled < top_k; ++e) insert(scores[e] + bias[e], e);
   for (; e < n_experts; ++e) {
@@ -116,16 +120,6 @@ void row_topk_floor(const float* scores, const float* bias, int64_t n_experts, i
     floor = two[top_k - 1];
   }
   int filled = 0;
-  auto insert = [&](float v, int64_t e) {  // (as row_topk's)
-    int pos = filled < top_k ? filled++ : top_k - 1;
-    while (pos > 0 && ranks_above(v, val[pos - 1])) {
-      val[pos] = val[pos - 1];
-      idx[pos] = idx[pos - 1];
-      --pos;
-    }
-    val[pos] = v;
-    idx[pos] = e;
-  };
   // lanes that may enter: until the set is full, at least the floor (or NaN); then above the k-th (or NaN)
   auto candidates = [&]() -> unsigned {
     if (filled < top_k) {
@@ -142,7 +136,7 @@ void row_topk_floor(const float* scores, const float* bias, int64_t n_experts, i
     for (unsigned m = candidates() & present; m != 0; m &= candidates()) {
       const int lane = __builtin_ctz(m);
       const float v = scores[e + lane] + bias[e + lane];  // (the lane's value: the same fp32 sum)
-      if (filled < top_k || ranks_above(v, val[top_k - 1])) insert(v, e + lane);
+      if (filled < top_k || ranks_above(v, val[top_k - 1])) insert_sorted(v, e + lane, top_k, val, idx, filled);
       m &= m - 1;  // (the lanes left are checked again against the new k-th)
     }
   }
