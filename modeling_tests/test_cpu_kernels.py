@@ -1177,18 +1177,20 @@ def linear_bf16(kernel):
 
 
 # (rows, N, K): a decode step's shapes (K no multiple of 16 or 32, N no multiple of 16, one output, K = 1), up to 15
-# rows (row groups of 4, 2 and 1), a larger product on 4 rows, and leading dimensions kept
+# rows (row groups of 4, 2 and 1), larger products on 4 and on 9 rows (the latter taken on a CPU without bf16
+# instructions, as here), and leading dimensions kept
 LINEAR_BF16_SHAPES = [((1, 256), 128), ((1, 1, 256), 1), ((3, 37), 100), ((15, 16), 17), ((2, 3, 300), 33),
-                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8), ((4, 1000), 300)]  # fmt: skip
+                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8), ((4, 1000), 300), ((9, 1100), 1000)]  # fmt: skip
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", LINEAR_BF16_SHAPES)
-def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, shape, with_bias):
+def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, monkeypatch, shape, with_bias):
     """linear_bf16 on bf16 operands: every output is the float64 value of x w^T + b, summed in fp32 in some order
     (within K 2^-24 sum |products|) and rounded to bf16 once (to nearest: within half a bf16 ulp); and it is torch's
     bf16 F.linear except where the two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound)."""
     x_shape, n = shape
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     k = x_shape[-1]
     gen = torch.Generator().manual_seed(sum(x_shape) + n)
     x = torch.randn(x_shape, generator=gen).bfloat16()
@@ -1210,10 +1212,11 @@ def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, shape, wit
         assert differ.float().mean() <= 0.01
 
 
-def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16):
+def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16, monkeypatch):
     """None (then F.linear) for: fp32 or mixed dtypes, 16 rows or more, 5 to 15 rows of a product over 2^20
-    multiply-adds (torch's matmul is the faster there), a gradient wanted, an fp32 bias, a shape mismatch (F.linear
-    raises its own error), the kernels turned off."""
+    multiply-adds on a CPU with bf16 instructions (torch's matmul is the faster there; without them it takes
+    those), a gradient wanted, an fp32 bias, a shape mismatch (F.linear raises its own error), the kernels off."""
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [True])
     x, w = torch.randn(2, 32).bfloat16(), torch.randn(8, 32).bfloat16()
     assert cpu_kernel.linear_bf16(x, w) is not None
     assert cpu_kernel.linear_bf16(x.float(), w.float()) is None
@@ -1223,6 +1226,9 @@ def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16):
     big = torch.zeros(1024, 1024).bfloat16()  # (rows x 2^20 multiply-adds)
     assert cpu_kernel.linear_bf16(torch.randn(4, 1024).bfloat16(), big) is not None
     assert cpu_kernel.linear_bf16(torch.randn(5, 1024).bfloat16(), big) is None
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
+    assert cpu_kernel.linear_bf16(torch.randn(15, 1024).bfloat16(), big) is not None
+    assert cpu_kernel.linear_bf16(torch.randn(16, 1024).bfloat16(), big) is None
     assert cpu_kernel.linear_bf16(x.requires_grad_(), w) is None
     with torch.no_grad():
         assert cpu_kernel.linear_bf16(x, w) is not None

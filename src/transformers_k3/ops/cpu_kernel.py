@@ -504,7 +504,9 @@ class _LinearBf16F32(torch.autograd.Function):
 # Where linear_bf16 beats torch's bf16 matmul (2 threads, this project's Sapphire Rapids; median call time, torch /
 # ours): up to 4 rows at any size (1 row: 2.2-3.3x from [256, 256] to [4096, 4096] weights; 4 rows: 1.2-2.2x);
 # beyond that only small products (15 rows x [256, 256]: 1.1x; 8 rows x [1024, 1024]: 0.65x, where torch's
-# AMX kernel reads the weight once for all rows and ours once per 4 rows).
+# AMX kernel reads the weight once for all rows and ours once per 4 rows). On a CPU without bf16 instructions
+# (`native_bf16_matmul` false) torch's bf16 matmul is slow at every size and ours takes any product up to 15 rows
+# (a 2-core Zen 3: 5-15 rows x [1024, 1024] 3.3-4.5x, 8 / 15 rows x [4096, 4096] 3.8 / 4.5x, 15 x [256, 256] 4.7x).
 LINEAR_BF16_MAX_ROWS = 15
 LINEAR_BF16_ANY_SIZE_ROWS = 4
 LINEAR_BF16_SMALL_MACS = 1 << 20  # rows x N x K
@@ -512,7 +514,8 @@ LINEAR_BF16_SMALL_MACS = 1 << 20  # rows x N x K
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for bf16 tensors on CPU with few rows (a decode step: up to 4 rows, or up to
-    15 for a product of at most 2^20 multiply-adds; see LINEAR_BF16_MAX_ROWS), computed by
+    15 for a product of at most 2^20 multiply-adds or on a CPU without bf16 instructions; see
+    LINEAR_BF16_MAX_ROWS), computed by
     ``csrc/linear_cpu.cpp``: exact products of the bf16 values, summed in fp32, the bias added and the result
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
     order. torch spends ~35 us on any such call on this CPU (~5 us in fp32); this one ~10 us with the Python call.
@@ -522,7 +525,9 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rows is None:
         return None
     n, k = weight.shape
-    if rows > LINEAR_BF16_MAX_ROWS or (rows > LINEAR_BF16_ANY_SIZE_ROWS and rows * n * k > LINEAR_BF16_SMALL_MACS):
+    if rows > LINEAR_BF16_MAX_ROWS or (
+        rows > LINEAR_BF16_ANY_SIZE_ROWS and rows * n * k > LINEAR_BF16_SMALL_MACS and native_bf16_matmul()
+    ):
         return None
     lib = library()
     if lib is None or not _linear_bf16_available(lib):
