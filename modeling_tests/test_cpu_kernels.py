@@ -1198,6 +1198,14 @@ def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, monkeypatc
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
     out = cpu_kernel.linear_bf16(x, w, b)
     assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x_shape[:-1], n)
+    _assert_one_rounding_of_an_fp32_sum(out, x, w, b)
+
+
+def _assert_one_rounding_of_an_fp32_sum(out, x, w, b):
+    """Every output of a bf16 ``F.linear(x, w, b)`` is the float64 value summed in fp32 in some order (within K 2^-24
+    sum |products|) and rounded to bf16 once (within half a bf16 ulp); torch's bf16 F.linear differs only where the
+    two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound), on at most 1 % of the outputs."""
+    n, k = w.shape
     x2 = x.reshape(-1, k)
     exact = x2.double() @ w.double().t() + (0 if b is None else b.double())
     bound = _fp32_sum_bound(x2, w) + (0 if b is None else b.double().abs() * 2.0**-24)
@@ -1304,7 +1312,8 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
     """linear_bf16_upcast (a bf16 prefill's linear on a CPU without bf16 instructions, here forced) is the fp32
     GEMM of the bf16 values rounded once: every output within half a bf16 ulp of an fp32 sum of the exact
     products (the float64 value within K 2^-24 sum |products|), whole or in blocks; unblocked it is bitwise
-    F.linear on the fp32 copies, rounded; and torch's bf16 F.linear differs only by near-ties (one bf16 ulp)."""
+    F.linear on the fp32 copies, rounded; and torch's bf16 F.linear differs only by near-ties (one bf16 ulp, on at
+    most 1 % of the outputs)."""
     x_shape, n, block = shape
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     if block is not None:
@@ -1316,18 +1325,10 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
     out = cpu_kernel.linear_bf16_upcast(x, w, b)
     assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x_shape[:-1], n)
-    x2 = x.reshape(-1, k)
-    exact = x2.double() @ w.double().t() + (0 if b is None else b.double())
-    bound = _fp32_sum_bound(x2, w) + (0 if b is None else b.double().abs() * 2.0**-24)
-    half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs() + bound)) - 8)
-    assert ((out.reshape(-1, n).double() - exact).abs() <= half_ulp + bound).all()
+    _assert_one_rounding_of_an_fp32_sum(out, x, w, b)
     if block is None:
         upcast = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
         assert torch.equal(out, upcast)
-    ref = torch.nn.functional.linear(x, w, b).reshape(-1, n)
-    differ = out.reshape(-1, n) != ref
-    assert ((ref.double() - exact).abs()[differ] <= 2 * half_ulp[differ] + bound[differ]).all()
-    assert differ.float().mean() <= 0.02
 
 
 def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
