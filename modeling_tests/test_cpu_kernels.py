@@ -1177,10 +1177,11 @@ def linear_bf16(kernel):
 
 
 # (rows, N, K): a decode step's shapes (K no multiple of 16 or 32, N no multiple of 16, one output, K = 1), up to 15
-# rows (row groups of 4, 2 and 1), larger products on 4 and on 9 rows (the latter taken on a CPU without bf16
-# instructions, as here), and leading dimensions kept
+# rows (row groups of 4, 2 and 1), larger products on 4 and on 9 rows, 40 and 34 rows in calls of up to 15 (those
+# three taken on a CPU without bf16 instructions, as here), and leading dimensions kept
 LINEAR_BF16_SHAPES = [((1, 256), 128), ((1, 1, 256), 1), ((3, 37), 100), ((15, 16), 17), ((2, 3, 300), 33),
-                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8), ((4, 1000), 300), ((9, 1100), 1000)]  # fmt: skip
+                      ((7, 1), 5), ((1, 64), 2000), ((0, 32), 8), ((4, 1000), 300), ((9, 1100), 1000),
+                      ((40, 300), 70), ((2, 17, 64), 33)]  # fmt: skip
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -1234,9 +1235,10 @@ def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16, monkeyp
     big = torch.zeros(1024, 1024).bfloat16()  # (rows x 2^20 multiply-adds)
     assert cpu_kernel.linear_bf16(torch.randn(4, 1024).bfloat16(), big) is not None
     assert cpu_kernel.linear_bf16(torch.randn(5, 1024).bfloat16(), big) is None
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
+    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])  # (no bf16 instructions: any size, up to 47 rows)
     assert cpu_kernel.linear_bf16(torch.randn(15, 1024).bfloat16(), big) is not None
-    assert cpu_kernel.linear_bf16(torch.randn(16, 1024).bfloat16(), big) is None
+    assert cpu_kernel.linear_bf16(torch.randn(47, 1024).bfloat16(), big) is not None
+    assert cpu_kernel.linear_bf16(torch.randn(48, 32).bfloat16(), w) is None
     assert cpu_kernel.linear_bf16(x.requires_grad_(), w) is None
     with torch.no_grad():
         assert cpu_kernel.linear_bf16(x, w) is not None
@@ -1301,9 +1303,9 @@ def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(lin
     assert not torch.allclose(adapted.float(), out.float(), atol=1e-2)  # the adapter took part
 
 
-# (x shape, N, UPCAST_BLOCK): a prefill's rows, leading dimensions kept, 16 rows of a small weight, and blocks small
-# enough that both the weight (output features) and the rows are split, with a partial last block of each
-UPCAST_SHAPES = [((40, 96), 200, None), ((2, 17, 64), 33, None), ((16, 40), 24, None), ((300, 50), 70, 1000)]
+# (x shape, N, UPCAST_BLOCK): a prefill's rows, leading dimensions kept, the fewest rows it takes (48), and blocks
+# small enough that both the weight (output features) and the rows are split, with a partial last block of each
+UPCAST_SHAPES = [((64, 96), 200, None), ((2, 30, 64), 33, None), ((48, 40), 24, None), ((300, 50), 70, 1000)]
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -1332,20 +1334,19 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
 
 
 def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
-    """None (then F.linear) for: up to 15 rows (linear_bf16's), 16 to 31 rows of a weight over 2^20 elements (its
-    fp32 copy would cost more than torch's bf16 products save), fp32 or mixed dtypes, a gradient wanted, an fp32
-    bias, a shape mismatch, the kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there);
-    apply_linear takes it for a plain bf16 nn.Linear on a prefill without autograd."""
+    """None (then F.linear) for: up to 15 rows, and up to 47 where linear_bf16's kernel runs (it is the faster
+    there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, the
+    kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); apply_linear takes it for a
+    plain bf16 nn.Linear on a prefill without autograd."""
     from transformers_k3.layers.linear import apply_linear
 
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     w = torch.randn(8, 32).bfloat16()
-    assert cpu_kernel.linear_bf16_upcast(torch.randn(16, 32).bfloat16(), w) is not None
+    assert cpu_kernel.linear_bf16_upcast(torch.randn(48, 32).bfloat16(), w) is not None
     assert cpu_kernel.linear_bf16_upcast(torch.randn(15, 32).bfloat16(), w) is None
-    big = torch.zeros(1024, 1025).bfloat16()
-    assert cpu_kernel.linear_bf16_upcast(torch.randn(31, 1025).bfloat16(), big) is None
-    assert cpu_kernel.linear_bf16_upcast(torch.randn(32, 1025).bfloat16(), big) is not None
-    x = torch.randn(40, 32).bfloat16()
+    kernel_here = cpu_kernel.library() is not None and cpu_kernel.library().k3_linear_bf16_available()
+    assert (cpu_kernel.linear_bf16_upcast(torch.randn(47, 32).bfloat16(), w) is None) == bool(kernel_here)
+    x = torch.randn(60, 32).bfloat16()
     assert cpu_kernel.linear_bf16_upcast(x.float(), w.float()) is None
     assert cpu_kernel.linear_bf16_upcast(x, w.float()) is None
     assert cpu_kernel.linear_bf16_upcast(x, w, torch.randn(8)) is None

@@ -421,7 +421,8 @@ def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatc
     """A bf16 decode step (one token after a cached prefill) on CPU computes every projection it calls (KDA, MLA,
     the dense MLP, lm_head) through cpu_kernel.linear_bf16, the MoE layers' (latent and shared) inside the layer's
     decode kernel (cpu_kernel.MoeDecode, the same products), and its logits match the step with the kernel
-    declining (torch's bf16 matmul) to bf16 accuracy; the prefill (2 x 12 = 24 rows > 15) does not use it."""
+    declining (torch's bf16 matmul) to bf16 accuracy; the prefill (2 x 30 = 60 rows: more than 15, and than the 47
+    it takes in calls of 15 on a CPU without bf16 instructions) does not use it."""
     from transformers_k3 import KimiK3HybridCache
     from transformers_k3.ops import cpu_kernel
 
@@ -429,7 +430,7 @@ def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatc
         pytest.skip("no bf16 few-row linear kernel in this build")
     model = tiny_model.to(torch.bfloat16)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
-    ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 512, (2, 31), generator=torch.Generator().manual_seed(0))
     original, calls = cpu_kernel.linear_bf16, []
     steps = {}
     moe_layers = [name for name, m in model.named_modules() if type(m).__name__ == "KimiK3SparseMoE"]
@@ -446,10 +447,10 @@ def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatc
         monkeypatch.setattr(cpu_kernel, "linear_bf16", counted)
         cache = KimiK3HybridCache(model.config)
         with torch.no_grad():
-            model(ids[:, :12], past_key_values=cache, use_cache=True)
+            model(ids[:, :30], past_key_values=cache, use_cache=True)
             assert not any(calls)
             calls.clear()
-            steps[use_kernel] = model(ids[:, 12:], past_key_values=cache, use_cache=True).logits.float()
+            steps[use_kernel] = model(ids[:, 30:], past_key_values=cache, use_cache=True).logits.float()
         if use_kernel:
             # every linear layer once, but the AttnRes projections (their weights are read, never called) and
             # kv_b_proj (absorbed MLA decode folds its weight into the query and output)

@@ -506,16 +506,21 @@ class _LinearBf16F32(torch.autograd.Function):
 # beyond that only small products (15 rows x [256, 256]: 1.1x; 8 rows x [1024, 1024]: 0.65x, where torch's
 # AMX kernel reads the weight once for all rows and ours once per 4 rows). On a CPU without bf16 instructions
 # (`native_bf16_matmul` false) torch's bf16 matmul is slow at every size and ours takes any product up to 15 rows
-# (a 2-core Zen 3: 5-15 rows x [1024, 1024] 3.3-4.5x, 8 / 15 rows x [4096, 4096] 3.8 / 4.5x, 15 x [256, 256] 4.7x).
+# (a 2-core Zen 3: 5-15 rows x [1024, 1024] 3.3-4.5x, 8 / 15 rows x [4096, 4096] 3.8 / 4.5x, 15 x [256, 256] 4.7x),
+# and up to LINEAR_BF16_CHUNKED_ROWS in calls of 15 rows: there it also beats `linear_bf16_upcast`, whose fp32 copy
+# of the weight costs more than its faster GEMM saves (16 / 32 / 64 rows x [4096, 4096]: 7.8 / 14.1 / 45.5 ms
+# against 48.9 / 38.8 / 52.2 upcast, 25.3 / 50.2 / 104.0 torch; x [1024, 1024] 0.51 / 1.05 / 1.93 against 0.91 /
+# 1.19 / 1.66 upcast; from 128 rows the upcast is the faster at every size measured).
 LINEAR_BF16_MAX_ROWS = 15
+LINEAR_BF16_CHUNKED_ROWS = 47
 LINEAR_BF16_ANY_SIZE_ROWS = 4
 LINEAR_BF16_SMALL_MACS = 1 << 20  # rows x N x K
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for bf16 tensors on CPU with few rows (a decode step: up to 4 rows, or up to
-    15 for a product of at most 2^20 multiply-adds or on a CPU without bf16 instructions; see
-    LINEAR_BF16_MAX_ROWS), computed by
+    15 for a product of at most 2^20 multiply-adds; on a CPU without bf16 instructions any product up to 47 rows,
+    15 rows a call; see LINEAR_BF16_MAX_ROWS), computed by
     ``csrc/linear_cpu.cpp``: exact products of the bf16 values, summed in fp32, the bias added and the result
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
     order. torch spends ~35 us on any such call on this CPU (~5 us in fp32); this one ~10 us with the Python call.
@@ -525,19 +530,23 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if rows is None:
         return None
     n, k = weight.shape
-    if rows > LINEAR_BF16_MAX_ROWS or (
-        rows > LINEAR_BF16_ANY_SIZE_ROWS and rows * n * k > LINEAR_BF16_SMALL_MACS and native_bf16_matmul()
-    ):
-        return None
+    if rows > LINEAR_BF16_ANY_SIZE_ROWS and (rows > LINEAR_BF16_MAX_ROWS or rows * n * k > LINEAR_BF16_SMALL_MACS):
+        if rows > LINEAR_BF16_CHUNKED_ROWS or native_bf16_matmul():
+            return None
     lib = library()
     if lib is None or not _linear_bf16_available(lib):
         return None
-    a, w = x.contiguous(), weight.contiguous()  # (held until the call returns)
+    a, w = x.reshape(rows, k).contiguous(), weight.contiguous()  # (held until the calls return)
     b = None if bias is None else bias.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    status = lib.k3_linear_bf16_rows(a.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
-                                     rows, n, k, out.data_ptr(), torch.get_num_threads())  # fmt: skip
-    return out if status == 0 else None
+    flat = out.view(rows, n)
+    for i in range(0, rows, LINEAR_BF16_MAX_ROWS):  # (one call for a decode step)
+        m = min(LINEAR_BF16_MAX_ROWS, rows - i)
+        status = lib.k3_linear_bf16_rows(a[i].data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), m, n,
+                                         k, flat[i].data_ptr(), torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            return None
+    return out
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -565,10 +574,7 @@ def _bf16_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return None
     return x.numel() // k
 
-# `linear_bf16_upcast`: from this many rows (or any number past linear_bf16's for weights of at most
-# UPCAST_SMALL_WEIGHT elements, whose fp32 copy stays in cache); each fp32 operand block at most UPCAST_BLOCK floats.
-UPCAST_MIN_ROWS = 32
-UPCAST_SMALL_WEIGHT = 1 << 20
+# `linear_bf16_upcast`: each fp32 operand block at most UPCAST_BLOCK floats.
 UPCAST_BLOCK = 1 << 22
 _native_bf16: list[bool] = []  # (cached: whether torch's bf16 matmul has the CPU's bf16 instructions)
 
@@ -588,8 +594,8 @@ def native_bf16_matmul() -> bool:
 
 def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for bf16 tensors on a CPU without bf16 dot-product instructions
-    (`native_bf16_matmul` false: AVX2 machines, AVX-512 ones before Cooper Lake), many rows (a prefill; fewer
-    rows are `linear_bf16`'s), no autograd: the fp32 GEMM on fp32 copies of the bf16 values, the bias added in
+    (`native_bf16_matmul` false: AVX2 machines, AVX-512 ones before Cooper Lake), many rows (a prefill: more than
+    LINEAR_BF16_CHUNKED_ROWS; fewer are `linear_bf16`'s, more than 15 where its kernel is missing), no autograd: the fp32 GEMM on fp32 copies of the bf16 values, the bias added in
     fp32, rounded to bf16 once. That is the quantity torch's bf16 matmul computes (the products of bf16 values
     are exact in fp32, summed in fp32, rounded once), with the sums in another order; there torch runs ~12 GFLOP/s
     where its fp32 GEMM runs ~150 (a 2-core Zen 3: [2,048, 256] x [256, 128] 14.8 -> 1.0 ms). The copies are made
@@ -599,9 +605,13 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
-    n, k = weight.shape
-    if rows <= LINEAR_BF16_MAX_ROWS or (rows < UPCAST_MIN_ROWS and n * k > UPCAST_SMALL_WEIGHT) or native_bf16_matmul():
+    if rows <= LINEAR_BF16_MAX_ROWS or native_bf16_matmul():
         return None
+    if rows <= LINEAR_BF16_CHUNKED_ROWS:
+        lib = library()
+        if lib is not None and _linear_bf16_available(lib):
+            return None  # (linear_bf16's, in calls of 15 rows: the faster there)
+    n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     x2, out2 = x.reshape(rows, k), out.view(rows, n)
     cols = max(1, min(n, UPCAST_BLOCK // k))
