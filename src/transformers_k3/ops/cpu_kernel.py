@@ -536,15 +536,18 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lib = library()
     if lib is None or not _linear_bf16_available(lib):
         return None
-    a, w = x.reshape(rows, k).contiguous(), weight.contiguous()  # (held until the calls return)
+    a, w = x.contiguous(), weight.contiguous()  # (held until the calls return)
     b = None if bias is None else bias.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    flat = out.view(rows, n)
-    for i in range(0, rows, LINEAR_BF16_MAX_ROWS):  # (one call for a decode step)
+    b_ptr = None if b is None else b.data_ptr()
+    if rows <= LINEAR_BF16_MAX_ROWS:  # (a decode step: one call)
+        status = lib.k3_linear_bf16_rows(a.data_ptr(), w.data_ptr(), b_ptr, rows, n, k, out.data_ptr(),
+                                         torch.get_num_threads())  # fmt: skip
+        return out if status == 0 else None
+    a_ptr, out_ptr, threads = a.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    for i in range(0, rows, LINEAR_BF16_MAX_ROWS):  # (rows of 2-byte values)
         m = min(LINEAR_BF16_MAX_ROWS, rows - i)
-        status = lib.k3_linear_bf16_rows(a[i].data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), m, n,
-                                         k, flat[i].data_ptr(), torch.get_num_threads())  # fmt: skip
-        if status != 0:
+        if lib.k3_linear_bf16_rows(a_ptr + 2 * i * k, w.data_ptr(), b_ptr, m, n, k, out_ptr + 2 * i * n, threads):
             return None
     return out
 
@@ -574,6 +577,7 @@ def _bf16_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return None
     return x.numel() // k
 
+
 # `linear_bf16_upcast`: each fp32 operand block at most UPCAST_BLOCK floats.
 UPCAST_BLOCK = 1 << 22
 _native_bf16: list[bool] = []  # (cached: whether torch's bf16 matmul has the CPU's bf16 instructions)
@@ -595,13 +599,14 @@ def native_bf16_matmul() -> bool:
 def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for bf16 tensors on a CPU without bf16 dot-product instructions
     (`native_bf16_matmul` false: AVX2 machines, AVX-512 ones before Cooper Lake), many rows (a prefill: more than
-    LINEAR_BF16_CHUNKED_ROWS; fewer are `linear_bf16`'s, more than 15 where its kernel is missing), no autograd: the fp32 GEMM on fp32 copies of the bf16 values, the bias added in
-    fp32, rounded to bf16 once. That is the quantity torch's bf16 matmul computes (the products of bf16 values
-    are exact in fp32, summed in fp32, rounded once), with the sums in another order; there torch runs ~12 GFLOP/s
-    where its fp32 GEMM runs ~150 (a 2-core Zen 3: [2,048, 256] x [256, 128] 14.8 -> 1.0 ms). The copies are made
-    in blocks of at most UPCAST_BLOCK floats of the weight (output features) and of the input (rows), so the extra
-    memory stays bounded whatever the sizes. Returns None where it does not apply (other dtypes, devices or tensor
-    types, few rows, autograd, a CPU with bf16 instructions, torch.compile, the kernels off); then use F.linear."""
+    LINEAR_BF16_CHUNKED_ROWS, fewer being `linear_bf16`'s; more than 15 where its kernel is missing), no autograd:
+    the fp32 GEMM on fp32 copies of the bf16 values, the bias added in fp32, rounded to bf16 once. That is the
+    quantity torch's bf16 matmul computes (the products of bf16 values are exact in fp32, summed in fp32, rounded
+    once), with the sums in another order; there torch runs ~12 GFLOP/s where its fp32 GEMM runs ~150 (a 2-core
+    Zen 3: [2,048, 256] x [256, 128] 14.8 -> 1.0 ms). The copies are made in blocks of at most UPCAST_BLOCK floats
+    of the weight (output features) and of the input (rows), so the extra memory stays bounded whatever the sizes.
+    Returns None where it does not apply (other dtypes, devices or tensor types, few rows, autograd, a CPU with
+    bf16 instructions, torch.compile, the kernels off); then use F.linear."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
