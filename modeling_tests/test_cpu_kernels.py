@@ -1192,21 +1192,27 @@ def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, monkeypatc
     bf16 F.linear except where the two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound)."""
     x_shape, n = shape
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
-    k = x_shape[-1]
-    gen = torch.Generator().manual_seed(sum(x_shape) + n)
-    x = torch.randn(x_shape, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    x, w, b = _bf16_linear_operands(x_shape, n, with_bias)
     out = cpu_kernel.linear_bf16(x, w, b)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x_shape[:-1], n)
     _assert_one_rounding_of_an_fp32_sum(out, x, w, b)
 
 
+def _bf16_linear_operands(x_shape, n, with_bias):
+    """bf16 ``x [*x_shape]``, ``w [n, K]`` and (``with_bias``) ``b [n]``, seeded by the shape."""
+    gen = torch.Generator().manual_seed(sum(x_shape) + n)
+    x = torch.randn(x_shape, generator=gen).bfloat16()
+    w = torch.randn(n, x_shape[-1], generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    return x, w, b
+
+
 def _assert_one_rounding_of_an_fp32_sum(out, x, w, b):
-    """Every output of a bf16 ``F.linear(x, w, b)`` is the float64 value summed in fp32 in some order (within K 2^-24
-    sum |products|) and rounded to bf16 once (within half a bf16 ulp); torch's bf16 F.linear differs only where the
-    two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound), on at most 1 % of the outputs."""
+    """``out`` is a bf16 ``F.linear(x, w, b)`` of the right shape, each output the float64 value summed in fp32 in
+    some order (within K 2^-24 sum |products|) and rounded to bf16 once (within half a bf16 ulp); torch's bf16
+    F.linear differs only where the two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound), on
+    at most 1 % of the outputs."""
     n, k = w.shape
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x.shape[:-1], n)
     x2 = x.reshape(-1, k)
     exact = x2.double() @ w.double().t() + (0 if b is None else b.double())
     bound = _fp32_sum_bound(x2, w) + (0 if b is None else b.double().abs() * 2.0**-24)
@@ -1320,13 +1326,8 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     if block is not None:
         monkeypatch.setattr(cpu_kernel, "UPCAST_BLOCK", block)
-    k = x_shape[-1]
-    gen = torch.Generator().manual_seed(sum(x_shape) + n)
-    x = torch.randn(x_shape, generator=gen).bfloat16()
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    x, w, b = _bf16_linear_operands(x_shape, n, with_bias)
     out = cpu_kernel.linear_bf16_upcast(x, w, b)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (*x_shape[:-1], n)
     _assert_one_rounding_of_an_fp32_sum(out, x, w, b)
     if block is None:
         upcast = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
