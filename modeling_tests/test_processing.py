@@ -10,6 +10,7 @@ from transformers import AutoImageProcessor, AutoProcessor
 
 from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
 from transformers_k3.image_processing_kimi_k3 import KimiK3ImageInputError
+from transformers_k3.encoding_kimi_k3 import KimiK3ChatError
 from transformers_k3.processing_kimi_k3 import KimiK3ProcessorError
 from transformers_k3.video_processing_kimi_k3 import KimiK3VideoInputError
 
@@ -205,6 +206,9 @@ def test_images_and_videos_in_one_batch(processor):
 
 
 # ---------------------------------------------------------------- chat template (spec 8)
+# Expected strings written from the release encoder's rules (K3_SPEC.md 8, encoding_k3.py): without image prompts an
+# image part is `<|kimi_image_placeholder|>`; past assistant turns carry a think block when thinking is on.
+IMG = "<|kimi_image_placeholder|>"
 CONVERSATION = [
     {"role": "system", "content": "You are Kimi."},
     {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"},
@@ -214,7 +218,7 @@ CONVERSATION = [
 ]
 EXPECTED_THINKING = (
     '<|open|>message role="system"<|sep|>You are Kimi.<|close|>message<|sep|><|end_of_msg|>'
-    '<|open|>message role="user"<|sep|>Compare <|media_pad|> and <|media_pad|>.<|close|>message<|sep|><|end_of_msg|>'
+    f'<|open|>message role="user"<|sep|>Compare {IMG} and {IMG}.<|close|>message<|sep|><|end_of_msg|>'
     '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>Both are cats.<|close|>think<|sep|>'
     '<|open|>response<|sep|>Two cats.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
     '<|open|>message role="user"<|sep|>Thanks & bye<|close|>message<|sep|><|end_of_msg|>'
@@ -222,7 +226,7 @@ EXPECTED_THINKING = (
 )
 EXPECTED_NO_THINKING = (
     '<|open|>message role="system"<|sep|>You are Kimi.<|close|>message<|sep|><|end_of_msg|>'
-    '<|open|>message role="user"<|sep|>Compare <|media_pad|> and <|media_pad|>.<|close|>message<|sep|><|end_of_msg|>'
+    f'<|open|>message role="user"<|sep|>Compare {IMG} and {IMG}.<|close|>message<|sep|><|end_of_msg|>'
     '<|open|>message role="assistant"<|sep|>'
     '<|open|>response<|sep|>Two cats.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>'
     '<|open|>message role="user"<|sep|>Thanks & bye<|close|>message<|sep|><|end_of_msg|>'
@@ -237,9 +241,9 @@ def test_chat_template_renders_the_fixed_conversation_exactly(tokenizer, process
                                          thinking=False) == EXPECTED_NO_THINKING
 
 
-def test_chat_template_effort_names_and_escapes(tokenizer):
+def test_chat_template_effort_names_and_typed_placeholders(tokenizer):
     messages = [{"role": "developer", "content": "Rules."},
-                {"role": "user", "name": 'A "B" & C', "content": "x <|kimi_image_placeholder|> y"}]
+                {"role": "user", "name": 'A "B" & C', "content": f"x {IMG} y"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                              thinking_effort="low")
     assert rendered == (
@@ -247,12 +251,20 @@ def test_chat_template_effort_names_and_escapes(tokenizer):
         'in your thinking channel (not including the response channel), supported values include `low`, `medium`, '
         '`high`, and `max`.\nNow the system is invoked with `thinking_effort=low`.<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="system"<|sep|>Rules.<|close|>message<|sep|><|end_of_msg|>'
-        '<|open|>message role="user" name="A &quot;B&quot; &amp; C"<|sep|>x <| kimi_image_placeholder |> y'
+        f'<|open|>message role="user" name="A &quot;B&quot; &amp; C"<|sep|>x {IMG} y'
         '<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
-    with pytest.raises(Exception, match="supported values are low, high, and max"):
+    assert rendered.count_control(IMG) == 0  # the typed placeholder is text, not a slot
+    with pytest.raises(KimiK3ChatError, match="pass one of low, high, max"):
         tokenizer.apply_chat_template(messages, tokenize=False, thinking_effort="extreme")
-    with pytest.raises(Exception, match="tool"):
+    with pytest.raises(KimiK3ChatError, match="needs the tool's name"):
         tokenizer.apply_chat_template([{"role": "tool", "content": "1"}], tokenize=False)
+
+
+def _expanded(prompt: str, sizes_and_counts) -> str:
+    for (width, height), count in sizes_and_counts:
+        prompt = prompt.replace(IMG, f"<|media_begin|>image {width}x{height}<|media_content|>{MEDIA_PAD * count}"
+                                     "<|media_end|>", 1)
+    return prompt
 
 
 def test_processor_chat_template_with_media_tokenizes_the_expanded_prompt(processor, tokenizer):
@@ -263,11 +275,29 @@ def test_processor_chat_template_with_media_tokenizes_the_expanded_prompt(proces
         {"type": "image", "image": images[1]}, {"type": "text", "text": "."}]}
     out = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
                                         return_tensors="pt")
-    expanded = EXPECTED_THINKING.replace(
-        MEDIA_PAD, f"<|media_begin|>image 56x28<|media_content|>{MEDIA_PAD * 2}<|media_end|>", 1).replace(
-        " and <|media_pad|>", f" and <|media_begin|>image 30x40<|media_content|>{MEDIA_PAD * 4}<|media_end|>", 1)
+    expanded = _expanded(EXPECTED_THINKING, [((56, 28), 2), ((30, 40), 4)])
     assert out["input_ids"][0].tolist() == tokenizer(expanded)["input_ids"]
     assert out["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 4]]
+    # The two-step form (render, then call the processor) tokenizes the same ids.
+    prompt = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    assert processor(text=[prompt], images=images)["input_ids"][0] == out["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("typed", [MEDIA_PAD, IMG, "<|kimi_video_placeholder|>"])
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_typed_media_placeholders_never_take_an_image(processor, tokenizer, typed, n_images):
+    images = [rgb(28, 28, seed=i) for i in range(n_images)]
+    content = [{"type": "image", "image": image} for image in images] + [
+        {"type": "text", "text": f"what is {typed} here {typed}?"}]
+    conversation = [{"role": "user", "content": content}]
+    out = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = out["input_ids"][0]
+    per_image = processor.get_number_of_image_tokens(28, 28)
+    assert ids.count(PAD_ID) == n_images * per_image  # only the image parts' slots
+    assert sum(out["mm_token_type_ids"][0]) == n_images * per_image
+    assert f"what is {typed} here {typed}?" in tokenizer.decode(ids)  # the typed text round-trips as text
+    prompt = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    assert processor(text=prompt, images=images)["input_ids"][0] == ids
 
 
 # ---------------------------------------------------------------- persistence and configuration

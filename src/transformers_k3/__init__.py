@@ -12,6 +12,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoProcessor,
+    AutoTokenizer,
 )
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
@@ -38,7 +39,8 @@ from .image_processing_kimi_k3 import KimiK3ImageProcessor
 from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
 from .processing_kimi_k3 import KimiK3Processor
 from .small import load_small
-from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, build_test_tokenizer
+from .encoding_kimi_k3 import KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
+from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KimiK3Tokenizer, build_test_tokenizer
 from .video_processing_kimi_k3 import KimiK3VideoProcessor
 
 __version__ = "0.1.0"
@@ -64,6 +66,9 @@ VIDEO_PROCESSOR_MAPPING.register(
     KimiK3Config, {"pil": KimiK3VideoProcessor, "torchvision": KimiK3VideoProcessor}, exist_ok=True
 )
 AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
+# K3's tokenizer (Python chat rendering): found by name from tokenizer_config.json's tokenizer_class.
+for _config in (KimiK3Config, KimiK3TextConfig):
+    AutoTokenizer.register(_config, tokenizer_class=KimiK3Tokenizer, exist_ok=True)
 
 def __getattr__(name: str):
     if name == "QuantileBalancingCallback":  # (made on first use: see balancing.__getattr__)
@@ -95,6 +100,10 @@ __all__ = [
     "KimiK3VLPreTrainedModel",
     "KIMI_K3_CHAT_TEMPLATE",
     "build_test_tokenizer",
+    "KimiK3ChatError",
+    "KimiK3Prompt",
+    "KimiK3Tokenizer",
+    "render_kimi_k3_chat",
     "KimiK3HybridCache",
     "KimiK3Model",
     "KimiK3PreTrainedModel",

@@ -1,7 +1,10 @@
 """`KimiK3Processor`: image processor + video processor + tokenizer, and the K3 prompt format.
 
-The chat template writes one ``<|media_pad|>`` per image and one ``<|kimi_video_placeholder|>`` per video. The
-processor then expands them in text order (K3_SPEC.md 7.7):
+``processor.apply_chat_template`` renders with K3's Python renderer (`render_kimi_k3_chat`): one image slot per
+image part and one video slot per video part, as control segments of a `KimiK3Prompt`. Only those slots take media:
+a ``<|media_pad|>`` or ``<|kimi_image_placeholder|>`` typed in message text stays text. A plain ``str`` prompt is
+the caller's own prompt text: there ``<|media_pad|>`` / ``<|kimi_image_placeholder|>`` mark images and
+``<|kimi_video_placeholder|>`` videos. The processor expands each slot in text order (K3_SPEC.md 7.7):
 
 * image ``i`` -> ``<|media_begin|>image {W}x{H}<|media_content|>`` + ``N_i`` x ``<|media_pad|>`` + ``<|media_end|>``,
   where ``W x H`` is the image's original (uploaded) size and ``N_i = gh * gw / 4``;
@@ -24,7 +27,14 @@ from transformers.processing_utils import ProcessorMixin
 from transformers.utils import logging
 
 from .image_processing_kimi_k3 import KimiK3ImageProcessor, flatten_images
-from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, MEDIA_PAD, VIDEO_PLACEHOLDER
+from .encoding_kimi_k3 import IMAGE_PLACEHOLDER, KimiK3Prompt, Segment
+from .tokenization_kimi_k3 import (
+    KIMI_K3_CHAT_TEMPLATE,
+    MEDIA_PAD,
+    VIDEO_PLACEHOLDER,
+    apply_kimi_k3_chat_template,
+    tokenize_prompts,
+)
 from .video_processing_kimi_k3 import KimiK3VideoProcessor, format_timestamp
 
 logger = logging.get_logger(__name__)
@@ -32,7 +42,7 @@ logger = logging.get_logger(__name__)
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
 _TEXT_KWARGS = ("padding", "padding_side", "truncation", "max_length", "add_special_tokens", "pad_to_multiple_of",
-                "return_attention_mask", "return_token_type_ids", "return_length", "verbose")
+                "return_attention_mask", "return_token_type_ids", "return_length", "verbose", "return_generated_mask")
 _VIDEO_KWARGS = ("fps", "num_frames", "do_sample_frames", "video_metadata")
 _IMAGE_KWARGS = ("do_resize",)
 
@@ -112,12 +122,13 @@ class KimiK3Processor(ProcessorMixin):
 
         images = flatten_images(images)
         videos = self.video_processor.as_video_list(videos)
-        n_image_slots = sum(t.count(self.image_token) for t in texts)
-        n_video_slots = sum(t.count(self.video_token) for t in texts)
+        n_image_slots = sum(_count_slots(t, _IMAGE_SLOTS) for t in texts)
+        n_video_slots = sum(_count_slots(t, (self.video_token,)) for t in texts)
         if n_image_slots != len(images):
             raise KimiK3ProcessorError(
-                f"the text has {n_image_slots} image placeholders ({self.image_token}) but {len(images)} images were "
-                "given; put exactly one placeholder per image, in order")
+                f"the text has {n_image_slots} image placeholders ({self.image_token} or {IMAGE_PLACEHOLDER}) but "
+                f"{len(images)} images were given; put exactly one placeholder per image, in order (a chat "
+                "rendered by apply_chat_template has one per image part)")
         if n_video_slots != len(videos):
             raise KimiK3ProcessorError(
                 f"the text has {n_video_slots} video placeholders ({self.video_token}) but {len(videos)} videos were "
@@ -130,7 +141,11 @@ class KimiK3Processor(ProcessorMixin):
                             for video, meta in zip(videos, metadata)]
 
         expanded, media_order = self._expand(texts, processed_images, processed_videos)
-        encoding = self.tokenizer(expanded, **text_kwargs)
+        if any(isinstance(t, KimiK3Prompt) for t in expanded):
+            encoding = tokenize_prompts(self.tokenizer, expanded, **text_kwargs)
+        else:
+            text_kwargs.pop("return_generated_mask", None)
+            encoding = self.tokenizer(expanded, **text_kwargs)
         data: dict[str, Any] = dict(encoding)
         if processed_images:
             data["pixel_values"] = torch.from_numpy(np.concatenate([item["patches"] for item in processed_images]))
@@ -145,28 +160,39 @@ class KimiK3Processor(ProcessorMixin):
         return BatchFeature(data=data, tensor_type=return_tensors)
 
     def _expand(self, texts: list[str], images: list[dict], videos: list[dict]) -> tuple[list[str], list[list[int]]]:
-        """Replace the placeholders in text order; also return, per sample, the modality of each pad token."""
-        pattern = re.compile(f"({re.escape(self.image_token)}|{re.escape(self.video_token)})")
+        """Replace the slots in text order; also return, per sample, the modality of each pad token."""
         image_iter, video_iter = iter(images), iter(videos)
         expanded, order = [], []
+
+        def span(slot: str, types: list[int]) -> str:
+            if slot == self.video_token:
+                item, pieces = next(video_iter), []
+                for stamp, count in zip(item["timestamps"], item["num_tokens"]):
+                    pieces.append(f"{format_timestamp(stamp)}<|media_begin|>video<|media_content|>"
+                                  f"{self.image_token * count}<|media_end|>")
+                    types.extend([VIDEO_TYPE_ID] * count)
+                return "".join(pieces)
+            item = next(image_iter)
+            width, height = item["original_size"]
+            types.extend([IMAGE_TYPE_ID] * item["num_tokens"])
+            return (f"<|media_begin|>image {width}x{height}<|media_content|>{self.image_token * item['num_tokens']}"
+                    "<|media_end|>")
+
         for sample in texts:
-            pieces, types = [], []
-            for piece in pattern.split(sample):
-                if piece == self.image_token:
-                    item = next(image_iter)
-                    width, height = item["original_size"]
-                    pieces.append(f"<|media_begin|>image {width}x{height}<|media_content|>"
-                                  f"{self.image_token * item['num_tokens']}<|media_end|>")
-                    types.extend([IMAGE_TYPE_ID] * item["num_tokens"])
-                elif piece == self.video_token:
-                    item = next(video_iter)
-                    for stamp, count in zip(item["timestamps"], item["num_tokens"]):
-                        pieces.append(f"{format_timestamp(stamp)}<|media_begin|>video<|media_content|>"
-                                      f"{self.image_token * count}<|media_end|>")
-                        types.extend([VIDEO_TYPE_ID] * count)
-                else:
-                    pieces.append(piece)
-            expanded.append("".join(pieces))
+            types: list[int] = []
+            if isinstance(sample, KimiK3Prompt):
+                segments, generated = [], []
+                for index, segment in enumerate(sample.segments):
+                    if segment.control and segment.text in _IMAGE_SLOTS + (self.video_token,):
+                        segment = Segment(span(segment.text, types), True)
+                    if index in sample.generated:
+                        generated.append(len(segments))
+                    segments.append(segment)
+                expanded.append(KimiK3Prompt(segments, generated))
+            else:
+                pattern = "|".join(re.escape(t) for t in _IMAGE_SLOTS + (self.video_token,))
+                expanded.append("".join(span(piece, types) if i % 2 else piece
+                                        for i, piece in enumerate(re.split(f"({pattern})", sample))))
             order.append(types)
         return expanded, order
 
@@ -178,6 +204,65 @@ class KimiK3Processor(ProcessorMixin):
             row = [next(slots, 0) if token == self.image_token_id else 0 for token in ids]
             out.append(row)
         return out
+
+    # ---------------------------------------------------------------------------------------------- chat
+    def apply_chat_template(self, conversation, chat_template=None, tools=None, documents=None,
+                            add_generation_prompt=False, continue_final_message=False,
+                            return_assistant_tokens_mask=False, tokenize=False, return_tensors=None,
+                            return_dict=False, processor_kwargs=None, **kwargs):
+        """K3's chat format for a conversation with images and videos (`render_kimi_k3_chat`; thinking is on by
+        default: pass ``thinking=False`` or ``thinking_effort=...``). ``tokenize=False`` returns the `KimiK3Prompt`;
+        ``tokenize=True`` also loads the conversation's media (``{"type": "image", "image" | "url" | "path": ...}``,
+        ``{"type": "video", "video" | "path": ...}``) and returns the processor's output (``return_dict=True``) or
+        the ids. Only the slots the renderer placed take media. An explicit Jinja ``chat_template`` goes to
+        transformers' own path."""
+        if chat_template is not None:
+            return super().apply_chat_template(
+                conversation, chat_template=chat_template, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                return_assistant_tokens_mask=return_assistant_tokens_mask, tokenize=tokenize,
+                return_tensors=return_tensors, return_dict=return_dict, processor_kwargs=processor_kwargs, **kwargs)
+        processor_kwargs = dict(processor_kwargs or {})
+        kwargs.pop("load_audio_from_video", None)
+        for key in list(kwargs):
+            if key in _TEXT_KWARGS + _VIDEO_KWARGS + _IMAGE_KWARGS:
+                processor_kwargs[key] = kwargs.pop(key)
+        prompts = apply_kimi_k3_chat_template(self.tokenizer, conversation, tools=tools, documents=documents,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message, tokenize=False,
+                                              **kwargs)
+        if not tokenize:
+            return prompts
+        if return_assistant_tokens_mask and not return_dict:
+            raise KimiK3ProcessorError("return_assistant_tokens_mask=True needs return_dict=True")
+        batched = isinstance(prompts, list)
+        conversations = conversation if batched else [conversation]
+        images, videos = [], []
+        for chat in conversations:
+            for message in getattr(chat, "messages", chat):
+                content = message.get("content")
+                for part in content if isinstance(content, (list, tuple)) else []:
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind in ("image", "image_url"):
+                        images.append(_image_of(part))
+                    elif kind in ("video", "video_url"):
+                        videos.append(_media_of(part, ("video", "url", "path", "video_url")))
+        if return_assistant_tokens_mask:
+            processor_kwargs["return_generated_mask"] = True
+        out = self(text=prompts, images=images or None, videos=videos or None,
+                   return_tensors=None if return_tensors == "auto" else return_tensors, **processor_kwargs)
+        return out if return_dict else out["input_ids"]
+
+    def parse_response(self, response, schema=None, **kwargs):
+        """The assistant message of a K3 answer (see `KimiK3Tokenizer.parse_response`)."""
+        from .chat import parse_kimi_k3_response
+        from .tokenization_kimi_k3 import KimiK3Tokenizer
+
+        if schema is not None or isinstance(self.tokenizer, KimiK3Tokenizer):
+            return self.tokenizer.parse_response(response, schema, **kwargs)
+        if not isinstance(response, str):
+            response = self.tokenizer.decode(response, skip_special_tokens=False)
+        return parse_kimi_k3_response(response, prompt=kwargs.get("prefix")).to_message()
 
     # ---------------------------------------------------------------------------------------------- helpers
     def get_number_of_image_tokens(self, width: int, height: int) -> int:
@@ -191,6 +276,35 @@ class KimiK3Processor(ProcessorMixin):
     def model_input_names(self) -> list[str]:
         return ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
                 "video_grid_thw", "mm_token_type_ids"]
+
+
+_IMAGE_SLOTS = (IMAGE_PLACEHOLDER, MEDIA_PAD)
+
+
+def _count_slots(text: str, slots: tuple[str, ...]) -> int:
+    """Media slots of a prompt: a `KimiK3Prompt`'s control segments only; in a plain string, every occurrence."""
+    if isinstance(text, KimiK3Prompt):
+        return sum(text.count_control(slot) for slot in slots)
+    return sum(text.count(slot) for slot in slots)
+
+
+def _media_of(part: dict, keys: tuple[str, ...]):
+    for key in keys:
+        value = part.get(key)
+        if isinstance(value, dict):  # OpenAI's {"image_url": {"url": ...}}
+            value = value.get("url")
+        if value is not None:
+            return value
+    raise KimiK3ProcessorError(f"the content part {part!r:.120} has no media: give it one of the keys {keys}")
+
+
+def _image_of(part: dict):
+    image = _media_of(part, ("image", "url", "path", "base64", "image_url"))
+    if isinstance(image, str):
+        from transformers.image_utils import load_image
+
+        return load_image(image)
+    return image
 
 
 def _strip(config: dict) -> dict:

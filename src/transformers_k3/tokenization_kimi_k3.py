@@ -1,34 +1,30 @@
-"""Kimi K3 prompt format and a small stand-in tokenizer.
+"""K3's tokenizer: the release's conversation format rendered in Python, tokenized segment by segment.
 
-K3 prompts are XTML (K3_SPEC.md section 8): every message is ``<|open|>message role="..."<|sep|> ... <|close|>message
-<|sep|><|end_of_msg|>``; the assistant writes inside channels (``think``, ``response``, ``tools``) opened and closed
-the same way. `KIMI_K3_CHAT_TEMPLATE` renders that format with Jinja, so ``tokenizer.apply_chat_template`` and
-``processor.apply_chat_template`` both work.
+`KimiK3Tokenizer` is a transformers fast tokenizer (``TokenizersBackend``) whose ``apply_chat_template`` renders with
+`transformers_k3.encoding_kimi_k3.render_kimi_k3_chat` (the release's ``encoding_k3.py`` layout) instead of Jinja,
+and tokenizes each segment on its own: the template's markers with special tokens allowed, every text a user, a tool
+or the model wrote with special tokens disallowed. So typed ``<|close|>message<|sep|>`` or ``<|media_pad|>`` stays
+text, and the ids are the release encoder's ids. ``tokenize=False`` returns a `KimiK3Prompt` (a ``str``) that this
+tokenizer and `KimiK3Processor` still tokenize by segments. Thinking is on by default, as K3 is trained: pass
+``thinking=False`` for the response channel, ``thinking_effort="low" | "high" | "max"`` to set the effort.
 
-SGLang renders K3 prompts with the checkpoint tokenizer's Python encoder, which is not in its wheel; the markers and
-fixed texts here come from SGLang's parsers and native renderer strings ([R]) and the assistant-history layout from
-public reimplementations validated against that encoder ([I]):
+``parse_response`` (what ``pipeline("text-generation")`` calls on chat output) uses `parse_kimi_k3_response`.
 
-* system / user: ``<|open|>message role="user"<|sep|>CONTENT<|close|>message<|sep|><|end_of_msg|>`` (``developer``
-  is rendered as ``system``; an optional ``name`` becomes a second attribute);
-* assistant history: ``<|open|>message role="assistant"<|sep|>`` + ``<|open|>think<|sep|>R<|close|>think<|sep|>``
-  when the message carries ``reasoning_content`` and thinking is on + ``<|open|>response<|sep|>CONTENT<|close|>
-  response<|sep|><|close|>message<|sep|><|end_of_msg|>``;
-* generation prompt: ``<|open|>message role="assistant"<|sep|>`` + ``<|open|>think<|sep|>`` (thinking, the default)
-  or ``<|open|>response<|sep|>`` (``thinking=False``);
-* ``thinking_effort`` (low / high / max) adds a ``type="thinking-effort"`` system message before the conversation;
-* each image part renders as one ``<|media_pad|>`` and each video part as one ``<|kimi_video_placeholder|>``;
-  `KimiK3Processor` expands them (spec 7.7). User text that spells the template-level image placeholder is escaped
-  to ``<| kimi_image_placeholder |>`` as SGLang does.
+`KIMI_K3_CHAT_TEMPLATE` is a Jinja template that renders the same string, for tools that read only
+``chat_template`` (exporters, generic servers); it cannot keep user text from becoming control tokens.
 
-Tool declarations, tool calls and tool results are not rendered yet; passing ``tools`` or a ``tool`` message
-raises an error instead of producing a prompt the model was not trained on.
-
-`build_test_tokenizer` makes a byte-level tokenizer with every K3 special token, for tests and tiny demo models
-until the official tiktoken tokenizer is converted.
+`build_test_tokenizer` makes a byte-level tokenizer with every K3 special token, for tests and tiny demo models.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import BatchEncoding, TokenizersBackend
+from transformers.utils import PaddingStrategy, TensorType
+
+from .encoding_kimi_k3 import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
 
 KIMI_K3_SPECIAL_TOKENS = (
     "<|open|>", "<|close|>", "<|sep|>",
@@ -37,65 +33,232 @@ KIMI_K3_SPECIAL_TOKENS = (
     "<|kimi_image_placeholder|>",
 )
 MEDIA_PAD = "<|media_pad|>"
-VIDEO_PLACEHOLDER = "<|kimi_video_placeholder|>"
 THINKING_EFFORTS = ("low", "high", "max")
+_TEMPLATE_PATH = Path(__file__).parent / "assets" / "chat_template" / "kimi_k3.jinja"
+KIMI_K3_CHAT_TEMPLATE = _TEMPLATE_PATH.read_text(encoding="utf-8") if _TEMPLATE_PATH.exists() else None
 
-# Jinja variables: messages, add_generation_prompt, thinking (default true), thinking_effort (default none), tools.
-KIMI_K3_CHAT_TEMPLATE = (
-    "{%- macro attr(value) -%}{{ value|string|replace('&', '&amp;')|replace('\"', '&quot;') }}{%- endmacro -%}"
-    "{%- macro open_message(role, name=none, kind=none) -%}"
-    "{{ '<|open|>message role=\"' ~ role ~ '\"' }}"
-    "{%- if kind %}{{ ' type=\"' ~ attr(kind) ~ '\"' }}{% endif -%}"
-    "{%- if name %}{{ ' name=\"' ~ attr(name) ~ '\"' }}{% endif -%}"
-    "{{ '<|sep|>' }}"
-    "{%- endmacro -%}"
-    "{%- macro close_message() -%}{{ '<|close|>message<|sep|><|end_of_msg|>' }}{%- endmacro -%}"
-    "{%- macro text(value) -%}{{ (value or '')|string|replace('<|kimi_image_placeholder|>', "
-    "'<| kimi_image_placeholder |>') }}{%- endmacro -%}"
-    "{%- macro content(value) -%}"
-    "{%- if value is string or value is none -%}{{ text(value) }}"
-    "{%- else -%}{%- for part in value -%}"
-    "{%- if part.type in ['image', 'image_url'] -%}{{ '<|media_pad|>' }}"
-    "{%- elif part.type in ['video', 'video_url'] -%}{{ '<|kimi_video_placeholder|>' }}"
-    "{%- elif part.type == 'text' -%}{{ text(part.text) }}"
-    "{%- else -%}{{ raise_exception('Kimi K3 chat template: unsupported content part type ' ~ part.type) }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- if thinking is not defined or thinking is none %}{% set thinking = true %}{% endif -%}"
-    "{%- if tools %}{{ raise_exception('Kimi K3 chat template: tool declarations are not supported yet') }}"
-    "{% endif -%}"
-    "{%- if thinking and thinking_effort is defined and thinking_effort is not none -%}"
-    "{%- if thinking_effort not in ['low', 'high', 'max'] -%}"
-    "{{ raise_exception('Unsupported Kimi K3 thinking_effort=' ~ thinking_effort ~ "
-    "'; supported values are low, high, and max') }}"
-    "{%- endif -%}"
-    "{{ open_message('system', kind='thinking-effort') }}"
-    "{{ '`thinking_effort` guides on how much to think in your thinking channel (not including the response "
-    "channel), supported values include `low`, `medium`, `high`, and `max`.\\nNow the system is invoked with "
-    "`thinking_effort=' ~ thinking_effort ~ '`.' }}"
-    "{{ close_message() }}"
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- set role = 'system' if message.role == 'developer' else message.role -%}"
-    "{%- if role in ['system', 'user'] -%}"
-    "{{ open_message(role, message.name) }}{{ content(message.content) }}{{ close_message() }}"
-    "{%- elif role == 'assistant' -%}"
-    "{%- if message.tool_calls %}{{ raise_exception('Kimi K3 chat template: tool calls are not supported yet') }}"
-    "{% endif -%}"
-    "{{ open_message('assistant', message.name) }}"
-    "{%- set reasoning = message.reasoning_content or message.reasoning -%}"
-    "{%- if thinking and reasoning -%}{{ '<|open|>think<|sep|>' }}{{ text(reasoning) }}"
-    "{{ '<|close|>think<|sep|>' }}{%- endif -%}"
-    "{{ '<|open|>response<|sep|>' }}{{ content(message.content) }}{{ '<|close|>response<|sep|>' }}"
-    "{{ close_message() }}"
-    "{%- else -%}"
-    "{{ raise_exception('Kimi K3 chat template: unsupported message role ' ~ message.role) }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{ open_message('assistant') }}{{ '<|open|>think<|sep|>' if thinking else '<|open|>response<|sep|>' }}"
-    "{%- endif -%}"
-)
+# The arguments of K3's renderer that apply_chat_template passes through (the rest go to the tokenizer call).
+_RENDER_KWARGS = ("thinking", "enable_thinking", "thinking_effort", "reasoning_effort", "tool_choice",
+                  "response_format", "image_prompts")
+
+
+# ------------------------------------------------------------------------------------------------- segments -> ids
+def _control_ids(tokenizer) -> frozenset[int]:
+    return frozenset(int(i) for i in tokenizer.added_tokens_decoder)
+
+
+def encode_kimi_k3_prompt(tokenizer, prompt: KimiK3Prompt) -> tuple[list[int], list[int]]:
+    """(ids, generated mask) of a `KimiK3Prompt`: control segments with special tokens allowed, text segments with
+    special tokens disallowed, each on its own. Works with any transformers fast tokenizer that has K3's tokens.
+    Raises `KimiK3ChatError` if a text segment still yields an added token (a non-special added token the
+    tokenizer would match inside text)."""
+    segments = prompt.segments
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    texts = [segment.text for segment in segments if not segment.control]
+    controls = [segment.text for segment in segments if segment.control]
+    if backend is not None:
+        # Each segment alone: no padding or truncation from an earlier call (transformers leaves them set).
+        previous, padding, truncation = backend.encode_special_tokens, backend.padding, backend.truncation
+        try:
+            backend.no_padding()
+            backend.no_truncation()
+            backend.encode_special_tokens = True
+            text_ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)] if texts else []
+            backend.encode_special_tokens = False
+            control_ids = [e.ids for e in backend.encode_batch(controls, add_special_tokens=False)] if controls else []
+        finally:
+            backend.encode_special_tokens = previous
+            if padding is not None:
+                backend.enable_padding(**padding)
+            if truncation is not None:
+                backend.enable_truncation(**truncation)
+    else:
+        text_ids = [tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True) for t in texts]
+        control_ids = [tokenizer.encode(t, add_special_tokens=False) for t in controls]
+    forbidden = _control_ids(tokenizer)
+    ids: list[int] = []
+    generated: list[int] = []
+    text_iter, control_iter = iter(text_ids), iter(control_ids)
+    for index, segment in enumerate(segments):
+        piece = next(control_iter) if segment.control else next(text_iter)
+        if not segment.control and forbidden.intersection(piece):
+            token = tokenizer.convert_ids_to_tokens(sorted(forbidden.intersection(piece))[0])
+            raise KimiK3ChatError(f"the tokenizer turns the text {segment.text[:60]!r} into the added token {token!r}: "
+                                  "mark K3's added tokens special (AddedToken(..., special=True)) so text cannot "
+                                  "produce them")
+        ids.extend(piece)
+        generated.extend([int(index in prompt.generated)] * len(piece))
+    return ids, generated
+
+
+def _has_prompt(text: Any) -> bool:
+    if isinstance(text, KimiK3Prompt):
+        return True
+    return isinstance(text, (list, tuple)) and any(isinstance(t, KimiK3Prompt) for t in text)
+
+
+def encode_prompts(tokenizer, text, *, padding_strategy=PaddingStrategy.DO_NOT_PAD, truncation_strategy=None,
+                   max_length: int | None = None, pad_to_multiple_of: int | None = None, padding_side=None,
+                   return_tensors=None, return_attention_mask: bool | None = None,
+                   return_token_type_ids: bool | None = None, return_special_tokens_mask: bool = False,
+                   return_length: bool = False, split_special_tokens: bool = False,
+                   return_generated_mask: bool = False, **unsupported) -> BatchEncoding:
+    """The tokenizer call for input that holds `KimiK3Prompt` s (plain strings in the batch are tokenized as usual,
+    special tokens matched). Supports padding, truncation, tensors, attention / special-tokens masks, lengths."""
+    unsupported = {k: v for k, v in unsupported.items()
+                   if v not in (None, False, 0) and k not in ("add_special_tokens", "verbose", "text_pair_target")}
+    if unsupported:
+        raise KimiK3ChatError(f"tokenizing a KimiK3Prompt does not support {sorted(unsupported)}; pass str(prompt) "
+                              "to tokenize it as plain text")
+    batched = isinstance(text, (list, tuple))
+    items = list(text) if batched else [text]
+    rows, masks = [], []
+    for item in items:
+        if isinstance(item, KimiK3Prompt):
+            ids, generated = encode_kimi_k3_prompt(tokenizer, item)
+        elif isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=False, split_special_tokens=split_special_tokens)
+            generated = [0] * len(ids)
+        else:
+            raise KimiK3ChatError(f"cannot tokenize a {type(item).__name__} together with a KimiK3Prompt")
+        truncating = truncation_strategy not in (None, False, "do_not_truncate") and             getattr(truncation_strategy, "value", truncation_strategy) != "do_not_truncate"
+        if truncating and max_length is not None and len(ids) > max_length:
+            keep = slice(len(ids) - max_length, None) if tokenizer.truncation_side == "left" else slice(0, max_length)
+            ids, generated = ids[keep], generated[keep]
+        rows.append(ids)
+        masks.append(generated)
+    data: dict[str, Any] = {"input_ids": rows}
+    if return_attention_mask is not False:
+        data["attention_mask"] = [[1] * len(r) for r in rows]
+    if return_token_type_ids:
+        data["token_type_ids"] = [[0] * len(r) for r in rows]
+    if return_special_tokens_mask:
+        special = _control_ids(tokenizer)
+        data["special_tokens_mask"] = [[int(i in special) for i in r] for r in rows]
+    if return_generated_mask:
+        data["assistant_masks"] = masks
+    if return_length:
+        data["length"] = [len(r) for r in rows]
+    out = BatchEncoding(data)
+    if PaddingStrategy(padding_strategy) != PaddingStrategy.DO_NOT_PAD:
+        pad_keys = {k: data[k] for k in ("input_ids", "attention_mask", "token_type_ids", "special_tokens_mask")
+                    if k in data}
+        padded = tokenizer.pad(pad_keys, padding=padding_strategy, max_length=max_length,
+                               pad_to_multiple_of=pad_to_multiple_of, padding_side=padding_side,
+                               return_attention_mask=return_attention_mask is not False)
+        side = padding_side or tokenizer.padding_side
+        for key, value in padded.items():
+            data[key] = value
+        if "assistant_masks" in data:
+            width = len(data["input_ids"][0]) if data["input_ids"] else 0
+            data["assistant_masks"] = [([0] * (width - len(m)) + m) if side == "left" else (m + [0] * (width - len(m)))
+                                       for m in data["assistant_masks"]]
+        out = BatchEncoding(data)
+    if not batched:
+        out = BatchEncoding({k: v[0] if isinstance(v, list) else v for k, v in out.items()})
+        if return_tensors is not None:
+            out = BatchEncoding({k: [v] if isinstance(v, list) else v for k, v in out.items()},
+                                tensor_type=return_tensors)
+    elif return_tensors is not None:
+        out = BatchEncoding(dict(out), tensor_type=return_tensors)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- chat template
+def apply_kimi_k3_chat_template(tokenizer, conversation, tools=None, documents=None, add_generation_prompt=False,
+                                continue_final_message=False, tokenize=True, padding=False, truncation=False,
+                                max_length=None, return_tensors=None, return_dict=True,
+                                return_assistant_tokens_mask=False, tokenizer_kwargs=None, **kwargs):
+    """transformers' ``apply_chat_template`` for K3 with any fast tokenizer that has K3's tokens (what
+    `KimiK3Tokenizer.apply_chat_template` runs). Renderer arguments (``thinking``, ``thinking_effort``,
+    ``tool_choice``, ``response_format``, ...) are as in `render_kimi_k3_chat`; ``tokenize=False`` returns the
+    `KimiK3Prompt` (or a list of them for a batch)."""
+    if documents:
+        raise KimiK3ChatError("K3's format has no documents channel; put retrieved text into a message")
+    kwargs.pop("sanitize_control_tokens", None)  # always on here: message text never becomes control tokens
+    render = {k: kwargs.pop(k) for k in _RENDER_KWARGS if k in kwargs}
+    unknown = sorted(k for k, v in kwargs.items() if v is not None)
+    if unknown:
+        raise KimiK3ChatError(f"the K3 chat format takes no {unknown}; its options are {', '.join(_RENDER_KWARGS)}")
+    if return_assistant_tokens_mask and not (tokenize and return_dict):
+        raise KimiK3ChatError("return_assistant_tokens_mask=True needs tokenize=True and return_dict=True")
+    if isinstance(conversation, (list, tuple)) and not conversation:
+        raise KimiK3ChatError("cannot render an empty conversation: give at least one message")
+    batched = isinstance(conversation, (list, tuple)) and (
+        isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))
+    conversations = conversation if batched else [conversation]
+    prompts = []
+    for chat in conversations:
+        messages = getattr(chat, "messages", chat)
+        prompts.append(render_kimi_k3_chat(messages, tools, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=bool(continue_final_message), **render))
+    if not tokenize:
+        return prompts if batched else prompts[0]
+    out = tokenize_prompts(tokenizer, prompts if batched else prompts[0], padding=padding, truncation=truncation,
+                           max_length=max_length, return_tensors=return_tensors,
+                           return_generated_mask=return_assistant_tokens_mask, **(tokenizer_kwargs or {}))
+    return out if return_dict else out["input_ids"]
+
+
+def tokenize_prompts(tokenizer, text, padding=False, truncation=None, max_length=None, **kwargs) -> BatchEncoding:
+    """``tokenizer(text, ...)`` for `KimiK3Prompt` input with any fast tokenizer (padding / truncation as there)."""
+    padding_strategy, truncation_strategy, max_length, _ = tokenizer._get_padding_truncation_strategies(
+        padding=padding, truncation=truncation, max_length=max_length,
+        pad_to_multiple_of=kwargs.get("pad_to_multiple_of"), verbose=False)
+    return encode_prompts(tokenizer, text, padding_strategy=padding_strategy, truncation_strategy=truncation_strategy,
+                          max_length=max_length, **kwargs)
+
+
+class KimiK3Tokenizer(TokenizersBackend):
+    """Kimi K3's tokenizer: a fast BPE tokenizer whose chat template is K3's Python renderer (see the module
+    docstring). ``apply_chat_template(messages, add_generation_prompt=True)`` renders with thinking on (the
+    trained default); pass ``thinking=False`` or ``thinking_effort=...`` to change it. A ``chat_template=`` you pass
+    explicitly is rendered by transformers' Jinja path as usual."""
+
+    # No __init__ of our own: transformers then loads tokenizer.json as it is.
+    @property
+    def response_template(self) -> dict:
+        """Set by default: transformers' chat pipelines parse their output (through `parse_response`) only then."""
+        from .chat import KIMI_K3_RESPONSE_TEMPLATE
+
+        return self.__dict__.get("_response_template") or KIMI_K3_RESPONSE_TEMPLATE
+
+    @response_template.setter
+    def response_template(self, value) -> None:
+        self.__dict__["_response_template"] = value
+
+    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None, **kwargs):
+        if chat_template is not None:
+            return super().apply_chat_template(conversation, tools=tools, documents=documents,
+                                               chat_template=chat_template, **kwargs)
+        return apply_kimi_k3_chat_template(self, conversation, tools=tools, documents=documents, **kwargs)
+
+    def _encode_plus(self, text, text_pair=None, **kwargs):
+        if _has_prompt(text):
+            if text_pair is not None:
+                raise KimiK3ChatError("a KimiK3Prompt cannot be tokenized as a pair")
+            if kwargs.get("is_split_into_words"):
+                raise KimiK3ChatError("a KimiK3Prompt is not split into words")
+            kwargs.pop("is_split_into_words", None)
+            return encode_prompts(self, text, **kwargs)
+        kwargs.pop("return_generated_mask", None)
+        return super()._encode_plus(text, text_pair=text_pair, **kwargs)
+
+    def parse_response(self, response, schema=None, *, prefix=None, tools=None):
+        """The assistant message of a K3 answer (``content``, ``reasoning_content``, ``tool_calls``) by
+        `parse_kimi_k3_response`; ``response`` / ``prefix`` as text or ids. A ``schema`` passed explicitly uses
+        transformers' ``response_template`` parser instead."""
+        if schema is not None:
+            return super().parse_response(response, schema, prefix=prefix, tools=tools)
+        from .chat import parse_kimi_k3_response
+
+        if isinstance(response, (list, tuple)) and response and isinstance(response[0], (list, tuple)):
+            return [self.parse_response(r, prefix=prefix, tools=tools) for r in response]
+        if not isinstance(response, str):
+            response = self.decode(response, skip_special_tokens=False)
+        if prefix is not None and not isinstance(prefix, str):
+            prefix = self.decode(prefix, skip_special_tokens=False)
+        return parse_kimi_k3_response(response, prompt=prefix).to_message()
 
 
 def build_test_tokenizer(vocab_size: int = 512, media_pad_id: int = 500, pad_id: int = 0, bos_id: int = 1,
@@ -108,7 +271,6 @@ def build_test_tokenizer(vocab_size: int = 512, media_pad_id: int = 500, pad_id:
     other K3 specials after it, and reserved special tokens in every remaining id so that any generated id decodes.
     Returns a transformers fast tokenizer (``TokenizersBackend``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     fixed = {pad_id: "[PAD]", bos_id: "[BOS]", eos_id: "[EOS]", media_pad_id: MEDIA_PAD}
@@ -145,7 +307,7 @@ def build_test_tokenizer(vocab_size: int = 512, media_pad_id: int = 500, pad_id:
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i in sorted(tokens) if tokens[i] not in vocab])
 
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = KimiK3Tokenizer(
         tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
         extra_special_tokens={"image_token": MEDIA_PAD}, model_max_length=1 << 20, padding_side="left",
     )
@@ -157,4 +319,15 @@ def build_test_tokenizer(vocab_size: int = 512, media_pad_id: int = 500, pad_id:
     return tokenizer
 
 
-__all__ = ["KIMI_K3_CHAT_TEMPLATE", "KIMI_K3_SPECIAL_TOKENS", "MEDIA_PAD", "VIDEO_PLACEHOLDER", "build_test_tokenizer"]
+__all__ = [
+    "KIMI_K3_CHAT_TEMPLATE",
+    "KIMI_K3_SPECIAL_TOKENS",
+    "MEDIA_PAD",
+    "VIDEO_PLACEHOLDER",
+    "IMAGE_PLACEHOLDER",
+    "KimiK3Tokenizer",
+    "apply_kimi_k3_chat_template",
+    "build_test_tokenizer",
+    "encode_kimi_k3_prompt",
+    "tokenize_prompts",
+]

@@ -1,0 +1,487 @@
+"""K3's conversation format (XTML), rendered in Python as the release's own encoder does.
+
+A K3 prompt is a list of *segments*: control segments (the channel markers ``<|open|>``, ``<|close|>``, ``<|sep|>``,
+``<|end_of_msg|>`` and the media spans the template places) are tokenized with special tokens allowed; text segments
+(tag names, attributes, and everything a user, a tool or the model wrote) are tokenized with special tokens
+disallowed, each on its own. So user text that spells ``<|close|>message<|sep|>`` or ``<|media_pad|>`` stays text:
+it can never forge a turn or a media slot.
+
+The layout follows the release's ``encoding_k3.py`` as vendored by vLLM (``vllm/tokenizers/encoding_k3.py``,
+"derived from moonshotai/Kimi-K3 encoding_k3.py at commit c5d1dd4"); this module is written from its rules, not
+copied. Every message is ``<|open|>message role="..."<|sep|>BODY<|close|>message<|sep|><|end_of_msg|>``:
+
+* a static tool declaration (``tools=``) comes first, then the ``thinking_effort`` system message (thinking on and
+  an effort given), then the conversation, then the ``tool_choice`` and ``response_format`` system messages, then
+  the generation prompt ``<|open|>message role="assistant"<|sep|><|open|>think<|sep|>`` (``<|open|>response<|sep|>``
+  with ``thinking=False``);
+* assistant history: ``<|open|>think<|sep|>R<|close|>think<|sep|>`` when thinking is on (empty when there is no
+  reasoning), ``<|open|>response<|sep|>C<|close|>response<|sep|>``, then a ``tools`` channel with one ``call`` per
+  tool call; no ``name`` attribute;
+* tool results are re-ordered into the preceding assistant's ``tool_calls`` order by ``tool_call_id``.
+
+Where this module differs from that encoder, on purpose:
+
+* ``developer`` messages are rendered as ``system`` (the serving layer's rewrite, K3_SPEC.md section 8); the encoder
+  itself skips them. Unknown roles, unknown content parts and non-dict messages raise `KimiK3ChatError` where the
+  encoder skips or fails with ``KeyError``;
+* a ``<|kimi_image_placeholder|>`` typed in text stays text, also when ``image_prompts`` are given (the encoder would
+  put the next image there);
+* video parts render as one ``<|kimi_video_placeholder|>`` control segment each (the encoder has no video);
+* ``continue_final_message`` (transformers' assistant prefill) leaves the last assistant message open.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
+END_OF_MSG = "<|end_of_msg|>"
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+VIDEO_PLACEHOLDER = "<|kimi_video_placeholder|>"
+THINKING_EFFORTS = ("low", "high", "max")
+
+_THINKING_EFFORT_BODY = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "
+    "supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with "
+    "`thinking_effort={effort}`."
+)
+_TOOL_CHOICE_BODY = {
+    "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+}
+_JSON_ONLY = ("Your response must be raw JSON data without markdown code blocks (```json) or any additional "
+              "formatting.")
+
+
+class KimiK3ChatError(ValueError):
+    """A conversation the K3 format cannot render as given; the message says which field and what to pass."""
+
+
+class Segment(NamedTuple):
+    """One piece of a K3 prompt. ``control``: tokenized with special tokens allowed (template markers only)."""
+
+    text: str
+    control: bool = False
+
+
+class KimiK3Prompt(str):
+    """A rendered K3 prompt: the prompt text, which also remembers its segments.
+
+    It is a ``str`` (print it, compare it, save it), and K3's tokenizer and processor tokenize it segment by segment,
+    so the control tokens in it are exactly the ones the template wrote. String operations (``+``, slicing,
+    ``.format``) return a plain ``str``, which is tokenized as ordinary prompt text (special tokens matched).
+    ``generated`` holds the indices of the segments an assistant wrote (for ``return_assistant_tokens_mask``)."""
+
+    segments: tuple[Segment, ...]
+    generated: frozenset[int]
+
+    def __new__(cls, segments: Iterable[Segment | tuple[str, bool]], generated: Iterable[int] = ()):
+        segments = tuple(Segment(str(text), bool(control)) for text, control in segments)
+        self = super().__new__(cls, "".join(segment.text for segment in segments))
+        self.segments = segments
+        self.generated = frozenset(generated)
+        return self
+
+    def __reduce__(self):
+        return (KimiK3Prompt, (self.segments, self.generated))
+
+    def __repr__(self) -> str:
+        return f"KimiK3Prompt({str.__repr__(self)})"
+
+    def count_control(self, text: str) -> int:
+        """How many control segments are exactly ``text`` (e.g. the image placeholder: the image slots)."""
+        return sum(1 for segment in self.segments if segment.control and segment.text == text)
+
+
+# ------------------------------------------------------------------------------------------------- small pieces
+def _text(value: Any) -> list[Segment]:
+    value = str(value)
+    return [Segment(value)] if value else []
+
+
+def _control(value: str) -> list[Segment]:
+    return [Segment(value, True)] if value else []
+
+
+def _attribute_value(value: Any) -> str:
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _open(tag: str, attributes: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
+    out = _control(OPEN) + _text(tag)
+    for key, value in attributes:
+        out += _text(f' {key}="{_attribute_value(value)}"')
+    return out + _control(SEP)
+
+
+def _close(tag: str) -> list[Segment]:
+    return _control(CLOSE) + _text(tag) + _control(SEP)
+
+
+def _message_end() -> list[Segment]:
+    return _close("message") + _control(END_OF_MSG)
+
+
+def _system_note(kind: str, body: str) -> list[Segment]:
+    return _open("message", [("role", "system"), ("type", kind)]) + _text(body.strip()) + _message_end()
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sorted_deep(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _sorted_deep(value[key]) for key in sorted(value)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted_deep(item) for item in value]
+    return value
+
+
+def _field(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _argument_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Mapping):
+        return "object"
+    return "array"
+
+
+def _argument_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class _Media:
+    """Hands out the control text of each image / video slot in order."""
+
+    def __init__(self, image_prompts: Sequence[str] | None):
+        self.image_prompts = None if image_prompts is None else list(image_prompts)
+        self.used = 0
+
+    def image(self) -> list[Segment]:
+        if self.image_prompts is None:
+            return _control(IMAGE_PLACEHOLDER)
+        if self.used >= len(self.image_prompts):
+            raise KimiK3ChatError(f"the conversation has more images than the {len(self.image_prompts)} "
+                                  "image_prompts given; pass one prompt per image part")
+        self.used += 1
+        return _control(self.image_prompts[self.used - 1])
+
+    def check_used(self) -> None:
+        if self.image_prompts is not None and self.used != len(self.image_prompts):
+            raise KimiK3ChatError(f"{len(self.image_prompts)} image_prompts were given for {self.used} image parts; "
+                                  "pass one prompt per image part")
+
+
+def _content(content: Any, media: _Media, where: str) -> list[Segment]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return _text(content)
+    if isinstance(content, Mapping):
+        content = [content]
+    if not isinstance(content, (list, tuple)):
+        raise KimiK3ChatError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+    out: list[Segment] = []
+    for part in content:
+        kind = _field(part, "type") if isinstance(part, Mapping) else None
+        if kind in ("image", "image_url"):
+            out += media.image()
+        elif kind in ("video", "video_url"):
+            out += _control(VIDEO_PLACEHOLDER)
+        elif kind == "text":
+            out += _text(part.get("text") or "")
+        else:
+            raise KimiK3ChatError(f"{where}: unsupported content part {part!r}; K3 takes parts of type 'text', "
+                                  "'image' / 'image_url' and 'video' / 'video_url'")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- normalising
+def _call_arguments(arguments: Any, where: str) -> tuple[dict, str | None]:
+    """(arguments as a dict, raw text of arguments that are not JSON), as the release's encoder reads them."""
+    if arguments is None:
+        return {}, None
+    if isinstance(arguments, Mapping):
+        return dict(arguments), None
+    if isinstance(arguments, str):
+        if not arguments.strip():
+            return {}, None
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}, arguments
+        except RecursionError:
+            raise KimiK3ChatError(f"{where}: the arguments JSON is nested too deeply to read") from None
+        if not isinstance(parsed, dict):
+            raise KimiK3ChatError(f"{where}: tool call arguments must be a JSON object, got {type(parsed).__name__}")
+        return parsed, None
+    raise KimiK3ChatError(f"{where}: tool call arguments must be a dict or a JSON object string, "
+                          f"got {type(arguments).__name__}")
+
+
+class _Call(NamedTuple):
+    name: Any
+    arguments: dict
+    raw: str | None
+
+
+def _calls(message: Mapping, where: str) -> list[_Call]:
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, (list, tuple)):
+        raise KimiK3ChatError(f"{where}: tool_calls must be a list")
+    out = []
+    for position, call in enumerate(calls, start=1):
+        if not isinstance(call, Mapping):
+            raise KimiK3ChatError(f"{where}: tool_calls[{position - 1}] must be a dict")
+        function = call.get("function", call)
+        if not isinstance(function, Mapping) or function.get("name") is None:
+            raise KimiK3ChatError(f"{where}: tool_calls[{position - 1}] has no function name")
+        arguments, raw = _call_arguments(function.get("arguments"), f"{where}.tool_calls[{position - 1}]")
+        out.append(_Call(function["name"], arguments, raw))
+    return out
+
+
+def _call_ids(message: Mapping) -> dict[str, tuple[int, Any]]:
+    index: dict[str, tuple[int, Any]] = {}
+    for position, call in enumerate(message.get("tool_calls") or [], start=1):
+        if not isinstance(call, Mapping):
+            continue
+        function = call.get("function", call)
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if call.get("id") is not None:
+            index.setdefault(str(call["id"]), (position, name))
+    return index
+
+
+def order_tool_results(messages: Sequence[Mapping]) -> list[Mapping]:
+    """Each run of consecutive ``tool`` messages in the preceding assistant's ``tool_calls`` order, matched by
+    ``tool_call_id`` (the matched call's name becomes the result's ``tool``); a run with any id that matches no call
+    is left as it is. The input is not modified."""
+    out: list[Mapping] = []
+    ids: dict[str, tuple[int, Any]] = {}
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role != "tool":
+            if role == "assistant":
+                ids = _call_ids(message)
+            out.append(message)
+            i += 1
+            continue
+        run, matched = [], True
+        while i < len(messages) and isinstance(messages[i], Mapping) and messages[i].get("role") == "tool":
+            result = messages[i]
+            call_id = result.get("tool_call_id", result.get("id"))
+            target = ids.get(str(call_id)) if call_id is not None else None
+            if target is None:
+                matched = False
+                run.append((0, result, result))
+            else:
+                position, name = target
+                resolved = dict(result)
+                if name is not None:
+                    resolved["tool"] = name
+                    if "name" in resolved:
+                        resolved["name"] = name
+                run.append((position, result, resolved))
+            i += 1
+        if matched:
+            out.extend(resolved for _, _, resolved in sorted(run, key=lambda item: item[0]))
+        else:
+            out.extend(original for _, original, _ in run)
+    return out
+
+
+def _response_schema(response_format: Any) -> Any:
+    json_schema = _field(response_format, "json_schema")
+    if json_schema is None:
+        return None
+    return _field(json_schema, "schema", _field(json_schema, "json_schema", json_schema))
+
+
+def resolve_thinking(thinking: bool | None = None, enable_thinking: bool | None = None,
+                     thinking_effort: str | None = None, reasoning_effort: str | None = None) -> tuple[bool, str | None]:
+    """(thinking, thinking_effort) from the names callers use: ``thinking`` (K3's; default on), ``enable_thinking``
+    (Qwen-style alias), ``reasoning_effort`` (OpenAI's; ``"none"`` turns thinking off, otherwise it is the effort)."""
+    if thinking is not None and enable_thinking is not None and bool(thinking) != bool(enable_thinking):
+        raise KimiK3ChatError(f"thinking={thinking!r} and enable_thinking={enable_thinking!r} disagree; pass one")
+    if thinking is None:
+        thinking = True if enable_thinking is None else bool(enable_thinking)
+    if reasoning_effort is not None:
+        if reasoning_effort == "none":
+            thinking = False
+        elif thinking_effort is None:
+            thinking_effort = reasoning_effort
+    if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
+        raise KimiK3ChatError(f"thinking_effort={thinking_effort!r} is not one K3 was trained with; pass one of "
+                              f"{', '.join(THINKING_EFFORTS)}, or leave it out")
+    return bool(thinking), thinking_effort
+
+
+# ------------------------------------------------------------------------------------------------- rendering
+def _assistant(message: Mapping, media: _Media, thinking: bool, where: str, generated: list[int],
+               segments: list[Segment], open_end: bool) -> None:
+    """Append an assistant message; with ``open_end`` leave it open for the model to continue. The segments after
+    what the generation prompt writes (header and first channel) are recorded in ``generated``."""
+    segments += _open("message", [("role", "assistant")])
+    calls = _calls(message, where)
+    if open_end and calls:
+        raise KimiK3ChatError(f"{where}: continue_final_message cannot continue a message with tool_calls")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    content = _content(message.get("content"), media, where)
+    if thinking:
+        segments += _open("think")
+        start = len(segments)
+        if reasoning is not None and str(reasoning).strip():
+            segments += _text(reasoning)
+        if open_end and not content:  # continue the reasoning
+            generated.extend(range(start, len(segments)))
+            return
+        segments += _close("think") + _open("response")
+    else:
+        segments += _open("response")
+        start = len(segments)
+    segments += content
+    if not open_end:
+        segments += _close("response")
+        if calls:
+            segments += _open("tools")
+            for index, call in enumerate(calls, start=1):
+                segments += _open("call", [("tool", call.name), ("index", index)])
+                if call.raw is not None:
+                    segments += _open("json", [("type", "object")]) + _text(call.raw) + _close("json")
+                else:
+                    for key, value in call.arguments.items():
+                        segments += _open("argument", [("key", key), ("type", _argument_type(value))])
+                        segments += _text(_argument_text(value)) + _close("argument")
+                segments += _close("call")
+            segments += _close("tools")
+        segments += _message_end()
+    generated.extend(range(start, len(segments)))
+
+
+def _declare_tools(tools: Any, dynamic: bool) -> list[Segment]:
+    spec = _compact_json(_sorted_deep(tools))
+    if dynamic:
+        body = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+                "You have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n"
+                f"```json\n{spec}\n```")
+    else:
+        body = f"# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{spec}\n```"
+    return _system_note("tool-declare", body)
+
+
+def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, *,
+                        add_generation_prompt: bool = False, continue_final_message: bool = False,
+                        thinking: bool | None = None, thinking_effort: str | None = None,
+                        tool_choice: Any = None, response_format: Any = None,
+                        image_prompts: Sequence[str] | None = None, enable_thinking: bool | None = None,
+                        reasoning_effort: str | None = None) -> KimiK3Prompt:
+    """Render a conversation in K3's format.
+
+    ``messages``: OpenAI / transformers chat messages (roles ``system``, ``developer``, ``user``, ``assistant``,
+    ``tool``; content a string or a list of ``text`` / ``image`` / ``video`` parts; assistant ``reasoning_content``
+    and ``tool_calls``; tool ``tool_call_id``). ``tools``: JSON-schema function declarations. ``thinking`` (default
+    **on**, as K3 is trained): the generation prompt opens the think channel and past assistant turns carry their
+    think block; ``thinking=False`` opens the response channel instead. ``thinking_effort``: ``low`` / ``high`` /
+    ``max`` or None (no effort message). ``tool_choice``: ``"required"`` / ``"none"`` add a system note, anything
+    else nothing. ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"schema": ...}}``. ``image_prompts``: the control text to put at each image part (the processor passes the
+    expanded media spans); by default each image part is ``<|kimi_image_placeholder|>``.
+
+    Returns a `KimiK3Prompt`; raises `KimiK3ChatError` for what K3's format cannot express."""
+    thinking, thinking_effort = resolve_thinking(thinking, enable_thinking, thinking_effort, reasoning_effort)
+    if add_generation_prompt and continue_final_message:
+        raise KimiK3ChatError("add_generation_prompt and continue_final_message exclude each other: pass one")
+    if not isinstance(messages, (list, tuple)):
+        raise KimiK3ChatError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise KimiK3ChatError(f"messages[{i}] must be a dict with a 'role', got {message!r:.80}")
+    if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+        raise KimiK3ChatError("continue_final_message needs the conversation to end with an assistant message")
+    messages = order_tool_results(messages)
+    media = _Media(image_prompts)
+    segments: list[Segment] = []
+    generated: list[int] = []
+    if tools:
+        segments += _declare_tools(tools, dynamic=False)
+    if thinking and thinking_effort:
+        segments += _system_note("thinking-effort", _THINKING_EFFORT_BODY.format(effort=thinking_effort))
+
+    previous_calls: list[_Call] = []
+    tool_index = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}] ({message['role']})"
+        role = "system" if message["role"] == "developer" else message["role"]
+        if role == "system" and message.get("tools"):
+            segments += _declare_tools(message["tools"], dynamic=True)
+        elif role in ("system", "user"):
+            attributes = [("role", role)] + ([("name", message["name"])] if message.get("name") else [])
+            segments += _open("message", attributes)
+            segments += _content(message.get("content"), media, where)
+            segments += _message_end()
+        elif role == "assistant":
+            previous_calls, tool_index = _calls(message, where), 0
+            last = continue_final_message and i == len(messages) - 1
+            _assistant(message, media, thinking, where, generated, segments, open_end=last)
+        elif role == "tool":
+            tool_index += 1
+            name = message.get("tool", message.get("name"))
+            if name is None and tool_index <= len(previous_calls):
+                name = previous_calls[tool_index - 1].name
+            if name is None:
+                raise KimiK3ChatError(f"{where}: a tool result needs the tool's name: give it a 'tool_call_id' of "
+                                      "the assistant's call, a 'name', or put results in the calls' order")
+            segments += _open("message", [("role", "tool"), ("tool", name), ("index", tool_index)])
+            segments += _content(message.get("content"), media, where)
+            segments += _message_end()
+        else:
+            raise KimiK3ChatError(f"{where}: K3 has no role {message['role']!r}; use system, developer, user, "
+                                  "assistant or tool")
+
+    if tool_choice in _TOOL_CHOICE_BODY:
+        segments += _system_note("tool-choice", _TOOL_CHOICE_BODY[tool_choice])
+    format_type = _field(response_format, "type", response_format)
+    if format_type == "json_object":
+        segments += _system_note("response-format", f"The system is invoked with `response_format=json_object`.\n"
+                                                    f"{_JSON_ONLY}")
+    elif format_type == "json_schema":
+        schema = _compact_json(_sorted_deep(_response_schema(response_format)))
+        segments += _system_note("response-format", f"The system is invoked with `response_format=json_schema`.\n"
+                                                    f"{_JSON_ONLY}\nThe JSON data must match the following schema:\n"
+                                                    f"```json\n{schema}\n```")
+    if add_generation_prompt:
+        segments += _open("message", [("role", "assistant")]) + _open("think" if thinking else "response")
+    media.check_used()
+    return KimiK3Prompt(segments, generated)
+
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "KimiK3ChatError",
+    "KimiK3Prompt",
+    "Segment",
+    "THINKING_EFFORTS",
+    "VIDEO_PLACEHOLDER",
+    "order_tool_results",
+    "render_kimi_k3_chat",
+    "resolve_thinking",
+]
