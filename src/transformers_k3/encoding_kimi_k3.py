@@ -457,9 +457,13 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
             raise KimiK3ChatError(f"{where}: K3 has no role {message['role']!r}; use system, developer, user, "
                                   "assistant or tool")
 
-    if tool_choice in _TOOL_CHOICE_BODY:
-        segments += _system_note("tool-choice", _TOOL_CHOICE_BODY[tool_choice])
     format_type = _field(response_format, "type", response_format)
+    if continue_final_message and (tool_choice in ("required", "none") or format_type in ("json_object",
+                                                                                          "json_schema")):
+        raise KimiK3ChatError("tool_choice / response_format notes come before the answer; they cannot follow an "
+                              "assistant message left open by continue_final_message")
+    if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE_BODY:
+        segments += _system_note("tool-choice", _TOOL_CHOICE_BODY[tool_choice])
     if format_type == "json_object":
         segments += _system_note("response-format", f"The system is invoked with `response_format=json_object`.\n"
                                                     f"{_JSON_ONLY}")

@@ -37,10 +37,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE with ``[PAD]``/``[BOS]`` at 0/1, then every K3 special (``[EOS]`` at 2), the video placeholder,
     then the learned vocabulary; the K3 chat template attached."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from ..chat import KIMI_K3_RESPONSE_TEMPLATE
-    from ..tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KIMI_K3_SPECIAL_TOKENS, MEDIA_PAD, VIDEO_PLACEHOLDER
+    from ..tokenization_kimi_k3 import (
+        KIMI_K3_CHAT_TEMPLATE,
+        KIMI_K3_SPECIAL_TOKENS,
+        MEDIA_PAD,
+        VIDEO_PLACEHOLDER,
+        KimiK3Tokenizer,
+    )
 
     specials = ["[PAD]", "[BOS]"] + list(KIMI_K3_SPECIAL_TOKENS) + [VIDEO_PLACEHOLDER]
     specials.insert(2, specials.pop(specials.index("[EOS]")))
@@ -50,7 +54,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(texts, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = KimiK3Tokenizer(
         tokenizer_object=backend, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
         extra_special_tokens={"image_token": MEDIA_PAD}, model_max_length=1 << 20, padding_side="left",
     )
