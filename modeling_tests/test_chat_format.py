@@ -207,3 +207,27 @@ def test_processor_ignores_typed_slots_in_every_field():
                                             **chat)
         assert out["input_ids"][0].count(500) == processor.get_number_of_image_tokens(28, 28)
         assert out["image_grid_thw"].tolist() == [[1, 2, 2]]
+
+
+def test_assistant_tokens_mask_covers_what_the_model_wrote(tokenizer):
+    """``return_assistant_tokens_mask`` marks each assistant turn from where the generation prompt stops (after the
+    header and the first channel marker) through its <|end_of_msg|>, as transformers' {% generation %} does."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "reasoning_content": "r", "content": "ok"},
+                {"role": "user", "content": "More"}, {"role": "assistant", "content": "done"}]
+    out = tokenizer.apply_chat_template(messages, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    marked, run = [], []
+    for token, flag in zip(ids, mask):
+        if flag:
+            run.append(token)
+        elif run:
+            marked.append(tokenizer.decode(run))
+            run = []
+    marked.append(tokenizer.decode(run)) if run else None
+    tail = "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    assert marked == [f"r<|close|>think<|sep|><|open|>response<|sep|>ok{tail}",
+                      f"<|close|>think<|sep|><|open|>response<|sep|>done{tail}"]
+    batch = tokenizer.apply_chat_template([messages, messages[:2]], return_assistant_tokens_mask=True, padding=True,
+                                          return_tensors="pt")
+    assert batch["input_ids"].shape == batch["assistant_masks"].shape
+    assert batch["assistant_masks"][0].tolist() == mask

@@ -72,13 +72,15 @@ def test_main_command_image_and_long_prompt(tmp_path):
 
     image = tmp_path / "shape.png"
     data.draw_shape("circle", "red", 56).save(image)
-    result = _run_main("--image", str(image), "--max-new-tokens", "40")
+    result = _run_main("--image", str(image), "--no-thinking", "--max-new-tokens", "40")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "[response]" in result.stderr
-    # the answer ends at the end of the message (the shipped generation config must not forbid it: a no-repeat
-    # n-gram rule banned <|end_of_msg|>, whose closing n-gram the prompt's user message already has)
-    assert result.stdout.rstrip().endswith("<|close|>message<|sep|><|end_of_msg|>"), result.stdout
-    assert "[response] a red circle" in result.stderr
+    # the answer alone on stdout, no template markers, and it ended at the end of the message (the shipped
+    # generation config must not forbid that: a no-repeat n-gram rule banned <|end_of_msg|>)
+    assert result.stdout == "a red circle\n", result.stdout
+    assert "chat, thinking off" in result.stderr and "cut at --max-new-tokens" not in result.stderr
+    result = _run_main("--image", str(image), "--max-new-tokens", "40")  # thinking on, the chat default
+    assert result.returncode == 0 and "chat, thinking on" in result.stderr, result.stderr[-2000:]
+    assert "<|" not in result.stdout + result.stderr and "a red circle" in result.stdout
     long_prompt = "import os\n" + "x = os.path.join('a', 'b')\n" * 60
     result = _run_main(long_prompt, "--max-new-tokens", "4", "--prefill-chunk", "64")
     assert result.returncode == 0, result.stderr[-2000:]

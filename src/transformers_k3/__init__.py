@@ -20,6 +20,7 @@ from .balancing import RouterBalancer, load_router_biases, save_router_biases
 from .cache import KimiK3HybridCache
 from .chat import (
     KIMI_K3_RESPONSE_TEMPLATE,
+    KimiK3ParseError,
     KimiK3Response,
     KimiK3ToolCall,
     ThinkingBudgetLogitsProcessor,
@@ -81,6 +82,7 @@ def __getattr__(name: str):
 __all__ = [
     "load_small",
     "KIMI_K3_RESPONSE_TEMPLATE",
+    "KimiK3ParseError",
     "KimiK3Response",
     "KimiK3ToolCall",
     "ThinkingBudgetLogitsProcessor",

@@ -1,51 +1,89 @@
-"""Working with K3 chat answers: splitting them into reasoning, visible content and tool calls, and bounding how
-long the model thinks.
+"""Working with K3 chat answers: splitting them into reasoning, visible content and tool calls, writing tool calls
+back, and bounding how long the model thinks.
 
 K3 writes its answer in XTML channels (K3_SPEC.md section 8)::
 
     [<|open|>think<|sep|> ...reasoning... <|close|>think<|sep|>]
     <|open|>response<|sep|> ...visible text... <|close|>response<|sep|>
     [<|open|>tools<|sep|> CALL+ <|close|>tools<|sep|>]
-    <|close|>message<|sep|>
+    <|close|>message<|sep|>            (then <|end_of_msg|>)
 
-    CALL := <|open|>call tool="NAME" index="N"<|sep|> ARG* <|close|>call<|sep|>
+    CALL := <|open|>call tool="NAME" index="N"<|sep|> (ARG* | JSONBLOCK) <|close|>call<|sep|>
     ARG  := <|open|>argument key="KEY" type="TYPE"<|sep|>VALUE<|close|>argument<|sep|>
+    JSONBLOCK := <|open|>json type="object"<|sep|>RAW<|close|>json<|sep|>
 
-``string`` argument values are raw text, every other type is JSON; attribute values escape ``&`` and ``"``.
-Decode generated ids with ``skip_special_tokens=False`` so that the markers survive.
+``string`` argument values are raw text, every other type is JSON; attribute values escape ``&`` and ``"``. A
+json block carries arguments that were not a JSON object (kept as that string).
 
-What the spec says about real outputs, and how this module follows it:
+What is read from where
+-----------------------
 
-* the generation prompt pre-fills ``<|open|>think<|sep|>`` (thinking, the default) or ``<|open|>response<|sep|>``
-  (``thinking=False``), so the model's own text starts inside a channel. `parse_kimi_k3_response` takes the
-  prompt (or assumes the thinking pre-fill) to know which one;
-* the model may skip thinking and end with ``<|close|>response<|sep|><|close|>message<|sep|>`` without ever
-  closing the think channel: a bare ``<|close|>response<|sep|>`` proves the preceding text was the response;
-* the model may jump from thinking straight to the ``tools`` channel;
-* a generation cut by ``max_new_tokens`` may end inside a marker; the partial marker is dropped.
+* **Tool calls come only from the tools channel.** A call block written inside the think or response channel
+  (reasoning that *talks about* ``<|open|>call tool="rm" ...``) stays text of that channel; so does a call
+  outside any channel (then with a note in ``errors``).
+* A think / response / argument / json block extends to its own close marker when there is one: every marker
+  before it is text of that block. Only an *unclosed* block ends early: an unclosed think channel at
+  ``<|open|>response<|sep|>`` or ``<|open|>tools<|sep|>`` (the model jumped from thinking to its answer or to its
+  calls) or at a bare ``<|close|>response<|sep|>`` (the model skipped thinking: the text so far was the response),
+  an unclosed response at ``<|open|>tools<|sep|>``, an unclosed argument at the next call / argument boundary.
+* ``<|close|>message<|sep|>`` and the end tokens ``<|end_of_msg|>``, ``[EOS]``, ``[EOT]`` end the message;
+  whatever follows is ignored. A full transcript is read from its last ``<|open|>message role="assistant"<|sep|>``.
+* The generation prompt pre-fills ``<|open|>think<|sep|>`` (thinking, the default) or ``<|open|>response<|sep|>``
+  (``thinking=False``), so the model's own text starts inside a channel: ``prompt=`` says which; without it the
+  thinking pre-fill is assumed.
+* A generation cut by ``max_new_tokens`` may end inside a marker; the partial marker is dropped, and so is a tool
+  call that was not closed (``finished`` is False, ``errors`` says what was dropped).
+* Malformed structure never raises: it is repaired or dropped and described in `KimiK3Response.errors` (unknown
+  tags stay visible as text; a call with no ``tool`` attribute is dropped; a non-numeric ``index`` is replaced
+  by the call's position; JSON that does not parse, or is nested too deeply for Python's parser, is kept as its
+  raw text). Only wrong input *types* raise (``TypeError``); `KimiK3ParseError` is what this module raises for
+  values it cannot read or write.
+
+Markers: why a plain string is ambiguous
+----------------------------------------
+
+The markers are special tokens; the text between them (tag names, attributes, values, everything the model
+wrote) is ordinary text, and ordinary text may *spell* a marker (``<|close|>argument<|sep|>`` inside a string
+argument, reasoning that quotes the format). Once ids are decoded to a ``str`` the two look the same, so a plain
+string is read textually: every spelled marker counts as one. To parse without that ambiguity pass what still
+knows the difference:
+
+* the generated **token ids** with ``tokenizer=``: the ids of special tokens (``tokenizer.all_special_ids`` and
+  the added tokens marked ``special=True``) are the markers; runs of other ids are decoded together (with
+  ``skip_special_tokens=False``) as text;
+* a `KimiK3Prompt` (what `format_kimi_k3_tool_calls` and the chat renderer return): only its control segments
+  are markers.
 
 Public API:
 
-* `parse_kimi_k3_response` -> `KimiK3Response` (``reasoning``, ``content``, ``tool_calls``, ``finished``;
-  ``.to_message()`` gives the OpenAI-style assistant message that `KIMI_K3_CHAT_TEMPLATE` renders back);
-* `format_kimi_k3_tool_calls`: the inverse for tool calls (the exact ``tools`` channel text);
+* `parse_kimi_k3_response` -> `KimiK3Response` (``reasoning``, ``content``, ``tool_calls``, ``finished``,
+  ``errors``; ``.to_message()`` gives the OpenAI-style assistant message that the chat template renders back);
+* `format_kimi_k3_tool_calls`: the inverse for tool calls: the ``tools`` channel as a `KimiK3Prompt`, segment for
+  segment what the chat renderer writes for an assistant message's ``tool_calls``;
 * `ThinkingBudgetLogitsProcessor`: a `transformers.LogitsProcessor` that closes the think channel after a
   budget of thinking tokens by forcing ``<|close|>think<|sep|><|open|>response<|sep|>`` one token per step;
 * `KIMI_K3_RESPONSE_TEMPLATE`: a transformers ``response_template`` for ``tokenizer.parse_response`` and the
-  ``text-generation`` pipeline (see its docstring for what it cannot express).
+  ``text-generation`` pipeline (see its comment for what it cannot express).
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import re
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import LogitsProcessor
 
+from .encoding_kimi_k3 import KimiK3Prompt, Segment
+
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
 THINK_OPEN = "<|open|>think<|sep|>"
 THINK_CLOSE = "<|close|>think<|sep|>"
 RESPONSE_OPEN = "<|open|>response<|sep|>"
@@ -58,47 +96,65 @@ END_TOKENS = ("<|end_of_msg|>", "[EOS]", "[EOT]")
 # What the thinking budget forces: close the think channel, open the response channel.
 THINKING_END_SEQUENCE = THINK_CLOSE + RESPONSE_OPEN
 
-_MARKER_RE = re.compile(r"<\|(open|close)\|>((?:(?!<\|).)*?)<\|sep\|>", re.DOTALL)
-_ATTR_RE = re.compile(r'(\w+)="([^"]*)"')
-_END_RE = re.compile("|".join(re.escape(t) for t in END_TOKENS))
-# A marker cut off at the end of the text (generation stopped mid-marker).
-_PARTIAL_MARKER_RE = re.compile(r"<\|(?:open|close)\|>(?:(?!<\|).)*\Z|<\|(?:o|op|ope|open|c|cl|clo|clos|close)?\|?\Z",
-                                re.DOTALL)
-_JSON_TYPES = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", tuple: "array",
-               dict: "object", type(None): "null"}
+# The marker strings the parser reads; other special tokens (media, padding, reserved) are text to it.
+_MARKERS = (OPEN, CLOSE, SEP, *END_TOKENS)
+_MARKER_SPLIT_RE = re.compile("(" + "|".join(re.escape(m) for m in _MARKERS) + ")")
+# Prefixes of a marker that a plain string may end with when it was cut mid-marker (at least "<|").
+_MARKER_PREFIXES = frozenset(m[:n] for m in _MARKERS if m.startswith("<|") for n in range(2, len(m)))
+_MARKER_PREFIX_MAX = max(len(m) for m in _MARKERS)
+# What a tag header cut off at the end of the output can look like: a name, then attributes, maybe unfinished.
+# (Written so that no text can be matched in two ways: no backtracking blow-up on long headers.)
+_PARTIAL_HEADER_RE = re.compile(r'\s*(?:[A-Za-z_][\w-]*(?:\s+[\w.-]+="[^"]*")*(?:\s+[\w.-]+(?:="[^"]*|=)?)?\s*)?')
+_ATTR_RE = re.compile(r'\s+([^\s="]+)="([^"]*)"')
+_ENTITY_RE = re.compile(r"&(amp|quot);")
+_CHANNELS = ("think", "response", "tools")
+_STRUCTURAL_TAGS = frozenset(("message", "think", "response", "tools", "call", "argument", "json"))
+_ARGUMENT_TYPES = {"string": (str,), "number": (int, float), "boolean": (bool,), "array": (list,),
+                   "object": (dict,), "null": (type(None),)}
+_MAX_ERRORS = 64
+
+
+class KimiK3ParseError(ValueError):
+    """A K3 answer or tool call that this module cannot read or write (the message says what and where). Malformed
+    answers do not raise it: `parse_kimi_k3_response` repairs them and lists what it did in
+    `KimiK3Response.errors`."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parsed answers
 @dataclass
 class KimiK3ToolCall:
-    """One ``<|open|>call ...`` block: the tool name, its decoded arguments and the model's ``index`` attribute."""
+    """One ``<|open|>call ...`` block: the tool name, its decoded arguments and the model's ``index`` attribute.
+    ``arguments`` is a dict, or the raw string of a json block whose text is not a JSON object."""
 
     name: str
-    arguments: dict[str, Any]
+    arguments: dict[str, Any] | str
     index: int
 
     def to_openai(self, global_index: int | None = None) -> dict:
         """The OpenAI / transformers chat shape. The id is ``"{name}:{global_index}"`` as K3 serving returns it
         (spec 8); ``global_index`` defaults to this call's ``index`` attribute."""
         number = self.index if global_index is None else global_index
+        arguments = self.arguments if isinstance(self.arguments, str) else dict(self.arguments)
         return {"id": f"{self.name}:{number}", "type": "function",
-                "function": {"name": self.name, "arguments": dict(self.arguments)}}
+                "function": {"name": self.name, "arguments": arguments}}
 
 
 @dataclass
 class KimiK3Response:
     """A K3 answer split into its channels. ``reasoning`` is None when there was no thinking text; ``finished``
-    says whether ``<|close|>message<|sep|>`` (or an end token) was reached."""
+    says whether ``<|close|>message<|sep|>`` (or an end token) was reached; ``errors`` describes what was malformed
+    and how it was read (empty for a well-formed answer)."""
 
     reasoning: str | None = None
     content: str = ""
     tool_calls: list[KimiK3ToolCall] = field(default_factory=list)
     finished: bool = False
+    errors: list[str] = field(default_factory=list)
 
     def to_message(self) -> dict:
-        """``{"role": "assistant", "content", ["reasoning_content"], ["tool_calls"]}``: the keys that
-        `KIMI_K3_CHAT_TEMPLATE` reads when the message goes back into the history."""
+        """``{"role": "assistant", "content", ["reasoning_content"], ["tool_calls"]}``: the keys that the chat
+        template reads when the message goes back into the history."""
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning
@@ -107,134 +163,597 @@ class KimiK3Response:
         return message
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Input -> pieces (marker or text) -> events (tags, text, ends)
+class _Piece(NamedTuple):
+    text: str
+    marker: bool
+
+
+class _Event(NamedTuple):
+    kind: str  # "text", "open", "close", "end", "stray" (a marker that is not part of a tag)
+    raw: str  # the exact text it came from
+    name: str = ""
+    attrs: dict | None = None
+    garbled: str = ""  # header text that is not name="value" attributes
+
+
 def _unescape(value: str) -> str:
-    return value.replace("&quot;", '"').replace("&amp;", "&")
+    return _ENTITY_RE.sub(lambda m: "&" if m.group(1) == "amp" else '"', value)
 
 
 def _escape(value: Any) -> str:
     return str(value).replace("&", "&amp;").replace('"', "&quot;")
 
 
-def _decode_argument(raw: str, kind: str) -> Any:
-    if kind == "string":
-        return raw
+def _split_markers(text: str) -> list[_Piece]:
+    """Textual recognition: every spelled marker counts."""
+    return [_Piece(part, i % 2 == 1) for i, part in enumerate(_MARKER_SPLIT_RE.split(text)) if part]
+
+
+def _drop_partial_marker(text: str) -> str:
+    """A plain string cut inside a marker ("...<|clo"): drop the marker's beginning."""
+    for n in range(min(len(text), _MARKER_PREFIX_MAX), 1, -1):
+        if text[-n:] in _MARKER_PREFIXES:
+            return text[:-n]
+    return text
+
+
+def _token_list(value: Any, what: str) -> list[int]:
+    if isinstance(value, torch.Tensor) or (hasattr(value, "ndim") and hasattr(value, "tolist")):
+        if value.ndim != 1:
+            raise TypeError(f"{what}: token ids must be one row (a 1-D sequence), got shape {tuple(value.shape)}; "
+                            "pass output[0] for a batch of one")
+        value = value.tolist()
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw  # malformed JSON from the model: keep the text rather than lose the argument
+        return [operator.index(i) for i in value]
+    except TypeError:
+        raise TypeError(f"{what}: token ids must be integers") from None
 
 
-def _attributes(header: str) -> tuple[str, dict[str, str]]:
-    name, _, rest = header.partition(" ")
-    return name, {key: _unescape(value) for key, value in _ATTR_RE.findall(rest)}
+def _pieces(value: Any, tokenizer: Any, what: str, errors: list[str]) -> list[_Piece]:
+    if isinstance(value, KimiK3Prompt):
+        out: list[_Piece] = []
+        for segment in value.segments:
+            out += _split_markers(segment.text) if segment.control else [_Piece(segment.text, False)]
+        return out
+    if isinstance(value, str):
+        return _split_markers(_drop_partial_marker(value))
+    if isinstance(value, (bytes, bytearray, Mapping)) or not (
+            isinstance(value, (Sequence, torch.Tensor)) or hasattr(value, "tolist")):
+        raise TypeError(f"{what} must be a str, a KimiK3Prompt or a 1-D sequence of token ids, "
+                        f"got {type(value).__name__}")
+    ids = _token_list(value, what)
+    if tokenizer is None:
+        raise TypeError(f"{what}: token ids need tokenizer= to tell markers (special tokens) from text")
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, token in tokenizer.added_tokens_decoder.items() if getattr(token, "special", False))
+    vocab = len(tokenizer)
+    out, run = [], []
+
+    def flush() -> None:
+        if run:
+            out.append(_Piece(tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+                              False))
+            run.clear()
+
+    for i in ids:
+        if not 0 <= i < vocab:
+            if len(errors) < _MAX_ERRORS:
+                errors.append(f"{what}: token id {i} is outside the tokenizer's {vocab} ids: skipped")
+            continue
+        if i in special:
+            flush()
+            token = tokenizer.convert_ids_to_tokens(i)
+            out.append(_Piece(token, token in _MARKERS) if isinstance(token, str) else
+                       _Piece(tokenizer.decode([i], skip_special_tokens=False), False))
+        else:
+            run.append(i)
+    flush()
+    return out
 
 
-def parse_kimi_k3_response(text: str, prompt: str | None = None) -> KimiK3Response:
-    """Split a decoded K3 answer into reasoning, content and tool calls.
+def _header(text: str) -> tuple[str, dict[str, str], str]:
+    """``name key="value" ...`` -> (name, attributes unescaped, garbled rest)."""
+    text = text.strip()
+    name_end = len(text)
+    for position, char in enumerate(text):
+        if char.isspace():
+            name_end = position
+            break
+    name, rest = text[:name_end], text[name_end:]
+    attrs: dict[str, str] = {}
+    position, garbled = 0, []
+    while position < len(rest):
+        match = _ATTR_RE.match(rest, position)
+        if match is None:
+            garbled.append(rest[position:].strip())
+            break
+        key, value = match.group(1), _unescape(match.group(2))
+        if key in attrs:
+            garbled.append(f"repeated {key}=")
+        else:
+            attrs[key] = value
+        position = match.end()
+    return name, attrs, "; ".join(g for g in garbled if g)
 
-    ``text``: the generated text decoded with ``skip_special_tokens=False`` (a full transcript also works: only
-    what follows its last ``<|open|>message role="assistant"<|sep|>`` is read). ``prompt``: the prompt the text
-    continues, used to know which channel the generation prompt left open; without it the thinking pre-fill
-    (``<|open|>think<|sep|>``, the spec's default) is assumed unless ``text`` itself holds the assistant header.
-    Text after the message close or an end token (``<|end_of_msg|>``, ``[EOS]``, ``[EOT]``) is ignored.
-    """
-    if ASSISTANT_OPEN in text:
-        text, channel = text.rsplit(ASSISTANT_OPEN, 1)[1], None
+
+def _events(pieces: list[_Piece]) -> tuple[list[_Event], bool]:
+    """Tags from markers; returns (events, whether the input ended inside a tag)."""
+    merged: list[_Piece] = []
+    for piece in pieces:
+        if merged and not piece.marker and not merged[-1].marker:
+            merged[-1] = _Piece(merged[-1].text + piece.text, False)
+        elif piece.text:
+            merged.append(piece)
+    events: list[_Event] = []
+    i, n = 0, len(merged)
+    while i < n:
+        text, marker = merged[i]
+        if not marker:
+            events.append(_Event("text", text))
+            i += 1
+        elif text in END_TOKENS:
+            events.append(_Event("end", text))
+            i += 1
+        elif text in (OPEN, CLOSE):
+            j, header = i + 1, ""
+            if j < n and not merged[j].marker:
+                header, j = merged[j].text, j + 1
+            if j < n and merged[j].text == SEP:
+                name, attrs, garbled = _header(header)
+                events.append(_Event("open" if text == OPEN else "close", text + header + SEP, name, attrs, garbled))
+                i = j + 1
+            elif j >= n and _PARTIAL_HEADER_RE.fullmatch(header):
+                return events, True  # cut off inside the tag: drop it
+            else:
+                events.append(_Event("stray", text))
+                i += 1
+        else:
+            events.append(_Event("stray", text))
+            i += 1
+    return events, False
+
+
+def _is_assistant_header(event: _Event) -> bool:
+    return event.kind == "open" and event.name == "message" and event.attrs.get("role") == "assistant"
+
+
+def _last_header(events: list[_Event]) -> int | None:
+    for i in range(len(events) - 1, -1, -1):
+        if _is_assistant_header(events[i]):
+            return i
+    return None
+
+
+def _message_end(events: list[_Event]) -> int | None:
+    for i, event in enumerate(events):
+        if event.kind == "end" or (event.kind == "close" and event.name == "message"):
+            return i
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Events -> channels
+def _type_matches(value: Any, kind: str) -> bool:
+    if kind != "boolean" and isinstance(value, bool):
+        return False
+    return isinstance(value, _ARGUMENT_TYPES[kind])
+
+
+def _snippet(text: str, width: int = 40) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+class _Reader:
+    def __init__(self, events: list[_Event], result: KimiK3Response):
+        self.events = events
+        self.result = result
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.seen: set[str] = set()
+        self.positions: dict[tuple[str, str], list[int]] = {}  # (kind, tag name) -> event indices
+        for i, event in enumerate(events):
+            if event.kind in ("open", "close"):
+                self.positions.setdefault((event.kind, event.name), []).append(i)
+
+    # ------------------------------------------------------------------ helpers
+    def error(self, message: str) -> None:
+        errors = self.result.errors
+        if message in errors:
+            return
+        if len(errors) < _MAX_ERRORS:
+            errors.append(message)
+        elif len(errors) == _MAX_ERRORS:
+            errors.append("... more errors left out")
+
+    def next_tag(self, kind: str, name: str, start: int) -> int | None:
+        positions = self.positions.get((kind, name), ())
+        k = bisect_left(positions, start)
+        return positions[k] if k < len(positions) else None
+
+    def next_close(self, name: str, start: int) -> int | None:
+        return self.next_tag("close", name, start)
+
+    def is_tag(self, event: _Event, kind: str, *names: str) -> bool:
+        return event.kind == kind and event.name in names
+
+    def as_text(self, event: _Event, where: str) -> str:
+        """An event read as text of ``where``; tags and markers that look structural get a note."""
+        if event.kind in ("open", "close") and event.name in _STRUCTURAL_TAGS:
+            self.error(f"{where}: {event.kind} {event.name} markers inside it were read as text")
+        elif event.kind == "stray":
+            self.error(f"{where}: a {event.raw} marker that starts no tag was read as text")
+        return event.raw
+
+    def enter(self, channel: str) -> str:
+        if channel in self.seen:
+            kept = "calls were kept" if channel == "tools" else "text was added to the first one's"
+            self.error(f"a second {channel} channel (the format has one): its {kept}")
+        self.seen.add(channel)
+        return channel
+
+    # ------------------------------------------------------------------ states
+    def run(self, channel: str | None) -> None:
+        i, n = 0, len(self.events)
+        if channel is not None:
+            self.seen.add(channel)
+        while True:
+            if channel in ("think", "response"):
+                i, channel = self.text_channel(i, channel)
+            elif i >= n:
+                break
+            elif channel == "tools":
+                i, channel = self.tools(i)
+            else:
+                i, channel = self.between(i)
+        self.result.reasoning = "".join(self.reasoning) or None
+        self.result.content = "".join(self.content)
+
+    def text_channel(self, i: int, channel: str) -> tuple[int, str | None]:
+        target = self.reasoning if channel == "think" else self.content
+        mark = len(target)
+        where = f"the {channel} channel"
+        end = self.next_close(channel, i)
+        if end is not None:  # the channel extends to its own close: everything before it is its text
+            for event in self.events[i:end]:
+                target.append(self.as_text(event, where))
+            return end + 1, None
+        for k in range(i, len(self.events)):
+            event = self.events[k]
+            if event.kind == "text":
+                target.append(event.raw)
+            elif channel == "think" and self.is_tag(event, "close", "response"):
+                # the model skipped thinking: what was taken for reasoning was the response
+                self.content.extend(self.reasoning[mark:])
+                del self.reasoning[mark:]
+                return k + 1, None
+            elif channel == "think" and self.is_tag(event, "open", "response"):
+                return k + 1, self.enter("response")
+            elif self.is_tag(event, "open", "tools"):
+                return k + 1, self.enter("tools")
+            else:
+                target.append(self.as_text(event, where))
+        return len(self.events), None
+
+    def between(self, i: int) -> tuple[int, str | None]:
+        event = self.events[i]
+        if event.kind == "text":
+            if event.raw.strip() or not self.seen:  # whitespace between channels carries nothing
+                self.content.append(event.raw)
+        elif event.kind == "open" and event.name in _CHANNELS:
+            if event.attrs or event.garbled:
+                self.error(f"{_snippet(event.raw)}: a channel marker takes no attributes; they were ignored")
+            return i + 1, self.enter(event.name)
+        elif event.kind == "close" and event.name in _CHANNELS:
+            self.error(f"{_snippet(event.raw)} closes a channel that is not open: dropped")
+        elif event.kind == "open" and event.name in ("call", "argument", "json"):
+            self.error(f"an {event.name} block outside the tools channel is not a tool call: kept as text"
+                       if event.name == "argument" else
+                       f"a {event.name} block outside the tools channel is not a tool call: kept as text")
+            self.content.append(event.raw)
+        elif event.kind in ("open", "close"):
+            self.error(f"unknown or misplaced tag {_snippet(event.raw)}: kept as text")
+            self.content.append(event.raw)
+        else:
+            self.error(f"a {event.raw} marker that starts no tag: kept as text")
+            self.content.append(event.raw)
+        return i + 1, None
+
+    def tools(self, i: int) -> tuple[int, str | None]:
+        k, n = i, len(self.events)
+        while k < n:
+            event = self.events[k]
+            if event.kind == "text":
+                if event.raw.strip():
+                    self.error(f"text {_snippet(event.raw)} between tool calls: dropped")
+                k += 1
+            elif self.is_tag(event, "open", "call"):
+                k = self.call(k)
+            elif self.is_tag(event, "close", "tools"):
+                return k + 1, None
+            elif self.is_tag(event, "open", "think", "response"):
+                self.error(f"the tools channel was not closed before {_snippet(event.raw)}")
+                return k + 1, self.enter(event.name)
+            elif self.is_tag(event, "open", "argument", "json"):
+                end = self.next_close(event.name, k + 1)
+                self.error(f"{'an' if event.name == 'argument' else 'a'} {event.name} block outside a call: dropped")
+                k = k + 1 if end is None else end + 1
+            else:
+                self.error(f"{_snippet(event.raw)} in the tools channel outside a call: dropped")
+                k += 1
+        if self.result.finished:
+            self.error("the tools channel was not closed")
+        return n, None
+
+    def call(self, k: int) -> int:
+        header = self.events[k]
+        name = header.attrs.get("tool")
+        position = len(self.result.tool_calls) + 1
+        label = f"call {position}" if name is None else f"call {name!r}"
+        if header.garbled:
+            self.error(f"{label}: garbled attributes {_snippet(header.garbled)} ignored")
+        if name is None:
+            self.error(f"{label} has no tool= attribute: the call was dropped")
+        elif name == "":
+            self.error(f"{label} has an empty tool name")
+        index_text = header.attrs.get("index")
+        if index_text is not None and index_text.isascii() and index_text.isdigit():
+            index = int(index_text)
+        else:
+            self.error(f"{label}: index={index_text!r} is not a number; its position {position} was used")
+            index = position
+        arguments: dict[str, Any] = {}
+        raw_json: str | None = None
+        has_block = False
+        j, n = k + 1, len(self.events)
+        while j < n:
+            event = self.events[j]
+            if event.kind == "text":
+                if event.raw.strip():
+                    self.error(f"{label}: text {_snippet(event.raw)} between arguments: dropped")
+                j += 1
+            elif self.is_tag(event, "open", "argument", "json"):
+                j, value = self.value_block(j, label)
+                if event.name == "argument":
+                    if value is not None:
+                        key, decoded = value
+                        if raw_json is not None:
+                            self.error(f"{label} has both a json block and arguments: the arguments were kept")
+                            raw_json = None
+                        if key in arguments:
+                            self.error(f"{label}: argument {key!r} given twice: the last one was kept")
+                        arguments[key] = decoded
+                        has_block = True
+                elif value is not None:
+                    if has_block:
+                        self.error(f"{label} has a second arguments block: it was ignored")
+                    else:
+                        raw_json, has_block = value, True
+            elif self.is_tag(event, "close", "call"):
+                if name is not None:
+                    self.result.tool_calls.append(KimiK3ToolCall(name, arguments if raw_json is None else raw_json,
+                                                                 index))
+                return j + 1
+            elif self.is_tag(event, "open", "call") or self.is_tag(event, "close", "tools") or \
+                    self.is_tag(event, "open", "think", "response", "tools"):
+                self.error(f"{label} was not closed before {_snippet(event.raw)}: the call was dropped")
+                return j
+            else:
+                self.error(f"{label}: {_snippet(event.raw)} between arguments: dropped")
+                j += 1
+        self.error(f"the output ended inside {label}: the call was dropped")
+        return n
+
+    def value_block(self, j: int, label: str) -> tuple[int, Any]:
+        """An argument or json block -> (next index, (key, value) / raw arguments, or None if unusable)."""
+        header = self.events[j]
+        tag = header.name
+        end = self.next_close(tag, j + 1)
+        if end is None:
+            boundaries = [self.next_tag(kind, name, j + 1) for kind, name in (
+                ("close", "call"), ("close", "tools"), ("open", "call"), ("open", "argument"), ("open", "json"))]
+            stop = min((b for b in boundaries if b is not None), default=len(self.events))
+            if stop < len(self.events):
+                self.error(f"{label}: {'an' if tag == 'argument' else 'a'} {tag} block was not closed before "
+                           f"{_snippet(self.events[stop].raw)}")
+            body, after = self.events[j + 1:stop], stop
+        else:
+            body, after = self.events[j + 1:end], end + 1
+        where = f"{label}, {tag} block"
+        raw = "".join(event.raw if event.kind == "text" else self.as_text(event, where) for event in body)
+        if header.garbled:
+            self.error(f"{where}: garbled attributes {_snippet(header.garbled)} ignored")
+        if tag == "json":
+            if header.attrs.get("type", "object") != "object":
+                self.error(f"{where}: type={header.attrs['type']!r} (expected 'object')")
+            if not raw.strip():
+                return after, {}
+            try:
+                parsed = json.loads(raw)
+            except (ValueError, RecursionError):
+                return after, raw
+            return after, parsed if isinstance(parsed, dict) else raw
+        key = header.attrs.get("key")
+        if key is None:
+            self.error(f"{label}: an argument without key=: dropped")
+            return after, None
+        kind = header.attrs.get("type")
+        where = f"{label}, argument {key!r}"
+        if kind is None:
+            self.error(f"{where} has no type=: read as a string")
+            kind = "string"
+        if kind == "string":
+            return after, (key, raw)
+        if kind not in _ARGUMENT_TYPES:
+            self.error(f"{where}: unknown type={kind!r}: kept as text")
+            return after, (key, raw)
+        try:
+            value = json.loads(raw)
+        except RecursionError:
+            self.error(f"{where}: the JSON is nested too deeply to read: kept as text")
+            return after, (key, raw)
+        except ValueError:
+            self.error(f"{where}: not valid JSON for type={kind!r}: kept as text")
+            return after, (key, raw)
+        if not _type_matches(value, kind):
+            self.error(f"{where}: the value is a JSON {type(value).__name__}, not {kind}")
+        return after, (key, value)
+
+
+def parse_kimi_k3_response(output: str | KimiK3Prompt | Sequence[int] | torch.Tensor,
+                           prompt: str | KimiK3Prompt | Sequence[int] | torch.Tensor | None = None, *,
+                           tokenizer: Any = None) -> KimiK3Response:
+    """Split a K3 answer into reasoning, content and tool calls.
+
+    ``output``: what the model generated (a full transcript also works: only what follows its last
+    ``<|open|>message role="assistant"<|sep|>`` is read), as
+
+    * the token ids (a list, tuple or 1-D tensor / array) with ``tokenizer=``: special-token ids are the markers,
+      the ids between them are decoded as text. The unambiguous form;
+    * a `KimiK3Prompt`: only its control segments are markers;
+    * a ``str`` decoded with ``skip_special_tokens=False``: markers are recognised by their spelling, so text that
+      merely spells a marker counts as one (a string cannot tell them apart).
+
+    ``prompt`` (same forms): the prompt the output continues; it says which channel the generation prompt left open
+    (``<|open|>think<|sep|>`` or ``<|open|>response<|sep|>``; text it pre-filled after that counts as generated).
+    Without it the thinking pre-fill is assumed, unless ``output`` holds the assistant header itself.
+
+    Tool calls are read only from the tools channel. Malformed answers give a result whose ``errors`` say what was
+    wrong; only an input of the wrong type raises (``TypeError``)."""
+    result = KimiK3Response()
+    events, truncated = _events(_pieces(output, tokenizer, "output", result.errors))
+    header = _last_header(events)
+    channel: str | None
+    if header is not None:
+        events, channel = events[header + 1:], None
     elif prompt is not None:
-        tail = prompt.rsplit(ASSISTANT_OPEN, 1)[1] if ASSISTANT_OPEN in prompt else ""
-        text, channel = tail + text, None
+        prompt_events, _ = _events(_pieces(prompt, tokenizer, "prompt", result.errors))
+        prompt_header = _last_header(prompt_events)
+        tail = [] if prompt_header is None else prompt_events[prompt_header + 1:]
+        if _message_end(tail) is not None:
+            tail = []  # the prompt's last assistant message is closed: the output starts outside it
+        events, channel = tail + events, None
     else:
         channel = "think"
-    result = KimiK3Response()
-    end = _END_RE.search(text)
+    end = _message_end(events)
     if end is not None:
-        text, result.finished = text[: end.start()], True
-    text = _PARTIAL_MARKER_RE.sub("", text)
-
-    reasoning: list[str] = []
-    content: list[str] = []
-    call: KimiK3ToolCall | None = None
-    argument: tuple[str, str] | None = None  # (key, type)
-    argument_text: list[str] = []
-
-    def add_text(piece: str) -> None:
-        if not piece:
-            return
-        if channel == "think":
-            reasoning.append(piece)
-        elif channel == "argument":
-            argument_text.append(piece)
-        elif channel in ("response", None):
-            content.append(piece)
-        # whitespace between calls / arguments in the tools channel carries nothing
-
-    position = 0
-    for match in _MARKER_RE.finditer(text):
-        add_text(text[position: match.start()])
-        position = match.end()
-        kind, (name, attrs) = match.group(1), _attributes(match.group(2).strip())
-        if kind == "open":
-            if name in ("think", "response", "tools"):
-                channel = name
-            elif name == "call":
-                index = attrs.get("index", "")
-                call = KimiK3ToolCall(attrs.get("tool", ""), {},
-                                      int(index) if index.isdigit() else len(result.tool_calls) + 1)
-                channel = "call"
-            elif name == "argument":
-                argument, argument_text = (attrs.get("key", ""), attrs.get("type", "string")), []
-                channel = "argument"
-            else:
-                add_text(match.group(0))  # not a channel we know: keep it visible
-        else:
-            if name == "message":
-                result.finished = True
-                break
-            if name == "response" and channel == "think":
-                # the model skipped thinking: what was taken for reasoning was the response
-                content.extend(reasoning)
-                reasoning.clear()
-                channel = None
-            elif name == "argument" and argument is not None and call is not None:
-                call.arguments[argument[0]] = _decode_argument("".join(argument_text), argument[1])
-                argument, channel = None, "call"
-            elif name == "call" and call is not None:
-                if call.name:
-                    result.tool_calls.append(call)
-                call, channel = None, "tools"
-            elif name in ("think", "response", "tools"):
-                channel = None
-            else:
-                add_text(match.group(0))
-    else:
-        add_text(text[position:])
-
-    joined = "".join(reasoning)
-    result.reasoning = joined or None
-    result.content = "".join(content)
+        events, result.finished = events[:end], True
+    elif truncated:
+        result.errors.append("the output ends inside a marker: the partial marker was dropped")
+    _Reader(events, result).run(channel)
     return result
 
 
-def format_kimi_k3_tool_calls(calls: Iterable[KimiK3ToolCall | dict]) -> str:
-    """The ``tools`` channel for ``calls`` (`KimiK3ToolCall` or OpenAI-style dicts), as K3 writes it: the inverse
-    of the tool-call part of `parse_kimi_k3_response`. Indices run 1, 2, ... unless a `KimiK3ToolCall` has its
-    own. A Python ``int``/``float`` argument gets ``type="number"`` (JSON Schema's integer is K3's number)."""
-    parts = [TOOLS_OPEN]
+# ---------------------------------------------------------------------------------------------------------------
+# Tool calls -> the tools channel
+def _argument_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    raise TypeError(f"a tool call argument must be a JSON value, got {type(value).__name__}")
+
+
+def _dumps(value: Any, where: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        raise KimiK3ParseError(f"{where}: the value is nested too deeply to write as JSON") from None
+    except TypeError as error:
+        raise TypeError(f"{where}: {error}") from None
+    except ValueError as error:
+        raise KimiK3ParseError(f"{where}: {error}") from None
+
+
+def _call_parts(call: Any, position: int) -> tuple[str, dict | str, int]:
+    """(name, arguments dict or raw json-block text, index) of a `KimiK3ToolCall` or an OpenAI-style dict."""
+    where = f"tool call {position}"
+    if isinstance(call, KimiK3ToolCall):
+        name, arguments, index = call.name, call.arguments, call.index
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise TypeError(f"{where}: index must be an int, got {type(index).__name__}")
+    elif isinstance(call, Mapping):
+        function = call.get("function", call)
+        if not isinstance(function, Mapping):
+            raise TypeError(f"{where}: 'function' must be a dict, got {type(function).__name__}")
+        name, arguments, index = function.get("name"), function.get("arguments"), position
+    else:
+        raise TypeError(f"{where} must be a KimiK3ToolCall or an OpenAI-style dict, got {type(call).__name__}")
+    if name is None:
+        raise KimiK3ParseError(f"{where} has no function name")
+    if arguments is None:
+        return str(name), {}, index
+    if isinstance(arguments, Mapping):
+        return str(name), dict(arguments), index
+    if not isinstance(arguments, str):
+        raise TypeError(f"{where}: arguments must be a dict or a string, got {type(arguments).__name__}")
+    if not arguments.strip():
+        return str(name), {}, index
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        parsed = None
+    return str(name), (parsed if isinstance(parsed, dict) else arguments), index
+
+
+def format_kimi_k3_tool_calls(calls: Iterable[KimiK3ToolCall | Mapping]) -> KimiK3Prompt:
+    """The ``tools`` channel for ``calls``, as a `KimiK3Prompt` laid out segment for segment as the chat renderer
+    writes an assistant message's ``tool_calls`` (markers as control segments; tag names, each `` key="value"``
+    attribute and each value as text segments; empty values get no segment). The inverse of the tool-call part of
+    `parse_kimi_k3_response`: parsing it gives back every name and argument exactly (as a `KimiK3Prompt` or as
+    token ids; its plain ``str`` is read textually, see the module docstring).
+
+    ``calls``: `KimiK3ToolCall` objects or OpenAI-style dicts (``{"function": {"name", "arguments"}}`` or the flat
+    ``{"name", "arguments"}``; arguments a dict or a JSON string). String arguments that are not a JSON object go
+    into a json block and parse back as that string; blank ones mean no arguments. Indices run 1, 2, ... for dicts;
+    a `KimiK3ToolCall` keeps its own. A Python ``int``/``float`` argument gets ``type="number"``, strings are written
+    raw, every other value as JSON. No calls give an empty prompt (the format has no empty tools channel)."""
+    if isinstance(calls, (str, bytes, Mapping, KimiK3ToolCall)):
+        raise TypeError(f"calls must be a list of tool calls, got {type(calls).__name__}")
+    segments: list[Segment] = []
+
+    def text(value: str) -> None:
+        if value:
+            segments.append(Segment(value, False))
+
+    def open_tag(tag: str, attributes: Sequence[tuple[str, Any]] = ()) -> None:
+        segments.append(Segment(OPEN, True))
+        text(tag)
+        for key, value in attributes:
+            text(f' {key}="{_escape(value)}"')
+        segments.append(Segment(SEP, True))
+
+    def close_tag(tag: str) -> None:
+        segments.extend((Segment(CLOSE, True), Segment(tag, False), Segment(SEP, True)))
+
     for position, call in enumerate(calls, start=1):
-        if isinstance(call, dict):
-            function = call.get("function", call)
-            arguments = function.get("arguments", {})
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            call = KimiK3ToolCall(function["name"], arguments, position)
-        parts.append(f'<|open|>call tool="{_escape(call.name)}" index="{call.index}"<|sep|>')
-        for key, value in call.arguments.items():
-            kind = _JSON_TYPES.get(type(value), "object")
-            raw = value if kind == "string" else json.dumps(value, ensure_ascii=False)
-            parts.append(f'<|open|>argument key="{_escape(key)}" type="{kind}"<|sep|>{raw}<|close|>argument<|sep|>')
-        parts.append("<|close|>call<|sep|>")
-    parts.append(TOOLS_CLOSE)
-    return "".join(parts)
+        name, arguments, index = _call_parts(call, position)
+        if not segments:
+            open_tag("tools")
+        open_tag("call", [("tool", name), ("index", index)])
+        if isinstance(arguments, str):
+            open_tag("json", [("type", "object")])
+            text(arguments)
+            close_tag("json")
+        else:
+            for key, value in arguments.items():
+                kind = _argument_type(value)
+                open_tag("argument", [("key", key), ("type", kind)])
+                text(value if kind == "string" else _dumps(value, f"tool call {position}, argument {key!r}"))
+                close_tag("argument")
+        close_tag("call")
+    if segments:
+        close_tag("tools")
+    return KimiK3Prompt(segments)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,9 +761,11 @@ def format_kimi_k3_tool_calls(calls: Iterable[KimiK3ToolCall | dict]) -> str:
 # `KIMI_K3_RESPONSE_TEMPLATE` lets ``tokenizer.parse_response(text, prefix=prompt)`` and
 # ``pipeline("text-generation")`` return ``{"role": "assistant", "reasoning_content", "content", "tool_calls"}``
 # (set ``tokenizer.response_template = KIMI_K3_RESPONSE_TEMPLATE`` before saving). transformers' template language
-# is flat and untyped, so it cannot express two things that `parse_kimi_k3_response` handles: argument values stay
-# text unless ``tools=`` schemas are passed (then transformers casts them; K3's own ``type`` attribute is not read),
-# and a skipped think channel (an answer closed by a bare ``<|close|>response<|sep|>``) is reported as reasoning.
+# is flat, untyped and reads text, so it cannot express what `parse_kimi_k3_response` handles: argument values stay
+# text unless ``tools=`` schemas are passed (then transformers casts them; K3's own ``type`` attribute is not read);
+# a skipped think channel (an answer closed by a bare ``<|close|>response<|sep|>``) is reported as reasoning; a json
+# block's raw arguments are lost (the call gets ``{}``); attribute entities are not unescaped; and, working on decoded
+# text, it cannot tell real markers from spelled ones (pass token ids to `parse_kimi_k3_response` for that).
 KIMI_K3_RESPONSE_TEMPLATE: dict = {
     "start_anchor": ASSISTANT_OPEN,
     "defaults": {"role": "assistant"},
@@ -354,6 +875,7 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
 
 __all__ = [
     "KIMI_K3_RESPONSE_TEMPLATE",
+    "KimiK3ParseError",
     "KimiK3Response",
     "KimiK3ToolCall",
     "ThinkingBudgetLogitsProcessor",

@@ -1,9 +1,13 @@
 """``python -m transformers_k3 generate PROMPT``: stream tokens from the shipped small K3 (or ``--model DIR``).
 
 * plain prompt: a raw continuation (the small model is a Python-code model: try ``"def fibonacci(n):"``);
-* ``--thinking``: the prompt becomes a user message in the K3 chat template, the model thinks first
-  (``<|open|>think<|sep|>`` pre-filled) and the answer is split into reasoning and response;
-* ``--image PATH``: the prompt (default "What is in the image?") is asked about the image, chat format;
+* ``--chat``: the prompt becomes a user message in K3's chat format. Thinking is ON by default, as K3 is trained:
+  the model writes its reasoning first (shown on stderr after ``[thinking]``), then its answer (stdout).
+  ``--no-thinking`` asks for the answer directly, ``--thinking-effort low|high|max`` sets the effort;
+* ``--image PATH``: the prompt (default "What is in the image?") is asked about the image, in the chat format
+  (the same thinking default; the shipped small model learned its image task without thinking: add
+  ``--no-thinking``);
+* a chat answer prints as text, never as template markers; tool calls the model writes are listed on stderr;
 * long text prompts are pre-filled in chunks into the hybrid cache with a progress bar, then decoding
   continues from that cache.
 """
@@ -11,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -26,7 +31,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     gen.add_argument("--image", help="an image file to ask about (chat format)")
     gen.add_argument("--model", help="a K3 checkpoint directory (default: the small model shipped in the package)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--thinking", action="store_true", help="chat format with the think channel opened first")
+    gen.add_argument("--chat", action="store_true",
+                     help="K3 chat format (thinking on by default, as K3 is trained; see --no-thinking)")
+    gen.add_argument("--thinking", action="store_true", help="chat format with thinking on (the chat default)")
+    gen.add_argument("--no-thinking", action="store_true",
+                     help="chat format with thinking off: the model answers in the response channel directly")
+    gen.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
+                     help="chat format: how much to think (a K3 system note; default: none given)")
     gen.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-p 0.95) instead of greedy")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
@@ -108,6 +119,54 @@ def _check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"--image {args.image} is not an image Pillow can read ({error})") from None
 
 
+class ChannelStreamer:
+    """A `generate(streamer=...)` streamer for K3 chat answers: reasoning to ``err`` after ``[thinking]``, the answer
+    to ``out``, no template markers. It re-parses the ids generated so far at each step (`parse_kimi_k3_response`
+    on token ids, so only real control tokens are markers) and prints what grew."""
+
+    def __init__(self, tokenizer, prompt, out=None, err=None):
+        self.tokenizer, self.prompt = tokenizer, prompt
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.ids: list[int] = []
+        self.skip_prompt = True
+        self.shown = {"reasoning": "", "content": ""}
+        self.parsed = None
+
+    def put(self, value) -> None:
+        if self.skip_prompt:  # generate() first sends the prompt
+            self.skip_prompt = False
+            return
+        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
+        self._show()
+
+    def end(self) -> None:
+        self._show()
+        if self.shown["reasoning"] and not self.shown["content"]:
+            print(file=self.err)
+        if self.shown["content"]:
+            print(file=self.out)
+
+    def _show(self) -> None:
+        from .chat import parse_kimi_k3_response
+
+        self.parsed = parse_kimi_k3_response(self.ids, prompt=self.prompt, tokenizer=self.tokenizer)
+        if self.shown["reasoning"] and not self.parsed.reasoning and not self.shown["content"]:
+            # a bare <|close|>response<|sep|>: what looked like thinking was the answer
+            print("\n[no thinking: the text above was the answer]", file=self.err, flush=True)
+            self.shown["reasoning"] = ""
+            self.shown["skipped"] = "yes"
+        for field, stream, label in (("reasoning", self.err, "[thinking] "), ("content", self.out, "")):
+            text = getattr(self.parsed, field) or ""
+            text = text.rstrip("\ufffd")  # a character still being decoded byte by byte
+            shown = self.shown[field]
+            if len(text) > len(shown) and text.startswith(shown):
+                if field == "content" and self.shown["reasoning"] and not shown and "skipped" not in self.shown:
+                    print(file=self.err, flush=True)  # end the reasoning line before the answer starts
+                stream.write((label if not shown else "") + text[len(shown):])
+                stream.flush()
+                self.shown[field] = text
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
@@ -118,43 +177,49 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     special = tokenizer.convert_tokens_to_ids
     stop_ids = [i for i in {tokenizer.eos_token_id, special("<|end_of_msg|>")} if i is not None and i >= 0]
-    inputs: dict = {}
-    chat = bool(args.image or args.thinking)
+    chat = bool(args.image or args.chat or args.thinking or args.no_thinking or args.thinking_effort)
+    if args.thinking and args.no_thinking:
+        raise SystemExit("--thinking and --no-thinking exclude each other: pass one")
+    template = dict(add_generation_prompt=True, thinking=not args.no_thinking, thinking_effort=args.thinking_effort)
     if args.image:
         if processor is None:
             raise SystemExit("--image needs a checkpoint with a vision tower and a processor")
         from PIL import Image
 
         image = Image.open(args.image).convert("RGB")
-        messages = [{"role": "user", "content": [{"type": "image"},
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                                  {"type": "text", "text": prompt or "What is in the image?"}]}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             thinking=args.thinking)
-        inputs = dict(processor(images=[image], text=[text], return_tensors="pt"))
+        rendered = processor.apply_chat_template(messages, **template)
+        inputs = dict(processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                                    **template))
         inputs.pop("attention_mask", None)
     else:
         if not prompt:
             raise SystemExit("give a prompt, e.g. python -m transformers_k3 generate \"def fibonacci(n):\"")
         if chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True, thinking=True)
+            messages = [{"role": "user", "content": prompt}]
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, **template)
+            inputs = {"input_ids": tokenizer.apply_chat_template(messages, return_tensors="pt", **template)["input_ids"]}
         else:
-            text = prompt
-        inputs = {"input_ids": tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]}
+            inputs = {"input_ids": tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]}
     input_ids = inputs["input_ids"]
     loaded_s = time.perf_counter() - start
     n_params = sum(p.numel() for p in model.parameters())
+    mode = ""
+    if chat:
+        mode = f"; chat, thinking {'off' if args.no_thinking else 'on'}" + (
+            f" ({args.thinking_effort})" if args.thinking_effort and not args.no_thinking else "")
     print(f"[{type(model).__name__}, {n_params / 1e6:.1f}M parameters, loaded in {loaded_s:.1f}s; "
-          f"prompt {input_ids.shape[1]} tokens]", file=sys.stderr)
+          f"prompt {input_ids.shape[1]} tokens{mode}]", file=sys.stderr)
 
     if "pixel_values" not in inputs and input_ids.shape[1] > args.prefill_chunk + 1:
         inputs["past_key_values"] = chunked_prefill(model, input_ids, args.prefill_chunk)
 
     if chat:
-        print(tokenizer.decode(input_ids[0][-3:], skip_special_tokens=False), end="", flush=True)
+        streamer = ChannelStreamer(tokenizer, rendered)
     else:
         print(prompt, end="", flush=True)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=not chat)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     gen = dict(max_new_tokens=args.max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
                streamer=streamer)
     if args.sample:
@@ -166,17 +231,16 @@ def run(args: argparse.Namespace) -> int:
         out = model.generate(**inputs, **gen)
     elapsed = time.perf_counter() - start
     new = out[0, input_ids.shape[1]:]
-    print(file=sys.stdout)
-    if chat:
-        from .chat import parse_kimi_k3_response
-
-        prefix = tokenizer.decode(input_ids[0], skip_special_tokens=False)
-        parsed = parse_kimi_k3_response(tokenizer.decode(new, skip_special_tokens=False), prompt=prefix)
-        if parsed.reasoning:
-            print(f"[reasoning] {parsed.reasoning}", file=sys.stderr)
-        print(f"[response] {parsed.content}", file=sys.stderr)
+    if not chat:
+        print(file=sys.stdout)
+    else:
+        parsed = streamer.parsed
+        for call in parsed.tool_calls if parsed is not None else []:
+            print(f"[tool call] {call.name}({json.dumps(call.arguments, ensure_ascii=False)})", file=sys.stderr)
+        if parsed is not None and not parsed.finished:
+            print("[the answer was cut at --max-new-tokens]", file=sys.stderr)
     print(f"[{len(new)} tokens in {elapsed:.2f}s, {len(new) / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
     return 0
 
 
-__all__ = ["add_parser", "chunked_prefill", "load", "run"]
+__all__ = ["ChannelStreamer", "add_parser", "chunked_prefill", "load", "run"]

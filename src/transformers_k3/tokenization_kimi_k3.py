@@ -254,11 +254,8 @@ class KimiK3Tokenizer(TokenizersBackend):
 
         if isinstance(response, (list, tuple)) and response and isinstance(response[0], (list, tuple)):
             return [self.parse_response(r, prefix=prefix, tools=tools) for r in response]
-        if not isinstance(response, str):
-            response = self.decode(response, skip_special_tokens=False)
-        if prefix is not None and not isinstance(prefix, str):
-            prefix = self.decode(prefix, skip_special_tokens=False)
-        return parse_kimi_k3_response(response, prompt=prefix).to_message()
+        # ids stay ids: only real control tokens are markers then (decoded text cannot tell them from typed text)
+        return parse_kimi_k3_response(response, prompt=prefix, tokenizer=self).to_message()
 
 
 def build_test_tokenizer(vocab_size: int = 512, media_pad_id: int = 500, pad_id: int = 0, bos_id: int = 1,

@@ -177,9 +177,10 @@ def convert_tiktoken_tokenizer(input_dir: str | Path, output_dir: str | Path, pa
     saves a fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``) to ``output_dir``. The release's
     ``tokenizer_config.json`` is kept there as ``tokenizer_config.tiktoken.json``. Returns the tokenizer.
 
-    ``chat_template``: kept from the release's config when it has one, else this package's
-    ``KIMI_K3_CHAT_TEMPLATE`` (the K3 release renders prompts in Python, not Jinja)."""
-    from transformers import PreTrainedTokenizerFast
+    The tokenizer is a `KimiK3Tokenizer`: ``apply_chat_template`` renders K3's format in Python as the release's
+    encoder does. ``chat_template`` (the Jinja string saved for tools that read only it): kept from the release's
+    config when it has one, else this package's ``KIMI_K3_CHAT_TEMPLATE``."""
+    from ..tokenization_kimi_k3 import KimiK3Tokenizer
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     ranks_path = input_dir / RANKS_FILE
@@ -209,7 +210,7 @@ def convert_tiktoken_tokenizer(input_dir: str | Path, output_dir: str | Path, pa
         from ..tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE
 
         chat_template = KIMI_K3_CHAT_TEMPLATE
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = KimiK3Tokenizer(
         tokenizer_object=backend, extra_special_tokens=extra, chat_template=chat_template,
         model_max_length=tokenizer_config.get("model_max_length", int(1e30)), clean_up_tokenization_spaces=False,
         **roles,
