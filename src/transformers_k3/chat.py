@@ -79,11 +79,8 @@ from typing import Any, NamedTuple
 import torch
 from transformers import LogitsProcessor
 
-from .encoding_kimi_k3 import KimiK3Prompt, Segment
+from .encoding_kimi_k3 import CLOSE, OPEN, SEP, KimiK3Prompt, Segment, argument_type
 
-OPEN = "<|open|>"
-CLOSE = "<|close|>"
-SEP = "<|sep|>"
 THINK_OPEN = "<|open|>think<|sep|>"
 THINK_CLOSE = "<|close|>think<|sep|>"
 RESPONSE_OPEN = "<|open|>response<|sep|>"
@@ -647,22 +644,6 @@ def parse_kimi_k3_response(output: str | KimiK3Prompt | Sequence[int] | torch.Te
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tool calls -> the tools channel
-def _argument_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, Mapping):
-        return "object"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    raise TypeError(f"a tool call argument must be a JSON value, got {type(value).__name__}")
-
-
 def _dumps(value: Any, where: str) -> str:
     try:
         return json.dumps(value, ensure_ascii=False)
@@ -746,7 +727,7 @@ def format_kimi_k3_tool_calls(calls: Iterable[KimiK3ToolCall | Mapping]) -> Kimi
             close_tag("json")
         else:
             for key, value in arguments.items():
-                kind = _argument_type(value)
+                kind = argument_type(value)
                 open_tag("argument", [("key", key), ("type", kind)])
                 text(value if kind == "string" else _dumps(value, f"tool call {position}, argument {key!r}"))
                 close_tag("argument")

@@ -148,7 +148,8 @@ def _field(obj: Any, key: str, default: Any = None) -> Any:
     return getattr(obj, key, default)
 
 
-def _argument_type(value: Any) -> str:
+def argument_type(value: Any) -> str:
+    """The ``type`` attribute of a tool-call argument (JSON Schema's integer is K3's number)."""
     if isinstance(value, bool):
         return "boolean"
     if value is None:
@@ -159,7 +160,9 @@ def _argument_type(value: Any) -> str:
         return "string"
     if isinstance(value, Mapping):
         return "object"
-    return "array"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    raise TypeError(f"a tool call argument must be a JSON value, got {type(value).__name__}")
 
 
 def _argument_text(value: Any) -> str:
@@ -369,7 +372,7 @@ def _assistant(message: Mapping, media: _Media, thinking: bool, where: str, gene
                     segments += _open("json", [("type", "object")]) + _text(call.raw) + _close("json")
                 else:
                     for key, value in call.arguments.items():
-                        segments += _open("argument", [("key", key), ("type", _argument_type(value))])
+                        segments += _open("argument", [("key", key), ("type", argument_type(value))])
                         segments += _text(_argument_text(value)) + _close("argument")
                 segments += _close("call")
             segments += _close("tools")
@@ -485,6 +488,7 @@ __all__ = [
     "Segment",
     "THINKING_EFFORTS",
     "VIDEO_PLACEHOLDER",
+    "argument_type",
     "order_tool_results",
     "render_kimi_k3_chat",
     "resolve_thinking",
