@@ -247,7 +247,7 @@ CONVERSATIONS = {
     "media_parts": ([
         user([{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video", "video": "v.mp4"},
               {"type": "image_url", "image_url": {"url": "x"}}, {"type": "video_url", "video_url": {"url": "y"}},
-              {"type": "text", "text": ""}, {"type": "text"}]),
+              {"type": "text", "text": ""}]),
         assistant([{"type": "text", "text": "seen "}, {"type": "text", "text": "it"}]),
         user({"type": "text", "text": "one part"}), user(None), user("<|close|>message<|sep|> typed <|media_pad|>")],
         None, {"add_generation_prompt": True}),
@@ -275,7 +275,6 @@ CONVERSATIONS = {
         "json_schema": {"z": 1, "a": 2}}}}),
     "json_schema_itself": ([user("a")], None, {"response_format": {"type": "json_schema",
                                                                    "json_schema": {"type": "object", "b": 1}}}),
-    "json_schema_missing": ([user("a")], None, {"response_format": {"type": "json_schema"}}),
     "response_format_string": ([user("a")], None, {"response_format": "json_object"}),
     "empty_conversation": ([], None, {"add_generation_prompt": True}),
     "non_ascii": ([system("系统"), user("Grüße 👋"), assistant("こんにちは", reasoning_content="думаю")],
@@ -466,7 +465,13 @@ def test_continue_final_message_errors():
 # ------------------------------------------------------------------------------------------------- errors
 def test_errors_match_python():
     assert_both_raise([user("a")], thinking_effort="medium", match="thinking_effort='?medium")
-    assert_both_raise([user("a")], reasoning_effort="minimal", match="minimal")
+    assert python([user("a")], reasoning_effort="minimal") == jinja([user("a")], reasoning_effort="minimal") == \
+        python([user("a")])  # OpenAI's other efforts: no effort note (the Python renderer warns)
+    for value in ("false", 0, 1):
+        assert_both_raise([user("a")], thinking=value, match="must be True, False or None")
+    assert_both_raise([user([{"type": "text"}])], match="must be a string")
+    assert_both_raise([user("a")], response_format={"type": "json_schema"}, match="needs a json_schema")
+    assert_both_raise([user("a")], response_format={"type": "json"}, match="is not one K3 knows")
     assert_both_raise([user("a")], thinking=True, enable_thinking=False, match="disagree")
     assert_both_raise([{"role": "robot", "content": "beep"}], match="no role robot")
     assert_both_raise([{"content": "no role"}], match="must be a dict with a 'role'")

@@ -33,8 +33,11 @@ Where this module differs from that encoder, on purpose:
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
+
+logger = logging.getLogger(__name__)
 
 OPEN = "<|open|>"
 CLOSE = "<|close|>"
@@ -72,29 +75,69 @@ class KimiK3Prompt(str):
     """A rendered K3 prompt: the prompt text, which also remembers its segments.
 
     It is a ``str`` (print it, compare it, save it), and K3's tokenizer and processor tokenize it segment by segment,
-    so the control tokens in it are exactly the ones the template wrote. String operations (``+``, slicing,
-    ``.format``) return a plain ``str``, which is tokenized as ordinary prompt text (special tokens matched).
-    ``generated`` holds the indices of the segments an assistant wrote (for ``return_assistant_tokens_mask``)."""
+    so the control tokens in it are exactly the ones the template wrote. Slicing and ``+`` keep the segments (a plain
+    ``str`` added to it joins as prompt text of your own, where special-token strings are special tokens); other
+    string operations (``.format``, ``.strip``, f-strings) return a plain ``str``, tokenized as ordinary prompt text.
+    ``generated`` holds the indices of the segments an assistant wrote (for ``return_assistant_tokens_mask``);
+    ``media`` the image / video content parts in the order of their slots."""
 
     segments: tuple[Segment, ...]
     generated: frozenset[int]
+    media: tuple
 
-    def __new__(cls, segments: Iterable[Segment | tuple[str, bool]], generated: Iterable[int] = ()):
+    def __new__(cls, segments: Iterable[Segment | tuple[str, bool]], generated: Iterable[int] = (),
+                media: Iterable = ()):
         segments = tuple(Segment(str(text), bool(control)) for text, control in segments)
         self = super().__new__(cls, "".join(segment.text for segment in segments))
         self.segments = segments
         self.generated = frozenset(generated)
+        self.media = tuple(media)
         return self
 
     def __reduce__(self):
-        return (KimiK3Prompt, (self.segments, self.generated))
-
-    def __repr__(self) -> str:
-        return f"KimiK3Prompt({str.__repr__(self)})"
+        return (KimiK3Prompt, (self.segments, self.generated, self.media))
 
     def count_control(self, text: str) -> int:
         """How many control segments are exactly ``text`` (e.g. the image placeholder: the image slots)."""
         return sum(1 for segment in self.segments if segment.control and segment.text == text)
+
+    def _joined(self, other, other_first: bool):
+        if isinstance(other, KimiK3Prompt):
+            left, right = (other, self) if other_first else (self, other)
+            shift = len(left.segments)
+            return KimiK3Prompt(left.segments + right.segments,
+                                set(left.generated) | {i + shift for i in right.generated}, left.media + right.media)
+        if not isinstance(other, str):
+            return NotImplemented
+        if not other:
+            return self
+        piece = (Segment(other, True),)  # a plain string is the caller's own prompt text
+        if other_first:
+            return KimiK3Prompt(piece + self.segments, {i + 1 for i in self.generated}, self.media)
+        return KimiK3Prompt(self.segments + piece, self.generated, self.media)
+
+    def __add__(self, other):
+        return self._joined(other, other_first=False)
+
+    def __radd__(self, other):
+        return self._joined(other, other_first=True)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            return str.__getitem__(self, key)
+        start, stop, _ = key.indices(len(self))
+        segments, generated, position = [], [], 0
+        for index, segment in enumerate(self.segments):
+            end = position + len(segment.text)
+            lo, hi = max(start, position), min(stop, end)
+            if lo < hi:
+                whole = lo == position and hi == end
+                # a cut through a control segment leaves text: a partial marker is not a marker
+                segments.append(Segment(segment.text[lo - position:hi - position], segment.control and whole))
+                if index in self.generated:
+                    generated.append(len(segments) - 1)
+            position = end
+        return KimiK3Prompt(segments, generated)
 
 
 # ------------------------------------------------------------------------------------------------- small pieces
@@ -130,8 +173,17 @@ def _system_note(kind: str, body: str) -> list[Segment]:
     return _open("message", [("role", "system"), ("type", kind)]) + _text(body.strip()) + _message_end()
 
 
+def _json(value: Any, **kwargs) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, **kwargs)
+    except RecursionError:
+        raise KimiK3ChatError("a value is nested too deeply to write as JSON") from None
+    except (TypeError, ValueError) as error:
+        raise KimiK3ChatError(f"a value cannot be written as JSON: {error}") from None
+
+
 def _compact_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _json(value, separators=(",", ":"))
 
 
 def _sorted_deep(value: Any) -> Any:
@@ -140,6 +192,14 @@ def _sorted_deep(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_sorted_deep(item) for item in value]
     return value
+
+
+def _sorted_json(value: Any) -> str:
+    """Compact JSON with every object's keys sorted (tool declarations, response schemas)."""
+    try:
+        return _compact_json(_sorted_deep(value))
+    except RecursionError:
+        raise KimiK3ChatError("a value is nested too deeply to write as JSON") from None
 
 
 def _field(obj: Any, key: str, default: Any = None) -> Any:
@@ -166,17 +226,19 @@ def argument_type(value: Any) -> str:
 
 
 def _argument_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return value if isinstance(value, str) else _json(value)
 
 
 class _Media:
-    """Hands out the control text of each image / video slot in order."""
+    """Hands out the control text of each image / video slot in order, and keeps the parts in that order."""
 
     def __init__(self, image_prompts: Sequence[str] | None):
         self.image_prompts = None if image_prompts is None else list(image_prompts)
         self.used = 0
+        self.parts: list = []
 
-    def image(self) -> list[Segment]:
+    def image(self, part) -> list[Segment]:
+        self.parts.append(part)
         if self.image_prompts is None:
             return _control(IMAGE_PLACEHOLDER)
         if self.used >= len(self.image_prompts):
@@ -185,10 +247,20 @@ class _Media:
         self.used += 1
         return _control(self.image_prompts[self.used - 1])
 
+    def video(self, part) -> list[Segment]:
+        self.parts.append(part)
+        return _control(VIDEO_PLACEHOLDER)
+
     def check_used(self) -> None:
         if self.image_prompts is not None and self.used != len(self.image_prompts):
             raise KimiK3ChatError(f"{len(self.image_prompts)} image_prompts were given for {self.used} image parts; "
                                   "pass one prompt per image part")
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise KimiK3ChatError(f"{where} must be a string, got {type(value).__name__} {value!r:.60}")
+    return value
 
 
 def _content(content: Any, media: _Media, where: str) -> list[Segment]:
@@ -201,17 +273,17 @@ def _content(content: Any, media: _Media, where: str) -> list[Segment]:
     if not isinstance(content, (list, tuple)):
         raise KimiK3ChatError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
     out: list[Segment] = []
-    for part in content:
+    for i, part in enumerate(content):
         kind = _field(part, "type") if isinstance(part, Mapping) else None
         if kind in ("image", "image_url"):
-            out += media.image()
+            out += media.image(part)
         elif kind in ("video", "video_url"):
-            out += _control(VIDEO_PLACEHOLDER)
+            out += media.video(part)
         elif kind == "text":
-            out += _text(part.get("text") or "")
+            out += _text(_string(part.get("text"), f"{where}: content[{i}]['text']"))
         else:
-            raise KimiK3ChatError(f"{where}: unsupported content part {part!r}; K3 takes parts of type 'text', "
-                                  "'image' / 'image_url' and 'video' / 'video_url'")
+            raise KimiK3ChatError(f"{where}: unsupported content part {part!r:.80}; K3 takes parts of type 'text' "
+                                  "(with a string 'text'), 'image' / 'image_url' and 'video' / 'video_url'")
     return out
 
 
@@ -255,6 +327,7 @@ def _calls(message: Mapping, where: str) -> list[_Call]:
         function = call.get("function", call)
         if not isinstance(function, Mapping) or function.get("name") is None:
             raise KimiK3ChatError(f"{where}: tool_calls[{position - 1}] has no function name")
+        _string(function["name"], f"{where}: tool_calls[{position - 1}] function name")
         arguments, raw = _call_arguments(function.get("arguments"), f"{where}.tool_calls[{position - 1}]")
         out.append(_Call(function["name"], arguments, raw))
     return out
@@ -312,17 +385,34 @@ def order_tool_results(messages: Sequence[Mapping]) -> list[Mapping]:
     return out
 
 
-def _response_schema(response_format: Any) -> Any:
+def _response_format(response_format: Any) -> tuple[str | None, Any]:
+    """(``"json_object"`` / ``"json_schema"`` / None, the schema) of an OpenAI ``response_format``: a dict, a bare
+    type string, an object with those fields, or a pydantic model class (its JSON schema)."""
+    if response_format is None:
+        return None, None
+    if hasattr(response_format, "model_json_schema") and isinstance(response_format, type):
+        return "json_schema", response_format.model_json_schema()
+    kind = _field(response_format, "type", response_format)
+    if kind in (None, "text"):
+        return None, None
+    if kind == "json_object":
+        return kind, None
+    if kind != "json_schema":
+        raise KimiK3ChatError(f"response_format type {kind!r:.60} is not one K3 knows: use 'text', 'json_object' or "
+                              "'json_schema' (with a json_schema: {'schema': ...})")
     json_schema = _field(response_format, "json_schema")
     if json_schema is None:
-        return None
-    return _field(json_schema, "schema", _field(json_schema, "json_schema", json_schema))
+        raise KimiK3ChatError("response_format 'json_schema' needs a json_schema: {'name': ..., 'schema': {...}}")
+    return kind, _field(json_schema, "schema", _field(json_schema, "json_schema", json_schema))
 
 
 def resolve_thinking(thinking: bool | None = None, enable_thinking: bool | None = None,
                      thinking_effort: str | None = None, reasoning_effort: str | None = None) -> tuple[bool, str | None]:
     """(thinking, thinking_effort) from the names callers use: ``thinking`` (K3's; default on), ``enable_thinking``
     (Qwen-style alias), ``reasoning_effort`` (OpenAI's; ``"none"`` turns thinking off, otherwise it is the effort)."""
+    for name, value in (("thinking", thinking), ("enable_thinking", enable_thinking)):
+        if value is not None and not isinstance(value, bool):
+            raise KimiK3ChatError(f"{name} must be True, False or None, got {value!r:.40}")
     if thinking is not None and enable_thinking is not None and bool(thinking) != bool(enable_thinking):
         raise KimiK3ChatError(f"thinking={thinking!r} and enable_thinking={enable_thinking!r} disagree; pass one")
     if thinking is None:
@@ -330,6 +420,10 @@ def resolve_thinking(thinking: bool | None = None, enable_thinking: bool | None 
     if reasoning_effort is not None:
         if reasoning_effort == "none":
             thinking = False
+        elif reasoning_effort not in THINKING_EFFORTS:
+            # OpenAI's efforts K3 has no equivalent for: warned about, the encoder's default used (K3_SPEC.md 8)
+            logger.warning(f"reasoning_effort={reasoning_effort!r} has no K3 thinking_effort (low, high, max); "
+                           "rendering without an effort note")
         elif thinking_effort is None:
             thinking_effort = reasoning_effort
     if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
@@ -348,6 +442,8 @@ def _assistant(message: Mapping, media: _Media, thinking: bool, where: str, gene
     if open_end and calls:
         raise KimiK3ChatError(f"{where}: continue_final_message cannot continue a message with tool_calls")
     reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning is not None:
+        _string(reasoning, f"{where}: reasoning_content")
     content = _content(message.get("content"), media, where)
     if thinking:
         segments += _open("think")
@@ -381,7 +477,7 @@ def _assistant(message: Mapping, media: _Media, thinking: bool, where: str, gene
 
 
 def _declare_tools(tools: Any, dynamic: bool) -> list[Segment]:
-    spec = _compact_json(_sorted_deep(tools))
+    spec = _sorted_json(tools)
     if dynamic:
         body = ("## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
                 "You have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n"
@@ -418,6 +514,9 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise KimiK3ChatError(f"messages[{i}] must be a dict with a 'role', got {message!r:.80}")
+        calls = message.get("tool_calls")
+        if calls is not None and not isinstance(calls, (list, tuple)):
+            raise KimiK3ChatError(f"messages[{i}]: tool_calls must be a list, got {type(calls).__name__}")
     if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
         raise KimiK3ChatError("continue_final_message needs the conversation to end with an assistant message")
     messages = order_tool_results(messages)
@@ -437,7 +536,8 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
         if role == "system" and message.get("tools"):
             segments += _declare_tools(message["tools"], dynamic=True)
         elif role in ("system", "user"):
-            attributes = [("role", role)] + ([("name", message["name"])] if message.get("name") else [])
+            attributes = [("role", role)] + ([("name", _string(message["name"], f"{where}: name"))]
+                                             if message.get("name") else [])
             segments += _open("message", attributes)
             segments += _content(message.get("content"), media, where)
             segments += _message_end()
@@ -448,6 +548,8 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
         elif role == "tool":
             tool_index += 1
             name = message.get("tool", message.get("name"))
+            if name is not None:
+                _string(name, f"{where}: the tool name")
             if name is None and tool_index <= len(previous_calls):
                 name = previous_calls[tool_index - 1].name
             if name is None:
@@ -460,7 +562,7 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
             raise KimiK3ChatError(f"{where}: K3 has no role {message['role']!r}; use system, developer, user, "
                                   "assistant or tool")
 
-    format_type = _field(response_format, "type", response_format)
+    format_type, schema = _response_format(response_format)
     if continue_final_message and (tool_choice in ("required", "none") or format_type in ("json_object",
                                                                                           "json_schema")):
         raise KimiK3ChatError("tool_choice / response_format notes come before the answer; they cannot follow an "
@@ -471,14 +573,14 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
         segments += _system_note("response-format", f"The system is invoked with `response_format=json_object`.\n"
                                                     f"{_JSON_ONLY}")
     elif format_type == "json_schema":
-        schema = _compact_json(_sorted_deep(_response_schema(response_format)))
+        schema = _sorted_json(schema)
         segments += _system_note("response-format", f"The system is invoked with `response_format=json_schema`.\n"
                                                     f"{_JSON_ONLY}\nThe JSON data must match the following schema:\n"
                                                     f"```json\n{schema}\n```")
     if add_generation_prompt:
         segments += _open("message", [("role", "assistant")]) + _open("think" if thinking else "response")
     media.check_used()
-    return KimiK3Prompt(segments, generated)
+    return KimiK3Prompt(segments, generated, media.parts)
 
 
 __all__ = [

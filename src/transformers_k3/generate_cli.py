@@ -133,6 +133,8 @@ class ChannelStreamer:
         self.parsed = None
 
     def put(self, value) -> None:
+        if value.dim() > 1 and value.shape[0] > 1:
+            raise ValueError("ChannelStreamer streams one answer: generate with a batch of 1 and num_beams=1")
         if self.skip_prompt:  # generate() first sends the prompt
             self.skip_prompt = False
             return

@@ -235,18 +235,13 @@ class KimiK3Processor(ProcessorMixin):
             return prompts
         if return_assistant_tokens_mask and not return_dict:
             raise KimiK3ProcessorError("return_assistant_tokens_mask=True needs return_dict=True")
-        batched = isinstance(prompts, list)
-        conversations = conversation if batched else [conversation]
         images, videos = [], []
-        for chat in conversations:
-            for message in getattr(chat, "messages", chat):
-                content = message.get("content")
-                for part in content if isinstance(content, (list, tuple)) else []:
-                    kind = part.get("type") if isinstance(part, dict) else None
-                    if kind in ("image", "image_url"):
-                        images.append(_image_of(part))
-                    elif kind in ("video", "video_url"):
-                        videos.append(_media_of(part, ("video", "url", "path", "video_url")))
+        for prompt in prompts if isinstance(prompts, list) else [prompts]:
+            for part in prompt.media:  # the renderer's slots, in order (tool results re-ordered included)
+                if part.get("type") in ("image", "image_url"):
+                    images.append(_image_of(part))
+                else:
+                    videos.append(_media_of(part, ("video", "url", "path", "video_url")))
         if return_assistant_tokens_mask:
             processor_kwargs["return_generated_mask"] = True
         out = self(text=prompts, images=images or None, videos=videos or None,
@@ -303,7 +298,11 @@ def _image_of(part: dict):
     if isinstance(image, str):
         from transformers.image_utils import load_image
 
-        return load_image(image)
+        try:
+            return load_image(image)
+        except Exception as error:  # load_image raises whatever its backend (PIL, httpx, base64) raises
+            raise KimiK3ProcessorError(f"could not load the image {image[:120]!r} ({type(error).__name__}: "
+                                       f"{str(error)[:200]}); pass a PIL image, a readable path or a URL") from None
     return image
 
 

@@ -39,12 +39,37 @@ KIMI_K3_CHAT_TEMPLATE = _TEMPLATE_PATH.read_text(encoding="utf-8") if _TEMPLATE_
 
 # The arguments of K3's renderer that apply_chat_template passes through (the rest go to the tokenizer call).
 _RENDER_KWARGS = ("thinking", "enable_thinking", "thinking_effort", "reasoning_effort", "tool_choice",
-                  "response_format", "image_prompts")
+                  "response_format")
 
 
 # ------------------------------------------------------------------------------------------------- segments -> ids
 def _control_ids(tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in tokenizer.added_tokens_decoder)
+
+
+def _segment_backends(tokenizer):
+    """Two private copies of the tokenizer's backend, never changed after they are made (so other threads' calls,
+    which set padding or special-token splitting on the shared backend, cannot leak in): one that splits special
+    tokens (for text segments), one that matches them (for control segments). Remade when tokens are added."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    key = (id(backend), backend.get_vocab_size(with_added_tokens=True))
+    cached = tokenizer.__dict__.get("_k3_segment_backends")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    from tokenizers import Tokenizer
+
+    serialized = backend.to_str()
+    copies = []
+    for split_special in (True, False):
+        copy = Tokenizer.from_str(serialized)
+        copy.no_padding()
+        copy.no_truncation()
+        copy.encode_special_tokens = split_special
+        copies.append(copy)
+    tokenizer.__dict__["_k3_segment_backends"] = (key, tuple(copies))
+    return tuple(copies)
 
 
 def encode_kimi_k3_prompt(tokenizer, prompt: KimiK3Prompt) -> tuple[list[int], list[int]]:
@@ -53,25 +78,14 @@ def encode_kimi_k3_prompt(tokenizer, prompt: KimiK3Prompt) -> tuple[list[int], l
     Raises `KimiK3ChatError` if a text segment still yields an added token (a non-special added token the
     tokenizer would match inside text)."""
     segments = prompt.segments
-    backend = getattr(tokenizer, "backend_tokenizer", None)
     texts = [segment.text for segment in segments if not segment.control]
     controls = [segment.text for segment in segments if segment.control]
-    if backend is not None:
-        # Each segment alone: no padding or truncation from an earlier call (transformers leaves them set).
-        previous, padding, truncation = backend.encode_special_tokens, backend.padding, backend.truncation
-        try:
-            backend.no_padding()
-            backend.no_truncation()
-            backend.encode_special_tokens = True
-            text_ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)] if texts else []
-            backend.encode_special_tokens = False
-            control_ids = [e.ids for e in backend.encode_batch(controls, add_special_tokens=False)] if controls else []
-        finally:
-            backend.encode_special_tokens = previous
-            if padding is not None:
-                backend.enable_padding(**padding)
-            if truncation is not None:
-                backend.enable_truncation(**truncation)
+    backends = _segment_backends(tokenizer)
+    if backends is not None:
+        text_backend, control_backend = backends
+        text_ids = [e.ids for e in text_backend.encode_batch(texts, add_special_tokens=False)] if texts else []
+        control_ids = [e.ids for e in control_backend.encode_batch(controls, add_special_tokens=False)] \
+            if controls else []
     else:
         text_ids = [tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True) for t in texts]
         control_ids = [tokenizer.encode(t, add_special_tokens=False) for t in controls]
@@ -89,6 +103,10 @@ def encode_kimi_k3_prompt(tokenizer, prompt: KimiK3Prompt) -> tuple[list[int], l
         ids.extend(piece)
         generated.extend([int(index in prompt.generated)] * len(piece))
     return ids, generated
+
+
+def _nested_prompt(text: Any) -> bool:
+    return isinstance(text, (list, tuple)) and any(_has_prompt(t) for t in text if isinstance(t, (list, tuple)))
 
 
 def _has_prompt(text: Any) -> bool:
@@ -184,6 +202,10 @@ def apply_kimi_k3_chat_template(tokenizer, conversation, tools=None, documents=N
         raise KimiK3ChatError("return_assistant_tokens_mask=True needs tokenize=True and return_dict=True")
     if isinstance(conversation, (list, tuple)) and not conversation:
         raise KimiK3ChatError("cannot render an empty conversation: give at least one message")
+    if tools:
+        from transformers.utils import get_json_schema
+
+        tools = [get_json_schema(tool) if callable(tool) else tool for tool in tools]
     batched = isinstance(conversation, (list, tuple)) and (
         isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))
     conversations = conversation if batched else [conversation]
@@ -234,6 +256,9 @@ class KimiK3Tokenizer(TokenizersBackend):
         return apply_kimi_k3_chat_template(self, conversation, tools=tools, documents=documents, **kwargs)
 
     def _encode_plus(self, text, text_pair=None, **kwargs):
+        if _has_prompt(text_pair) or _nested_prompt(text) or _nested_prompt(text_pair):
+            raise KimiK3ChatError("a KimiK3Prompt can only be tokenized on its own or in a batch of prompts (not as a "
+                                  "pair or a pre-tokenized word); pass str(prompt) to tokenize it as plain text")
         if _has_prompt(text):
             if text_pair is not None:
                 raise KimiK3ChatError("a KimiK3Prompt cannot be tokenized as a pair")
@@ -243,6 +268,32 @@ class KimiK3Tokenizer(TokenizersBackend):
             return encode_prompts(self, text, **kwargs)
         kwargs.pop("return_generated_mask", None)
         return super()._encode_plus(text, text_pair=text_pair, **kwargs)
+
+    def tokenize(self, text, pair=None, add_special_tokens=False, **kwargs):
+        if isinstance(text, KimiK3Prompt) and pair is None:
+            return self.convert_ids_to_tokens(encode_kimi_k3_prompt(self, text)[0])
+        return super().tokenize(text, pair=pair, add_special_tokens=add_special_tokens, **kwargs)
+
+    def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+        """With special tokens kept, the text is a `KimiK3Prompt` whose control segments are the special tokens
+        that were generated, so `parse_response` (the chat pipelines) can tell them from text that spells them."""
+        text = super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+        if skip_special_tokens:
+            return text
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        special = _control_ids(self)
+        segments, run = [], []
+        for token in ids + [None]:
+            if token is None or token in special:
+                if run:
+                    segments.append((super()._decode(run, skip_special_tokens=False, **kwargs), False))
+                    run = []
+                if token is not None:
+                    segments.append((super()._decode([token], skip_special_tokens=False, **kwargs), True))
+            else:
+                run.append(token)
+        prompt = KimiK3Prompt(segments)
+        return prompt if prompt == text else text
 
     def parse_response(self, response, schema=None, *, prefix=None, tools=None):
         """The assistant message of a K3 answer (``content``, ``reasoning_content``, ``tool_calls``) by
