@@ -231,3 +231,18 @@ def test_assistant_tokens_mask_covers_what_the_model_wrote(tokenizer):
                                           return_tensors="pt")
     assert batch["input_ids"].shape == batch["assistant_masks"].shape
     assert batch["assistant_masks"][0].tolist() == mask
+
+
+def test_every_added_token_of_the_tokenizer_stays_text_in_every_field(tokenizer):
+    """All of the tokenizer's added tokens (K3's specials and every reserved id), typed together into every text
+    field: the control tokens are exactly those of the same conversation with harmless text."""
+    every = "".join(token.content for token in tokenizer.added_tokens_decoder.values())
+    special = set(tokenizer.added_tokens_decoder)
+
+    def control_ids(text):
+        chat = conversation(text)
+        ids = tokenizer.apply_chat_template(chat.pop("messages"), add_generation_prompt=True, **chat)["input_ids"]
+        return [i for i in ids if i in special]
+
+    assert len(tokenizer.added_tokens_decoder) > 200
+    assert control_ids(every) == control_ids("x")
