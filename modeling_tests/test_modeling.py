@@ -676,21 +676,21 @@ def test_packed_sequences_equal_separate_sequences(tiny_model):
     assert_close_logits(got_cu, want)
 
 
-FP32_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
+FP32_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
                    "e_score_correction_bias")
 
 
 def test_bf16_load_keeps_fp32_parameters(tmp_path, tiny_model):
     """Loading (and building) in bf16 keeps in fp32 what the release stores in fp32 (K3_SPEC.md 2.2): the KDA decay
-    parameters, the short convolutions' filters, the selection bias; the filters are the checkpoint's values, not
-    bf16 roundings of them."""
+    parameters, the short convolutions' filters, the KDA output norm's weight, the selection bias; the filters and
+    norm weights are the checkpoint's values, not bf16 roundings of them."""
     tiny_model.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     saved = tiny_model.state_dict()
     for name, tensor in model.state_dict().items():
         want = torch.float32 if name.endswith(FP32_PARAMETERS) else torch.bfloat16
         assert tensor.dtype == want, name
-        if "conv1d" in name:
+        if "conv1d" in name or "o_norm" in name:
             assert torch.equal(tensor, saved[name]), name
     built = AutoModelForCausalLM.from_config(tiny_model.config, dtype=torch.bfloat16)
     for name, tensor in built.state_dict().items():

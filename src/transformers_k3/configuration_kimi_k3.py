@@ -17,6 +17,9 @@ import math
 from typing import Any, ClassVar
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # Keys of `linear_attn_config`, with the defaults of the K3 release (K3_SPEC.md section 1.3).
 _LINEAR_ATTN_DEFAULTS: dict[str, Any] = {
@@ -40,10 +43,36 @@ def _check(condition: bool, field: str, message: str) -> None:
 
 
 def _default_layer_lists(num_hidden_layers: int) -> dict[str, list[int]]:
-    """Kimi-Linear lineage placement: every 4th layer (1-based) is MLA, the rest KDA."""
-    full = [i for i in range(1, num_hidden_layers + 1) if i % 4 == 0]
-    kda = [i for i in range(1, num_hidden_layers + 1) if i % 4 != 0]
+    """The release's placement (K3_SPEC.md section 13): every 4th layer (1-based) is MLA, and so is the last
+    one (93 layers: 4, 8, ..., 92 and 93, i.e. 24 MLA and 69 KDA layers); the rest are KDA."""
+    n = num_hidden_layers
+    full = [i for i in range(1, n + 1) if i % 4 == 0 or i == n]
+    kda = [i for i in range(1, n + 1) if i not in full]
     return {"kda_layers": kda, "full_attn_layers": full}
+
+
+class _ReleaseTokenId(int):
+    """The default of a special-token id: the release's id (K3_SPEC.md section 13). A config that does not set
+    the id and has a vocabulary too small for it gets ``None`` instead (the release's ids mean nothing
+    there); an id a config sets is a plain ``int`` and is validated against ``vocab_size`` as usual."""
+
+
+# Keys a config of the release's own remote code gains when transformers 5 re-saves it (K3_SPEC.md section 13):
+# `head_dim` (hidden_size // num_attention_heads = 74, meaningless for K3; ours is derived, see `head_dim`) and
+# the RoPE standardisation's `rope_parameters` (the text model has no RoPE). They are dropped with a debug log;
+# a `rope_parameters` that would scale a RoPE is refused like `rope_scaling`.
+_RESAVED_KEYS_DROPPED = ("head_dim", "rope_parameters")
+
+
+def _is_no_rope_scaling(value: Any) -> bool:
+    """``None`` or the default (no-op) RoPE type, also in transformers 5's per-layer-type nesting."""
+    if value is None:
+        return True
+    if not isinstance(value, dict):
+        return False
+    if value and all(isinstance(v, dict) for v in value.values()):
+        return all(_is_no_rope_scaling(v) for v in value.values())
+    return value.get("rope_type", value.get("type", "default")) == "default"
 
 
 class KimiK3TextConfig(PreTrainedConfig):
@@ -60,8 +89,16 @@ class KimiK3TextConfig(PreTrainedConfig):
     output gate) and ``mla_use_output_gate=False``.
 
     Extra keys of ours (not in the official config, all defaulting to the official behaviour):
-    ``kda_o_norm_eps`` (eps of the KDA gated output norm; SGLang hard-codes 1e-5) and
-    ``mla_latent_norm_eps`` (eps of the MLA ``q_a``/``kv_a`` norms; ``None`` = ``rms_norm_eps``).
+    ``kda_o_norm_eps`` (eps of the KDA gated output norm; 1e-5: SGLang and vLLM hard-code it, the release's
+    modeling code passes ``rms_norm_eps``, 1e-5) and ``mla_latent_norm_eps`` (eps of the MLA ``q_a``/``kv_a``
+    norms; default 1e-6, the release's own ``modeling_kimi_linear.py`` builds them without an eps argument, as
+    do mlx-lm and transformers' Kimi Linear; SGLang, vLLM and llama.cpp use ``rms_norm_eps``, 1e-5;
+    ``None`` = ``rms_norm_eps``).
+
+    The special-token ids default to the release's (pad 163839, bos 163584, eos 163586) when they fit
+    ``vocab_size`` and to ``None`` otherwise (a small config that sets no ids). A config re-saved by
+    transformers 5 from the release's remote code loads: its ``head_dim`` and ``rope_parameters`` are dropped
+    (debug log), other keys the model does not read are kept as attributes (debug log).
     """
 
     model_type: ClassVar[str] = "kimi_k3_text"
@@ -115,9 +152,9 @@ class KimiK3TextConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1048576
     use_cache: bool = True
-    pad_token_id: int | None = 0
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = _ReleaseTokenId(163839)
+    bos_token_id: int | None = _ReleaseTokenId(163584)
+    eos_token_id: int | list[int] | None = _ReleaseTokenId(163586)
     rope_theta: float | None = None
     rope_scaling: dict | None = None
     # MLA
@@ -156,7 +193,7 @@ class KimiK3TextConfig(PreTrainedConfig):
     # KDA
     linear_attn_config: dict | None = None
     kda_o_norm_eps: float = 1e-5
-    mla_latent_norm_eps: float | None = None
+    mla_latent_norm_eps: float | None = 1e-6
     logit_scale: float = 1.0
     # Derived (filled in __post_init__; saved so the in-tree masking utilities can read them)
     layer_types: list[str] | None = None
@@ -165,7 +202,23 @@ class KimiK3TextConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # The official text_config says "kimi_linear"; the class decides what it is, not the key.
         kwargs.pop("model_type", None)
+        for key in _RESAVED_KEYS_DROPPED:
+            if key in kwargs:
+                value = kwargs.pop(key)
+                if key == "rope_parameters":
+                    _check(_is_no_rope_scaling(value), "rope_parameters",
+                           f"must be null or the default RoPE type (no scaling): the K3 text model has no positional "
+                           f"encoding (NoPE MLA), so a RoPE scaling cannot be honoured; got {value!r}")
+                logger.debug(f"Kimi K3 text config: ignoring `{key}` = {value!r} (a key transformers 5 adds when it "
+                             f"re-saves the release's config; the K3 text model does not read it)")
+        unread = sorted(k for k in kwargs if not k.startswith("_"))
+        if unread:
+            logger.debug(f"Kimi K3 text config: keys {unread} are not read by the K3 text model (kept as attributes)")
         super().__post_init__(**kwargs)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if type(value) is _ReleaseTokenId:  # the default, not set by the config
+                setattr(self, name, int(value) if isinstance(self.vocab_size, int) and value < self.vocab_size else None)
         lac = dict(_LINEAR_ATTN_DEFAULTS)
         if self.linear_attn_config is None:
             lac.update(_default_layer_lists(self.num_hidden_layers))
@@ -456,7 +509,8 @@ class KimiK3Config(PreTrainedConfig):
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
     media_placeholder_token_id: int = 163605
-    pad_token_id: int | None = 0
+    # None: the text config's (the release's 163839 by default)
+    pad_token_id: int | None = None
     ignore_index: int = -100
     image_placeholder: str = "<|kimi_image_placeholder|>"
     tie_word_embeddings: bool = False
@@ -470,6 +524,8 @@ class KimiK3Config(PreTrainedConfig):
             # A text-only composite: the sub-config machinery filled in defaults; drop them again.
             self.vision_config = None
         text = self.text_config
+        if self.pad_token_id is None:
+            self.pad_token_id = text.pad_token_id
         if getattr(text, "quantization_config", None) is not None and not hasattr(self, "quantization_config"):
             self.quantization_config = text.quantization_config
         if self.vision_config is not None:

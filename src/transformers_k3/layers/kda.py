@@ -69,6 +69,9 @@ class KimiK3DeltaAttention(nn.Module):
             self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
             self.g_b_proj = nn.Linear(self.head_dim, proj, bias=False)
         self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.kda_o_norm_eps)
+        # fp32 weight, as the release stores it (K3_SPEC.md 13), also in a model built in bf16
+        # (`_keep_in_fp32_modules_strict` keeps it fp32 when loading and casting)
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim, dtype=torch.float32))
         self.o_proj = nn.Linear(proj, hidden, bias=False)
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:

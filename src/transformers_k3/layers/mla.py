@@ -97,6 +97,9 @@ class KimiK3MLA(nn.Module):
         self.is_causal = True
         self.num_key_value_groups = 1
         hidden = config.hidden_size
+        # the latent norms' eps: 1e-6 by default, as the release's own modeling_kimi_linear.py builds them (no eps
+        # argument; mlx-lm and transformers' Kimi Linear agree), where SGLang / vLLM / llama.cpp use rms_norm_eps
+        # (KimiK3TextConfig.mla_latent_norm_eps; None = rms_norm_eps)
         latent_eps = config.mla_latent_norm_eps if config.mla_latent_norm_eps is not None else config.rms_norm_eps
 
         if self.q_lora_rank is None:
