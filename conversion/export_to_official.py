@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Export a transformers-k3 checkpoint (any layout this package writes) to the official Kimi K3 layout:
-per-expert w1/w2/w3 weights in bf16 and the official config.json, streaming one input shard at a time.
+"""Export a transformers-k3 checkpoint (any layout this package writes) to the release's Kimi K3 layout,
+streaming one input shard at a time: the MoE layers under block_sparse_moe.* with per-expert w1/w2/w3, A_log
+zero-padded to [head_dim] in fp32, fp32 A_log/dt_bias/conv weights/o_norm/router bias, bf16 (or --dtype)
+elsewhere, a shard index and a config.json with the release's keys (dtype = what was written).
 
-    python conversion/export_to_official.py --input /ckpt/Kimi-K3-finetuned --output /ckpt/Kimi-K3-serve
+    python conversion/export_to_official.py --input /ckpt/Kimi-K3-finetuned --output /ckpt/Kimi-K3-serve --mxfp4
 
-Converting an official bf16 checkpoint in and out again reproduces its tensors bit for bit.
+--mxfp4 writes the routed experts as the release's compressed-tensors MXFP4 (weight_packed + E8M0
+weight_scale, groups of 32): bit for bit the release's bytes for weights unchanged since loading, otherwise
+compressed-tensors' rounding (power-of-two scale from the group maximum, values to nearest, ties to even).
+Converting an official checkpoint in and out again reproduces its tensors bit for bit.
 """
 
 import argparse
@@ -17,7 +22,9 @@ def main(argv=None):
     parser.add_argument("--output", help="output directory (required unless --dry-run)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                         help="bf16 (the official dtype, default) or fp32; fp32 tensors of the official layout "
-                             "(A_log, dt_bias, conv weights, router bias) stay fp32")
+                             "(A_log, dt_bias, conv weights, o_norm, router bias) are always fp32")
+    parser.add_argument("--mxfp4", action="store_true",
+                        help="routed experts as the release's MXFP4 (compressed-tensors mxfp4-pack-quantized)")
     parser.add_argument("--dry-run", action="store_true", help="check and print the mapping; write nothing")
     parser.add_argument("--max-shard-size", default="5GB", help="output shard size (default 5GB)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
@@ -31,7 +38,8 @@ def main(argv=None):
 
     try:
         plan = export_to_official(args.input, args.output, dtype=args.dtype, dry_run=args.dry_run,
-                                  max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet)
+                                  max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
+                                  mxfp4=args.mxfp4)
     except (CheckpointError, KimiK3ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

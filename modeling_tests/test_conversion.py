@@ -124,18 +124,18 @@ def official_bf16(tmp_path_factory, text_model):
 
 @pytest.fixture(scope="module")
 def official_mxfp4(tmp_path_factory, text_model):
-    """MXFP4 experts plus the spec's aliases: `block_sparse_moe`, A_log as [1, 1, nh, 1] and as a longer
+    """MXFP4 experts plus the spec's aliases: `mlp.` for `block_sparse_moe.`, A_log as [1, 1, nh, 1] and as a longer
     1-D vector, a 4-D weight_scale, a rotary cache to drop."""
     state = official_state(text_model, quantize=True)
     aliased = {}
     for name, tensor in state.items():
         if ".layers.3." in name:
-            name = name.replace(".mlp.", ".block_sparse_moe.")
-        if name == "model.layers.0.self_attn.A_log":
-            tensor = tensor.reshape(1, 1, -1, 1)
-        if name == "model.layers.1.self_attn.A_log":
-            tensor = torch.cat([tensor, torch.full((12,), 7.0)])
-        if name == "model.layers.4.mlp.experts.5.w2.weight_scale":
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+        if name == "model.layers.0.self_attn.A_log":  # (the release's form is zero-padded [head_dim])
+            tensor = tensor[: text_model.config.linear_num_heads].reshape(1, 1, -1, 1)
+        if name == "model.layers.1.self_attn.A_log":  # longer than the release's padding, still zeros
+            tensor = torch.cat([tensor, torch.zeros(12)])
+        if name == "model.layers.4.block_sparse_moe.experts.5.w2.weight_scale":
             tensor = tensor[:, None, :, None]
         aliased[name] = tensor
     aliased["model.layers.2.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
@@ -277,11 +277,11 @@ def test_multimodal_official_checkpoint(official_vl, vl_model, tmp_path):
     back = tmp_path / "back"
     export_to_official(ours, back, progress=False)
     exported = shard_tensors(back)
-    assert "language_model.model.layers.1.mlp.experts.7.w3.weight" in exported
+    assert "language_model.model.layers.1.block_sparse_moe.experts.7.w3.weight" in exported
     assert not any(n.startswith("language_model.layers.") for n in exported)
     # save_pretrained of the multimodal model: official names under language_model.model., loads back identically
     direct.save_pretrained(tmp_path / "saved")
-    assert "language_model.model.layers.1.mlp.experts.7.w3.weight" in shard_tensors(tmp_path / "saved")
+    assert "language_model.model.layers.1.block_sparse_moe.experts.7.w3.weight" in shard_tensors(tmp_path / "saved")
     saved = load(KimiK3ForConditionalGeneration, tmp_path / "saved")
     for name, tensor in saved.state_dict().items():
         assert torch.equal(tensor, direct.state_dict()[name]), name
@@ -299,8 +299,8 @@ def test_save_pretrained_layouts_round_trip(text_model, official_mxfp4, tmp_path
         return set(shard_tensors(path))
 
     names = saved_names(text_model, tmp_path / "fresh")
-    assert "model.layers.1.mlp.experts.7.w3.weight" in names and not any("gate_up_proj" in n for n in names)
-    assert not any("block_sparse_moe" in n for n in names)
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names and not any("gate_up_proj" in n for n in names)
+    assert not any(".mlp.experts" in n for n in names) and "model.layers.0.mlp.gate_proj.weight" in names
     reloaded = load(KimiK3ForCausalLM, tmp_path / "fresh")
     assert torch.equal(logits(reloaded, ids), want)
 
@@ -312,7 +312,7 @@ def test_save_pretrained_layouts_round_trip(text_model, official_mxfp4, tmp_path
 
     from_official = load(KimiK3ForCausalLM, official_mxfp4, dtype=torch.bfloat16)
     names = saved_names(from_official, tmp_path / "from_official")
-    assert "model.layers.3.mlp.experts.0.w1.weight" in names  # dequantised, never re-quantised; alias resolved
+    assert "model.layers.3.block_sparse_moe.experts.0.w1.weight" in names  # dequantised, never re-quantised
     assert "quantization_config" not in (tmp_path / "from_official" / "config.json").read_text()
     assert torch.equal(logits(load(KimiK3ForCausalLM, tmp_path / "from_official"), ids), logits(from_official, ids))
 
@@ -406,7 +406,7 @@ def test_bad_input_is_reported_with_file_and_tensor(official_bf16, tmp_path, pro
         torch.save({"x": torch.zeros(1)}, shard)
         expect += ["pickle"]
     elif problem == "missing_expert":
-        gone = "model.layers.2.mlp.experts.5.w3.weight"
+        gone = "model.layers.2.block_sparse_moe.experts.5.w3.weight"
         expert_shard = path / index[gone]
         tensors = shard_tensors_file(expert_shard)
         del tensors[gone]
@@ -414,7 +414,7 @@ def test_bad_input_is_reported_with_file_and_tensor(official_bf16, tmp_path, pro
         data = json.loads((path / "model.safetensors.index.json").read_text())
         del data["weight_map"][gone]
         (path / "model.safetensors.index.json").write_text(json.dumps(data))
-        expect = [gone, "missing"]
+        expect = ["model.layers.2.", "experts.5.w3.weight", "missing"]  # (named under either FFN alias)
     out = tmp_path / "out"
     with pytest.raises(CheckpointError) as error:
         convert_official_checkpoint(path, out, progress=False)
@@ -426,7 +426,7 @@ def test_bad_input_is_reported_with_file_and_tensor(official_bf16, tmp_path, pro
 def test_failure_while_writing_leaves_nothing(official_mxfp4, tmp_path):
     """An error discovered only while converting (an E8M0 NaN scale) removes the half-written output."""
     path = _broken_copy(official_mxfp4, tmp_path)
-    name = "model.layers.5.mlp.experts.6.w1.weight_scale"
+    name = "model.layers.5.block_sparse_moe.experts.6.w1.weight_scale"
     _rewrite_shard(path, name, lambda t: t[name].fill_(255))
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=r"experts\.6\.w1\.weight_packed.*255"):

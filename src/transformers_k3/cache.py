@@ -369,12 +369,25 @@ class KimiK3HybridCache(Cache):
              device: str | torch.device = "cpu", **kwargs) -> "KimiK3HybridCache":
         """Read a cache written by `save` for a model with `config`; a cache from another architecture is
         refused with an error that names the differing fields."""
+        from .conversion.streaming import CheckpointError, read_safetensors_header
+
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
-        with safe_open(os.fspath(path), framework="pt", device=str(device)) as f:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no saved KimiK3HybridCache there")
+        read_safetensors_header(path)  # not safetensors, truncated, aliased offsets -> CheckpointError naming the file
+        try:
+            handle = safe_open(os.fspath(path), framework="pt", device=str(device))
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot be opened as a saved KimiK3HybridCache ({error})") from error
+        with handle as f:
             metadata = f.metadata() or {}
             if metadata.get("format") != cls._FORMAT:
                 raise ValueError(f"{path} is not a saved KimiK3HybridCache (metadata format: {metadata.get('format')!r})")
-            saved = json.loads(metadata["config"])
+            try:
+                saved = json.loads(metadata["config"])
+            except (KeyError, TypeError, json.JSONDecodeError) as error:
+                raise CheckpointError(f"{path}: the cache's `config` metadata is missing or not JSON ({error}); "
+                                      "the file is corrupt: save the cache again") from None
             expected = _state_signature(text_config)
             diff = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
             if diff:

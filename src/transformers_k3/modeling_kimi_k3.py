@@ -229,7 +229,12 @@ class KimiK3ModelMixin:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; when quantizing to bitsandbytes 4-bit (QLoRA), the linear layers its CPU
-        kernel cannot pack are added to ``llm_int8_skip_modules`` first (`_narrow_for_bnb_4bit`)."""
+        kernel cannot pack are added to ``llm_int8_skip_modules`` first (`_narrow_for_bnb_4bit`). A local directory's
+        index and shard headers are checked first (`checkpoint_checks`: duplicate or unindexed tensors, integer
+        weights, files outside the directory raise `CheckpointError`)."""
+        from .checkpoint_checks import check_pretrained_directory
+
+        check_pretrained_directory(pretrained_model_name_or_path, kwargs)
         quantization_config = kwargs.get("quantization_config")
         if isinstance(quantization_config, dict) and quantization_config.get("load_in_4bit"):
             from transformers import BitsAndBytesConfig
@@ -290,7 +295,8 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     # The release keeps these in fp32 (K3_SPEC.md 2.2): the KDA decay parameters, the KDA short convolutions' filters
     # (which the convolution applies in fp32, section 4.2) and the router's selection bias, whose small
     # Quantile-Balancing updates a bf16 copy would round away.
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "e_score_correction_bias"]
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
+                                    "e_score_correction_bias"]
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3Router, index=0),
         "hidden_states": [
@@ -365,6 +371,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.output_read = KimiK3AttnResRead(config.rms_norm_eps)
         self.norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        # A plain load_state_dict (Trainer's resume) reads the release layout save_pretrained writes.
+        from .conversion.hf_mapping import release_layout_pre_hook
+
+        self.register_load_state_dict_pre_hook(release_layout_pre_hook)
         self.post_init()
 
     def get_input_embeddings(self):

@@ -1,21 +1,36 @@
-"""Our layout -> the official K3 layout (bf16), streamed shard by shard, for serving engines.
+"""Our layout -> the release's layout (K3_SPEC.md section 13), streamed shard by shard, for serving engines.
 
 Accepts every layout this package writes: fused experts (the converters, ``save_pretrained(...,
-save_original_format=False)``), per-expert official names (``save_pretrained``), and per-expert MXFP4
-experts kept by ``--keep-quantized`` (dequantised here). The fused experts are read one expert slice at a
-time (``get_slice``), so no fused tensor is ever held in memory.
+save_original_format=False)``), per-expert official names (``save_pretrained``, either FFN alias), and
+per-expert MXFP4 experts kept by ``--keep-quantized``. The fused experts are read one expert slice at a time
+(``get_slice``), so no fused tensor is ever held in memory.
 
-Output: per-expert ``mlp.experts.{e}.w1/w3/w2.weight``, every other name unchanged (official names are
-ours), bf16 except tensors the official release stores in fp32 (``A_log``, ``dt_bias``, short-conv
-weights, ``e_score_correction_bias``), which stay fp32 when they are fp32 here. The ``config.json`` is the
-official one (``text_config.model_type: "kimi_linear"``, no keys that are derived from others). Converting
-an official bf16 checkpoint in and out again reproduces its tensors bit for bit (names, dtypes, bytes);
-the only normalisation is ``A_log``, which is always written as ``[nh]``.
+What is written is the release's layout exactly:
+
+* names: the MoE layers' FFN under ``block_sparse_moe.`` (``gate.weight``, ``gate.e_score_correction_bias``,
+  ``experts.{e}.w1/w2/w3``, ``shared_experts.*``, ``routed_expert_{down_proj,norm,up_proj}``), the dense
+  layer's ``mlp.{gate,up,down}_proj``, the text model under ``language_model.model.`` /
+  ``language_model.lm_head.weight`` in a multimodal checkpoint, vision names unchanged;
+* dtypes: fp32 for ``A_log``, ``dt_bias``, ``q/k/v_conv1d.weight``, ``o_norm.weight`` and
+  ``e_score_correction_bias`` (`RELEASE_FP32_TENSOR_RE`; a bf16 source is widened exactly), ``dtype``
+  (bf16 by default) for every other floating tensor;
+* ``A_log`` as fp32 ``[max(nh, head_dim)]``: the heads, then zeros (``[128]`` for 96 heads of 128);
+* with ``mxfp4`` the routed experts as compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed`` uint8
+  ``[N, K/2]`` + E8M0 ``weight_scale`` uint8 ``[N, K/32]``): kept-quantized sources copied bit for bit, others
+  quantised by `quantize_mxfp4_release` (compressed-tensors' rule; the original bytes for weights that are
+  unchanged since they were dequantised);
+* ``model.safetensors.index.json`` (``metadata.total_size`` + ``weight_map``) and a ``config.json`` with the
+  release's keys (``dtype`` naming what was written, ``text_config.model_type: "kimi_linear"``, 1-based layer
+  lists, the release's ``quantization_config`` with ``mxfp4``).
+
+Converting an official checkpoint in and out again reproduces its tensors bit for bit (names, dtypes,
+shapes, bytes).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -23,37 +38,54 @@ import torch
 
 from .expected import expected_tensors, load_k3_config
 from .keymap import (
-    FP32_TENSOR_RE,
+    RELEASE_FP32_TENSOR_RE,
     TEXT_PREFIX,
+    a_log_shape_ok,
     canonical_text_name,
     expert_block,
     is_rotary_cache,
     is_vision_name,
+    normalize_a_log,
+    pad_a_log,
     parse_expert_name,
     per_expert_name,
+    quantize_mxfp4_release,
+    release_a_log_length,
+    release_quantization_config,
+    release_text_name,
 )
 from .official import ConversionPlan, _raise_errors, resolve_dtype, writing_checkpoint
-from .quant import QuantFormatError, check_mxfp4_shapes, dequantize_mxfp4
+from .quant import QuantFormatError, check_mxfp4_shapes, dequantize_mxfp4, mxfp4_scale_2d
 from .streaming import Checkpoint, OutputTensor, Piece
 
 # Keys of our config that official configs do not carry: derived from others, or ours with the official
 # behaviour as default (written only when they differ from it).
 _DERIVED_KEYS = ("layer_types", "mlp_layer_types", "transformers_version", "dtype", "torch_dtype")
-_OURS_WITH_DEFAULT = {"kda_o_norm_eps": 1e-5, "mla_latent_norm_eps": None, "logit_scale": 1.0}
+_OURS_WITH_DEFAULT = {"kda_o_norm_eps": 1e-5, "mla_latent_norm_eps": 1e-6, "logit_scale": 1.0}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def _out_dtype(name: str, source_dtype: torch.dtype, target: torch.dtype) -> torch.dtype:
     if not source_dtype.is_floating_point:
         return source_dtype
-    if source_dtype == torch.float32 and FP32_TENSOR_RE.search(name):
+    if RELEASE_FP32_TENSOR_RE.search(name):
         return torch.float32
     return target
 
 
-def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> ConversionPlan:
+def _linear_dims(config) -> tuple[int, int]:
+    text = config.get_text_config()
+    linear = text.linear_attn_config or {}
+    num_heads = text.linear_num_heads
+    return num_heads, int(linear.get("head_dim") or num_heads)
+
+
+def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bool = False) -> ConversionPlan:
     target = resolve_dtype(dtype)
     config, composite = load_k3_config(source.config)
     expected, _ = expected_tensors(config, composite)
+    num_heads, head_dim = _linear_dims(config)
+    a_log_length = release_a_log_length(num_heads, head_dim)
     prefix = TEXT_PREFIX if composite else ""
     plan = ConversionPlan(source, config, composite, [])
     errors: list[str] = []
@@ -68,6 +100,20 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
             return
         outputs[name] = tensor
         sources_of[name] = note
+
+    def add_expert(base: str, e: int, proj: str, block: tuple[int, int], piece_of, source_dtype, note: str):
+        """One expert's projection, plain (``dtype``) or, with ``mxfp4``, as weight_packed + weight_scale.
+        ``piece_of(fn)`` builds the piece reading this block (``fn`` maps the block read to the output)."""
+        name = release_text_name(per_expert_name(base, e, proj))
+        if not mxfp4:
+            add(name, OutputTensor(name, _out_dtype(name, source_dtype, target), block, [piece_of(None)]), note)
+            return
+        rows, cols = block
+        stem = name[: -len("weight")]
+        for kind, index, shape in (("weight_packed", 0, (rows, cols // 2)), ("weight_scale", 1, (rows, cols // 32))):
+            fn = (lambda x, i=index: quantize_mxfp4_release(x[0])[i])
+            add(stem + kind, OutputTensor(stem + kind, torch.uint8, shape, [piece_of(fn, shape)]),
+                f"{note} (-> MXFP4)")
 
     for name, info in source.tensors.items():
         if is_rotary_cache(name):
@@ -96,8 +142,8 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
                 if tuple(info.shape) != block:
                     errors.append(f"{info.where()}: wrong shape {list(info.shape)}, the config needs {list(block)}")
                     continue
-                add(text, OutputTensor(text, _out_dtype(text, info.dtype, target), block, [Piece((info,), block)]),
-                    info.where())
+                add_expert(parsed.base, parsed.expert, parsed.proj, block,
+                           lambda fn, shape=block, info=info: Piece((info,), shape, 0, fn), info.dtype, info.where())
             elif parsed.kind in ("weight_packed", "weight_scale"):
                 quantized.setdefault((parsed.base, parsed.expert, parsed.proj), {"block": block})[parsed.kind] = info
             elif parsed.kind != "weight_shape":
@@ -106,6 +152,18 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
         exp = expected.get(text)
         if exp is None:
             errors.append(f"{info.where()}: unknown tensor (the model for this config has no `{text}`)")
+            continue
+        out_name = release_text_name(text)
+        if text.endswith(".A_log"):
+            if not a_log_shape_ok(tuple(info.shape), num_heads) or math.prod(info.shape) > a_log_length:
+                errors.append(f"{info.where()}: wrong shape {list(info.shape)}; A_log must be [{num_heads}], "
+                              f"[1, 1, {num_heads}, 1] or the zero-padded [{a_log_length}]")
+                continue
+            covered.add(text)
+            fn = (lambda x: pad_a_log(normalize_a_log(x[0], num_heads), a_log_length))
+            add(out_name, OutputTensor(out_name, torch.float32, (a_log_length,),
+                                       [Piece((info,), (a_log_length,), 0, fn)]),
+                f"{info.where()} (padded to [{a_log_length}])")
             continue
         if tuple(info.shape) != exp.shape:
             errors.append(f"{info.where()}: wrong shape {list(info.shape)}, the config needs {list(exp.shape)}")
@@ -117,13 +175,16 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
             for e in range(exp.shape[0]):
                 for proj in projs:
                     offset, block = expert_block(proj, exp.shape)
-                    out = per_expert_name(base, e, proj)
-                    piece = Piece((info,), block, 0, select=(e, slice(offset, offset + block[0])))
-                    add(out, OutputTensor(out, _out_dtype(out, info.dtype, target), block, [piece]),
-                        f"{info.where()}[{e}, {offset}:{offset + block[0]}]")
+                    select = (e, slice(offset, offset + block[0]))
+
+                    def piece_of(fn, shape=block, info=info, select=select):
+                        return Piece((info,), shape, 0, fn, select=select)
+
+                    add_expert(base, e, proj, block, piece_of, info.dtype,
+                               f"{info.where()}[{e}, {offset}:{offset + block[0]}]")
             continue
-        add(text, OutputTensor(text, _out_dtype(text, info.dtype, target), exp.shape, [Piece((info,), exp.shape)]),
-            info.where())
+        add(out_name, OutputTensor(out_name, _out_dtype(out_name, info.dtype, target), exp.shape,
+                                   [Piece((info,), exp.shape)]), info.where())
 
     for (base, e, proj), parts in quantized.items():
         packed, scale, block = parts.get("weight_packed"), parts.get("weight_scale"), parts["block"]
@@ -133,12 +194,23 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
         try:
             if check_mxfp4_shapes(packed.shape, scale.shape) != block:
                 raise QuantFormatError(f"dequantises to the wrong shape; the config needs {list(block)}")
+            if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+                raise QuantFormatError(f"weight_packed and weight_scale must be uint8, got {packed.dtype} and {scale.dtype}")
         except QuantFormatError as error:
             errors.append(f"{packed.where()}: {error}")
             continue
-        out = per_expert_name(base, e, proj)
+        name = release_text_name(per_expert_name(base, e, proj))
+        if mxfp4:  # copied bit for bit (a 4-D scale is written as the release's [N, K/32])
+            stem = name[: -len("weight")]
+            rows, cols = block
+            add(stem + "weight_packed", OutputTensor(stem + "weight_packed", torch.uint8, tuple(packed.shape),
+                                                     [Piece((packed,), tuple(packed.shape))]), f"{packed.where()} (copied)")
+            add(stem + "weight_scale", OutputTensor(stem + "weight_scale", torch.uint8, (rows, cols // 32),
+                                                    [Piece((scale,), (rows, cols // 32), 0, lambda x: mxfp4_scale_2d(x[0]))]),
+                f"{scale.where()} (copied)")
+            continue
         piece = Piece((packed, scale), block, 0, lambda x: dequantize_mxfp4(x[0], x[1], torch.float32))
-        add(out, OutputTensor(out, target, block, [piece]), f"{packed.where()} (MXFP4 -> {target})")
+        add(name, OutputTensor(name, target, block, [piece]), f"{packed.where()} (MXFP4 -> {target})")
 
     # every expected tensor must be there (experts: every expert of every projection)
     for name, exp in expected.items():
@@ -147,9 +219,10 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
         if name.endswith((".gate_up_proj", ".down_proj")) and ".mlp.experts" in name:
             base = name.rsplit(".", 1)[0]
             projs = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+            kind = "weight_packed" if mxfp4 else "weight"
             for e in range(exp.shape[0]):
                 for proj in projs:
-                    if per_expert_name(base, e, proj) not in outputs:
+                    if release_text_name(per_expert_name(base, e, proj, kind)) not in outputs:
                         errors.append(f"{source.directory}: missing tensor for expert {e} {proj} of `{name}`")
             continue
         if name not in covered:
@@ -161,26 +234,36 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16") -> Conver
     return plan
 
 
-def official_config_dict(config, composite: bool) -> dict:
-    """Our config as the official release writes it."""
+def official_config_dict(config, composite: bool, dtype: str | torch.dtype = "bf16",
+                         quantization_config: dict | None = None) -> dict:
+    """Our config as the release writes it: its keys (``dtype``, not ``torch_dtype``, naming the dtype the
+    weights are written in; composite ``model_type: "kimi_k3"`` with ``text_config.model_type: "kimi_linear"``;
+    the 1-based ``linear_attn_config`` layer lists), no key derived from others, and ``quantization_config``
+    (the release's, at the top level) when the experts are written as MXFP4."""
+    dtype_name = _DTYPE_NAMES[resolve_dtype(dtype)]
     data = config.to_dict()
     text = data["text_config"] if composite else data
     text["model_type"] = "kimi_linear"
     for key in _DERIVED_KEYS:
         text.pop(key, None)
+    text.pop("quantization_config", None)
     for key, default in _OURS_WITH_DEFAULT.items():
         if key in text and text[key] == default:
             text.pop(key)
     if composite:
-        data.pop("transformers_version", None)
-        data.pop("dtype", None)
+        data["model_type"] = "kimi_k3"
+        for key in _DERIVED_KEYS:
+            data.pop(key, None)
         data["architectures"] = ["KimiK3ForConditionalGeneration"]
         if data.get("vision_config") is not None:
-            data["vision_config"].pop("transformers_version", None)
-            data["vision_config"].pop("dtype", None)
+            for key in _DERIVED_KEYS:
+                data["vision_config"].pop(key, None)
     else:
         data["architectures"] = ["KimiK3LinearForCausalLM"]
-    data["torch_dtype"] = "bfloat16"
+    data.pop("quantization_config", None)
+    data["dtype"] = dtype_name
+    if quantization_config is not None:
+        data["quantization_config"] = quantization_config
     return data
 
 
@@ -192,17 +275,20 @@ def _restore_release_tokenizer(output_dir: Path) -> None:
 
 
 def export_to_official(input_dir, output_dir=None, dtype: str = "bf16", dry_run: bool = False,
-                       max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = True) -> ConversionPlan:
-    """Writes our checkpoint at ``input_dir`` in the official layout to ``output_dir`` (see the module
-    docstring); with ``dry_run`` only validates and returns the plan."""
+                       max_shard_size: int | str = "5GB", overwrite: bool = False, progress: bool = True,
+                       mxfp4: bool = False) -> ConversionPlan:
+    """Writes our checkpoint at ``input_dir`` in the release's layout to ``output_dir`` (see the module
+    docstring; ``mxfp4``: routed experts as the release's MXFP4); with ``dry_run`` only validates and returns
+    the plan."""
     source = Checkpoint(input_dir)
-    plan = plan_export(source, dtype)
+    plan = plan_export(source, dtype, mxfp4)
     if dry_run:
         return plan
     with writing_checkpoint(source, plan, output_dir, overwrite, max_shard_size, progress) as tmp:
         _restore_release_tokenizer(tmp)
         with open(tmp / "config.json", "w", encoding="utf-8") as f:
-            json.dump(official_config_dict(plan.config, plan.composite), f, indent=2, sort_keys=True)
+            json.dump(official_config_dict(plan.config, plan.composite, dtype,
+                                           release_quantization_config() if mxfp4 else None), f, indent=2, sort_keys=True)
             f.write("\n")
     return plan
 

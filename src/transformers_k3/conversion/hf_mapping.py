@@ -8,8 +8,11 @@ Registered (by `register_conversion_mappings`, called once from ``transformers_k
   ``language_model.``):
 
   - ``language_model.`` prefix dropped when a text model reads a multimodal checkpoint;
-  - ``block_sparse_moe.`` -> ``mlp.``;
-  - ``A_log`` ``[1, 1, nh, 1]`` / longer 1-D -> ``[nh]``;
+  - ``block_sparse_moe.`` -> ``mlp.`` (`MoEAliasRenaming`; saving writes ``block_sparse_moe.`` back for the
+    MoE layers' tensors, never for the dense layer's ``mlp.{gate,up,down}_proj``);
+  - ``A_log`` ``[1, 1, nh, 1]`` / the release's zero-padded ``[head_dim]`` -> ``[nh]`` (`NormalizeALog`; a
+    non-zero padding entry is an `ALogPaddingError`, which transformers reports by tensor name and then raises
+    at the end of loading); saved as the release's fp32 ``[max(nh, head_dim)]`` (`PadALog`);
   - per-expert ``w1``/``w3`` -> ``experts.gate_up_proj``, ``w2`` -> ``experts.down_proj``, from plain
     ``weight`` tensors or MXFP4 ``weight_packed`` + ``weight_scale`` (dequantised exactly to the parameter
     dtype) by `FuseExperts`. (transformers' Kimi Linear does the plain case with ``MergeModulelist`` +
@@ -19,17 +22,19 @@ Registered (by `register_conversion_mappings`, called once from ``transformers_k
 * ``kimi_k3`` (the multimodal model): ``language_model.layers.`` -> ``language_model.model.layers.``.
 
 What ``save_pretrained`` writes (transformers reverses the conversions a model was loaded with, or, for a
-model built from a config, every registered one; ``save_original_format=False`` reverses nothing):
+model built from a config, every registered one; ``save_original_format=True`` is transformers' default and
+stays ours; ``save_original_format=False`` reverses nothing):
 
-* a model built from a config, or loaded from an official directory: the **official layout**, bf16 or
-  the model dtype: per-expert ``mlp.experts.{e}.w1/w2/w3.weight`` (MXFP4 experts come back dequantised:
-  the reverse of `FuseExperts` writes plain per-expert weights, never re-quantised);
-* a model loaded from our converted layout (fused experts), or ``save_original_format=False``: **our
-  layout** (``experts.gate_up_proj`` / ``experts.down_proj``).
+* a model built from a config, or loaded from an official directory: **the release's layout**: the MoE
+  layers under ``block_sparse_moe.`` with per-expert ``experts.{e}.w1/w2/w3.weight`` (MXFP4 experts come back
+  dequantised: ``save_pretrained`` never quantises; ``conversion/export_to_official.py --mxfp4`` does),
+  ``A_log`` zero-padded fp32, the text model under ``language_model.model.`` in the multimodal model, in the
+  model's dtype with the tensors the model keeps in fp32 in fp32 (for a bf16 model: the release's dtypes);
+* a model loaded from our converted layout (fused experts, ``mlp.``): fused experts under ``mlp.`` (the layout
+  it was loaded from), ``A_log`` padded as above;
+* ``save_original_format=False``: **our layout** (``experts.gate_up_proj`` / ``experts.down_proj``, ``A_log [nh]``).
 
-The renamings of aliases and of the ``language_model.`` prefix are one-way: saving never writes
-``block_sparse_moe`` or re-adds a prefix the model does not have. Every layout above loads back with
-identical weights.
+Every layout above loads back with identical weights.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
-from .keymap import normalize_a_log
+from .keymap import MOE_ALIAS, normalize_a_log, pad_a_log, release_a_log_length
 from .quant import check_mxfp4_shapes, dequantize_mxfp4
 
 _GATE_UP = ("w1", "w3")
@@ -67,6 +72,22 @@ class _NoRenaming(WeightRenaming):
         return source_key, None
 
 
+class MoEAliasRenaming(WeightRenaming):
+    """``block_sparse_moe.`` (the release's name for a MoE layer's FFN) -> ``mlp.`` when loading; saving
+    writes ``block_sparse_moe.`` back for the MoE layers' tensors only (router, experts, shared experts,
+    latent projections and norm), never for the dense layer's ``mlp.{gate,up,down}_proj``."""
+
+    __slots__ = ()
+
+    def reverse_transform(self) -> WeightRenaming:
+        reverse = WeightRenaming(
+            source_patterns=r"\.mlp\.(?=(?:gate|experts|shared_experts)\.|routed_expert_)",
+            target_patterns=f".{MOE_ALIAS}.",
+        )
+        reverse.scope_prefix, reverse.base_model_prefix = self.scope_prefix, self.base_model_prefix
+        return reverse
+
+
 class _Identity(ConversionOps):
     def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
         return {target_patterns[0]: next(iter(input_dict.values()))}
@@ -77,17 +98,43 @@ class _Identity(ConversionOps):
 
 
 class NormalizeALog(ConversionOps):
-    """``A_log`` as stored (``[nh]``, ``[1, 1, nh, 1]`` or longer 1-D) -> ``[nh]``; saved back as ``[nh]``."""
+    """``A_log`` as stored (``[nh]``, ``[1, 1, nh, 1]`` or the release's zero-padded ``[head_dim]``) -> ``[nh]``;
+    a padding entry that is not exactly zero raises `ALogPaddingError` (a `CheckpointError`) naming the tensor.
+    Saved back as the release stores it (`PadALog`)."""
 
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         value = next(iter(input_dict.values()))
         value = value[0] if isinstance(value, list) else value
         num_heads = model.get_parameter(full_layer_name).shape[0] if model is not None else value.numel()
-        return {target_patterns[0]: normalize_a_log(value, num_heads)}
+        try:
+            return {target_patterns[0]: normalize_a_log(value, num_heads)}
+        except ValueError as error:
+            raise type(error)(f"`{full_layer_name}`: {error}") from None
 
     @property
     def reverse_op(self) -> ConversionOps:
-        return _Identity()
+        return PadALog()
+
+
+def _linear_head_dim(config) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    linear = getattr(text, "linear_attn_config", None) or {}
+    return linear.get("head_dim") if isinstance(linear, dict) else getattr(linear, "head_dim", None)
+
+
+class PadALog(ConversionOps):
+    """Saving: ``A_log [nh]`` -> fp32 ``[max(nh, head_dim)]``, the heads then zeros (the release's layout)."""
+
+    def convert(self, input_dict, source_patterns, target_patterns, config=None, **kwargs):
+        value = next(iter(input_dict.values()))
+        value = value[0] if isinstance(value, list) else value
+        head_dim = _linear_head_dim(config) if config is not None else None
+        length = release_a_log_length(value.numel(), head_dim or value.numel())
+        return {target_patterns[0]: pad_a_log(value, length)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return NormalizeALog()
 
 
 class FuseExperts(ConversionOps):
@@ -175,13 +222,37 @@ class SplitFusedExperts(ConversionOps):
         return FuseExperts(self.projections)
 
 
+def release_layout_pre_hook(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook for a K3 model (text or multimodal root): a state dict in the release's
+    layout (what ``save_pretrained`` writes; transformers' Trainer restores its checkpoints with a plain
+    ``load_state_dict``) is brought to the model's names, as ``from_pretrained`` does: ``block_sparse_moe.`` ->
+    ``mlp.``, the zero-padded ``A_log`` -> ``[nh]`` (a non-zero padding entry raises `ALogPaddingError`).
+    The per-expert weights are then fused by the experts' own pre-hook. Edits ``state_dict`` in place."""
+    config = getattr(module, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    num_heads = getattr(text, "linear_num_heads", None)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name = key
+        if f".{MOE_ALIAS}." in name:
+            name = name.replace(f".{MOE_ALIAS}.", ".mlp.")
+        value = state_dict[key]
+        if name.endswith(".A_log") and num_heads is not None and value.numel() != num_heads:
+            try:
+                value = normalize_a_log(value, num_heads)
+            except ValueError as error:
+                raise type(error)(f"`{key}`: {error}") from None
+        if name != key or value is not state_dict[key]:
+            del state_dict[key]
+            state_dict[name] = value
+
+
 def text_model_mapping() -> list[WeightRenaming | WeightConverter]:
     """The conversions of a K3 text model (``KimiK3ForCausalLM`` / ``KimiK3Model``)."""
     mxfp4_kinds = ("weight_packed", "weight_scale", "weight_shape")
     return [
         # a text model reading a multimodal checkpoint (AutoModelForCausalLM on the composite config)
         OneWayRenaming(source_patterns=r"^language_model\.", target_patterns=""),
-        OneWayRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
+        MoEAliasRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
         WeightConverter(source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log",
                         operations=[NormalizeALog()]),
         # Routed experts, plain or MXFP4 per expert -> fused. The plain `weight` pattern comes first: saving
@@ -218,10 +289,13 @@ def register_conversion_mappings() -> None:
 
 __all__ = [
     "FuseExperts",
+    "MoEAliasRenaming",
     "NormalizeALog",
+    "PadALog",
     "OneWayRenaming",
     "SplitFusedExperts",
     "multimodal_mapping",
     "register_conversion_mappings",
+    "release_layout_pre_hook",
     "text_model_mapping",
 ]

@@ -10,15 +10,17 @@ official (per expert ``e``)                        ours
 ``mlp.experts.{e}.w3.weight``  ``[I, D]`` (up)     ``mlp.experts.gate_up_proj``, rows ``[I, 2I)``
 ``mlp.experts.{e}.w2.weight``  ``[D, I]`` (down)   ``mlp.experts.down_proj [E, D, I]``
 ``…w{1,2,3}.weight_packed`` / ``weight_scale``     dequantised into the same fused tensors (MXFP4)
-``block_sparse_moe.`` (alias)                      ``mlp.``
+``block_sparse_moe.`` (MoE layers, or ``mlp.``)    ``mlp.``
 ``language_model.layers.`` (alias)                 ``language_model.model.layers.``
-``self_attn.A_log`` ``[nh]``/``[1,1,nh,1]``/longer ``self_attn.A_log [nh]`` (the first ``nh`` entries)
+``self_attn.A_log`` fp32 ``[head_dim]`` (zeros     ``self_attn.A_log [nh]`` (the first ``nh`` entries; the
+after the heads), ``[nh]``, ``[1,1,nh,1]``         padding must be exactly zero: `ALogPaddingError`)
 ``rotary_emb.{inv_freq,cos_cached,sin_cached}``    dropped (K3 has no RoPE)
 =================================================  ======================================================
 
 A multimodal checkpoint keeps the text model under ``language_model.`` (``language_model.model.layers…``,
 ``language_model.lm_head.weight``); ``vision_tower.*`` and ``mm_projector.*`` are the same in both layouts.
-A text-only checkpoint has no prefix.
+A text-only checkpoint has no prefix. Writing the release's layout (`release_text_name`, `pad_a_log`,
+`RELEASE_FP32_TENSOR_RE`, `quantize_mxfp4_release`) is the exact inverse for everything the release holds.
 
 transformers' in-tree Kimi Linear (``KimiLinearForCausalLM`` state dict) differs from the official
 layout in two places: the three short convolutions are one ``self_attn.conv1d.weight [3P, 1, K]`` (q|k|v)
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import dequantize_mxfp4, quantize_mxfp4
+from .quant import E2M1_VALUES, E8M0_BIAS, MXFP4_GROUP_SIZE, QuantFormatError, dequantize_mxfp4
+from .streaming import CheckpointError
 
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -47,7 +50,44 @@ _EXPERT_RE = re.compile(
 _ROTARY_RE = re.compile(r"(?:^|\.)rotary_emb\.(?:inv_freq|cos_cached|sin_cached)$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Tensors the official checkpoint stores in fp32 (spec 2.2); converters never round them down.
-FP32_TENSOR_RE = re.compile(r"\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|e_score_correction_bias)$")
+FP32_TENSOR_RE = re.compile(r"\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+
+
+# What the release stores in fp32 (K3_SPEC.md section 13: ``A_log``, ``dt_bias``, the three short-conv weights,
+# ``o_norm.weight``, the router's correction bias); everything else floating is bf16 there, vision included.
+# The exporters write exactly this, whatever the model keeps in fp32.
+RELEASE_FP32_TENSOR_RE = re.compile(
+    r"\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+# Our ``mlp.`` of a MoE layer (router, routed/shared experts, latent projections and norm) is the release's
+# ``block_sparse_moe.``; the dense layer's ``mlp.{gate,up,down}_proj`` keeps ``mlp.``.
+_MOE_MLP_RE = re.compile(r"(\.layers\.\d+)\.mlp\.(?=(?:gate|experts|shared_experts)\.|routed_expert_)")
+MOE_ALIAS = "block_sparse_moe"
+
+
+class ALogPaddingError(CheckpointError):
+    """``A_log`` stored padded (the release's ``[head_dim]`` form) with a non-zero padding entry."""
+
+
+def release_text_name(name: str) -> str:
+    """Our text tensor name -> the release's: ``layers.{i}.mlp.`` of a MoE layer -> ``layers.{i}.block_sparse_moe.``
+    (the dense layer's ``mlp.{gate,up,down}_proj`` and every other name are unchanged)."""
+    return _MOE_MLP_RE.sub(rf"\1.{MOE_ALIAS}.", name)
+
+
+def release_a_log_length(num_heads: int, head_dim: int) -> int:
+    """Entries of ``A_log`` as the release stores it: ``[head_dim]`` holding the ``num_heads`` values then zeros
+    (96 heads in ``[128]`` at full size; SGLang: K3 stores A_log "as [head_dim]"), never shorter than ``num_heads``."""
+    return max(int(num_heads), int(head_dim))
+
+
+def pad_a_log(a_log: torch.Tensor, length: int) -> torch.Tensor:
+    """``[nh]`` (or any stored form) -> fp32 ``[length]``: the heads' values, then exact zeros."""
+    flat = a_log.detach().reshape(-1).to(torch.float32)
+    if flat.numel() > length:
+        raise ValueError(f"A_log has {flat.numel()} entries, more than the padded length {length}")
+    out = torch.zeros(length, dtype=torch.float32, device=flat.device)
+    out[: flat.numel()] = flat
+    return out
 
 
 def is_vision_name(name: str) -> bool:
@@ -121,6 +161,12 @@ def normalize_a_log(a_log: torch.Tensor, num_heads: int) -> torch.Tensor:
     flat = a_log.reshape(-1)
     if flat.numel() < num_heads:
         raise ValueError(f"A_log has {flat.numel()} entries, fewer than the {num_heads} KDA heads")
+    padding = flat[num_heads:]
+    if padding.numel() and bool((padding != 0).any()):
+        bad = int((padding != 0).nonzero()[0, 0]) + num_heads
+        raise ALogPaddingError(
+            f"A_log of shape {list(a_log.shape)}: entries {num_heads}.. pad the {num_heads} KDA heads and must be "
+            f"exactly zero, but entry {bad} is {float(flat[bad])!r} (a checkpoint for more heads, or corrupted)")
     return flat[:num_heads].clone()
 
 
@@ -177,13 +223,100 @@ def official_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_kda_heads
     return out
 
 
+def quantize_mxfp4_release(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])`` by compressed-tensors'
+    ``mxfp4-pack-quantized`` rule (``generate_mxfp4_scales`` + its FP4 cast), for any weights:
+
+    * per 32-group, ``amax`` is rounded to a power of two on its bit pattern (up when its mantissa is >= 1.75,
+      else down), and the E8M0 exponent is ``127 + log2(that) - 2`` (clamped to 0..254);
+    * each value divided by ``2^(code - 127)`` is rounded to the nearest E2M1 value, **ties to even**
+      (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating at +-6; the sign bit keeps ``-0.0``.
+
+    For weights dequantised from MXFP4 (unchanged since loading) this returns the original bytes: such a
+    group's largest magnitude is 4 or 6 times its scale (the only outcomes of this rule), which gives back
+    the same exponent, and every value is then exact. (An all-zero group gets code 0.)"""
+    if weight.dim() != 2 or weight.shape[1] % MXFP4_GROUP_SIZE:
+        raise QuantFormatError(f"MXFP4 quantisation needs [N, K] with K a multiple of 32, got {list(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        raise QuantFormatError("cannot quantise non-finite values to MXFP4")
+    rows, k = w.shape
+    groups = w.reshape(rows, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    amax = groups.abs().amax(dim=-1)
+    # round amax to a power of two as compressed-tensors does: add half of the mantissa bit below E2M1's
+    # one mantissa bit (fp32: 1 << 21), keep sign + exponent
+    bits = amax.view(torch.int32)
+    rounded = ((bits + (1 << 21)) & ~((1 << 23) - 1)).view(torch.float32)
+    _, f = torch.frexp(rounded)  # rounded = 0.5 * 2^f, so log2(rounded) = f - 1
+    exp = (f.to(torch.int32) - 1) - 2
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = torch.ldexp(groups, (-exp).to(torch.float32).unsqueeze(-1))
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    magnitude = scaled.abs().clamp(max=table[-1])
+    hi = torch.searchsorted(table, magnitude.contiguous()).clamp(max=len(E2M1_VALUES) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_hi, d_lo = table[hi] - magnitude, magnitude - table[lo]
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    codes = torch.where(take_hi, hi, lo).to(torch.uint8)
+    codes = codes | (torch.signbit(scaled).to(torch.uint8) << 3)
+    codes = codes.reshape(rows, k)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return packed, (exp + E8M0_BIAS).to(torch.uint8).contiguous()
+
+
+def release_quantization_config() -> dict:
+    """The release's ``quantization_config`` (K3_SPEC.md sections 10.1 and 13): compressed-tensors
+    ``mxfp4-pack-quantized``, E2M1 weights in symmetric groups of 32 with uint8 E8M0 scales, routed experts only."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_GROUP_SIZE,
+                        "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
+            "input_activations": None,
+            "output_activations": None,
+            "format": "mxfp4-pack-quantized",
+        }},
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+                   "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    }
+
+
+def _release_head_dim(state_dict: dict[str, torch.Tensor], a_log_name: str, a_log: torch.Tensor) -> int | None:
+    """``head_dim`` of a KDA layer from its own tensors: ``dt_bias`` is ``[nh * head_dim]``."""
+    dt_bias = state_dict.get(a_log_name[: -len("A_log")] + "dt_bias")
+    if dt_bias is None or a_log.numel() == 0:
+        return None
+    return dt_bias.numel() // a_log.numel()
+
+
 def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_experts: bool = False,
-                              exact: bool = True) -> dict[str, torch.Tensor]:
+                              exact: bool = True, release: bool = True,
+                              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Our names -> the official layout: fused experts split per expert (``w1``/``w3``/``w2``), optionally
-    MXFP4-quantised (``weight_packed`` + ``weight_scale``; ``exact`` as in `quantize_mxfp4`)."""
+    MXFP4-quantised (``weight_packed`` + ``weight_scale``: `quantize_mxfp4_release`, or with ``exact`` the
+    exact quantiser, which refuses a value MXFP4 cannot hold).
+
+    ``release`` (default): exactly the release's layout: ``block_sparse_moe.`` for the MoE layers, ``A_log``
+    as fp32 ``[max(nh, head_dim)]`` zero-padded, the release's fp32 tensors (`RELEASE_FP32_TENSOR_RE`) in fp32
+    and, with ``dtype``, every other floating tensor in ``dtype``. ``release=False``: only the experts split."""
+    from .quant import quantize_mxfp4
+
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        match = re.match(r"^(?P<base>.*\.mlp\.experts)\.(?P<which>gate_up_proj|down_proj)$", name)
+        if release:
+            if name.endswith(".A_log"):
+                nh = tensor.numel() if tensor.dim() == 1 else tensor.reshape(-1).numel()
+                head_dim = _release_head_dim(state_dict, name, tensor.reshape(-1))
+                tensor = pad_a_log(tensor, release_a_log_length(nh, head_dim or nh))
+            elif RELEASE_FP32_TENSOR_RE.search(name) and tensor.is_floating_point():
+                tensor = tensor.to(torch.float32)
+            elif dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            name = release_text_name(name)
+        match = re.match(r"^(?P<base>.*\.(?:mlp|block_sparse_moe)\.experts)\.(?P<which>gate_up_proj|down_proj)$", name)
         if match is None:
             out[name] = tensor
             continue
@@ -194,7 +327,7 @@ def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_expe
                 offset, (rows, _) = expert_block(proj, tuple(tensor.shape))
                 block = tensor[e, offset:offset + rows].contiguous()
                 if quantize_experts:
-                    packed, scale = quantize_mxfp4(block, exact=exact)
+                    packed, scale = quantize_mxfp4(block, exact=True) if exact else quantize_mxfp4_release(block)
                     out[per_expert_name(base, e, proj, "weight_packed")] = packed
                     out[per_expert_name(base, e, proj, "weight_scale")] = scale
                 else:
@@ -221,8 +354,16 @@ def kimi_linear_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_heads:
 
 
 __all__ = [
+    "ALogPaddingError",
     "EXPERT_KINDS",
     "FP32_TENSOR_RE",
+    "MOE_ALIAS",
+    "RELEASE_FP32_TENSOR_RE",
+    "pad_a_log",
+    "quantize_mxfp4_release",
+    "release_a_log_length",
+    "release_quantization_config",
+    "release_text_name",
     "TEXT_PREFIX",
     "ExpertName",
     "canonical_text_name",

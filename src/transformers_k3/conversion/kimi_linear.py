@@ -88,7 +88,13 @@ def convert_kimi_linear_checkpoint(input_dir, output_dir=None, dtype: str = "bf1
                                    progress: bool = True) -> ConversionPlan:
     """Converts a Kimi Linear directory (either layout) to a K3 checkpoint in our layout."""
     source = Checkpoint(input_dir)
-    config = kimi_linear_config_to_k3(source.config)
+    try:
+        config = kimi_linear_config_to_k3(source.config)
+    except CheckpointError as error:
+        raise CheckpointError(f"{source.directory / 'config.json'}: {error}") from error
+    except Exception as error:  # transformers' config classes raise TypeError/ValueError/AttributeError/...
+        raise CheckpointError(f"{source.directory / 'config.json'}: not a valid Kimi Linear config "
+                              f"({type(error).__name__}: {error}); fix the file or re-download it") from error
     plan = plan_official_conversion(source, dtype, config=config, view=official_view(source, config))
     if dry_run:
         return plan

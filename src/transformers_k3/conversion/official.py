@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class ConversionPlan:
     mapping: list[tuple[str, str]] = field(default_factory=list)  # (output, source description)
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    side_files: list = field(default_factory=list)  # regular files copied to the output (`_side_files`)
 
     @property
     def total_bytes(self) -> int:
@@ -112,6 +114,20 @@ def _cast_dtype(out_name: str, source_dtype: torch.dtype, expected: Expected, ta
     return target
 
 
+def load_config_of(source: Checkpoint):
+    """`load_k3_config` for the checkpoint's ``config.json``; any way the file can be wrong is a
+    `CheckpointError` naming it (`KimiK3ConfigError` names the bad field)."""
+    from ..configuration_kimi_k3 import KimiK3ConfigError
+
+    try:
+        return load_k3_config(source.config)
+    except KimiK3ConfigError as error:
+        raise CheckpointError(f"{source.directory / 'config.json'}: {error}") from error
+    except Exception as error:  # transformers' config classes raise TypeError/ValueError/AttributeError/...
+        raise CheckpointError(f"{source.directory / 'config.json'}: not a valid K3 config ({type(error).__name__}: "
+                              f"{error}); fix the file or re-download it") from error
+
+
 def _fp8_scale_for(name: str, tensors: dict[str, TensorInfo]) -> TensorInfo | None:
     """The block/channel scale stored next to an FP8 ``….weight``, if any."""
     stem = name[: -len("weight")]
@@ -141,7 +157,7 @@ def plan_official_conversion(source: Checkpoint, dtype: str | torch.dtype = "bf1
     after it: how the Kimi Linear converter feeds its in-tree layout through the same checks."""
     target = resolve_dtype(dtype)
     if config is None:
-        config, composite = load_k3_config(source.config)
+        config, composite = load_config_of(source)
     else:
         composite = not isinstance(config, KimiK3TextConfig)
     if view is None:
@@ -253,6 +269,7 @@ def plan_official_conversion(source: Checkpoint, dtype: str | torch.dtype = "bf1
         else:
             errors.append(f"{source.directory}: missing tensor `{name}` (shape {list(exp.shape)}), required by the config")
     _raise_errors(errors, f"cannot convert {source.directory}")
+    plan.side_files = _side_files(source.directory)
     if not vision_checked:
         plan.notes.append("vision weights copied without a shape check: KimiK3ForConditionalGeneration is not available")
 
@@ -386,15 +403,48 @@ def _plan_kept_quantized(base, projs, parts, exp: Expected, num_experts, errors,
 
 
 # --------------------------------------------------------------------------------------------------
-def _copy_side_files(source_dir: Path, output_dir: Path) -> list[str]:
-    copied = []
+def _side_files(source_dir: Path) -> list[Path]:
+    """The release's files copied to the output: regular files only. A symbolic link is followed only when
+    it resolves to a regular file inside the checkpoint (a hub-cache snapshot's links into its ``blobs``);
+    a link leading outside it (``notes.txt -> /etc/shadow``) or a special file (FIFO, socket, device) is
+    refused, never read. Checked before anything is written."""
+    import stat
+
+    from .streaming import resolve_inside
+
+    files = []
     for path in sorted(source_dir.iterdir()):
         name = path.name
-        if (not path.is_file() or name.startswith(".") or name in _NOT_COPIED_NAMES
-                or name.endswith(_NOT_COPIED_SUFFIXES) or name.startswith(_NOT_COPIED_PREFIXES)):
+        if (name.startswith(".") or name in _NOT_COPIED_NAMES or name.endswith(_NOT_COPIED_SUFFIXES)
+                or name.startswith(_NOT_COPIED_PREFIXES)):
             continue
-        shutil.copy2(path, output_dir / name)
-        copied.append(name)
+        mode = path.lstat().st_mode
+        if stat.S_ISDIR(mode):
+            continue
+        if stat.S_ISLNK(mode):
+            target = resolve_inside(source_dir, name, "side file (only regular files inside the checkpoint are copied)")
+            if Path(os.path.realpath(target)).is_dir():
+                continue
+            mode = os.stat(target).st_mode if os.path.exists(target) else 0
+            if not stat.S_ISREG(mode):
+                raise CheckpointError(
+                    f"{path}: side file is a symbolic link to {os.path.realpath(path)}, which is not a regular file; "
+                    "only regular files are copied: replace the link with the file or remove it")
+        elif not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{path}: side file is not a regular file (a FIFO, socket or device); only regular files are copied: "
+                "remove it from the checkpoint directory")
+        files.append(path)
+    return files
+
+
+def _copy_side_files(files: list[Path], output_dir: Path) -> list[str]:
+    copied = []
+    for path in files:
+        with open(path, "rb") as src, open(output_dir / path.name, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        shutil.copystat(path, output_dir / path.name)
+        copied.append(path.name)
     return copied
 
 
@@ -409,10 +459,11 @@ def writing_checkpoint(source: Checkpoint, plan: "ConversionPlan", output_dir, o
         parse_size(max_shard_size)  # (a bad size is the caller's error, before anything is written)
     except ValueError as error:
         raise CheckpointError(f"max_shard_size: {error}") from None
+    side_files = plan.side_files if plan.side_files else _side_files(source.directory)
     with atomic_output_dir(output_dir, overwrite) as tmp:
         execute_plan(plan.outputs, tmp, max_shard_size, progress, file_order=source.files,
                      desc=f"{source.directory.name} -> {Path(output_dir).name}")
-        _copy_side_files(source.directory, tmp)
+        _copy_side_files(side_files, tmp)
         yield tmp
 
 

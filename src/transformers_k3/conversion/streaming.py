@@ -40,6 +40,8 @@ from safetensors import safe_open
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Test hook: seconds to sleep after each input shard (the kill-during-conversion test); unset in normal use.
+_TEST_SLEEP_AFTER_SHARD = os.environ.get("TRANSFORMERS_K3_TEST_SLEEP_AFTER_SHARD")
 
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -165,7 +167,166 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
                 f"the file has {size}"
             )
         tensors[name] = info
+    _check_data_layout(path, header, data_size)
     return tensors
+
+
+def _check_data_layout(path: Path, header: dict, data_size: int) -> None:
+    """safetensors' own rule, checked here so that it is reported by name before anything is read: the
+    tensors' byte ranges tile the data section exactly, each byte belonging to one tensor (two tensors
+    sharing bytes would alias each other; ``safe_open`` refuses such files too)."""
+    spans = sorted((int(entry["data_offsets"][0]), int(entry["data_offsets"][1]), name)
+                   for name, entry in header.items() if name != "__metadata__")
+    position, previous = 0, None
+    for begin, end, name in spans:
+        if begin < 0 or end < begin:
+            raise CheckpointError(f"{path}: tensor `{name}` has invalid data offsets [{begin}, {end}]; the file is "
+                                  "corrupt: re-download or re-export it")
+        if begin < position:
+            raise CheckpointError(
+                f"{path}: tensor `{name}` (bytes [{begin}, {end})) overlaps tensor `{previous}` (bytes up to "
+                f"{position}): aliased data offsets in the safetensors header; the file is corrupt or crafted: "
+                "re-download or re-export it")
+        if begin > position:
+            raise CheckpointError(
+                f"{path}: bytes [{position}, {begin}) before tensor `{name}` belong to no tensor (a gap in the "
+                "safetensors header's data offsets); the file is corrupt: re-download or re-export it")
+        position, previous = end, name
+    if position != data_size:
+        raise CheckpointError(
+            f"{path}: {data_size - position} bytes after the last tensor belong to no tensor; the file is corrupt: "
+            "re-download or re-export it")
+
+
+def non_float_problem(name: str, dtype: torch.dtype) -> str | None:
+    """Why a tensor of ``dtype`` cannot be the K3 weight ``name``, or None. Every K3 weight is floating point
+    (bf16/fp16/fp32, FP8, E8M0); the only integer tensors are MXFP4 ``weight_packed`` (uint8 nibbles) and
+    ``weight_scale`` (E8M0 exponents, stored as uint8 by compressed-tensors). An int32/int64/bool tensor
+    where a weight belongs would otherwise be cast silently to garbage weights."""
+    if dtype.is_floating_point:
+        return None
+    if dtype == torch.uint8 and name.endswith((".weight_packed", ".weight_scale")):
+        return None
+    return (f"tensor `{name}` is stored as {str(dtype).replace('torch.', '')}, which cannot be a K3 weight (weights "
+            "are floating point; only MXFP4 `weight_packed`/`weight_scale` are uint8); the file is corrupt or not "
+            "a K3 checkpoint: re-download or re-export it")
+
+
+# Hugging Face's hub cache keeps a snapshot's files as symlinks into the repository's `blobs/` folder.
+def allowed_roots(directory: Path) -> list[Path]:
+    """The folders a checkpoint's files may resolve into: the directory itself and, for a hub-cache
+    snapshot (``…/snapshots/<revision>``), its repository's ``blobs`` folder."""
+    real = Path(os.path.realpath(directory))
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    return roots
+
+
+def resolve_inside(directory: Path, relative: str, what: str) -> Path:
+    """``directory / relative``, refusing an absolute path, a ``..`` component or a path that resolves
+    (after symlinks) outside the checkpoint directory."""
+    if not isinstance(relative, str) or not relative:
+        raise CheckpointError(f"{what}: the file name {relative!r} is not a file name")
+    pure = Path(relative)
+    if pure.is_absolute() or relative.startswith(("/", "\\")) or ".." in pure.parts or "\\" in relative \
+            or re.match(r"^[A-Za-z]:", relative):
+        raise CheckpointError(
+            f"{what}: the file {relative!r} is outside the checkpoint directory {directory} (absolute or with `..`); "
+            "a checkpoint may only refer to files inside its own directory: fix the index or move the file there")
+    path = directory / relative
+    real = Path(os.path.realpath(path))
+    if not any(real == root or root in real.parents for root in allowed_roots(directory)):
+        raise CheckpointError(
+            f"{what}: {path} resolves (through a symbolic link) to {real}, outside the checkpoint directory "
+            f"{directory}; copy the file into the directory instead of linking it")
+    return path
+
+
+def read_json_file(path: Path, what: str) -> dict:
+    """A JSON object from ``path``, or a `CheckpointError` naming the file and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({error}); re-download or regenerate it") from None
+    except OSError as error:
+        raise CheckpointError(f"{path}: {what} cannot be read ({error})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must be a JSON object, got {type(data).__name__}; re-download or "
+                              "regenerate it")
+    return data
+
+
+def read_index(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index, checked: a non-empty object of tensor name -> file name."""
+    weight_map = read_json_file(index_path, "the shard index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: has no `weight_map` (an object of tensor name -> shard file); "
+                              "re-download or regenerate the index")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index_path}: tensor `{name}` maps to {file!r}, not a file name; re-download or "
+                                  "regenerate the index")
+    return weight_map
+
+
+def scan_shards(directory: Path, files: Sequence[str], index: dict[str, str] | None,
+                index_path: Path | None = None, check_dtypes: bool = True) -> tuple[list[Path], dict[str, TensorInfo]]:
+    """Reads and cross-checks the headers of ``files`` (relative to ``directory``): each resolves inside
+    the directory, no tensor is stored twice, with an index every stored tensor is indexed under its own
+    shard and every indexed one is stored, and (``check_dtypes``) no tensor has a dtype a K3 weight cannot have. Reads
+    headers only. Returns the shard paths (in reading order) and the tensors."""
+    where = index_path or directory
+    paths = [resolve_inside(directory, file, f"{where}") for file in files]
+    missing = [path for path in paths if not path.is_file()]
+    if missing:
+        who = [name for name, file in (index or {}).items() if directory / file == missing[0]]
+        listed = ", ".join(f"`{name}`" for name in who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
+        raise CheckpointError(
+            f"{missing[0]}: shard file is missing"
+            + (f" (the index puts tensors {listed} there)" if who else "")
+            + (f"; {len(missing) - 1} more shard(s) missing" if len(missing) > 1 else "")
+        )
+    paths = sorted(paths, key=lambda p: (len(p.name), p.name))
+    tensors: dict[str, TensorInfo] = {}
+    problems: list[str] = []
+    headers = [(path, path.relative_to(directory).as_posix(), read_safetensors_header(path)) for path in paths]
+    stored_in: dict[str, list[Path]] = {}
+    for path, _, header in headers:
+        for name in header:
+            stored_in.setdefault(name, []).append(path)
+    for path, relative, header in headers:
+        for name, info in header.items():
+            if len(stored_in[name]) > 1:
+                first, second = stored_in[name][:2]
+                listed = f" (the index lists it under {index[name]})" if index is not None and name in index else ""
+                raise CheckpointError(
+                    f"{second}: tensor `{name}` is stored in both {first.name} and {second.name}{listed}; a tensor must "
+                    "be stored once (which copy a loader uses would depend on the shard order): remove the duplicate "
+                    "or re-download the checkpoint")
+            if index is not None and name not in index:
+                raise CheckpointError(
+                    f"{path}: tensor `{name}` is stored in this shard but not listed in the index {index_path.name}; "
+                    "the checkpoint is inconsistent: re-download it or regenerate the index from the shards")
+            if index is not None and Path(index[name]).as_posix() != relative:
+                raise CheckpointError(f"{path}: tensor `{name}` is indexed under {index[name]}; the checkpoint is "
+                                      "inconsistent: re-download it or regenerate the index from the shards")
+            problem = non_float_problem(name, info.dtype) if check_dtypes else None
+            if problem:
+                problems.append(f"{path.name}: {problem}")
+            tensors[name] = info
+    if problems:
+        more = len(problems) - 10
+        raise CheckpointError("\n  ".join(problems[:10]) + (f"\n  ... and {more} more" if more > 0 else ""))
+    if index is not None:
+        absent = [name for name in index if name not in tensors]
+        if absent:
+            raise CheckpointError(
+                f"{directory / index[absent[0]]}: tensor `{absent[0]}` is listed in the index but not in "
+                f"the shard" + (f" ({len(absent) - 1} more such tensors)" if len(absent) > 1 else "")
+            )
+    return paths, tensors
 
 
 class Checkpoint:
@@ -180,19 +341,15 @@ class Checkpoint:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: missing (the checkpoint's config is needed to check shapes)")
-        with open(config_path, encoding="utf-8") as f:
-            self.config: dict = json.load(f)
+        self.config: dict = read_json_file(config_path, "the checkpoint's config")
 
         index_path = self.directory / SAFE_WEIGHTS_INDEX_NAME
         single = self.directory / SAFE_WEIGHTS_NAME
         self.index: dict[str, str] | None = None
         if index_path.is_file():
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_path}: has no `weight_map`")
+            weight_map = read_index(index_path)
             for name, file in weight_map.items():
-                if str(file).endswith(PICKLE_SUFFIXES):
+                if file.endswith(PICKLE_SUFFIXES):
                     raise CheckpointError(
                         f"{index_path}: tensor `{name}` is stored in the pickle-format file {file}; only safetensors "
                         "checkpoints are converted (nothing is ever unpickled)"
@@ -216,32 +373,8 @@ class Checkpoint:
                     f"{self.directory}: no {SAFE_WEIGHTS_INDEX_NAME} and no {SAFE_WEIGHTS_NAME}"
                     + (f" ({len(shards)} .safetensors files without an index)" if shards else "")
                 )
-
-        missing = [file for file in files if not (self.directory / file).is_file()]
-        if missing:
-            who = [name for name, file in (self.index or {}).items() if file == missing[0]]
-            listed = ", ".join(f"`{name}`" for name in who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
-            raise CheckpointError(
-                f"{self.directory / missing[0]}: shard file is missing"
-                + (f" (the index puts tensors {listed} there)" if who else "")
-                + (f"; {len(missing) - 1} more shard(s) missing" if len(missing) > 1 else "")
-            )
-        self.files: list[Path] = sorted((self.directory / file for file in files), key=lambda p: (len(p.name), p.name))
-        self.tensors: dict[str, TensorInfo] = {}
-        for path in self.files:
-            for name, info in read_safetensors_header(path).items():
-                if name in self.tensors:
-                    raise CheckpointError(f"{path}: tensor `{name}` is also stored in {self.tensors[name].file.name}")
-                if self.index is not None and self.index.get(name) not in (None, path.name):
-                    raise CheckpointError(f"{path}: tensor `{name}` is indexed under {self.index[name]}")
-                self.tensors[name] = info
-        if self.index is not None:
-            absent = [name for name in self.index if name not in self.tensors]
-            if absent:
-                raise CheckpointError(
-                    f"{self.directory / self.index[absent[0]]}: tensor `{absent[0]}` is listed in the index but not in "
-                    f"the shard" + (f" ({len(absent) - 1} more such tensors)" if len(absent) > 1 else "")
-                )
+        self.files, self.tensors = scan_shards(self.directory, files, self.index,
+                                               index_path if self.index is not None else None)
 
     @property
     def total_bytes(self) -> int:
@@ -260,7 +393,10 @@ class _Reader:
     def open_main(self, path: Path) -> None:
         self.close()
         self._stack = contextlib.ExitStack()
-        self._main = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        try:
+            self._main = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot be opened as safetensors ({error})") from error
         self._main_path = path
 
     def read(self, info: TensorInfo, select=None) -> torch.Tensor:
@@ -481,6 +617,10 @@ def execute_plan(plan: Sequence[OutputTensor], directory: str | os.PathLike, max
                     del inputs, value
                     bar.update(piece.numel * element_size(tensor.dtype))
                 reader.close()
+                if _TEST_SLEEP_AFTER_SHARD:  # tests only: a conversion slow enough to be killed mid-write
+                    import time
+
+                    time.sleep(float(_TEST_SLEEP_AFTER_SHARD))
     finally:
         reader.close()
         writer.close()
@@ -489,30 +629,152 @@ def execute_plan(plan: Sequence[OutputTensor], directory: str | os.PathLike, max
 
 
 # --------------------------------------------------------------------------------------------------
+_TMP_TAG = ".tmp-k3-"    # .<output>.tmp-k3-<pid>: the directory being written
+_OLD_TAG = ".old-k3-"    # .<output>.old-k3-<pid>: the previous output while --overwrite swaps it out
+_LOCK_TAG = ".k3lock-"   # .<output>.k3lock-<pid>: locked (flock) by the converter for as long as it runs
+_LEGACY_TMP = re.compile(r"\.tmp-(\d+)")  # .<output>.tmp-<pid> of earlier versions (no lock)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _try_lock(path: Path):
+    """An open file holding an exclusive ``flock`` on ``path``, or None if another process holds it. Without
+    ``fcntl`` (Windows) the lock is the pid in the name: None while that process is alive."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        pid = int(path.name.rsplit("-", 1)[-1])
+        return None if pid != os.getpid() and _pid_alive(pid) else open(path, "a+b")
+    handle = open(path, "a+b")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return None
+    return handle
+
+
+def clean_stale_outputs(output: str | os.PathLike) -> list[Path]:
+    """Removes what converters killed while writing ``output`` left next to it (SIGKILL, power loss: no
+    ``finally`` runs): their temporary directories, and a previous output they had moved aside while
+    swapping in the new one (put back if the new one never arrived). A directory belongs to a running
+    converter as long as that converter holds the lock file named with its pid; those are left alone.
+    Returns the paths removed or restored."""
+    output = Path(output).absolute()
+    parent, stem = output.parent, f".{output.name}"
+    if not parent.is_dir():
+        return []
+    handled: list[Path] = []
+    for entry in sorted(parent.iterdir()):
+        name = entry.name
+        if not name.startswith(stem):
+            continue
+        rest = name[len(stem):]
+        legacy = _LEGACY_TMP.fullmatch(rest)
+        if legacy:  # an earlier version's temporary directory: its pid is all there is to go by
+            if entry.is_dir() and not entry.is_symlink() and not _pid_alive(int(legacy.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+                handled.append(entry)
+            continue
+        for tag in (_TMP_TAG, _OLD_TAG):
+            if rest.startswith(tag) and rest[len(tag):].isdigit() and entry.is_dir() and not entry.is_symlink():
+                lock = parent / f"{stem}{_LOCK_TAG}{rest[len(tag):]}"
+                handle = _try_lock(lock)
+                if handle is None:
+                    break  # its converter is still running
+                try:
+                    if tag == _OLD_TAG and not output.exists():
+                        os.rename(entry, output)  # killed mid-swap: the previous output comes back
+                    else:
+                        shutil.rmtree(entry, ignore_errors=True)
+                    handled.append(entry)
+                finally:
+                    handle.close()
+                break
+    for entry in sorted(parent.glob(f"{stem}{_LOCK_TAG}*")):
+        pid = entry.name.rsplit("-", 1)[-1]
+        if any((parent / f"{stem}{tag}{pid}").exists() for tag in (_TMP_TAG, _OLD_TAG)):
+            continue
+        handle = _try_lock(entry)
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+            handle.close()
+    return handled
+
+
+class _TerminateToException:
+    """While converting in the main thread, SIGTERM (``kill``, a job scheduler's timeout) raises
+    `KeyboardInterrupt`-like `SystemExit` so that the temporary output is removed; SIGKILL cannot be caught,
+    and what it leaves is removed by the next run (`clean_stale_outputs`)."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self._previous = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def handler(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self._previous = signal.signal(signal.SIGTERM, handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
+
+
 @contextlib.contextmanager
 def atomic_output_dir(output: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yields a fresh temporary directory next to ``output``; renames it to ``output`` only when the body
-    finishes, and removes it on any error, so a failed conversion leaves nothing half-written."""
+    """Yields a fresh temporary directory next to ``output`` (``.<output>.tmp-k3-<pid>``); renames it to
+    ``output`` only when the body finishes, and removes it on any error or SIGTERM, so a failed conversion
+    leaves nothing half-written. The converter holds a lock (``.<output>.k3lock-<pid>``) while it runs;
+    what a killed one left (SIGKILL) is removed by the next run into the same output before it writes."""
     output = Path(output).absolute()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_outputs(output)
     if output.exists() and not overwrite:
         raise CheckpointError(f"{output}: output directory already exists (pass --overwrite to replace it)")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    if temporary.exists():
-        shutil.rmtree(temporary)
-    temporary.mkdir()
+    pid = os.getpid()
+    stem = f".{output.name}"
+    lock_path = output.parent / f"{stem}{_LOCK_TAG}{pid}"
+    lock = _try_lock(lock_path)
+    if lock is None:  # pragma: no cover - another live process with our pid cannot exist
+        raise CheckpointError(f"{lock_path}: locked by another process")
+    temporary = output.parent / f"{stem}{_TMP_TAG}{pid}"
+    previous = output.parent / f"{stem}{_OLD_TAG}{pid}"
     try:
-        yield temporary
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    if output.exists():
-        previous = output.parent / f".{output.name}.old-{os.getpid()}"
-        os.rename(output, previous)
-        os.rename(temporary, output)
-        shutil.rmtree(previous, ignore_errors=True)
-    else:
-        os.rename(temporary, output)
+        with _TerminateToException():
+            if temporary.exists():
+                shutil.rmtree(temporary)
+            temporary.mkdir()
+            try:
+                yield temporary
+            except BaseException:
+                shutil.rmtree(temporary, ignore_errors=True)
+                raise
+            if output.exists():
+                os.rename(output, previous)
+                os.rename(temporary, output)
+                shutil.rmtree(previous, ignore_errors=True)
+            else:
+                os.rename(temporary, output)
+    finally:
+        with contextlib.suppress(OSError):
+            lock_path.unlink()
+        lock.close()
 
 
 def write_state_dict(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike,
@@ -541,8 +803,12 @@ __all__ = [
     "TensorInfo",
     "atomic_output_dir",
     "check_coverage",
+    "clean_stale_outputs",
     "execute_plan",
     "parse_size",
+    "non_float_problem",
     "read_safetensors_header",
+    "resolve_inside",
+    "scan_shards",
     "write_state_dict",
 ]

@@ -1,0 +1,484 @@
+"""What we write is the release's layout exactly (K3_SPEC.md sections 2.2 and 13), checked against the release's
+published inventory rules written out here independently of the package's key maps:
+
+* a fixture built from those rules at reduced sizes (every name pattern, dtype, the zero-padded ``A_log``,
+  MXFP4 or bf16 experts): official -> ours -> official is bit-identical in names, dtypes, shapes and bytes, by
+  the converter + `export_to_official` and by ``from_pretrained`` + ``save_pretrained``;
+* direct and converted loading give identical logits in fp32 and bf16;
+* an export of a model of ours matches the rules (names, dtypes, padded shapes, config keys, shard index);
+* ``A_log`` padding that is not zero is refused (converter: `CheckpointError`; direct loading: reported).
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+import transformers_k3  # noqa: F401  (registers the classes and mappings)
+from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, dequantize_mxfp4, export_to_official
+from transformers_k3.conversion.export import official_config_dict
+from transformers_k3.conversion.keymap import quantize_mxfp4_release, release_quantization_config
+from transformers_k3.conversion.streaming import write_state_dict
+
+from conftest import randomize_
+
+REPO = Path(__file__).resolve().parents[1]
+SHARD = 60_000
+BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
+
+
+# --------------------------------------------------------------------------------------------------
+# The release's inventory rules (spec 2.2 + 13), independent of the package's key maps
+def release_inventory(c, composite: bool, mxfp4: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of a release checkpoint for the text config ``c``."""
+    H, V, L = c.hidden_size, c.vocab_size, c.num_hidden_layers
+    lin = c.linear_attn_config
+    nh, dk, K = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
+    P = nh * dk
+    n, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    E, I, Hl, sh = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size, c.num_shared_experts * c.moe_intermediate_size
+    root = "language_model." if composite else ""
+    inv = {}
+
+    def put(name, shape, dtype=BF16):
+        inv[root + name] = (tuple(shape), dtype)
+
+    put("model.embed_tokens.weight", (V, H))
+    put("model.norm.weight", (H,))
+    put("model.output_attn_res_norm.weight", (H,))
+    put("model.output_attn_res_proj.weight", (1, H))
+    put("lm_head.weight", (V, H))
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            put(p + norm + ".weight", (H,))
+        put(p + "self_attention_res_proj.weight", (1, H))
+        put(p + "mlp_res_proj.weight", (1, H))
+        a = p + "self_attn."
+        if (i + 1) in lin["kda_layers"]:
+            for proj in "qkvg":
+                put(a + f"{proj}_proj.weight", (P, H))
+            put(a + "b_proj.weight", (nh, H))
+            put(a + "f_a_proj.weight", (dk, H))
+            put(a + "f_b_proj.weight", (P, dk))
+            for proj in "qkv":
+                put(a + f"{proj}_conv1d.weight", (P, 1, K), FP32)
+            put(a + "A_log", (max(nh, dk),), FP32)  # the release: [128] for 96 heads of 128 ([head_dim])
+            put(a + "dt_bias", (P,), FP32)
+            put(a + "o_norm.weight", (dk,), FP32)
+            put(a + "o_proj.weight", (H, P))
+        else:
+            put(a + "q_a_proj.weight", (c.q_lora_rank, H))
+            put(a + "q_a_layernorm.weight", (c.q_lora_rank,))
+            put(a + "q_b_proj.weight", (n * (dn + dr), c.q_lora_rank))
+            put(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, H))
+            put(a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
+            put(a + "kv_b_proj.weight", (n * (dn + dv), c.kv_lora_rank))
+            put(a + "g_proj.weight", (n * dv, H))
+            put(a + "o_proj.weight", (H, n * dv))
+        if i < c.first_k_dense_replace:
+            put(p + "mlp.gate_proj.weight", (c.intermediate_size, H))
+            put(p + "mlp.up_proj.weight", (c.intermediate_size, H))
+            put(p + "mlp.down_proj.weight", (H, c.intermediate_size))
+            continue
+        m = p + "block_sparse_moe."
+        put(m + "gate.weight", (E, H))
+        put(m + "gate.e_score_correction_bias", (E,), FP32)
+        for e in range(E):
+            for w, (rows, cols) in (("w1", (I, Hl)), ("w3", (I, Hl)), ("w2", (Hl, I))):
+                if mxfp4:
+                    put(m + f"experts.{e}.{w}.weight_packed", (rows, cols // 2), U8)
+                    put(m + f"experts.{e}.{w}.weight_scale", (rows, cols // 32), U8)
+                else:
+                    put(m + f"experts.{e}.{w}.weight", (rows, cols))
+        put(m + "shared_experts.gate_proj.weight", (sh, H))
+        put(m + "shared_experts.up_proj.weight", (sh, H))
+        put(m + "shared_experts.down_proj.weight", (H, sh))
+        put(m + "routed_expert_down_proj.weight", (Hl, H))
+        put(m + "routed_expert_norm.weight", (Hl,))
+        put(m + "routed_expert_up_proj.weight", (H, Hl))
+    return inv
+
+
+# The release's name patterns (spec 13), one regex per kind of tensor, with the dtype each must have
+_L = r"(?:language_model\.)?model\.layers\.\d+\."
+RELEASE_RULES = [
+    (rf"^{_L}self_attn\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|o_norm\.weight)$", FP32),
+    (rf"^{_L}block_sparse_moe\.gate\.e_score_correction_bias$", FP32),
+    (rf"^{_L}block_sparse_moe\.experts\.\d+\.w[123]\.(?:weight_packed|weight_scale)$", U8),
+    (rf"^{_L}block_sparse_moe\.experts\.\d+\.w[123]\.weight$", BF16),
+    (rf"^{_L}block_sparse_moe\.(?:gate|shared_experts\.(?:gate|up|down)_proj|routed_expert_(?:down_proj|norm|up_proj))\.weight$", BF16),
+    (rf"^{_L}mlp\.(?:gate|up|down)_proj\.weight$", BF16),
+    (rf"^{_L}self_attn\.(?:[qkvgbo]_proj|f_[ab]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|q_a_layernorm|kv_a_layernorm)\.weight$", BF16),
+    (rf"^{_L}(?:input_layernorm|post_attention_layernorm|self_attention_res_norm|self_attention_res_proj|mlp_res_norm|mlp_res_proj)\.weight$", BF16),
+    (r"^(?:language_model\.)?(?:model\.(?:embed_tokens|norm|output_attn_res_norm|output_attn_res_proj)|lm_head)\.weight$", BF16),
+    (r"^(?:vision_tower|mm_projector)\.", BF16),
+]
+
+
+def check_against_rules(tensors: dict, config, composite: bool, mxfp4: bool, dense_dtype=BF16):
+    """Every tensor matches one release rule and has its dtype; the names and shapes are the inventory's."""
+    text = config.get_text_config()
+    inventory = release_inventory(text, composite, mxfp4)
+    for name, t in tensors.items():
+        rules = [dtype for pattern, dtype in RELEASE_RULES if re.search(pattern, name)]
+        assert len(rules) == 1, (name, rules)
+        want = dense_dtype if rules[0] is BF16 else rules[0]
+        assert t.dtype == want, (name, t.dtype, want)
+        if not name.startswith(("vision_tower.", "mm_projector.")):
+            assert name in inventory, name
+            assert tuple(t.shape) == inventory[name][0], (name, list(t.shape), inventory[name][0])
+        if name.endswith(".A_log"):
+            nh = text.linear_attn_config["num_heads"]
+            assert torch.count_nonzero(t[nh:]) == 0 and t.numel() > nh, name  # heads, then zeros
+    missing = sorted(set(inventory) - set(tensors))
+    assert not missing, missing[:5]
+    assert not any(".mlp.experts" in n or "gate_up_proj" in n or "language_model.layers." in n for n in tensors)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures
+def shard_tensors(directory: Path) -> dict:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def check_index(directory: Path):
+    """The release's ``model.safetensors.index.json``: ``metadata.total_size`` and a complete ``weight_map``."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    assert set(index) == {"metadata", "weight_map"} and "total_size" in index["metadata"]
+    where = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        assert re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", path.name)
+        with safe_open(str(path), "pt") as f:
+            where.update({name: path.name for name in f.keys()})
+    assert index["weight_map"] == where
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in shard_tensors(directory).values())
+
+
+def random_mxfp4(rows: int, cols: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and E8M0 scales as the release's quantiser leaves them: each 32-group's largest code is
+    4 or 6 (a group maximum in [4, 8) times its scale rounds there)."""
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    top = torch.tensor([6, 7, 14, 15], dtype=torch.uint8)[torch.randint(0, 4, (rows, cols // 32), generator=gen)]
+    codes[:, ::32] = top
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale = torch.randint(118, 124, (rows, cols // 32), generator=gen, dtype=torch.uint8)
+    return packed.contiguous(), scale
+
+
+def release_state(config, composite: bool, mxfp4: bool, seed: int, vision_state=None) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    text = config.get_text_config()
+    nh = text.linear_attn_config["num_heads"]
+    state = {}
+    for name, (shape, dtype) in release_inventory(text, composite, mxfp4).items():
+        if dtype is U8:
+            continue
+        if name.endswith(".A_log"):
+            t = torch.zeros(shape, dtype=FP32)
+            t[:nh] = torch.log(torch.rand(nh, generator=gen) * 15 + 1)
+        elif name.endswith(("norm.weight", "_layernorm.weight")):
+            t = 1 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.01 * torch.randn(shape, generator=gen)
+        else:
+            t = 0.08 * torch.randn(shape, generator=gen)
+        state[name] = t.to(dtype)  # fp32 tensors keep full fp32 precision (o_norm included)
+    if mxfp4:
+        for name, (shape, dtype) in release_inventory(text, composite, mxfp4).items():
+            if name.endswith("weight_packed"):
+                rows, cols = shape[0], shape[1] * 2
+                packed, scale = random_mxfp4(rows, cols, gen)
+                state[name] = packed
+                state[name[: -len("packed")] + "scale"] = scale
+    if vision_state:
+        state.update(vision_state)
+    return state
+
+
+def write_release(directory: Path, state: dict, config, composite: bool, mxfp4: bool) -> Path:
+    write_state_dict(state, directory, max_shard_size=SHARD)
+    data = official_config_dict(config, composite, "bf16", release_quantization_config() if mxfp4 else None)
+    (directory / "config.json").write_text(json.dumps(data, indent=1))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def text_config():
+    return KimiK3TextConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def release_text_bf16(tmp_path_factory, text_config):
+    path = tmp_path_factory.mktemp("release") / "text_bf16"
+    return write_release(path, release_state(text_config, False, False, 0), text_config, False, False)
+
+
+@pytest.fixture(scope="module")
+def release_text_mxfp4(tmp_path_factory, text_config):
+    path = tmp_path_factory.mktemp("release") / "text_mxfp4"
+    return write_release(path, release_state(text_config, False, True, 1), text_config, False, True)
+
+
+@pytest.fixture(scope="module")
+def release_vl_mxfp4(tmp_path_factory):
+    from transformers_k3 import KimiK3ForConditionalGeneration
+
+    config = KimiK3Config.tiny()
+    with torch.device("meta"):
+        meta = KimiK3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(3)
+    vision = {name: (0.05 * torch.randn(tuple(t.shape), generator=gen)).to(BF16)
+              for name, t in meta.state_dict().items() if name.startswith(("vision_tower.", "mm_projector."))}
+    assert vision and all(re.search(RELEASE_RULES[-1][0], n) for n in vision)
+    path = tmp_path_factory.mktemp("release") / "vl_mxfp4"
+    return write_release(path, release_state(config, True, True, 2, vision), config, True, True), config
+
+
+def assert_bit_identical(original: dict, again: dict):
+    assert sorted(original) == sorted(again), (sorted(set(original) ^ set(again)))[:6]
+    for name, tensor in original.items():
+        other = again[name]
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape, (name, other.dtype, other.shape)
+        assert torch.equal(other.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def load(cls, path, **kwargs):
+    model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, problems
+    return model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+# --------------------------------------------------------------------------------------------------
+def test_fixture_follows_the_release_rules(release_text_bf16, release_text_mxfp4, release_vl_mxfp4, text_config):
+    check_against_rules(shard_tensors(release_text_bf16), text_config, False, False)
+    check_against_rules(shard_tensors(release_text_mxfp4), text_config, False, True)
+    path, config = release_vl_mxfp4
+    check_against_rules(shard_tensors(path), config, True, True)
+
+
+@pytest.mark.parametrize("which", ["text_bf16", "text_mxfp4", "text_mxfp4_kept", "vl_mxfp4"])
+def test_release_round_trip_through_the_converter_is_bit_identical(which, release_text_bf16, release_text_mxfp4,
+                                                                  release_vl_mxfp4, tmp_path):
+    source = {"text_bf16": release_text_bf16, "vl_mxfp4": release_vl_mxfp4[0]}.get(which, release_text_mxfp4)
+    mxfp4 = "mxfp4" in which
+    ours = tmp_path / "ours"
+    # bf16, experts dequantised (re-quantised by the export), or kept as MXFP4 (copied by the export)
+    convert_official_checkpoint(source, ours, progress=False, keep_quantized=which.endswith("kept"))
+    back = tmp_path / "back"
+    export_to_official(ours, back, max_shard_size=SHARD, progress=False, mxfp4=mxfp4)
+    assert_bit_identical(shard_tensors(source), shard_tensors(back))
+    check_index(back)
+    config = json.loads((back / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "torch_dtype" not in config
+    assert ("quantization_config" in config) == mxfp4
+    if mxfp4:
+        assert config["quantization_config"] == release_quantization_config()
+    if which == "vl_mxfp4":
+        assert config["model_type"] == "kimi_k3" and config["text_config"]["model_type"] == "kimi_linear"
+        assert "torch_dtype" not in config["text_config"] and "dtype" not in config["text_config"]
+
+
+@pytest.mark.parametrize("which", ["text_bf16", "vl_mxfp4"])
+def test_release_round_trip_through_save_pretrained_is_bit_identical(which, release_text_bf16, release_vl_mxfp4,
+                                                                    tmp_path):
+    """``from_pretrained`` on the release + ``save_pretrained`` (``save_original_format=True``, transformers'
+    default) writes the release's names, padded ``A_log``, fp32 tensors and bytes (MXFP4 experts come back
+    dequantised to bf16: ``save_pretrained`` never quantises)."""
+    from transformers_k3 import KimiK3ForConditionalGeneration
+
+    source = release_text_bf16 if which == "text_bf16" else release_vl_mxfp4[0]
+    cls = KimiK3ForCausalLM if which == "text_bf16" else KimiK3ForConditionalGeneration
+    model = load(cls, source, dtype=BF16)
+    model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")
+    saved = shard_tensors(tmp_path / "saved")
+    original = shard_tensors(source)
+    if which == "vl_mxfp4":  # the release's MXFP4 experts, dequantised (exactly) to bf16 plain weights
+        for name in [n for n in original if n.endswith("weight_packed")]:
+            stem = name[: -len("_packed")]
+            original[stem] = dequantize_mxfp4(original.pop(name), original.pop(stem + "_scale"), BF16)
+    assert_bit_identical(original, saved)
+    check_index(tmp_path / "saved")
+    again = load(cls, tmp_path / "saved", dtype=BF16)
+    if which == "text_bf16":
+        assert torch.equal(logits(again, IDS), logits(model, IDS))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("which", ["text_bf16", "text_mxfp4"])
+def test_direct_and_converted_loading_give_identical_logits(which, dtype, release_text_bf16, release_text_mxfp4,
+                                                           tmp_path):
+    source = release_text_bf16 if which == "text_bf16" else release_text_mxfp4
+    direct = load(KimiK3ForCausalLM, source, dtype=dtype)
+    ours = tmp_path / "ours"
+    convert_official_checkpoint(source, ours, dtype="fp32" if dtype == torch.float32 else "bf16", progress=False)
+    converted = load(KimiK3ForCausalLM, ours, dtype=dtype)
+    for name, tensor in direct.state_dict().items():
+        assert torch.equal(tensor, converted.state_dict()[name]), name
+    assert torch.equal(logits(direct, IDS), logits(converted, IDS))
+    if which == "text_mxfp4" and dtype == torch.bfloat16:
+        auto = load(AutoModelForCausalLM, source, dtype=dtype)
+        assert torch.equal(logits(auto, IDS), logits(direct, IDS))
+
+
+@pytest.fixture(scope="module")
+def our_checkpoint(tmp_path_factory):
+    """A model of ours saved in our fused layout (what the converter writes)."""
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    path = tmp_path_factory.mktemp("ours") / "fused"
+    model.save_pretrained(path, save_original_format=False)
+    assert any("gate_up_proj" in n for n in shard_tensors(path))
+    return path, model
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp32", "mxfp4"])
+def test_export_matches_the_release_rules(mode, our_checkpoint, tmp_path):
+    path, model = our_checkpoint
+    out = tmp_path / "export"
+    if mode == "mxfp4":  # the script
+        code = subprocess.run([sys.executable, str(REPO / "conversion" / "export_to_official.py"), "--input", str(path),
+                               "--output", str(out), "--quiet", "--max-shard-size", "50KB", "--mxfp4"],
+                              capture_output=True, text=True)
+        assert code.returncode == 0, code.stderr
+    else:
+        export_to_official(path, out, dtype=mode, max_shard_size="50KB", progress=False)
+    tensors = shard_tensors(out)
+    check_against_rules(tensors, model.config, False, mode == "mxfp4", dense_dtype=FP32 if mode == "fp32" else BF16)
+    check_index(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == ("float32" if mode == "fp32" else "bfloat16") and "torch_dtype" not in config
+    assert config["model_type"] == "kimi_linear"
+    assert config["linear_attn_config"]["kda_layers"] == [1, 2, 4, 5]  # 1-based, as the release
+    assert config["linear_attn_config"]["full_attn_layers"] == [3, 6]
+    assert ("quantization_config" in config) == (mode == "mxfp4")
+    # the values: fp32 tensors exact, A_log the model's heads then zeros
+    state = model.state_dict()
+    nh = model.config.linear_attn_config["num_heads"]
+    assert torch.equal(tensors["model.layers.0.self_attn.A_log"][:nh], state["model.layers.0.self_attn.A_log"].float())
+    assert torch.equal(tensors["model.layers.0.self_attn.o_norm.weight"], state["model.layers.0.self_attn.o_norm.weight"].float())
+    fused = state["model.layers.1.mlp.experts.gate_up_proj"]
+    half = fused.shape[1] // 2
+    w3 = fused[5, half:]
+    if mode == "mxfp4":
+        packed = tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight_packed"]
+        scale = tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight_scale"]
+        assert torch.equal(packed, quantize_mxfp4_release(w3)[0])
+        assert torch.equal(scale, quantize_mxfp4_release(w3)[1])
+        again = load(KimiK3ForCausalLM, out, dtype=BF16)  # the export loads back (dequantised)
+        assert torch.equal(again.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][5, half:],
+                           dequantize_mxfp4(packed, scale, BF16))
+    else:
+        got = tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+        assert torch.equal(got, w3.to(got.dtype))
+
+
+def test_save_pretrained_of_a_new_model_follows_the_release_rules(tmp_path):
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(BF16)
+    model.save_pretrained(tmp_path / "saved")
+    check_against_rules(shard_tensors(tmp_path / "saved"), model.config, False, False)
+    model.save_pretrained(tmp_path / "fused", save_original_format=False)  # our layout, unchanged
+    fused = shard_tensors(tmp_path / "fused")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in fused and fused["model.layers.0.self_attn.A_log"].shape == (4,)
+
+
+def test_mxfp4_requantisation_rule():
+    """Unchanged weights give back the release's bytes; other weights follow compressed-tensors' rule: scale
+    from the group maximum rounded to a power of two (up from a mantissa of 1.75), values to nearest, ties to
+    even, saturating at 6."""
+    gen = torch.Generator().manual_seed(0)
+    packed, scale = random_mxfp4(16, 128, gen)
+    weight = dequantize_mxfp4(packed, scale, BF16)
+    assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4_release(weight), (packed, scale)))
+    assert all(torch.equal(a, b) for a, b in zip(quantize_mxfp4_release(weight.float()), (packed, scale)))
+    row = torch.zeros(1, 32)
+    row[0, :10] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.0, -5.5])
+    p, s = quantize_mxfp4_release(row)  # amax 6: mantissa 1.5 -> scale 2^(2-2) = 1
+    assert s.item() == 127
+    assert dequantize_mxfp4(p, s, FP32)[0, :10].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, -6.0]
+    assert torch.signbit(dequantize_mxfp4(p, s, FP32)[0, 8])
+    row[0, 7] = 7.5  # mantissa 1.875 >= 1.75: rounded up to 8 -> scale 2^(3-2) = 2
+    p, s = quantize_mxfp4_release(row)
+    assert s.item() == 128 and dequantize_mxfp4(p, s, FP32)[0, 7].item() == 8.0
+
+
+def test_a_log_padding_must_be_zero(release_text_bf16, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(release_text_bf16, bad)
+    state = shard_tensors(bad)
+    name = "model.layers.1.self_attn.A_log"
+    state[name][-1] = 0.5
+    for f in bad.glob("*.safetensors"):
+        f.unlink()
+    (bad / "model.safetensors.index.json").unlink()
+    write_state_dict(state, bad, max_shard_size=SHARD)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"A_log.*must be exactly zero"):
+        convert_official_checkpoint(bad, out, progress=False)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+    code = subprocess.run([sys.executable, str(REPO / "conversion" / "convert_k3_official_to_hf.py"), "--input", str(bad),
+                           "--output", str(out), "--quiet"], capture_output=True, text=True)
+    assert code.returncode == 2 and "must be exactly zero" in code.stderr and not out.exists()
+    # direct loading: refused (transformers raises after its load report, which names the tensor and the error)
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError, match="CONVERSION"):
+            KimiK3ForCausalLM.from_pretrained(bad)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    report = stream.getvalue()
+    assert name in report and "ALogPaddingError" in report and "must be exactly zero" in report
+
+
+def test_plain_load_state_dict_reads_the_release_layout(tmp_path):
+    """transformers' Trainer restores a checkpoint that ``save_pretrained`` wrote (the release's layout) with a plain
+    ``load_state_dict``: `release_layout_pre_hook` (with the experts' own pre-hook) brings it to the model's names."""
+    from safetensors.torch import load_file
+
+    from transformers_k3.conversion.hf_mapping import release_layout_pre_hook
+
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    model.save_pretrained(tmp_path / "saved")
+    state = {}
+    for f in (tmp_path / "saved").glob("*.safetensors"):
+        state.update(load_file(str(f)))
+    assert any(".block_sparse_moe." in n for n in state) and state["model.layers.0.self_attn.A_log"].shape == (16,)
+    fresh = KimiK3ForCausalLM(KimiK3TextConfig.tiny())
+    fresh.model.register_load_state_dict_pre_hook(release_layout_pre_hook)
+    result = fresh.load_state_dict(state, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    state["model.layers.0.self_attn.A_log"][-1] = 1.0
+    with pytest.raises(CheckpointError, match="must be exactly zero"):
+        fresh.load_state_dict(state, strict=False)
