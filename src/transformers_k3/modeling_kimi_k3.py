@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -201,6 +203,26 @@ def _check_padding_only(attention_mask: torch.Tensor) -> None:
 _CACHE_IMPLEMENTATIONS = {None: None, "dynamic": None, "static": None, "offloaded": "cpu", "offloaded_static": "cpu"}
 
 
+def _write_release_config(model, directory: Path) -> None:
+    """Rewrite ``directory/config.json`` with the release's keys, atomically, where the config's kind matches what the
+    weights hold (a composite config for the multimodal model, a text config for the text model) and the dtype is
+    one the release's config names (bf16 / fp32); otherwise the file stays as transformers wrote it."""
+    import json
+    import os
+
+    from .configuration_kimi_k3 import KimiK3Config
+    from .conversion.export import official_config_dict
+
+    composite = isinstance(model.config, KimiK3Config)
+    if composite != hasattr(model, "vision_tower") or model.dtype not in (torch.bfloat16, torch.float32):
+        return
+    path = directory / "config.json"
+    data = official_config_dict(model.config, composite=composite, dtype=model.dtype)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
 class KimiK3ModelMixin:
     """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
     which generation modes the hybrid cache allows."""
@@ -225,6 +247,15 @@ class KimiK3ModelMixin:
         keys = tuple(getattr(self, "_keep_in_fp32_modules_strict", None) or ())
         return apply_keeping_fp32(self, lambda: super(KimiK3ModelMixin, self)._apply(fn, recurse),
                                   lambda name: any(key in name for key in keys))
+
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = True, **kwargs):
+        """transformers' ``save_pretrained``. With ``save_original_format=True`` (transformers' default) the weights
+        are in the release's layout, and so is ``config.json``: the release's keys (`official_config_dict`: the text
+        config as ``kimi_linear``, ``dtype`` the weights' dtype, no key derived from others). ``False`` writes ours."""
+        out = super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        if save_original_format and kwargs.get("is_main_process", True):
+            _write_release_config(self, Path(save_directory))
+        return out
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
