@@ -367,3 +367,17 @@ def test_o_norm_stays_fp32_through_conversion_and_loading(tmp_path):
     cast = _load(ours, torch.float32).to(torch.bfloat16)
     assert all(dict(cast.named_parameters())[name].dtype == torch.float32 for name in o_norms)
     assert "o_norm" in KimiK3ForCausalLM._keep_in_fp32_modules_strict
+
+
+def test_a_saved_k3_with_its_features_off_still_loads_as_k3(tmp_path):
+    """save_pretrained writes the release's kimi_linear config; its K3 architecture name routes it back to our classes
+    even when no K3-only feature is on (where the in-tree Kimi Linear would otherwise take it)."""
+    from transformers import AutoConfig
+
+    from transformers_k3.configuration_kimi_k3 import is_k3_text_config_dict
+
+    plain = {"model_type": "kimi_linear", "hidden_act": "silu"}
+    assert not is_k3_text_config_dict(plain)
+    assert is_k3_text_config_dict({**plain, "architectures": ["KimiK3LinearForCausalLM"]})
+    routed = AutoConfig.for_model("kimi_linear").from_dict({**plain, "architectures": ["KimiK3LinearForCausalLM"]})
+    assert type(routed).__name__ == "KimiK3TextConfig"

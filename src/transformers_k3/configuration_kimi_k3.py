@@ -571,7 +571,10 @@ _K3_ONLY_KEYS = (
 
 
 def is_k3_text_config_dict(config_dict: dict) -> bool:
-    """True when a ``kimi_linear`` dict uses a feature the in-tree Kimi Linear would silently drop."""
+    """True when a ``kimi_linear`` dict names a K3 architecture (as the release's text-only config and our
+    ``save_pretrained`` do) or uses a feature the in-tree Kimi Linear would silently drop."""
+    if set(config_dict.get("architectures") or ()) & {"KimiK3LinearForCausalLM", "KimiK3ForCausalLM"}:
+        return True
     if any(config_dict.get(key) is not None for key in _K3_ONLY_KEYS):
         return True
     if config_dict.get("hidden_act") == "situ" or config_dict.get("mla_use_output_gate"):
