@@ -418,7 +418,7 @@ def test_pre_quantized_checkpoints_keep_their_integer_tensors(tmp_path):
     save_file({"model.layers.0.mlp.gate_proj.weight": torch.zeros(8, 1, dtype=torch.uint8),
                "model.layers.0.mlp.gate_proj.qzeros": torch.zeros(2, dtype=torch.int32)},
               str(tmp_path / "model.safetensors"))
-    config = {"model_type": "kimi_k3_text", "quantization_config": {"quant_method": "bitsandbytes"}}
+    config = {"model_type": "kimi_k3_text", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     check_pretrained_directory(tmp_path, {})
     config["quantization_config"] = {"quant_method": "compressed-tensors"}

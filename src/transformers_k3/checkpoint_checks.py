@@ -11,6 +11,8 @@ shard), never tensor data, and does nothing for hub ids, single files or GGUF.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from pathlib import Path
 
@@ -32,6 +34,21 @@ def _add_variant(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{ext}"
 
 
+def _quantizer_owns_integers(quantization) -> bool:
+    """Whether a transformers quantizer will take this checkpoint's integer tensors (bitsandbytes with 4 or 8 bits,
+    GPTQ, AWQ, torchao, ...): transformers ignores an unknown ``quant_method``, so the dtype check must not."""
+    if not isinstance(quantization, dict):
+        return False
+    method = quantization.get("quant_method")
+    if method in (None, "compressed-tensors"):
+        return False
+    if method == "bitsandbytes":
+        return bool(quantization.get("load_in_4bit") or quantization.get("load_in_8bit"))
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    return method in AUTO_QUANTIZER_MAPPING
+
+
 def check_pretrained_directory(pretrained_model_name_or_path, kwargs: dict) -> None:
     """Raises `CheckpointError` if the local checkpoint ``from_pretrained(pretrained_model_name_or_path,
     **kwargs)`` would read is inconsistent (see the module docstring); returns quietly otherwise, and for
@@ -50,7 +67,7 @@ def check_pretrained_directory(pretrained_model_name_or_path, kwargs: dict) -> N
     # transformers' order (modeling_utils._get_resolved_checkpoint_files): an explicit file named by the
     # config's `transformers_weights`, then model.safetensors, then the index
     config: dict = {}
-    config_path = base / "config.json"
+    config_path = directory / "config.json" if (directory / "config.json").is_file() else base / "config.json"
     if config_path.is_file():
         try:
             config = read_json_file(config_path, "the model's config")
@@ -61,8 +78,7 @@ def check_pretrained_directory(pretrained_model_name_or_path, kwargs: dict) -> N
     # tensors by design, and that quantizer checks them; the release's compressed-tensors MXFP4 follows our rule.
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     quantization = config.get("quantization_config") or text.get("quantization_config") or {}
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    check_dtypes = method in (None, "compressed-tensors")
+    check_dtypes = not _quantizer_owns_integers(quantization)
     if isinstance(explicit, str) and explicit:
         target = resolve_inside(directory, explicit, f"{config_path} (`transformers_weights`)")
         if explicit.endswith(".safetensors.index.json"):
@@ -72,6 +88,9 @@ def check_pretrained_directory(pretrained_model_name_or_path, kwargs: dict) -> N
         return
     single = directory / _add_variant(SAFE_WEIGHTS_NAME, variant)
     index = directory / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)
+    if (single.is_file() or single.is_symlink()) and index.is_file():
+        raise CheckpointError(f"{directory} holds both {single.name} and {index.name}: transformers would load "
+                              f"{single.name} and ignore the shards the index lists. Remove the one that is stale.")
     if single.is_file() or single.is_symlink():
         scan_shards(directory, [single.name], None, check_dtypes=check_dtypes)
     elif index.is_file():
@@ -82,5 +101,42 @@ def _check_index(directory: Path, index_path: Path, check_dtypes: bool) -> None:
     weight_map = read_index(index_path)
     scan_shards(directory, list(dict.fromkeys(weight_map.values())), weight_map, index_path, check_dtypes)
 
+_RESOLVED_CHECK: "contextvars.ContextVar[dict | None]" = contextvars.ContextVar("k3_resolved_check", default=None)
 
-__all__ = ["CheckpointError", "check_pretrained_directory"]
+
+@contextlib.contextmanager
+def checking_resolved_files(pretrained_model_name_or_path, kwargs: dict):
+    """For a ``from_pretrained`` by hub id (or anything that is not a local directory): run the same checks on the
+    directory transformers resolves the weights to (the hub cache's snapshot), after the download and before the
+    weights are read. Thread-safe: the hook on transformers' resolver acts only inside this context."""
+    local = pretrained_model_name_or_path is not None and Path(os.fspath(pretrained_model_name_or_path)).is_dir()
+    if local or pretrained_model_name_or_path is None:
+        yield
+        return
+    _install_resolver_hook()
+    token = _RESOLVED_CHECK.set({k: v for k, v in kwargs.items() if k != "subfolder"})
+    try:
+        yield
+    finally:
+        _RESOLVED_CHECK.reset(token)
+
+
+def _install_resolver_hook() -> None:
+    import transformers.modeling_utils as modeling_utils
+
+    original = modeling_utils._get_resolved_checkpoint_files
+    if getattr(original, "_k3_checked", False):
+        return
+
+    def resolved(*args, **kwargs):
+        files, metadata = original(*args, **kwargs)
+        check_kwargs = _RESOLVED_CHECK.get()
+        if check_kwargs is not None and files:
+            check_pretrained_directory(Path(files[0]).parent, check_kwargs)
+        return files, metadata
+
+    resolved._k3_checked = True
+    modeling_utils._get_resolved_checkpoint_files = resolved
+
+
+__all__ = ["CheckpointError", "check_pretrained_directory", "checking_resolved_files"]

@@ -203,6 +203,65 @@ def _check_padding_only(attention_mask: torch.Tensor) -> None:
 _CACHE_IMPLEMENTATIONS = {None: None, "dynamic": None, "static": None, "offloaded": "cpu", "offloaded_static": "cpu"}
 
 
+def _saved_names(directory: Path) -> list[str] | None:
+    import json
+
+    from .conversion.streaming import read_safetensors_header
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
+    single = directory / "model.safetensors"
+    return list(read_safetensors_header(single)) if single.is_file() else None
+
+
+def _remove_stale_weights(directory: Path, started: float) -> None:
+    """A save into a directory that held the other form (one file vs an index and shards) leaves the old one,
+    which transformers' loader would prefer (model.safetensors) or which the index no longer describes: remove
+    the form this save did not write."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if not (single.is_file() and index.is_file()):
+        return
+    if index.stat().st_mtime >= started > single.stat().st_mtime:
+        single.unlink()
+    elif single.stat().st_mtime >= started > index.stat().st_mtime:
+        import json
+
+        stale = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+        index.unlink()
+        for name in stale:
+            shard = directory / name
+            if shard.parent == directory and shard.is_file() and shard.stat().st_mtime < started:
+                shard.unlink()
+
+
+def _export_in_place(directory: Path, dtype: str) -> None:
+    """Replace the fused-layout weights, index and config in ``directory`` by the exporter's release layout (written
+    next to it first; the directory's other files stay)."""
+    import os
+    import shutil
+
+    from .conversion.export import export_to_official
+
+    exported = directory.with_name(f".{directory.name}.k3export-{os.getpid()}")
+    shutil.rmtree(exported, ignore_errors=True)
+    try:
+        export_to_official(directory, exported, dtype=dtype, max_shard_size="50GB", progress=False)
+        old = set(_weight_files(directory))
+        new = set(_weight_files(exported))
+        for name in sorted(new) + ["config.json"]:
+            os.replace(exported / name, directory / name)
+        for name in old - new:
+            (directory / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(exported, ignore_errors=True)
+
+
+def _weight_files(directory: Path) -> list[str]:
+    return [p.name for p in directory.iterdir()
+            if p.is_file() and (p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json")]
+
+
 def _write_release_config(model, directory: Path) -> None:
     """Rewrite ``directory/config.json`` with the release's keys, atomically, where the config's kind matches what the
     weights hold (a composite config for the multimodal model, a text config for the text model) and the dtype is
@@ -215,6 +274,15 @@ def _write_release_config(model, directory: Path) -> None:
 
     composite = isinstance(model.config, KimiK3Config)
     if composite != hasattr(model, "vision_tower") or model.dtype not in (torch.bfloat16, torch.float32):
+        return
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
+        return  # a quantized model's weights need its quantization_config, which the release's config has not
+    names = _saved_names(directory)
+    if names is None:
+        return
+    if any(".experts.gate_up_proj" in n for n in names):
+        # a model loaded from our fused layout: transformers saved it as loaded; the exporter writes the release's
+        _export_in_place(directory, "bf16" if model.dtype == torch.bfloat16 else "fp32")
         return
     path = directory / "config.json"
     data = official_config_dict(model.config, composite=composite, dtype=model.dtype)
@@ -252,9 +320,28 @@ class KimiK3ModelMixin:
         """transformers' ``save_pretrained``. With ``save_original_format=True`` (transformers' default) the weights
         are in the release's layout, and so is ``config.json``: the release's keys (`official_config_dict`: the text
         config as ``kimi_linear``, ``dtype`` the weights' dtype, no key derived from others). ``False`` writes ours."""
+        import time
+
+        started = time.time()
+        if save_original_format and kwargs.get("push_to_hub"):
+            # transformers uploads inside save_pretrained: write the release's config.json before the upload
+            original = self._upload_modified_files
+
+            def upload(directory, *upload_args, **upload_kwargs):
+                _remove_stale_weights(Path(directory), started)
+                _write_release_config(self, Path(directory))
+                return original(directory, *upload_args, **upload_kwargs)
+
+            self._upload_modified_files = upload
+            try:
+                return super().save_pretrained(save_directory, *args, save_original_format=True, **kwargs)
+            finally:
+                del self._upload_modified_files
         out = super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
-        if save_original_format and kwargs.get("is_main_process", True):
-            _write_release_config(self, Path(save_directory))
+        if kwargs.get("is_main_process", True):
+            _remove_stale_weights(Path(save_directory), started)
+            if save_original_format:
+                _write_release_config(self, Path(save_directory))
         return out
 
     @classmethod
@@ -274,7 +361,10 @@ class KimiK3ModelMixin:
         if getattr(quantization_config, "load_in_4bit", False):
             kwargs["quantization_config"] = _narrow_for_bnb_4bit(cls, pretrained_model_name_or_path,
                                                                  quantization_config, kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        from .checkpoint_checks import checking_resolved_files
+
+        with checking_resolved_files(pretrained_model_name_or_path, kwargs):  # a hub id: once its files are resolved
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent

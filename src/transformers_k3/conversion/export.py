@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .expected import expected_tensors, load_k3_config
+from .expected import expected_tensors
 from .keymap import (
     RELEASE_FP32_TENSOR_RE,
     TEXT_PREFIX,
@@ -82,7 +82,9 @@ def _linear_dims(config) -> tuple[int, int]:
 
 def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bool = False) -> ConversionPlan:
     target = resolve_dtype(dtype)
-    config, composite = load_k3_config(source.config)
+    from .official import load_config_of
+
+    config, composite = load_config_of(source)
     expected, _ = expected_tensors(config, composite)
     num_heads, head_dim = _linear_dims(config)
     a_log_length = release_a_log_length(num_heads, head_dim)

@@ -118,6 +118,13 @@ def _looks_like_pickle(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"))
 
 
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """Parses and validates a safetensors header without reading tensor data or unpickling anything:
     the file must be safetensors (a pickle is reported as such), its header valid JSON, and every tensor's
@@ -129,6 +136,9 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     with open(path, "rb") as f:
         head = f.read(9)
         header_len = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else None
+        if header_len is not None and header_len > _MAX_HEADER_BYTES and head[8:9] == b"{":
+            raise CheckpointError(f"{path}: safetensors header of {header_len} bytes is over safetensors' own limit "
+                                  f"({_MAX_HEADER_BYTES} bytes); not a file safetensors would read")
         plausible = header_len is not None and header_len <= size - 8 and head[8:9] == b"{"
         if not plausible:
             if _looks_like_pickle(head):
@@ -149,14 +159,23 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_size = size - 8 - header_len
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict) and
+                                     all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise CheckpointError(f"{path}: the header's __metadata__ must map strings to strings (safetensors' rule)")
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype_name, shape, (begin, end) = entry["dtype"], tuple(int(x) for x in entry["shape"]), entry["data_offsets"]
+            dtype_name, raw_shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not (isinstance(dtype_name, str) and isinstance(raw_shape, list) and isinstance(offsets, list)
+                    and len(offsets) == 2 and all(_is_count(x) for x in raw_shape + offsets)):
+                raise TypeError
+            shape, (begin, end) = tuple(raw_shape), offsets
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor `{name}` has a malformed header entry {entry!r}") from None
+            raise CheckpointError(f"{path}: tensor `{name}` has a malformed header entry {entry!r:.200} (dtype a "
+                                  "string, shape and data_offsets lists of non-negative integers)") from None
         dtype = dtype_from_safetensors(dtype_name, path, name)
         info = TensorInfo(path, name, dtype, shape, int(begin))
         if end - begin != info.nbytes:
@@ -346,6 +365,10 @@ class Checkpoint:
         index_path = self.directory / SAFE_WEIGHTS_INDEX_NAME
         single = self.directory / SAFE_WEIGHTS_NAME
         self.index: dict[str, str] | None = None
+        if index_path.is_file() and single.is_file():
+            raise CheckpointError(f"{self.directory} holds both {SAFE_WEIGHTS_NAME} and {SAFE_WEIGHTS_INDEX_NAME}: "
+                                  f"transformers would load {SAFE_WEIGHTS_NAME} and ignore the shards the index lists. "
+                                  "Remove the one that is stale.")
         if index_path.is_file():
             weight_map = read_index(index_path)
             for name, file in weight_map.items():

@@ -294,18 +294,45 @@ def _fuse_per_expert_weights(module, state_dict, prefix, *args) -> None:
     ``from_pretrained`` fuses them. transformers' Trainer restores checkpoints (``resume_from_checkpoint``,
     ``load_best_model_at_end``) with a plain ``load_state_dict``, which otherwise left the experts as they were
     (only a missing / unexpected keys warning)."""
-    if f"{prefix}gate_up_proj" in state_dict or f"{prefix}0.w1.weight" not in state_dict:
+    if f"{prefix}gate_up_proj" in state_dict or f"{prefix}down_proj" in state_dict:
         return
     n = module.num_experts
+    if not any(f"{prefix}{e}.{w}.weight" in state_dict for e in range(n) for w in ("w1", "w2", "w3")):
+        return
     names = [f"{prefix}{e}.{w}.weight" for e in range(n) for w in ("w1", "w2", "w3")]
     if not all(name in state_dict for name in names):
-        return  # (incomplete: load_state_dict reports the missing fused weights and the unexpected ones)
+        # Part of the experts (a sharded checkpoint is loaded one shard per call, Trainer's resume): each block
+        # goes into its slice of the fused weights now; load_state_dict then sees no unexpected keys for them.
+        _copy_expert_blocks(module, state_dict, prefix)
+        return
     w1, w2, w3 = ([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(n)] for w in ("w1", "w2", "w3"))
     gate_up = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(w1, w3)])  # [E, 2I, D]
     down = torch.stack(w2)  # [E, D, I]
     if getattr(module, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     state_dict[f"{prefix}gate_up_proj"], state_dict[f"{prefix}down_proj"] = gate_up, down
+
+
+@torch.no_grad()
+def _copy_expert_blocks(module, state_dict, prefix) -> None:
+    inter = module.intermediate_dim
+    transposed = getattr(module, "is_transposed", False)
+    for e in range(module.num_experts):
+        for proj in ("w1", "w2", "w3"):
+            name = f"{prefix}{e}.{proj}.weight"
+            if name not in state_dict:
+                continue
+            block = state_dict.pop(name)
+            if proj == "w2":
+                target = module.down_proj[e]
+            else:
+                rows = slice(0, inter) if proj == "w1" else slice(inter, 2 * inter)
+                target = module.gate_up_proj[e][:, rows] if transposed else module.gate_up_proj[e][rows]
+            block = block.t() if transposed else block
+            if tuple(block.shape) != tuple(target.shape):
+                raise RuntimeError(f"{name}: shape {tuple(block.shape)} does not fit the model's expert block "
+                                   f"{tuple(target.shape)}")
+            target.copy_(block)
 
 
 @use_experts_implementation
