@@ -7,13 +7,13 @@ place that does), so a saved directory loads with ``AutoModelForCausalLM.from_pr
 
 from transformers import (
     AutoConfig,
-    AutoImageProcessor,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
 )
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
 from .balancing import RouterBalancer, load_router_biases, save_router_biases
@@ -60,9 +60,9 @@ _route_kimi_linear_configs()
 register_conversion_mappings()
 # Vision: image-text-to-text model, image/video processors, processor (pipeline("image-text-to-text") works).
 AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
-AutoImageProcessor.register(KimiK3Config, image_processor_classes={"pil": KimiK3ImageProcessor}, exist_ok=True)
-# AutoVideoProcessor itself requires torchvision (ours does not, and KimiK3Processor loads it directly), and its
-# `register` is guarded by that requirement, so register through its mapping.
+# AutoImageProcessor requires Pillow and AutoVideoProcessor torchvision (the base install has neither: Pillow is
+# needed only when an image is processed), and their `register` is guarded by that, so register through the mappings.
+IMAGE_PROCESSOR_MAPPING.register(KimiK3Config, {"pil": KimiK3ImageProcessor}, exist_ok=True)
 VIDEO_PROCESSOR_MAPPING.register(
     KimiK3Config, {"pil": KimiK3VideoProcessor, "torchvision": KimiK3VideoProcessor}, exist_ok=True
 )

@@ -57,6 +57,16 @@ def resize_plan(width: int, height: int, patch_size: int = 14, merge_kernel_size
             "grid_h": grid_h, "grid_w": grid_w, "num_tokens": num_tokens}
 
 
+def require_pillow():
+    """Pillow's ``Image`` module; images need it (the ``[vision]`` extra), text-only use does not."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError("processing images needs Pillow, which the base install leaves out: "
+                          "pip install 'transformers-k3[vision]' (or pip install Pillow)") from None
+    return Image
+
+
 def to_uint8_hwc(image: Any) -> np.ndarray:
     """Any supported image as ``uint8 [H, W, 3 or 4]``: grayscale is replicated to RGB, transparency is kept as a
     fourth (alpha) channel (spec 7.6 step 1)."""
@@ -112,7 +122,7 @@ def bicubic_resize(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
     """PIL bicubic resize of ``uint8 [H, W, C]`` (antialiased when downscaling; rounded and clipped to uint8).
     Colour and alpha are resized as independent channels, so transparent pixels keep their colour until the
     background is composited (the reference keeps alpha through the resize, spec 7.6 step 1)."""
-    from PIL import Image
+    Image = require_pillow()
 
     if pixels.shape[1] == width and pixels.shape[0] == height:
         return pixels
