@@ -121,8 +121,9 @@ def test_non_finite_inputs_propagate(kernel):
 def test_build_is_cached_and_leaves_no_temporary_files(kernel, fresh_build):
     lib = cpu_kernel.library()
     assert lib is not None, cpu_kernel.load_error()
-    built = sorted(os.listdir(fresh_build))
-    assert len(built) == 1 and built[0].startswith("cpu_kernels_") and built[0].endswith(".so"), built
+    built = sorted(os.listdir(fresh_build))  # the library and the checksum its build recorded
+    assert len(built) == 2 and built[0].startswith("cpu_kernels_") and built[0].endswith(".so"), built
+    assert built[1] == built[0] + ".sha256", built
     first = (fresh_build / built[0]).stat().st_mtime_ns
     cpu_kernel._state.update(tried=False, lib=None, error=None)
     assert cpu_kernel.library() is not None

@@ -199,6 +199,37 @@ def _command(compiler: str, torch_lib: str, output: str, native: bool) -> list[s
     ]  # fmt: skip
 
 
+def _checksum_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(path: pathlib.Path) -> bool:
+    """The library is the one the build wrote: its size and SHA-256 match what the build recorded beside it."""
+    try:
+        size, digest = _checksum_path(path).read_text().split()
+        return path.stat().st_size == int(size) and _sha256(path) == digest
+    except (OSError, ValueError):
+        return False
+
+
+def _publish(built: pathlib.Path, path: pathlib.Path) -> None:
+    """Move a finished build into place: the library and its checksum each written in full and fsynced before the
+    rename, so another process sees either nothing or a complete, verifiable file."""
+    with open(built, "rb") as f:
+        os.fsync(f.fileno())
+    record = path.with_name(f".{path.name}.sha256.{os.getpid()}")
+    with open(record, "w") as f:
+        f.write(f"{built.stat().st_size} {_sha256(built)}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(record, _checksum_path(path))
+    os.replace(built, path)
+
+
 def _load() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if compiler is None:
@@ -213,7 +244,15 @@ def _load() -> ctypes.CDLL:
                         _cpu_identity().encode(), torch.__version__.encode()])
         ).hexdigest()[:16]  # fmt: skip
         path = cache / f"cpu_kernels_{key}.so"
+        if path.exists() and not _verified(path):
+            # truncated, zeroed or replaced (loading such a file can kill the process with SIGBUS): build anew
+            logger.warning("transformers_k3: the cached CPU kernel library %s does not match its checksum; "
+                           "rebuilding it", path)
+            for stale in (path, _checksum_path(path)):
+                stale.unlink(missing_ok=True)
         if not path.exists():
+            logger.warning("transformers_k3: building the fused CPU kernels for this machine with %s (once; "
+                           "usually 10-20 s), cached in %s", os.path.basename(compiler), cache)
             fd, tmp = tempfile.mkstemp(prefix=f".cpu_kernels_{key}.", suffix=".so", dir=cache)
             os.close(fd)
             try:
@@ -221,7 +260,7 @@ def _load() -> ctypes.CDLL:
                 if done.returncode != 0:
                     errors.append(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
                     continue
-                os.replace(tmp, path)
+                _publish(pathlib.Path(tmp), path)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
