@@ -49,13 +49,19 @@ from .keymap import (
     pad_a_log,
     parse_expert_name,
     per_expert_name,
-    quantize_mxfp4_release,
     release_a_log_length,
     release_quantization_config,
     release_text_name,
 )
 from .official import ConversionPlan, _raise_errors, resolve_dtype, writing_checkpoint
-from .quant import QuantFormatError, check_mxfp4_shapes, dequantize_mxfp4, mxfp4_scale_2d
+from .quant import (
+    QuantFormatError,
+    check_mxfp4_shapes,
+    dequantize_mxfp4,
+    mxfp4_release_scale,
+    mxfp4_scale_2d,
+    quantize_mxfp4_release,
+)
 from .streaming import Checkpoint, OutputTensor, Piece
 
 # Keys of our config that official configs do not carry: derived from others, or ours with the official
@@ -112,8 +118,9 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
             return
         rows, cols = block
         stem = name[: -len("weight")]
-        for kind, index, shape in (("weight_packed", 0, (rows, cols // 2)), ("weight_scale", 1, (rows, cols // 32))):
-            fn = (lambda x, i=index: quantize_mxfp4_release(x[0])[i])
+        # the two outputs are written apart (each its own piece); the scale needs only the groups' exponents
+        for kind, fn, shape in (("weight_packed", lambda x: quantize_mxfp4_release(x[0])[0], (rows, cols // 2)),
+                                ("weight_scale", lambda x: mxfp4_release_scale(x[0]), (rows, cols // 32))):
             add(stem + kind, OutputTensor(stem + kind, torch.uint8, shape, [piece_of(fn, shape)]),
                 f"{note} (-> MXFP4)")
 

@@ -20,7 +20,7 @@ after the heads), ``[nh]``, ``[1,1,nh,1]``         padding must be exactly zero:
 A multimodal checkpoint keeps the text model under ``language_model.`` (``language_model.model.layers…``,
 ``language_model.lm_head.weight``); ``vision_tower.*`` and ``mm_projector.*`` are the same in both layouts.
 A text-only checkpoint has no prefix. Writing the release's layout (`release_text_name`, `pad_a_log`,
-`RELEASE_FP32_TENSOR_RE`, `quantize_mxfp4_release`) is the exact inverse for everything the release holds.
+`RELEASE_FP32_TENSOR_RE`, `quant.quantize_mxfp4_release`) is the exact inverse for everything the release holds.
 
 transformers' in-tree Kimi Linear (``KimiLinearForCausalLM`` state dict) differs from the official
 layout in two places: the three short convolutions are one ``self_attn.conv1d.weight [3P, 1, K]`` (q|k|v)
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import E2M1_VALUES, E8M0_BIAS, MXFP4_GROUP_SIZE, QuantFormatError, dequantize_mxfp4
+from .quant import MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4, quantize_mxfp4_release
 from .streaming import CheckpointError
 
 TEXT_PREFIX = "language_model."
@@ -223,47 +223,6 @@ def official_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_kda_heads
     return out
 
 
-def quantize_mxfp4_release(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])`` by compressed-tensors'
-    ``mxfp4-pack-quantized`` rule (``generate_mxfp4_scales`` + its FP4 cast), for any weights:
-
-    * per 32-group, ``amax`` is rounded to a power of two on its bit pattern (up when its mantissa is >= 1.75,
-      else down), and the E8M0 exponent is ``127 + log2(that) - 2`` (clamped to 0..254);
-    * each value divided by ``2^(code - 127)`` is rounded to the nearest E2M1 value, **ties to even**
-      (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating at +-6; the sign bit keeps ``-0.0``.
-
-    For weights dequantised from MXFP4 (unchanged since loading) this returns the original bytes: such a
-    group's largest magnitude is 4 or 6 times its scale (the only outcomes of this rule), which gives back
-    the same exponent, and every value is then exact. (An all-zero group gets code 0.)"""
-    if weight.dim() != 2 or weight.shape[1] % MXFP4_GROUP_SIZE:
-        raise QuantFormatError(f"MXFP4 quantisation needs [N, K] with K a multiple of 32, got {list(weight.shape)}")
-    w = weight.detach().to(torch.float32)
-    if not bool(torch.isfinite(w).all()):
-        raise QuantFormatError("cannot quantise non-finite values to MXFP4")
-    rows, k = w.shape
-    groups = w.reshape(rows, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
-    amax = groups.abs().amax(dim=-1)
-    # round amax to a power of two as compressed-tensors does: add half of the mantissa bit below E2M1's
-    # one mantissa bit (fp32: 1 << 21), keep sign + exponent
-    bits = amax.view(torch.int32)
-    rounded = ((bits + (1 << 21)) & ~((1 << 23) - 1)).view(torch.float32)
-    _, f = torch.frexp(rounded)  # rounded = 0.5 * 2^f, so log2(rounded) = f - 1
-    exp = (f.to(torch.int32) - 1) - 2
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
-    scaled = torch.ldexp(groups, (-exp).to(torch.float32).unsqueeze(-1))
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    magnitude = scaled.abs().clamp(max=table[-1])
-    hi = torch.searchsorted(table, magnitude.contiguous()).clamp(max=len(E2M1_VALUES) - 1)
-    lo = (hi - 1).clamp(min=0)
-    d_hi, d_lo = table[hi] - magnitude, magnitude - table[lo]
-    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    codes = torch.where(take_hi, hi, lo).to(torch.uint8)
-    codes = codes | (torch.signbit(scaled).to(torch.uint8) << 3)
-    codes = codes.reshape(rows, k)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    return packed, (exp + E8M0_BIAS).to(torch.uint8).contiguous()
-
-
 def release_quantization_config() -> dict:
     """The release's ``quantization_config`` (K3_SPEC.md sections 10.1 and 13): compressed-tensors
     ``mxfp4-pack-quantized``, E2M1 weights in symmetric groups of 32 with uint8 E8M0 scales, routed experts only."""
@@ -302,7 +261,6 @@ def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_expe
     ``release`` (default): exactly the release's layout: ``block_sparse_moe.`` for the MoE layers, ``A_log``
     as fp32 ``[max(nh, head_dim)]`` zero-padded, the release's fp32 tensors (`RELEASE_FP32_TENSOR_RE`) in fp32
     and, with ``dtype``, every other floating tensor in ``dtype``. ``release=False``: only the experts split."""
-    from .quant import quantize_mxfp4
 
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
@@ -360,7 +318,6 @@ __all__ = [
     "MOE_ALIAS",
     "RELEASE_FP32_TENSOR_RE",
     "pad_a_log",
-    "quantize_mxfp4_release",
     "release_a_log_length",
     "release_quantization_config",
     "release_text_name",

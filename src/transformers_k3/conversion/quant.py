@@ -95,6 +95,36 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return torch.ldexp(values, exponents.to(torch.float32)).to(dtype)
 
 
+def _mxfp4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 ``[N, K]``, its 32-groups ``[N, K/32, 32]``, each group's largest magnitude) of an MXFP4 input."""
+    if weight.dim() != 2 or weight.shape[1] % MXFP4_GROUP_SIZE:
+        raise QuantFormatError(f"MXFP4 quantisation needs [N, K] with K a multiple of 32, got {list(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        raise QuantFormatError("cannot quantise non-finite values to MXFP4")
+    groups = w.reshape(w.shape[0], w.shape[1] // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
+    return w, groups, groups.abs().amax(dim=-1)
+
+
+def _pack_nibbles(codes: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    codes = codes.reshape(rows, k)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def _e8m0(exp: torch.Tensor) -> torch.Tensor:
+    return (exp + E8M0_BIAS).to(torch.uint8).contiguous()
+
+
+def _release_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' scale exponents: ``amax`` rounded to a power of two on its bit pattern (adding half of
+    the mantissa bit below E2M1's one mantissa bit, fp32 ``1 << 21``), minus 2; all-zero groups get the smallest."""
+    bits = amax.view(torch.int32)
+    rounded = ((bits + (1 << 21)) & ~((1 << 23) - 1)).view(torch.float32)
+    _, f = torch.frexp(rounded)  # rounded = 0.5 * 2^f, so log2(rounded) = f - 1
+    exp = (f.to(torch.int32) - 1) - 2
+    return torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
 def quantize_mxfp4(weight: torch.Tensor, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``.
 
@@ -104,14 +134,8 @@ def quantize_mxfp4(weight: torch.Tensor, exact: bool = True) -> tuple[torch.Tens
     the tests use to build official-format fixtures, and for such inputs ``dequantize_mxfp4`` returns
     the input bit for bit.
     """
-    if weight.dim() != 2 or weight.shape[1] % MXFP4_GROUP_SIZE:
-        raise QuantFormatError(f"MXFP4 quantisation needs [N, K] with K a multiple of 32, got {list(weight.shape)}")
-    w = weight.detach().to(torch.float32)
-    if not bool(torch.isfinite(w).all()):
-        raise QuantFormatError("cannot quantise non-finite values to MXFP4")
+    w, groups, amax = _mxfp4_groups(weight)
     rows, k = w.shape
-    groups = w.reshape(rows, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE)
-    amax = groups.abs().amax(dim=-1)
     # smallest e with amax / 2^e <= 6: amax/6 = m * 2^f with m in [0.5, 1), so e = f, or f - 1 when m = 0.5
     mant, exp = torch.frexp(amax / 6.0)
     exp = torch.where(mant == 0.5, exp - 1, exp).to(torch.int32)
@@ -130,10 +154,40 @@ def quantize_mxfp4(weight: torch.Tensor, exact: bool = True) -> tuple[torch.Tens
             "in MXFP4 with its group's scale (pass exact=False to round)"
         )
     codes = codes | ((scaled < 0) | ((scaled == 0) & torch.signbit(scaled))).to(torch.uint8) << 3
-    codes = codes.reshape(rows, k)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    scale = (exp + E8M0_BIAS).to(torch.uint8).contiguous()
-    return packed, scale
+    return _pack_nibbles(codes, rows, k), _e8m0(exp)
+
+
+def quantize_mxfp4_release(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])`` by compressed-tensors'
+    ``mxfp4-pack-quantized`` rule (``generate_mxfp4_scales`` + its FP4 cast), for any weights:
+
+    * per 32-group, ``amax`` is rounded to a power of two on its bit pattern (up when its mantissa is >= 1.75,
+      else down), and the E8M0 exponent is ``127 + log2(that) - 2`` (clamped to 0..254);
+    * each value divided by ``2^(code - 127)`` is rounded to the nearest E2M1 value, **ties to even**
+      (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating at +-6; the sign bit keeps ``-0.0``.
+
+    For weights dequantised from MXFP4 (unchanged since loading) this returns the original bytes: such a
+    group's largest magnitude is 4 or 6 times its scale (the only outcomes of this rule), which gives back
+    the same exponent, and every value is then exact. (An all-zero group gets code 0.)"""
+    w, groups, amax = _mxfp4_groups(weight)
+    rows, k = w.shape
+    exp = _release_exponents(amax)
+    scaled = torch.ldexp(groups, (-exp).to(torch.float32).unsqueeze(-1))
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    magnitude = scaled.abs().clamp(max=table[-1])
+    hi = torch.searchsorted(table, magnitude.contiguous()).clamp(max=len(E2M1_VALUES) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_hi, d_lo = table[hi] - magnitude, magnitude - table[lo]
+    take_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    codes = torch.where(take_hi, hi, lo).to(torch.uint8)
+    codes = codes | (torch.signbit(scaled).to(torch.uint8) << 3)
+    return _pack_nibbles(codes, rows, k), _e8m0(exp)
+
+
+
+def mxfp4_release_scale(weight: torch.Tensor) -> torch.Tensor:
+    """The ``weight_scale`` `quantize_mxfp4_release` returns, without computing the packed values."""
+    return _e8m0(_release_exponents(_mxfp4_groups(weight)[2]))
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK),
@@ -187,6 +241,8 @@ __all__ = [
     "dequantize_fp8_block",
     "dequantize_mxfp4",
     "is_mxfp4_scheme",
+    "mxfp4_release_scale",
     "mxfp4_scale_2d",
     "quantize_mxfp4",
+    "quantize_mxfp4_release",
 ]
