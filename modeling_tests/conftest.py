@@ -44,6 +44,19 @@ def tiny_config():
     return transformers_k3.KimiK3TextConfig.tiny()
 
 
+def load(cls, path, **kwargs):
+    """``cls.from_pretrained(path)`` in eval mode, asserting that nothing was missing, unexpected or mismatched."""
+    model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, problems
+    return model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
 def randomize_(model: torch.nn.Module, std: float = 0.08, seed: int = 0) -> torch.nn.Module:
     """Give every weight a random value (the paper's init zeroes the AttnRes pseudo-queries and the router
     bias, which would hide bugs in the score path)."""

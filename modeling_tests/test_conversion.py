@@ -38,7 +38,7 @@ from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_sta
 from transformers_k3.conversion.quant import QuantFormatError, dequantize_fp8_block
 from transformers_k3.conversion.streaming import write_state_dict
 
-from conftest import randomize_
+from conftest import load, logits, randomize_
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "conversion"
@@ -95,18 +95,6 @@ def shard_tensors(directory: Path) -> dict:
             for name in f.keys():
                 out[name] = f.get_tensor(name)
     return out
-
-
-def load(cls, path, **kwargs):
-    model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, problems
-    return model.eval()
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from transformers_k3.conversion.keymap import release_quantization_config
 from transformers_k3.conversion.quant import quantize_mxfp4_release
 from transformers_k3.conversion.streaming import write_state_dict
 
-from conftest import randomize_
+from conftest import load, logits, randomize_
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD = 60_000
@@ -254,18 +254,6 @@ def assert_bit_identical(original: dict, again: dict):
         other = again[name]
         assert other.dtype == tensor.dtype and other.shape == tensor.shape, (name, other.dtype, other.shape)
         assert torch.equal(other.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
-
-
-def load(cls, path, **kwargs):
-    model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, problems
-    return model.eval()
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
 
 
 IDS = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(0))
