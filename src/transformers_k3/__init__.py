@@ -35,7 +35,7 @@ from .configuration_kimi_k3 import (
     _route_kimi_linear_configs,
 )
 from .conversion import register_conversion_mappings
-from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
+from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3InputError, KimiK3Model, KimiK3PreTrainedModel
 from .image_processing_kimi_k3 import KimiK3ImageProcessor
 from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
 from .processing_kimi_k3 import KimiK3Processor
@@ -94,6 +94,7 @@ __all__ = [
     "RouterBalancer",
     "KimiK3Config",
     "KimiK3ConfigError",
+    "KimiK3InputError",
     "KimiK3ForCausalLM",
     "KimiK3ForConditionalGeneration",
     "KimiK3ImageProcessor",

@@ -4,6 +4,7 @@ wires them in the order a token flows through the network (K3_SPEC.md section 3.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -194,9 +195,81 @@ def _check_padding_only(attention_mask: torch.Tensor) -> None:
         row, position = (int(i) for i in holes.nonzero()[0])
         raise ValueError(
             f"attention_mask masks position {position} of row {row} between attended tokens; K3's KDA layers (a "
-            "recurrent state) take only left padding (and right padding), not holes: drop those tokens from the "
-            "input instead (if generate inferred this mask from pad_token_id because the ids contain the pad id, "
-            "pass the attention_mask explicitly)")
+            "recurrent state) take only padding at a row's ends (left padding; right padding in training, not in generate()), "
+            "not holes: drop those tokens from the input instead (if generate inferred this mask from pad_token_id "
+            "because the ids contain the pad id, pass the attention_mask explicitly)")
+
+
+class KimiK3InputError(ValueError):
+    """Model or generate() inputs K3 cannot compute a right answer from (no tokens, ids outside the vocabulary,
+    right padding in generation, a prefill chunk size that is not a token count)."""
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids K3's embedding can look up: an integer tensor with at least one position, every id in
+    ``[0, vocab_size)``. Skipped while compiling (the range check reads the tensor's values)."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise KimiK3InputError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor; pass the "
+                               "tokenizer's ids (a float tensor of vectors goes in as inputs_embeds)")
+    if input_ids.dim() == 0 or input_ids.shape[-1] == 0:
+        raise KimiK3InputError(
+            f"input_ids has no tokens (shape {tuple(input_ids.shape)}): pass at least one token; to start from "
+            "nothing, pass the tokenizer's bos_token_id as a [batch, 1] tensor")
+    if torch.compiler.is_compiling() or input_ids.device.type == "meta":
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids.detach()))
+    if low < 0 or high >= vocab_size:
+        bad = (input_ids < 0) | (input_ids >= vocab_size)
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise KimiK3InputError(
+            f"input_ids holds id {int(input_ids[where])} at position {where}, outside this model's vocabulary "
+            f"[0, {vocab_size}): the tokenizer and the checkpoint disagree. Use the tokenizer saved with the "
+            "checkpoint; after adding tokens to a tokenizer, call model.resize_token_embeddings(len(tokenizer))")
+
+
+def _check_generation_inputs(args: tuple, kwargs: dict) -> None:
+    """What generate() cannot continue correctly: no tokens, or a batch whose rows end in padding (K3's KDA
+    layers would carry their recurrent state across the pads into the new tokens)."""
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point and ids.dim() >= 1 and ids.shape[-1] == 0:
+        raise KimiK3InputError(
+            f"generate() got input_ids with no tokens (shape {tuple(ids.shape)}): pass at least one token (a chat "
+            "prompt, or the tokenizer's bos_token_id as a [batch, 1] tensor)")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > 0:
+        empty = ~mask.bool().any(dim=-1)
+        if bool(empty.any()):
+            row = int(empty.nonzero()[0])
+            raise KimiK3InputError(f"attention_mask row {row} attends to no token: every row needs at least one "
+                                   "token to generate from")
+        ends_padded = ~mask[:, -1].bool()
+        if bool(ends_padded.any()):
+            row = int(ends_padded.nonzero()[0])
+            raise KimiK3InputError(
+                f"attention_mask row {row} ends in padding (right padding): generated tokens would follow the pads, "
+                "and K3's KDA layers carry their state across them. Use left padding for generation: "
+                "tokenizer.padding_side = 'left' (or pad on the left yourself)")
+
+
+def _check_prefill_chunk_size(generation_config) -> None:
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise KimiK3InputError(f"prefill_chunk_size must be a whole number of tokens >= 1 (or None: the prompt in "
+                               f"one step), got {chunk!r}")
+
+
+@contextmanager
+def _cache_kept_in_train_mode(model: nn.Module):
+    """generate() runs without gradients, where activation checkpointing saves nothing; left on in train mode it
+    makes transformers drop the cache in every layer, so each step would recompute the whole sequence."""
+    switched = [m for m in model.modules() if model.training and getattr(m, "gradient_checkpointing", False) is True]
+    for module in switched:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.gradient_checkpointing = True
 
 
 # generate(cache_implementation=...) -> where the hybrid cache keeps its MLA latents between steps
@@ -370,6 +443,7 @@ class KimiK3ModelMixin:
         """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent
         state cannot be cropped. `KimiK3HybridCache` can: with past recording on (which assisted decoding turns
         on) each KDA layer keeps its state after every recent token, and `crop` restores the right one."""
+        _check_prefill_chunk_size(generation_config)
         if generation_mode == GenerationMode.ASSISTED_GENERATION:
             self._is_stateful = False  # instance attribute, shadows the class flag for this check only
             try:
@@ -381,6 +455,13 @@ class KimiK3ModelMixin:
 
 class KimiK3GenerationMixin:
     """Mixed into K3's generating classes (text and multimodal) before transformers' GenerationMixin."""
+
+    def generate(self, *args, **kwargs):
+        """transformers' generate(), with inputs it cannot continue correctly refused by name
+        (`KimiK3InputError`), and the cache kept in train mode with activation checkpointing on."""
+        _check_generation_inputs(args, kwargs)
+        with _cache_kept_in_train_mode(self):
+            return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, **kwargs):
         """transformers' preparation, with the tokens a given cache already holds dropped from a first step that would
@@ -513,7 +594,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
+            check_input_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            raise KimiK3InputError(f"inputs_embeds must be [batch, tokens, hidden] with at least one token, got "
+                                   f"shape {tuple(inputs_embeds.shape)}")
         cu_seqlens = packed_sequence_boundaries(position_ids, kwargs.get("cu_seq_lens_q"), attention_mask,
                                                 past_key_values, inputs_embeds.shape[0])
         if use_cache and past_key_values is None and cu_seqlens is None:  # a packed row cannot be continued

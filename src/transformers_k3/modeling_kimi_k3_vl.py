@@ -28,7 +28,7 @@ from .layers.vision import (
     sincos_time_table,
 )
 from .modeling_kimi_k3 import (KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3GenerationMixin,
-                               KimiK3ModelMixin, config_for_from_pretrained)
+                               KimiK3ModelMixin, check_input_ids, config_for_from_pretrained)
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
@@ -176,7 +176,9 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
         if inputs_embeds is None:
             if input_ids is None:
                 raise ValueError("Pass `input_ids` (or `inputs_embeds`).")
-            inputs_embeds = self.get_input_embeddings()(input_ids)
+            embedding = self.get_input_embeddings()
+            check_input_ids(input_ids, embedding.num_embeddings)
+            inputs_embeds = embedding(input_ids)
         if has_media:
             if input_ids is None:
                 raise ValueError("With `pixel_values`/`pixel_values_videos`, pass `input_ids`: the `<|media_pad|>` "

@@ -47,11 +47,26 @@ def format_timestamp(seconds: float) -> str:
     return f"{hours:02d}:{minutes:02d}:{secs:02d}.{millis:03d}"
 
 
+def _positive_fps(value: Any, name: str) -> float:
+    """``value`` as a frame rate: a finite number above 0 (a rate of 0 or below has no frame spacing)."""
+    try:
+        fps = float(value)
+    except (TypeError, ValueError):
+        raise KimiK3VideoInputError(f"{name} must be a number of frames per second, got {value!r}") from None
+    if not math.isfinite(fps) or fps <= 0:
+        raise KimiK3VideoInputError(f"{name} must be a finite number of frames per second above 0, got {value!r}; "
+                                    "pass e.g. fps=2 (the default), or num_frames=N to take N evenly spread frames")
+    return fps
+
+
 def _metadata_fps(metadata: Any) -> float | None:
+    """The source video's frame rate from its metadata; None when it is not given (0 / None: unknown)."""
     if metadata is None:
         return None
     fps = metadata.get("fps") if isinstance(metadata, dict) else getattr(metadata, "fps", None)
-    return float(fps) if fps else None
+    if fps is None or (isinstance(fps, (int, float)) and fps == 0):
+        return None
+    return _positive_fps(fps, "video_metadata fps (the source video's frame rate)")
 
 
 class KimiK3VideoProcessor(VideoProcessorMixin):
@@ -82,7 +97,9 @@ class KimiK3VideoProcessor(VideoProcessorMixin):
         self.image_mean = [float(v) for v in image_mean]
         self.image_std = [float(v) for v in image_std]
         self.temporal_patch_size = int(temporal_patch_size)
-        self.fps = float(fps)
+        self.fps = _positive_fps(fps, "fps")
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+            raise KimiK3VideoInputError(f"max_frames must be an integer >= 1, got {max_frames!r}")
         self.max_frames = int(max_frames)
         self.do_sample_frames = bool(do_sample_frames)
 
@@ -128,8 +145,8 @@ class KimiK3VideoProcessor(VideoProcessorMixin):
             raise KimiK3VideoInputError("empty video: it has 0 frames")
         do_sample = self.do_sample_frames if do_sample_frames is None else do_sample_frames
         if num_frames is not None:
-            if num_frames < 1:
-                raise KimiK3VideoInputError(f"num_frames must be >= 1, got {num_frames}")
+            if isinstance(num_frames, bool) or not isinstance(num_frames, (int, np.integer)) or num_frames < 1:
+                raise KimiK3VideoInputError(f"num_frames must be an integer >= 1, got {num_frames!r}")
             return np.linspace(0, num_total - 1, min(num_frames, num_total)).round().astype(int).tolist()
         if not do_sample:
             if num_total > self.max_frames:
@@ -137,7 +154,7 @@ class KimiK3VideoProcessor(VideoProcessorMixin):
                     f"video has {num_total} frames, more than max_frames={self.max_frames}; enable do_sample_frames "
                     "or raise max_frames")
             return list(range(num_total))
-        fps = self.fps if fps is None else float(fps)
+        fps = self.fps if fps is None else _positive_fps(fps, "fps")
         step = source_fps / fps if source_fps else 1.0
         indices = np.arange(0, num_total, max(step, 1.0)).astype(int)
         if len(indices) > self.max_frames:
@@ -153,7 +170,7 @@ class KimiK3VideoProcessor(VideoProcessorMixin):
         frames = self.to_frames(video)
         source_fps = _metadata_fps(metadata)
         indices = self.sample_indices(len(frames), source_fps, fps, num_frames, do_sample_frames)
-        clock = source_fps or (self.fps if fps is None else float(fps))
+        clock = source_fps or (self.fps if fps is None else _positive_fps(fps, "fps"))
         height, width = frames[0].shape[:2]
         plan = resize_plan(width, height, self.patch_size, self.merge_kernel_size, self.in_patch_limit,
                            self.patch_limit_on_one_side)
