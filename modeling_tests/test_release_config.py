@@ -381,3 +381,52 @@ def test_a_saved_k3_with_its_features_off_still_loads_as_k3(tmp_path):
     assert is_k3_text_config_dict({**plain, "architectures": ["KimiK3LinearForCausalLM"]})
     routed = AutoConfig.for_model("kimi_linear").from_dict({**plain, "architectures": ["KimiK3LinearForCausalLM"]})
     assert type(routed).__name__ == "KimiK3TextConfig"
+
+
+# K3_SPEC.md section 1.4: SGLang's KimiK3VisionConfig keys, which the release's vision_config may carry too
+SGLANG_VISION_KEYS = {
+    "patch_size", "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time", "pos_emb_type",
+    "pos_emb_interpolation_mode", "vt_num_attention_heads", "vt_num_hidden_layers", "vt_hidden_size",
+    "vt_intermediate_size", "qkv_hidden_size", "norm_type", "attn_bias", "linear_bias", "patch_embed_proj_bias",
+    "mlp_type", "activation_func", "merge_kernel_size", "merge_type", "video_attn_type", "mm_projector_type",
+    "mm_hidden_size", "projector_hidden_act", "projector_ln_eps", "text_hidden_size", "model_type",
+}
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_exported_config_has_only_the_release_keys(mxfp4):
+    """No key transformers writes into every config (return_dict, id2label, output_*...) and no key of ours at its
+    default: the written config.json is the release's, key for key (text and top level), and the vision section
+    holds only keys of the vision config's schema."""
+    from transformers_k3.conversion.keymap import release_quantization_config
+
+    config = KimiK3Config.from_dict(copy.deepcopy(RELEASE_CONFIG))
+    data = official_config_dict(config, composite=True, dtype="bf16",
+                                quantization_config=release_quantization_config() if mxfp4 else None)
+    expected_top = set(RELEASE_CONFIG) - (set() if mxfp4 else {"quantization_config"})
+    assert set(data) == expected_top
+    assert set(data["text_config"]) == set(RELEASE_TEXT_CONFIG)
+    assert set(data["vision_config"]) <= SGLANG_VISION_KEYS and set(RELEASE_VISION_CONFIG) <= set(data["vision_config"])
+    for key, value in RELEASE_TEXT_CONFIG.items():
+        assert data["text_config"][key] == value, key
+    if mxfp4:  # the spec names these fields; compressed-tensors' own status keys may come with them
+        def contains(big, small):
+            if isinstance(small, dict):
+                return isinstance(big, dict) and all(k in big and contains(big[k], v) for k, v in small.items())
+            return big == small
+
+        assert contains(data["quantization_config"], RELEASE_QUANTIZATION_CONFIG)
+    text = official_config_dict(config.text_config, composite=False, dtype="fp32")
+    assert set(text) == set(RELEASE_TEXT_CONFIG) | {"architectures", "dtype"} and text["dtype"] == "float32"
+
+
+def test_exported_config_keeps_what_differs_from_the_defaults():
+    """A key of ours (or a transformers key) that a user set is written: dropping it would change the model."""
+    text = dict(copy.deepcopy(RELEASE_TEXT_CONFIG), logit_scale=2.0, router_aux_loss_coef=0.01,
+                id2label={0: "a", 1: "b", 2: "c"})
+    config = KimiK3TextConfig.from_dict(text)
+    data = official_config_dict(config, composite=False)
+    assert data["logit_scale"] == 2.0 and data["router_aux_loss_coef"] == 0.01
+    assert KimiK3TextConfig.from_dict(data).id2label == {0: "a", 1: "b", 2: "c"}
+    assert KimiK3TextConfig.from_dict(data).to_dict() == dict(config.to_dict(), architectures=data["architectures"],
+                                                              dtype=data["dtype"])

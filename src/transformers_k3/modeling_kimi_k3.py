@@ -436,8 +436,20 @@ class KimiK3ModelMixin:
                                                                  quantization_config, kwargs)
         from .checkpoint_checks import checking_resolved_files
 
-        with checking_resolved_files(pretrained_model_name_or_path, kwargs):  # a hub id: once its files are resolved
-            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        from .conversion.hf_mapping import recording_conversion_failures
+        from .conversion.streaming import CheckpointError
+
+        with checking_resolved_files(pretrained_model_name_or_path, kwargs), \
+                recording_conversion_failures() as failures:  # a hub id: checked once its files are resolved
+            try:
+                return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            except RuntimeError as error:
+                if not failures:
+                    raise
+                shown = "\n  ".join(failures[:10]) + (f"\n  ... and {len(failures) - 10} more" if len(failures) > 10
+                                                     else "")
+                raise CheckpointError(f"{pretrained_model_name_or_path}: {len(failures)} tensor(s) cannot be loaded "
+                                      f"as K3 weights:\n  {shown}") from error
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent

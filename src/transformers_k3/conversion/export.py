@@ -67,7 +67,14 @@ from .streaming import Checkpoint, OutputTensor, Piece
 # Keys of our config that official configs do not carry: derived from others, or ours with the official
 # behaviour as default (written only when they differ from it).
 _DERIVED_KEYS = ("layer_types", "mlp_layer_types", "transformers_version", "dtype", "torch_dtype")
-_OURS_WITH_DEFAULT = {"kda_o_norm_eps": 1e-5, "mla_latent_norm_eps": 1e-6, "logit_scale": 1.0}
+# Keys of ours the release's config has not, written only where they differ from our (release-matching) defaults
+_OURS_TEXT_KEYS = ("kda_o_norm_eps", "mla_latent_norm_eps", "logit_scale", "router_aux_loss_coef", "router_fp32",
+                   "output_router_logits", "initializer_range", "rope_theta", "attention_dropout")
+_OURS_VISION_KEYS = ("initializer_range",)
+_OURS_TOP_KEYS = ("image_placeholder",)
+# Keys the release's config.json writes (K3_SPEC.md section 13), kept even at transformers' generic defaults
+_RELEASE_KEYS = {"architectures", "model_type", "dtype", "pad_token_id", "bos_token_id", "eos_token_id",
+                 "tie_word_embeddings", "use_cache", "quantization_config", "text_config", "vision_config"}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -243,6 +250,25 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
     return plan
 
 
+def _drop_defaults(section: dict, ours: tuple[str, ...], our_defaults) -> None:
+    """Drop from one config section the keys every transformers config writes (``return_dict``, ``id2label``...)
+    and the given keys of ours, where they hold their defaults: the release's config has none of them."""
+    from transformers import PretrainedConfig
+
+    generic = PretrainedConfig().to_dict()
+    for key in list(section):
+        if key == "architectures" and section[key] is None:
+            section.pop(key)
+        if key in _RELEASE_KEYS or key not in section:
+            continue
+        if key in generic and key not in ("model_type",) and section[key] == generic[key]:
+            section.pop(key)
+        elif key in ours:
+            default = getattr(our_defaults, key, None) if our_defaults is not None else None
+            if section[key] == default or section[key] is None:
+                section.pop(key)
+
+
 def official_config_dict(config, composite: bool, dtype: str | torch.dtype = "bf16",
                          quantization_config: dict | None = None) -> dict:
     """Our config as the release writes it: its keys (``dtype``, not ``torch_dtype``, naming the dtype the
@@ -256,17 +282,17 @@ def official_config_dict(config, composite: bool, dtype: str | torch.dtype = "bf
     for key in _DERIVED_KEYS:
         text.pop(key, None)
     text.pop("quantization_config", None)
-    for key, default in _OURS_WITH_DEFAULT.items():
-        if key in text and text[key] == default:
-            text.pop(key)
+    _drop_defaults(text, _OURS_TEXT_KEYS, type(config.get_text_config())())
     if composite:
         data["model_type"] = "kimi_k3"
         for key in _DERIVED_KEYS:
             data.pop(key, None)
         data["architectures"] = ["KimiK3ForConditionalGeneration"]
+        _drop_defaults(data, _OURS_TOP_KEYS, type(config)())
         if data.get("vision_config") is not None:
             for key in _DERIVED_KEYS:
                 data["vision_config"].pop(key, None)
+            _drop_defaults(data["vision_config"], _OURS_VISION_KEYS, type(config.vision_config)())
     else:
         data["architectures"] = ["KimiK3LinearForCausalLM"]
     data.pop("quantization_config", None)

@@ -39,6 +39,10 @@ Every layout above loads back with identical weights.
 
 from __future__ import annotations
 
+import functools
+import threading
+from contextlib import contextmanager
+
 import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
@@ -48,6 +52,39 @@ from .quant import check_mxfp4_shapes, dequantize_mxfp4
 
 _GATE_UP = ("w1", "w3")
 _DOWN = ("w2",)
+
+# What our conversion ops refused while a from_pretrained is recording: transformers turns each into a line of its
+# load report and then raises one RuntimeError pointing at the report; from_pretrained raises CheckpointError with
+# these instead. A list, not a context variable: transformers may run the ops in worker threads.
+_failures_lock = threading.Lock()
+_failures: list[list[str]] = []
+
+
+@contextmanager
+def recording_conversion_failures():
+    """Collect, in the returned list, every refusal (`ValueError`) of our conversion ops inside the block."""
+    record: list[str] = []
+    with _failures_lock:
+        _failures.append(record)
+    try:
+        yield record
+    finally:
+        with _failures_lock:
+            _failures.remove(record)
+
+
+def _recorded(convert):
+    @functools.wraps(convert)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return convert(self, *args, **kwargs)
+        except ValueError as error:
+            with _failures_lock:
+                for record in _failures:
+                    record.append(f"{type(error).__name__}: {error}")
+            raise
+
+    return wrapper
 
 
 def _expert_pattern(proj: str, kind: str) -> str:
@@ -102,6 +139,7 @@ class NormalizeALog(ConversionOps):
     a padding entry that is not exactly zero raises `ALogPaddingError` (a `CheckpointError`) naming the tensor.
     Saved back as the release stores it (`PadALog`)."""
 
+    @_recorded
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         value = next(iter(input_dict.values()))
         value = value[0] if isinstance(value, list) else value
@@ -148,6 +186,7 @@ class FuseExperts(ConversionOps):
     def __init__(self, projections: tuple[str, ...]):
         self.projections = tuple(projections)
 
+    @_recorded
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         param = model.get_parameter(full_layer_name) if model is not None else None
         per_proj = []  # (proj, [callables giving one expert's block])
@@ -168,7 +207,10 @@ class FuseExperts(ConversionOps):
                         f"{len(scale or [])} weight_scale tensors"
                     )
                 for i, (p, s) in enumerate(zip(packed, scale)):
-                    check_mxfp4_shapes(p.shape, s.shape, shapes[i].reshape(-1).tolist() if shapes else None)
+                    try:
+                        check_mxfp4_shapes(p.shape, s.shape, shapes[i].reshape(-1).tolist() if shapes else None)
+                    except ValueError as error:
+                        raise type(error)(f"`{full_layer_name}`: expert {i} {proj}: {error}") from None
                 blocks = [lambda p=p, s=s: dequantize_mxfp4(p, s, torch.float32) for p, s in zip(packed, scale)]
             if param is not None and len(blocks) != param.shape[0]:
                 raise ValueError(
