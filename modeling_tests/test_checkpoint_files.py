@@ -371,6 +371,39 @@ def test_sigkill_leftovers_are_removed_by_the_next_run(official, tmp_path):
     KimiK3ForCausalLM.from_pretrained(out)
 
 
+def test_a_second_conversion_into_the_same_output_is_refused_at_once(official, tmp_path):
+    """Two converters writing one output: the second stops before converting anything, naming the first, and the
+    first finishes normally (without the lock each would convert, and the second would replace the first's result
+    even without --overwrite)."""
+    out = tmp_path / "out"
+    process = _start_conversion(official, out, sleep=3)
+    try:
+        _wait_for_shards(out, process)
+        for overwrite in (False, True):
+            with pytest.raises(CheckpointError, match="another conversion is writing this output right now"):
+                convert_official_checkpoint(official, out, progress=False, overwrite=overwrite)
+        assert process.wait(timeout=120) == 0, process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    KimiK3ForCausalLM.from_pretrained(out)
+    convert_official_checkpoint(official, out, progress=False, overwrite=True)  # the lock is free again
+
+
+def test_an_output_that_appears_while_converting_is_not_replaced(tmp_path):
+    from transformers_k3.conversion.streaming import atomic_output_dir
+
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="appeared while this conversion ran"):
+        with atomic_output_dir(out) as temporary:
+            (temporary / "model.safetensors").write_bytes(b"new")
+            out.mkdir()
+            (out / "theirs.txt").write_text("kept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and os.listdir(out) == ["theirs.txt"]
+
+
 def test_sigterm_removes_the_temporary_directory_at_once(official, tmp_path):
     out = tmp_path / "out"
     process = _start_conversion(official, out, sleep=60)

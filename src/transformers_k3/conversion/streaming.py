@@ -723,6 +723,7 @@ def execute_plan(plan: Sequence[OutputTensor], directory: str | os.PathLike, max
 _TMP_TAG = ".tmp-k3-"    # .<output>.tmp-k3-<pid>: the directory being written
 _OLD_TAG = ".old-k3-"    # .<output>.old-k3-<pid>: the previous output while --overwrite swaps it out
 _LOCK_TAG = ".k3lock-"   # .<output>.k3lock-<pid>: locked (flock) by the converter for as long as it runs
+_WRITER_TAG = ".k3writer"  # .<output>.k3writer: locked (flock) by the one converter writing <output>
 _LEGACY_TMP = re.compile(r"\.tmp-(\d+)")  # .<output>.tmp-<pid> of earlier versions (no lock)
 
 
@@ -835,9 +836,50 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool = False) -> Ite
     what a killed one left (SIGKILL) is removed by the next run into the same output before it writes."""
     output = Path(output).absolute()
     output.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_outputs(output)
-    if output.exists() and not overwrite:
-        raise CheckpointError(f"{output}: output directory already exists (pass --overwrite to replace it)")
+    writer = _lock_output(output)
+    try:
+        clean_stale_outputs(output)
+        if output.exists() and not overwrite:
+            raise CheckpointError(f"{output}: output directory already exists (pass --overwrite to replace it)")
+        yield from _write_output(output, overwrite)
+    finally:
+        _unlock_output(output, writer)
+
+
+def _lock_output(output: Path):
+    """The lock that makes one converter at a time write ``output`` (two would each convert for hours and the
+    second would replace the first's result); None without ``fcntl``."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX: the per-pid locks and the final checks remain
+        return None
+    path = output.parent / f".{output.name}{_WRITER_TAG}"
+    while True:
+        handle = open(path, "a+b")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise CheckpointError(f"{output}: another conversion is writing this output right now (it holds "
+                                  f"{path.name}); wait for it to finish, or write to another output directory") from None
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(handle.fileno()), current):
+            return handle
+        handle.close()  # the previous holder removed the file as it finished: lock the new one
+
+
+def _unlock_output(output: Path, handle) -> None:
+    if handle is None:  # pragma: no cover
+        return
+    with contextlib.suppress(OSError):
+        (output.parent / f".{output.name}{_WRITER_TAG}").unlink()
+    handle.close()
+
+
+def _write_output(output: Path, overwrite: bool) -> Iterator[Path]:
     pid = os.getpid()
     stem = f".{output.name}"
     lock_path = output.parent / f"{stem}{_LOCK_TAG}{pid}"
@@ -856,6 +898,10 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool = False) -> Ite
             except BaseException:
                 shutil.rmtree(temporary, ignore_errors=True)
                 raise
+            if output.exists() and not overwrite:  # made meanwhile by something that is not a converter
+                shutil.rmtree(temporary, ignore_errors=True)
+                raise CheckpointError(f"{output}: appeared while this conversion ran; it is left as it is and "
+                                      "nothing was written (pass --overwrite to replace it)")
             if output.exists():
                 os.rename(output, previous)
                 os.rename(temporary, output)
