@@ -652,8 +652,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
         partial, *bank = state
         if self.config.use_attn_res:
             with onloaded(self, recurse=False):
-                mix = self.output_read([*bank, partial], self.output_attn_res_proj.weight,
-                                       self.output_attn_res_norm.weight)[0]
+                # under a device_map these two weights may sit on another device than the last layer, and no
+                # accelerate hook moves the read's inputs (the read owns no weights)
+                device = self.output_attn_res_proj.weight.device
+                mix = self.output_read([t.to(device) for t in (*bank, partial)], self.output_attn_res_proj.weight,
+                                       self.output_attn_res_norm.weight.to(device))[0]
         else:
             mix = self.output_read([partial])[0]
         return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), past_key_values=past_key_values)

@@ -39,7 +39,14 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``scores [B, n, T, S]`` masked by a 4-D mask (boolean or additive, causality included) or by the 2-D
+    ``[B, S]`` padding mask (1 = a token) that transformers builds for the flash-attention implementations, which
+    leave causality to the kernel: here it is added, aligned to the end (the new tokens are the last ``T``)."""
     mask = mask[..., -scores.shape[-1]:]
+    if mask.dim() == 2:
+        q_len, seq = scores.shape[-2:]
+        causal = torch.ones(q_len, seq, dtype=torch.bool, device=scores.device).tril(seq - q_len)
+        mask = mask.to(device=scores.device, dtype=torch.bool)[:, None, None, :] & causal
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return scores + mask
@@ -216,9 +223,14 @@ class KimiK3MLA(nn.Module):
             attn_output = self._blockwise_attention(query, latent, past_len)
         else:
             key, value = self._expand(latent)
-            interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
+            implementation = self.config._attn_implementation
+            interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            if (attention_mask is None and past_len > 0 and q_len > 1
+                    and not str(implementation).startswith(("flash_attention", "kernels-community/flash"))):
+                # No mask because the model expected the blockwise path (decided on another device than this
+                # layer's): SDPA's is_causal would align the diagonal top-left, not to the cached context's end.
+                attention_mask = torch.ones(q_len, past_len + q_len, dtype=torch.bool,
+                                            device=query.device).tril(past_len)[None, None]
             pad = self.qk_head_dim - self.v_head_dim
             if interface is not eager_attention_forward and pad > 0:
                 # Fused kernels (SDPA's CPU flash path, flash-attn) need v's head dim == q/k's; zero columns
