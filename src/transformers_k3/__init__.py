@@ -17,7 +17,7 @@ from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPI
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
 from .balancing import RouterBalancer, load_router_biases, save_router_biases
-from .cache import KimiK3HybridCache
+from .cache import KimiK3CacheError, KimiK3HybridCache
 from .chat import (
     KIMI_K3_RESPONSE_TEMPLATE,
     KimiK3ParseError,
@@ -107,6 +107,7 @@ __all__ = [
     "KimiK3Prompt",
     "KimiK3Tokenizer",
     "render_kimi_k3_chat",
+    "KimiK3CacheError",
     "KimiK3HybridCache",
     "KimiK3Model",
     "KimiK3PreTrainedModel",

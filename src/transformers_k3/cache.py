@@ -6,20 +6,47 @@
 * MLA layers keep the compressed latent only: ``[B, S, kv_lora_rank + qk_rope_head_dim]`` (the normed
   ``c_kv`` followed by the shared ``k_pe``), never expanded K/V. The buffer grows by doubling, so a decode
   step appends in place instead of copying the whole cache as ``torch.cat`` would.
+
+The cache also knows what it holds (`KimiK3CacheError` when that does not fit what it is used for):
+
+* the token ids it consumed, ``[B, S]`` int64 (`KimiK3HybridCache.token_ids`), recorded by the text model's forward:
+  a recurrent KDA state cannot be matched by prefix like a key/value cache, so generate() refuses a prompt that does
+  not start with them instead of continuing from the wrong state. The ids themselves are kept, not a hash: 8 bytes
+  per token and row against ``(kv_lora_rank + rope) x MLA layers`` latent values (about 26 KB per token at full
+  size, 0.03 %), and unlike a hash they crop, reorder for beam search and name the first position that differs;
+* in a saved file, per-layer lengths and a fingerprint of the weights that made it (`weights_fingerprint`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+import warnings
+import weakref
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .conversion.streaming import CheckpointError, read_safetensors_header
+
+# Token record values that are not token ids: a position masked by the attention mask (left padding: it left the
+# state untouched, so any pad id matches it) and a position fed as ``inputs_embeds`` without ids (not checkable).
+PAD_POSITION, UNKNOWN_TOKEN = -1, -2
+
+
+class KimiK3CacheError(ValueError):
+    """A `KimiK3HybridCache` used for something it does not hold: a prompt that does not extend the tokens it was
+    built from, another batch, or a saved file that is corrupt, inconsistent, or from another model."""
+
+
+class KimiK3CacheFileError(KimiK3CacheError, CheckpointError):
+    """A saved cache file that cannot be read as one (not safetensors, truncated, missing or malformed entries)."""
 
 
 def _state_signature(config: KimiK3TextConfig) -> dict:
@@ -30,6 +57,78 @@ def _state_signature(config: KimiK3TextConfig) -> dict:
     signature = {key: getattr(config, key) for key in keys}
     signature["linear_attn_config"] = {k: v for k, v in config.linear_attn_config.items()}
     return json.loads(json.dumps(signature))
+
+
+def _text_decoder(model: nn.Module) -> nn.Module:
+    """The K3 text decoder (the module holding ``embed_tokens`` and ``layers``) inside a K3 model of any head."""
+    for module in model.modules():
+        if hasattr(module, "embed_tokens") and isinstance(getattr(module, "layers", None), nn.ModuleList):
+            return module
+    raise KimiK3CacheError(f"{type(model).__name__} holds no K3 text decoder (no `embed_tokens` and `layers`): pass "
+                           "the K3 model whose weights built the cache")
+
+
+def _strided_sample(tensor: torch.Tensor, values: int = 4096) -> torch.Tensor:
+    """At most about `values` elements of `tensor`, evenly strided along every dimension (a view: nothing else is
+    read or copied)."""
+    per_dim = max(2, round(values ** (1 / max(tensor.dim(), 1))))
+    return tensor[tuple(slice(None, None, max(1, -(-size // per_dim))) for size in tensor.shape)]
+
+
+def _fingerprint_samples(decoder: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The (name, strided view) pairs `weights_fingerprint` hashes: the embedding, and for every decoder layer each
+    1-D parameter (norm weights, KDA decay parameters, biases), the first matrix of its attention and of its MLP /
+    MoE block, and any adapter (``lora``) weight, which changes the layer without touching the base weights."""
+    samples = [("embed_tokens.weight", _strided_sample(decoder.embed_tokens.weight))]
+    for index, layer in enumerate(decoder.layers):
+        firsts = {}
+        for name, param in layer.named_parameters():
+            block = name.split(".", 1)[0]
+            if param.dim() <= 1 or "lora" in name:
+                samples.append((f"layers.{index}.{name}", _strided_sample(param, 1024 if param.dim() <= 1 else 4096)))
+            elif block in ("self_attn", "mlp") and block not in firsts:
+                firsts[block] = name
+                samples.append((f"layers.{index}.{name}", _strided_sample(param)))
+    return samples
+
+
+def weights_fingerprint(model: nn.Module) -> str | None:
+    """A SHA-256 (hex) of what determines a cache's numbers: the config's state signature (`_state_signature`) and a
+    deterministic sample of the text decoder's weights (`_fingerprint_samples`: strided views of the embedding, of
+    every layer's 1-D parameters and of its first attention and MLP matrices; about 4k values per matrix, 1k per
+    vector). Two models with the same weights, in any device or dtype that holds them exactly (a bf16 checkpoint
+    loaded in fp32), agree; another seed or fine-tune differs. At full size (93 layers, 905 tensors) about 1.3M of the
+    2.8T values are read and hashed, moved in one transfer per device: about 0.15 s on one CPU core, never a pass
+    over the weights. Computed on each call (`save`, and `load` with ``model=``), never during generation.
+
+    The LM head and final norm are left out (a cache's states do not depend on them), and so is the vision tower of
+    the multimodal model: a cache holding image tokens is checked against the text weights only.
+
+    Returns None when the weights cannot be read cheaply: on the meta device (``from_pretrained`` with accelerate
+    offloading keeps offloaded weights there between forwards), tensor-parallel shards (DTensor), or tensor
+    subclasses that do not support strided views. The check is then skipped with a warning, never failed."""
+    decoder = _text_decoder(model)
+    try:
+        samples = _fingerprint_samples(decoder)
+        if any(t.device.type == "meta" or type(t).__name__ == "DTensor" for _, t in samples):
+            return None
+        digest = hashlib.sha256(json.dumps(_state_signature(decoder.config), sort_keys=True).encode())
+        flat = []
+        for name, tensor in samples:
+            digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+            values = tensor.detach()
+            flat.append((values.float() if values.is_floating_point() else values.long()).reshape(-1).double())
+        # one copy to the CPU per device, then hashed in sample order (the same bytes however the model is placed)
+        on_cpu: list[torch.Tensor | None] = [None] * len(flat)
+        for device in {t.device for t in flat}:
+            positions = [i for i, t in enumerate(flat) if t.device == device]
+            moved = torch.cat([flat[i] for i in positions]).cpu().split([flat[i].numel() for i in positions])
+            for i, part in zip(positions, moved):
+                on_cpu[i] = part
+        digest.update(torch.cat(on_cpu).numpy().tobytes())
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+        return None  # a quantized or wrapped tensor type without strided views or casts
+    return digest.hexdigest()
 
 
 class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
@@ -283,7 +382,11 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
 class KimiK3HybridCache(Cache):
     """Decoding state of a K3 text model: one `KimiK3KDACacheLayer` per KDA layer and one
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
-    yourself with ``KimiK3HybridCache(model.config)`` to keep and continue a conversation."""
+    yourself with ``KimiK3HybridCache(model.config)`` to keep and continue a conversation.
+
+    It records the token ids it consumed (`token_ids`): to continue from it, pass generate() the whole sequence
+    (those tokens, e.g. the ``sequences`` generate() returned with it, then the new ones); a prompt that does not
+    start with them raises `KimiK3CacheError` instead of continuing from another conversation's state."""
 
     def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_cache_len: int | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None,
@@ -324,6 +427,11 @@ class KimiK3HybridCache(Cache):
                     layer.allocate(batch_size, width, torch.device(device) if device is not None else None)
                     layer.reserved = True
         super().__init__(layers=layers)
+        self._tokens: torch.Tensor | None = None  # [B, capacity] int64; the first `_token_count` columns are held
+        self._token_count = 0
+        self._token_capacity = max_cache_len or 256
+        self._writer = None  # weak reference to the text model that last wrote to the cache (for `save`)
+        self._check_next_input = False  # set by generate() for a cache it was given: check its first input
 
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
@@ -336,21 +444,177 @@ class KimiK3HybridCache(Cache):
     def is_croppable(self) -> bool:
         return all(layer.is_croppable for layer in self.layers)
 
+    # ------------------------------------------------------------------------------------------ token record
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The ids this cache was built from, ``[B, S]`` int64 (S = `get_seq_length`), or None before any forward.
+        ``-1`` marks a position masked by the attention mask (padding), ``-2`` one fed as ``inputs_embeds`` without
+        ids (the multimodal model records the ids behind its embeddings, ``<|media_pad|>`` for media slots)."""
+        held = self._synced_token_count()
+        return None if self._tokens is None else self._tokens[:, :held]
+
+    def _synced_token_count(self) -> int:
+        """The record cut or extended (with unknown ids) to the layers' length: crops shorten both, and a layer
+        driven directly (not through the model's forward) adds tokens the record never saw."""
+        length = self.get_seq_length()
+        if self._token_count != length:
+            if length > self._token_count:
+                rows = self._tokens.shape[0] if self._tokens is not None else self.batch_size
+                device = self._tokens.device if self._tokens is not None else None
+                self._append_tokens(torch.full((rows, length - self._token_count), UNKNOWN_TOKEN, dtype=torch.long,
+                                               device=device))
+            self._token_count = length
+        return self._token_count
+
+    def _append_tokens(self, ids: torch.Tensor) -> None:
+        if self._tokens is None:
+            self._tokens = ids.new_empty(ids.shape[0], max(self._token_capacity, ids.shape[1]))
+        elif self._tokens.device != ids.device:
+            self._tokens = self._tokens.to(ids.device)
+        end = self._token_count + ids.shape[1]
+        if end > self._tokens.shape[1]:  # grows by doubling, like the latents
+            grown = self._tokens.new_empty(self._tokens.shape[0], max(end, 2 * self._tokens.shape[1]))
+            grown[:, : self._token_count] = self._tokens[:, : self._token_count]
+            self._tokens = grown
+        self._tokens[:, self._token_count:end] = ids
+        self._token_count = end
+
+    def record_tokens(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                      attention_mask: torch.Tensor | None = None, model: nn.Module | None = None) -> None:
+        """Called by the text model's forward before its layers update the cache: remember the ids of the
+        ``inputs_embeds.shape[1]`` positions it is about to consume (None: unknown), with masked positions as
+        padding, and which model wrote them (`save` fingerprints its weights)."""
+        batch, length = inputs_embeds.shape[:2]
+        held = self._synced_token_count()
+        if held and self._tokens.shape[0] != batch:
+            raise KimiK3CacheError(
+                f"this KimiK3HybridCache holds {self._tokens.shape[0]} sequence(s) but the input has {batch} rows: a "
+                "cache continues the batch it was built with. For beam search or several return sequences from a "
+                "filled cache, call `cache.batch_repeat_interleave(n)` first; otherwise pass a fresh cache")
+        if input_ids is None or tuple(input_ids.shape) != (batch, length):
+            ids = torch.full((batch, length), UNKNOWN_TOKEN, dtype=torch.long, device=inputs_embeds.device)
+        else:
+            ids = input_ids.to(torch.long)
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] >= length:
+            ids = ids.masked_fill(attention_mask[:, -length:].to(ids.device) == 0, PAD_POSITION)
+        self._append_tokens(ids)
+        if model is not None and not torch.compiler.is_compiling():
+            if self._writer is None or self._writer() is not model:
+                self._writer = weakref.ref(model)
+
+    def expect_continuation(self) -> None:
+        """Mark the next input as the first of a generate() call given this cache: `take_expected_continuation`
+        then says it must be checked (generate's own later steps extend the record by construction)."""
+        self._check_next_input = True
+
+    def take_expected_continuation(self) -> bool:
+        """Whether `expect_continuation` was called since the last call of this method."""
+        expected, self._check_next_input = self._check_next_input, False
+        return expected
+
+    def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Raise `KimiK3CacheError` unless ``input_ids`` (``[B, >= S]``, the caller's whole sequence) starts with the
+        S tokens this cache holds: the same rows, the same ids, padding where the cache has padding (any pad id).
+        Positions the cache got as ``inputs_embeds`` without ids match any id."""
+        held = self._synced_token_count()
+        if not held:
+            return
+        rows = self._tokens.shape[0]
+        what_to_do = (f"To continue from this cache, pass the whole sequence as input_ids: the {held} tokens it holds "
+                      "(the sequences generate() returned with it), then the new ones, with an attention_mask of the "
+                      "same length if there is padding. For another prompt, pass no past_key_values (or a fresh "
+                      "KimiK3HybridCache(model.config), or call cache.reset()).")
+        if input_ids.shape[0] != rows:
+            raise KimiK3CacheError(
+                f"this KimiK3HybridCache holds {rows} sequence(s) but input_ids has {input_ids.shape[0]} rows (beam "
+                "search and num_return_sequences repeat each row: call `cache.batch_repeat_interleave(n)` first for "
+                f"them). {what_to_do}")
+        if input_ids.shape[1] < held:
+            raise KimiK3CacheError(f"this KimiK3HybridCache holds {held} tokens but input_ids has only "
+                                   f"{input_ids.shape[1]}: pass the whole sequence. {what_to_do}")
+        if input_ids.device.type == "meta":
+            return
+        prefix = input_ids[:, :held].to(torch.long)
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] >= held:
+            prefix = prefix.masked_fill(attention_mask[:, :held].to(prefix.device) == 0, PAD_POSITION)
+        recorded = self._tokens[:, :held].to(prefix.device)
+        wrong = (recorded != prefix) & (recorded != UNKNOWN_TOKEN)
+        if bool(wrong.any()):
+            row, position = (int(i) for i in wrong.nonzero()[0])
+
+            def describe(value: int) -> str:
+                return "padding (attention_mask 0)" if value == PAD_POSITION else f"id {value}"
+
+            raise KimiK3CacheError(
+                f"this KimiK3HybridCache was built from other tokens than input_ids starts with: at position "
+                f"{position} of row {row} the cache holds {describe(int(recorded[row, position]))}, input_ids "
+                f"{describe(int(prefix[row, position]))}. A recurrent (KDA) state cannot be matched by prefix like a "
+                f"key/value cache: generation would continue from another sequence's state. {what_to_do}")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self._synced_token_count()
+
+    def reset(self) -> None:
+        super().reset()
+        self._token_count = 0
+        self._tokens = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self._tokens is not None:
+            self._tokens = self._tokens.index_select(0, beam_idx.to(self._tokens.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._tokens is not None:
+            self._tokens = self._tokens.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self._tokens is not None:
+            self._tokens = self._tokens[indices.to(self._tokens.device) if torch.is_tensor(indices) else indices]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_writer"] = None  # (a weak reference does not pickle)
+        return state
+
     # ------------------------------------------------------------------------------------------ persistence
     _FORMAT = "kimi_k3_hybrid_cache"
+    _VERSION = "2"  # 2: token ids, batch size, per-layer lengths and the weights fingerprint; 1 had none of them
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the cache to one safetensors file (tensors + the text config as metadata), atomically: a long
-        session (an agent trajectory, a document) can resume later without re-prefilling."""
-        tensors = {}
+    def save(self, path: str | os.PathLike, model: nn.Module | None = None) -> None:
+        """Write the cache to one safetensors file, atomically (a temporary file in the same directory, flushed to
+        disk, then renamed over `path`), so that a long session (an agent trajectory, a document) can resume later
+        without re-prefilling. It holds the MLA latents, the KDA states and the token ids, and as metadata the
+        config's state signature, the length, the batch size, every layer's length and the `weights_fingerprint` of
+        `model` (default: the model that last ran a forward on this cache, if it is still alive) for
+        ``load(..., model=...)`` to check. Nothing is pickled."""
+        held = self._synced_token_count()
+        tensors, lengths = {}, []
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, KimiK3MLACacheLayer):
-                if layer.is_initialized:
-                    tensors[f"layers.{idx}.latent"] = layer.latent[:, : layer.length].contiguous()
-            elif layer.has_state:
-                tensors[f"layers.{idx}.conv_state"] = layer.conv_state.contiguous()
-                tensors[f"layers.{idx}.recurrent_state"] = layer.recurrent_state.contiguous()
-        metadata = {"format": self._FORMAT, "version": "1", "seq_length": str(self.get_seq_length()),
+                length = layer.length if layer.is_initialized else 0
+                if held and length:
+                    tensors[f"layers.{idx}.latent"] = layer.latent[:, :length].contiguous()
+            else:
+                length = held if layer.has_state else 0
+                if held and layer.has_state:
+                    tensors[f"layers.{idx}.conv_state"] = layer.conv_state.contiguous()
+                    tensors[f"layers.{idx}.recurrent_state"] = layer.recurrent_state.contiguous()
+            lengths.append(length if held else 0)
+        if held:
+            tensors["tokens"] = self._tokens[:, :held].contiguous()
+            uneven = {idx: n for idx, n in enumerate(lengths) if n != held}
+            if uneven:
+                raise KimiK3CacheError(f"cannot save this cache: it holds {held} tokens but layers {uneven} (layer: "
+                                       "tokens) hold other counts, so it is not one model's state; rebuild it")
+        source = model if model is not None else (self._writer() if self._writer is not None else None)
+        fingerprint = weights_fingerprint(source) if source is not None else None
+        metadata = {"format": self._FORMAT, "version": self._VERSION, "seq_length": str(held),
+                    "batch_size": str(self._tokens.shape[0] if held else 0), "lengths": json.dumps(lengths),
+                    "weights_fingerprint": fingerprint or "",
                     "config": json.dumps(_state_signature(self.config), sort_keys=True)}
         path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
@@ -358,6 +622,8 @@ class KimiK3HybridCache(Cache):
         os.close(fd)
         try:
             save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+            with open(tmp, "rb") as written:  # on disk before the rename: a crash leaves the old file or the new one
+                os.fsync(written.fileno())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -366,47 +632,180 @@ class KimiK3HybridCache(Cache):
 
     @classmethod
     def load(cls, path: str | os.PathLike, config: KimiK3TextConfig | KimiK3Config,
-             device: str | torch.device = "cpu", **kwargs) -> "KimiK3HybridCache":
-        """Read a cache written by `save` for a model with `config`; a cache from another architecture is
-        refused with an error that names the differing fields."""
-        from .conversion.streaming import CheckpointError, read_safetensors_header
+             device: str | torch.device = "cpu", model: nn.Module | None = None, fingerprint: str | None = None,
+             **kwargs) -> "KimiK3HybridCache":
+        """Read a cache written by `save` for a model with `config` (``kwargs`` go to the constructor, e.g.
+        ``max_cache_len``). Checked before anything is used, each failure a `KimiK3CacheError` that names it:
 
+        * the file: safetensors with the cache's metadata, not truncated (`KimiK3CacheFileError`, also a
+          `CheckpointError`, for a file that cannot be read as a cache; nothing is unpickled);
+        * the architecture: the config's state signature (a cache from another architecture names the fields);
+        * every tensor: present exactly for the layers that hold tokens, its dtype, and its shape against the
+          metadata's length, batch and per-layer lengths and the config's widths; token ids inside the vocabulary;
+        * with `model` (or its `weights_fingerprint` as `fingerprint`): the weights fingerprint the file was saved
+          with, so that a cache made by a model with other weights is refused. Without them this check is skipped;
+          it is also skipped, with a warning, when the file has no fingerprint (saved with no model known) or the
+          model's weights cannot be read cheaply (meta device, offloaded, tensor-parallel).
+
+        A file of the first format (no token ids) loads with its tokens unknown, with a warning: a reuse for
+        another prompt cannot be detected then."""
+        path = os.fspath(path)
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no saved KimiK3HybridCache there")
-        read_safetensors_header(path)  # not safetensors, truncated, aliased offsets -> CheckpointError naming the file
+
+        def corrupt(problem: str) -> KimiK3CacheFileError:
+            return KimiK3CacheFileError(f"{path}: {problem}; the file is not a usable saved KimiK3HybridCache (save "
+                                        "the cache again, or re-run the prompt without past_key_values)")
+
+        try:  # not safetensors, truncated, aliased offsets: named by the header reader
+            header = read_safetensors_header(path)
+        except CheckpointError as error:
+            raise KimiK3CacheFileError(f"{error}; it cannot be loaded as a KimiK3HybridCache") from None
         try:
-            handle = safe_open(os.fspath(path), framework="pt", device=str(device))
+            handle = safe_open(path, framework="pt", device=str(device))
         except Exception as error:  # safetensors raises its own error types
-            raise CheckpointError(f"{path}: cannot be opened as a saved KimiK3HybridCache ({error})") from error
+            raise corrupt(f"cannot be opened ({error})") from None
         with handle as f:
             metadata = f.metadata() or {}
             if metadata.get("format") != cls._FORMAT:
-                raise ValueError(f"{path} is not a saved KimiK3HybridCache (metadata format: {metadata.get('format')!r})")
+                raise corrupt(f"its metadata format is {metadata.get('format')!r}, not {cls._FORMAT!r}")
             try:
                 saved = json.loads(metadata["config"])
+                if not isinstance(saved, dict):
+                    raise TypeError("not an object")
             except (KeyError, TypeError, json.JSONDecodeError) as error:
-                raise CheckpointError(f"{path}: the cache's `config` metadata is missing or not JSON ({error}); "
-                                      "the file is corrupt: save the cache again") from None
+                raise corrupt(f"the cache's `config` metadata is missing or not a JSON object ({error})") from None
             expected = _state_signature(text_config)
             diff = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
             if diff:
                 details = ", ".join(f"{k}: cache {saved.get(k)!r} vs model {expected.get(k)!r}" for k in diff)
-                raise ValueError(f"The cache in {path} belongs to a different K3 architecture ({details}); "
-                                 "it cannot be used with this model.")
-            cache = cls(text_config, **kwargs)
-            for idx, layer in enumerate(cache.layers):
-                if isinstance(layer, KimiK3MLACacheLayer):
-                    if f"layers.{idx}.latent" in f.keys():
-                        layer.update(f.get_tensor(f"layers.{idx}.latent"))
-                elif f"layers.{idx}.conv_state" in f.keys():
-                    layer.update_conv_state(f.get_tensor(f"layers.{idx}.conv_state"))
-                    layer.update_recurrent_state(f.get_tensor(f"layers.{idx}.recurrent_state"))
+                raise KimiK3CacheError(f"The cache in {path} belongs to a different K3 architecture ({details}); it "
+                                       "cannot be used with this model: re-run the prompt without past_key_values.")
+            version = metadata.get("version")
+            if version not in ("1", cls._VERSION):
+                raise corrupt(f"format version {version!r} is not one this transformers_k3 reads (1, 2)")
+            held, rows, lengths = cls._read_layout(metadata, header, text_config, version, corrupt)
+            cls._check_fingerprint(path, metadata.get("weights_fingerprint") or None, model, fingerprint, corrupt)
+
+            wanted = cls._expected_tensors(text_config, held, rows)
+            if version == "1":
+                wanted.pop("tokens", None)
+                header = {k: v for k, v in header.items() if held or not k.endswith(".latent")}
+            missing = [name for name in wanted if name not in header]
+            if missing:
+                raise corrupt(f"tensors {missing} are missing (the cache holds {held} tokens, so every layer has state)")
+            unexpected = sorted(set(header) - set(wanted))
+            if unexpected:
+                raise corrupt(f"it holds tensors no K3 cache of this config has: {unexpected}")
+            for name, (shape, check_dtype, dtype_rule) in wanted.items():
+                info = header[name]
+                if not check_dtype(info.dtype):
+                    raise corrupt(f"tensor `{name}` is {info.dtype}, a saved cache stores it as {dtype_rule}")
+                if tuple(info.shape) != shape:
+                    raise corrupt(f"tensor `{name}` has shape {list(info.shape)}, the metadata and config say "
+                                  f"{list(shape)} ({rows} rows, {held} tokens)")
+            try:
+                loaded = {name: f.get_tensor(name) for name in wanted}
+            except Exception as error:  # safetensors' own error types
+                raise corrupt(f"its tensor data cannot be read ({error})") from None
+        tokens = loaded.get("tokens")
+        if tokens is not None and tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < UNKNOWN_TOKEN or high >= text_config.vocab_size:
+                raise corrupt(f"its token ids span [{low}, {high}], outside this model's vocabulary "
+                              f"[0, {text_config.vocab_size}) and the markers -1 (padding), -2 (unknown)")
+        if version == "1" and held:
+            warnings.warn(f"{path} was saved by an earlier transformers_k3 without the token ids it holds: a reuse of "
+                          "it for a prompt that does not extend those tokens cannot be detected", stacklevel=2)
+            tokens = torch.full((rows, held), UNKNOWN_TOKEN, dtype=torch.long, device=device)
+
+        cache = cls(text_config, **kwargs)
+        for idx, layer in enumerate(cache.layers):
+            if isinstance(layer, KimiK3MLACacheLayer):
+                if f"layers.{idx}.latent" in loaded:
+                    layer.update(loaded[f"layers.{idx}.latent"])
+            elif f"layers.{idx}.conv_state" in loaded:
+                layer.update_conv_state(loaded[f"layers.{idx}.conv_state"])
+                layer.update_recurrent_state(loaded[f"layers.{idx}.recurrent_state"])
+        if held:
+            cache._append_tokens(tokens)
         return cache
 
+    @staticmethod
+    def _read_layout(metadata: dict, header: dict, config: KimiK3TextConfig, version: str,
+                     corrupt) -> tuple[int, int, list[int]]:
+        """(tokens held, rows, per-layer lengths) from a saved cache's metadata, each checked for form and against
+        the others."""
+
+        def count(key: str) -> int:
+            value = metadata.get(key)
+            if not (isinstance(value, str) and value.isdigit()):
+                raise corrupt(f"its `{key}` metadata is {value!r}, not a whole number")
+            return int(value)
+
+        held = count("seq_length")
+        layers = config.num_hidden_layers
+        if version == "1":  # (no batch or lengths recorded: the batch is the tensors')
+            rows = next((info.shape[0] for info in header.values() if info.shape), 0)
+            return held, rows, [held] * layers
+        rows = count("batch_size")
+        try:
+            lengths = json.loads(metadata["lengths"])
+        except (KeyError, TypeError, json.JSONDecodeError) as error:
+            raise corrupt(f"its `lengths` metadata is missing or not JSON ({error})") from None
+        if not (isinstance(lengths, list) and len(lengths) == layers
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in lengths)):
+            raise corrupt(f"its `lengths` metadata must list one token count per layer ({layers}), got {lengths!r:.200}")
+        if held and not rows:
+            raise corrupt(f"it holds {held} tokens in a batch of 0 sequences")
+        uneven = {idx: n for idx, n in enumerate(lengths) if n != held}
+        if uneven:
+            raise corrupt(f"its metadata says it holds {held} tokens but layers {uneven} (layer: tokens) other counts")
+        return held, rows, lengths
+
+    @staticmethod
+    def _expected_tensors(config: KimiK3TextConfig, held: int, rows: int) -> dict[str, tuple]:
+        """name -> (shape, dtype test, the dtype rule in words) of every tensor a cache holding `held` tokens in
+        `rows` sequences has (none when it holds none)."""
+        if not held:
+            return {}
+        floating = (lambda dtype: dtype.is_floating_point, "a floating-point dtype")
+        heads, head_dim = config.linear_num_heads, config.linear_head_dim
+        wanted = {"tokens": ((rows, held), lambda dtype: dtype == torch.int64, "int64")}
+        for idx, kind in enumerate(config.layer_types):
+            if kind == "linear_attention":
+                wanted[f"layers.{idx}.conv_state"] = (
+                    (rows, 3 * heads * head_dim, config.linear_conv_kernel_size - 1), *floating)
+                wanted[f"layers.{idx}.recurrent_state"] = (
+                    (rows, heads, head_dim, head_dim), lambda dtype: dtype == torch.float32, "float32 (K3_SPEC)")
+            else:
+                wanted[f"layers.{idx}.latent"] = ((rows, held, config.kv_lora_rank + config.qk_rope_head_dim), *floating)
+        return wanted
+
+    @staticmethod
+    def _check_fingerprint(path: str, saved: str | None, model: nn.Module | None, fingerprint: str | None,
+                           corrupt) -> None:
+        if model is None and fingerprint is None:
+            return
+        if saved is not None and not (len(saved) == 64 and all(c in "0123456789abcdef" for c in saved)):
+            raise corrupt(f"its `weights_fingerprint` metadata {saved!r:.80} is not a SHA-256 hex digest")
+        current = fingerprint if fingerprint is not None else weights_fingerprint(model)
+        if current is None:
+            warnings.warn(f"{path}: the model's weights cannot be read cheaply (meta device, offloaded or "
+                          "tensor-parallel), so the cache's weights fingerprint is not checked", stacklevel=3)
+        elif saved is None:
+            warnings.warn(f"{path} was saved without a weights fingerprint (no model known to `save`), so it is not "
+                          "checked against this model's weights; pass model= to save() next time", stacklevel=3)
+        elif saved != current:
+            raise KimiK3CacheError(
+                f"The cache in {path} was made by a model with other weights (fingerprint {saved[:12]}..., this "
+                f"model's {current[:12]}...): its states mean nothing to this model. Load it with the model that "
+                "saved it, or re-run the prompt with this model without past_key_values.")
+
     def nbytes(self) -> int:
-        """Bytes actually held for the cached context (MLA latents up to their length, KDA states)."""
-        total = 0
+        """Bytes actually held for the cached context (MLA latents up to their length, KDA states, token ids)."""
+        total = self._token_count * self._tokens.shape[0] * self._tokens.element_size() if self._tokens is not None else 0
         for layer in self.layers:
             if isinstance(layer, KimiK3MLACacheLayer):
                 total += layer.nbytes()
@@ -415,4 +814,5 @@ class KimiK3HybridCache(Cache):
         return total
 
 
-__all__ = ["KimiK3HybridCache", "KimiK3KDACacheLayer", "KimiK3MLACacheLayer"]
+__all__ = ["KimiK3CacheError", "KimiK3CacheFileError", "KimiK3HybridCache", "KimiK3KDACacheLayer",
+           "KimiK3MLACacheLayer", "weights_fingerprint"]

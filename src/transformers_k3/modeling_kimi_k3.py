@@ -479,13 +479,35 @@ class KimiK3GenerationMixin:
         """transformers' preparation, with the tokens a given cache already holds dropped from a first step that would
         feed them all: assisted and prompt-lookup decoding leave the first step unsliced (right for an empty cache),
         so continuing a conversation from a returned cache ran the whole history through the model again on top of
-        it (a recurrent KDA state absorbs it twice: wrong tokens from the first step)."""
+        it (a recurrent KDA state absorbs it twice: wrong tokens from the first step).
+
+        The first input of a generate() call given a filled `KimiK3HybridCache` must be the whole sequence and start
+        with the tokens the cache holds (`KimiK3HybridCache.check_continuation`), else `KimiK3CacheError`: a KDA
+        state continued under another prompt gives an answer that differs from a fresh run. A first step fed as
+        ``inputs_embeds`` has no ids to compare and is not checked."""
         if past_key_values is not None and input_ids is not None:
             cached = past_key_values.get_seq_length()
-            if next_sequence_length is None and 0 < cached < input_ids.shape[1]:
+            first = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_expected_continuation()
+            embedded = kwargs.get("inputs_embeds") is not None and kwargs.get("is_first_iteration")
+            mask = kwargs.get("attention_mask")
+            if first and cached and not embedded:
+                from .cache import KimiK3CacheError
+
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != input_ids.shape[1]:
+                    raise KimiK3CacheError(
+                        f"the cache passed as past_key_values holds {cached} tokens; pass the whole sequence (the "
+                        "history the cache holds, then the new tokens) as input_ids with an attention_mask of the "
+                        f"same length, got {input_ids.shape[1]} ids and a mask of {mask.shape[-1]} positions")
+                # (None: assisted / prompt-lookup decoding's first step, the whole sequence unsliced)
+                next_sequence_length = input_ids.shape[1] - cached
+                if next_sequence_length > 0:
+                    past_key_values.check_continuation(input_ids, mask)
+            elif next_sequence_length is None and 0 < cached < input_ids.shape[1]:
                 next_sequence_length = input_ids.shape[1] - cached
             if next_sequence_length is not None and next_sequence_length <= 0:
-                raise ValueError(
+                from .cache import KimiK3CacheError
+
+                raise KimiK3CacheError(
                     f"the cache passed as past_key_values already holds {cached} tokens but input_ids has "
                     f"{input_ids.shape[1]}: pass the whole sequence (the history the cache holds, then the new "
                     "tokens) as input_ids, as generate() returned it; only the tokens past the cache are computed")
@@ -551,9 +573,23 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent)."""
-        if model_kwargs.get("past_key_values") is not None:
-            model_kwargs["past_key_values"]._is_user_defined = True
+        """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent). A cache it is
+        given has its first input checked against the tokens it holds (`prepare_inputs_for_generation`)."""
+        given = model_kwargs.get("past_key_values")
+        if given is not None:
+            given._is_user_defined = True
+            if isinstance(given, KimiK3HybridCache):
+                if generation_config.prefill_chunk_size is not None and given.get_seq_length() > 0:
+                    from .cache import KimiK3CacheError
+
+                    # chunked prefill feeds only each chunk's ids: the history is never seen, so never checked
+                    raise KimiK3CacheError(
+                        f"generate(prefill_chunk_size={generation_config.prefill_chunk_size}) cannot continue from a "
+                        f"filled cache ({given.get_seq_length()} tokens): its chunks carry only the new tokens, so "
+                        "input_ids could not be checked against the tokens the cache holds. Pass "
+                        "prefill_chunk_size=None (only the tokens past the cache are computed), or feed the new "
+                        "tokens in chunks yourself with model(chunk, past_key_values=cache, use_cache=True) first")
+                given.expect_continuation()
             return
         if generation_config.use_cache is False:
             return
@@ -620,6 +656,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"Kimi K3 keeps KDA states and MLA latents in a `KimiK3HybridCache`, got {type(past_key_values).__name__}. "
                 "Pass `past_key_values=KimiK3HybridCache(model.config)` or let the model create one (`use_cache=True`)."
             )
+        cache_ids = kwargs.pop("cache_token_ids", input_ids)  # the multimodal model's ids behind its inputs_embeds
+        if past_key_values is not None:  # the cache learns what it holds: generate() refuses a prompt not extending it
+            past_key_values.record_tokens(cache_ids, inputs_embeds, attention_mask, model=self)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(past_seen, past_seen + inputs_embeds.shape[1], device=inputs_embeds.device)

@@ -201,9 +201,12 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                     f"the input has {n_slots} media placeholder tokens (`<|media_pad|>`, id "
                     f"{self.config.media_placeholder_token_id}) but no pixel_values / pixel_values_videos were given "
                     "(0 features)")
+        # The text model gets embeddings; its cache records the ids behind them (`<|media_pad|>` for media slots),
+        # so that generate() can check a later prompt against them (None: inputs_embeds given, ids unknown).
         return self.language_model(
             input_ids=None, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
+            cache_token_ids=input_ids, **kwargs,
         )
 
     @staticmethod

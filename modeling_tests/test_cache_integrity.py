@@ -1,0 +1,404 @@
+"""The hybrid cache knows what it holds (issue 27): the token ids it was built from, so that generate() refuses a
+prompt that does not extend them instead of continuing another sequence's recurrent state; in a saved file, per-layer
+lengths and a fingerprint of the weights that made it, all checked by `KimiK3HybridCache.load`."""
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from transformers_k3 import KimiK3CacheError, KimiK3ForCausalLM, KimiK3HybridCache, KimiK3Model, KimiK3TextConfig
+from transformers_k3.cache import KimiK3CacheFileError, _fingerprint_samples, weights_fingerprint
+from transformers_k3.conversion.streaming import CheckpointError
+
+from conftest import randomize_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def greedy(model, ids, n, **kwargs):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def first_turn(model, ids, n=4, **kwargs):
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         return_dict_in_generate=True, **kwargs)
+    return out.sequences, out.past_key_values
+
+
+# ---------------------------------------------------------------- reuse of a returned cache
+def test_a_cache_reused_for_another_prompt_is_refused_and_a_continuation_equals_a_fresh_run(tiny_model):
+    prompt_a = torch.randint(3, 512, (1, 8), generator=torch.Generator().manual_seed(1))
+    sequences, cache = first_turn(tiny_model, prompt_a)
+    held = cache.get_seq_length()
+    assert held == 11 and torch.equal(cache.token_ids, sequences[:, :held])
+    prompt_b = torch.randint(3, 512, (1, 20), generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(prompt_b[:, :held], sequences[:, :held])
+    with pytest.raises(KimiK3CacheError, match=r"built from other tokens.*position 0 of row 0.*pass the whole sequence"):
+        greedy(tiny_model, prompt_b, 3, past_key_values=cache)
+    # a prompt that differs only at the cache's last position is caught there too
+    near = torch.cat([sequences[:, :held - 1], prompt_b], 1)
+    with pytest.raises(KimiK3CacheError, match=rf"position {held - 1} of row 0"):
+        greedy(tiny_model, near, 3, past_key_values=cache)
+    with pytest.raises(KimiK3CacheError, match="pass the whole sequence"):
+        greedy(tiny_model, prompt_b[:, :5], 3, past_key_values=cache)  # only new tokens, fewer than the cache holds
+    # the refused calls left the cache as it was: the real continuation still equals a fresh run
+    history = torch.cat([sequences, prompt_b], 1)
+    assert torch.equal(greedy(tiny_model, history, 6, past_key_values=cache), greedy(tiny_model, history, 6))
+    assert torch.equal(greedy(tiny_model, history, 6), greedy(tiny_model, history, 6, use_cache=False))
+
+
+def test_only_the_new_tokens_with_a_full_mask_is_refused(tiny_model):
+    """transformers also accepts only the new tokens with an attention mask covering the history; the history is then
+    never seen, so cannot be checked (and the first step used to be sliced as if it were the whole sequence)."""
+    prompt = torch.randint(3, 512, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    sequences, cache = first_turn(tiny_model, prompt, attention_mask=mask)
+    new = torch.randint(3, 512, (2, 15))
+    full_mask = torch.cat([mask, torch.ones(2, 4 + 15, dtype=torch.long)], 1)
+    with pytest.raises(KimiK3CacheError, match="attention_mask of the same length, got 15 ids and a mask of 25"):
+        greedy(tiny_model, new, 2, past_key_values=cache, attention_mask=full_mask)
+    # without padding generate() drops the all-ones mask: the new tokens are then taken for the whole sequence
+    sequences, cache = first_turn(tiny_model, prompt[:1])
+    with pytest.raises(KimiK3CacheError, match="built from other tokens.*pass the whole sequence as input_ids"):
+        greedy(tiny_model, new[:1], 2, past_key_values=cache, attention_mask=torch.ones(1, 25, dtype=torch.long))
+
+
+def test_left_padded_batch_record_and_continuation(tiny_model):
+    """Batch 2 with left padding: the record holds the ids and -1 where the mask masks; a continuation with the
+    padded history (any pad id, the same mask) equals a fresh run, one that drops the mask is refused there."""
+    rows = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 5)]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 9 - len(r):], mask[i, 9 - len(r):] = r, 1
+    sequences, cache = first_turn(tiny_model, ids, attention_mask=mask)
+    held = cache.get_seq_length()
+    recorded = cache.token_ids
+    assert recorded.shape == (2, held) and torch.equal(recorded[:, 9:], sequences[:, 9:held])
+    assert torch.equal(recorded[:, :9], ids.masked_fill(mask == 0, -1))
+    new = torch.randint(3, 512, (2, 4))
+    history = torch.cat([sequences, new], 1)
+    full_mask = torch.cat([mask, torch.ones(2, history.shape[1] - 9, dtype=torch.long)], 1)
+    want = greedy(tiny_model, history, 5, attention_mask=full_mask)
+    other_pad = history.masked_fill(full_mask == 0, 7)
+    assert torch.equal(greedy(tiny_model, other_pad, 5, attention_mask=full_mask,
+                              past_key_values=copy.deepcopy(cache))[:, -5:], want[:, -5:])
+    with pytest.raises(KimiK3CacheError, match=r"position 0 of row 1 the cache holds padding \(attention_mask 0\)"):
+        greedy(tiny_model, history, 5, attention_mask=torch.ones_like(full_mask), past_key_values=cache)
+    assert torch.equal(greedy(tiny_model, history, 5, attention_mask=full_mask, past_key_values=cache), want)
+
+
+def test_another_batch_is_refused_and_beam_search_continues_after_repeating_the_rows(tiny_model):
+    prompt = torch.randint(3, 512, (1, 7))
+    sequences, cache = first_turn(tiny_model, prompt)
+    history = torch.cat([sequences, torch.randint(3, 512, (1, 3))], 1)
+    with pytest.raises(KimiK3CacheError, match=r"holds 1 sequence\(s\) but input_ids has 2 rows"):
+        greedy(tiny_model, history.repeat(2, 1), 2, past_key_values=copy.deepcopy(cache))
+    with pytest.raises(KimiK3CacheError, match="batch_repeat_interleave"):
+        greedy(tiny_model, history, 4, num_beams=3, past_key_values=copy.deepcopy(cache))
+    with torch.no_grad(), pytest.raises(KimiK3CacheError, match="holds 1 sequence.*input has 3 rows"):
+        tiny_model(torch.randint(3, 512, (3, 2)), past_key_values=copy.deepcopy(cache), use_cache=True)
+    # beam search from the filled cache (its rows repeated, then reordered every step) = beam search from scratch
+    cache.batch_repeat_interleave(3)
+    assert torch.equal(greedy(tiny_model, history, 4, num_beams=3, past_key_values=cache),
+                       greedy(tiny_model, history, 4, num_beams=3))
+
+
+def test_reorder_select_and_repeat_move_the_record_with_the_rows(tiny_model):
+    ids = torch.randint(3, 512, (3, 6))
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(ids, past_key_values=cache, use_cache=True)
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    assert torch.equal(cache.token_ids, ids[[2, 0, 0]])
+    cache.batch_select_indices(torch.tensor([0, 1]))
+    assert torch.equal(cache.token_ids, ids[[2, 0]])
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.token_ids, ids[[2, 2, 0, 0]])
+    cache.reset()
+    assert cache.token_ids is None and cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
+def test_rollback_crops_the_record_too(tiny_model, mode):
+    """Assisted and prompt-lookup decoding crop the cache after rejected drafts: the record is cropped with it, so
+    the returned cache holds exactly the ids generate() returned (but the last) and continues like a fresh run."""
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
+    extra = dict(prompt_lookup_num_tokens=4) if mode == "prompt_lookup" else dict(assistant_model=copy.deepcopy(
+        randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval(), seed=5)))
+    sequences, cache = first_turn(tiny_model, prompt, n=16, **extra)
+    assert torch.equal(sequences, greedy(tiny_model, prompt, 16))
+    held = cache.get_seq_length()
+    assert held == sequences.shape[1] - 1 and torch.equal(cache.token_ids, sequences[:, :held])
+    history = torch.cat([sequences, torch.tensor([[5, 6, 7]])], 1)
+    assert torch.equal(greedy(tiny_model, history, 8, past_key_values=cache, **extra), greedy(tiny_model, history, 8))
+    with torch.no_grad():
+        cache = KimiK3HybridCache(tiny_model.config)
+        tiny_model(prompt[:, :8], past_key_values=cache, use_cache=True)
+        cache.activate_past_recording()
+        tiny_model(prompt[:, 8:], past_key_values=cache, use_cache=True)
+        cache.crop(-3)
+    assert torch.equal(cache.token_ids, prompt[:, :10])
+
+
+def test_chunked_prefill_cannot_continue_a_filled_cache(tiny_model):
+    sequences, cache = first_turn(tiny_model, torch.randint(3, 512, (1, 6)))
+    history = torch.cat([sequences, torch.randint(3, 512, (1, 30))], 1)
+    with pytest.raises(KimiK3CacheError, match="prefill_chunk_size=None"):
+        greedy(tiny_model, history, 2, past_key_values=cache, prefill_chunk_size=8)
+    # what the message offers: the new tokens in chunks by hand, then generate() on the whole sequence
+    with torch.no_grad():
+        for start in range(sequences.shape[1] - 1, history.shape[1] - 1, 8):
+            tiny_model(history[:, start:min(start + 8, history.shape[1] - 1)], past_key_values=cache, use_cache=True)
+    assert torch.equal(greedy(tiny_model, history, 4, past_key_values=cache), greedy(tiny_model, history, 4))
+
+
+def test_inputs_embeds_positions_are_recorded_as_unknown(tiny_model):
+    ids = torch.randint(3, 512, (1, 5))
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(inputs_embeds=tiny_model.get_input_embeddings()(ids), past_key_values=cache, use_cache=True)
+        tiny_model(ids[:, :2], past_key_values=cache, use_cache=True)
+    assert cache.token_ids.tolist() == [[-2] * 5 + ids[0, :2].tolist()]
+    # the unknown positions cannot be checked, the known ones are
+    history = torch.cat([ids, ids[:, :2], torch.randint(3, 512, (1, 2))], 1)
+    assert greedy(tiny_model, history, 2, past_key_values=copy.deepcopy(cache)).shape == (1, 11)
+    wrong = history.clone()
+    wrong[0, 6] = (wrong[0, 6] + 1) % 512
+    with pytest.raises(KimiK3CacheError, match="position 6 of row 0"):
+        greedy(tiny_model, wrong, 2, past_key_values=cache)
+
+
+def test_the_multimodal_model_records_the_ids_behind_its_embeddings():
+    from transformers_k3 import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval(), std=0.1)
+    pad = model.config.media_placeholder_token_id
+    vision = model.config.vision_config
+    grid = torch.tensor([[1, 4, 4]])  # one 4x4-patch image: 4 tokens after the 2x2 merge
+    pixels = torch.randn(16, 3, vision.patch_size, vision.patch_size, generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([torch.tensor([[5, 6]]), torch.full((1, 4), pad), torch.tensor([[7, 8, 9]])], 1)
+    media = dict(pixel_values=pixels, image_grid_thw=grid)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         return_dict_in_generate=True, **media)
+    cache, held = out.past_key_values, out.past_key_values.get_seq_length()
+    assert torch.equal(cache.token_ids, out.sequences[:, :held])
+    history = torch.cat([out.sequences, torch.tensor([[10, 11]])], 1)
+    fresh = model.generate(history, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0, **media)
+    with pytest.raises(KimiK3CacheError, match="built from other tokens"):
+        model.generate(history[:, 1:], past_key_values=cache, max_new_tokens=3, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)
+    assert torch.equal(model.generate(history, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0), fresh)
+
+
+# ---------------------------------------------------------------- the weights fingerprint
+def test_weights_fingerprint_follows_the_weights_not_their_placement(tiny_model, tmp_path):
+    base = weights_fingerprint(tiny_model)
+    assert base == weights_fingerprint(tiny_model.model)  # any head around the same decoder
+    other = randomize_(KimiK3ForCausalLM(tiny_model.config).eval(), seed=1)
+    assert weights_fingerprint(other) != base
+    tiny_model.save_pretrained(tmp_path)
+    assert weights_fingerprint(KimiK3ForCausalLM.from_pretrained(tmp_path)) == base
+    # a sampled element of one layer's norm changes it; the LM head (states do not depend on it) does not
+    tweaked = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        tweaked.model.layers[3].post_attention_layernorm.weight[0] += 1e-3
+    assert weights_fingerprint(tweaked) != base
+    tweaked = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        tweaked.lm_head.weight.add_(1.0)
+    assert weights_fingerprint(tweaked) == base
+    # bf16 weights: the same whether the model holds them in bf16 or in fp32
+    half = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    assert weights_fingerprint(half) == weights_fingerprint(copy.deepcopy(half).float()) != base
+    with torch.device("meta"):
+        assert weights_fingerprint(KimiK3ForCausalLM(tiny_model.config)) is None
+
+
+def test_weights_fingerprint_reads_a_small_sample_at_full_size():
+    """At the release's size (meta device: nothing allocated) the fingerprint samples about 1.3M values of the
+    2.8T: a few per matrix, every vector (norms) strided."""
+    with torch.device("meta"):
+        model = KimiK3Model(KimiK3TextConfig())
+    sampled = sum(t.numel() for _, t in _fingerprint_samples(model))
+    total = sum(p.numel() for p in model.parameters())
+    assert total > 1e12 and sampled < 2e6, (sampled, total)
+
+
+# ---------------------------------------------------------------- save / load
+@pytest.fixture
+def saved(tiny_model, tmp_path):
+    """A cache after generate(8-token prompt, 4 new tokens) (11 tokens held), saved; (path, sequences, cache)."""
+    prompt = torch.randint(3, 512, (2, 8), generator=torch.Generator().manual_seed(3))
+    sequences, cache = first_turn(tiny_model, prompt)
+    path = tmp_path / "session.safetensors"
+    cache.save(path)
+    return path, sequences, cache
+
+
+def rewrite(path, change_tensors=None, change_metadata=None):
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    if change_tensors:
+        change_tensors(tensors)
+    if change_metadata:
+        change_metadata(metadata)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def test_round_trip_continues_exactly_like_the_uninterrupted_run(tiny_model, saved):
+    path, sequences, _ = saved
+    assert not list(path.parent.glob(".tmp-*"))
+    restored = KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model)
+    assert restored.get_seq_length() == 11 and torch.equal(restored.token_ids, sequences[:, :11])
+    assert torch.equal(greedy(tiny_model, sequences, 4, past_key_values=restored), greedy(tiny_model, sequences[:, :8], 8))
+    # the loaded cache still knows its tokens
+    with pytest.raises(KimiK3CacheError, match="built from other tokens"):
+        greedy(tiny_model, torch.cat([sequences.flip(1), sequences], 1), 2, past_key_values=restored)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    assert json.loads(metadata["lengths"]) == [11] * tiny_model.config.num_hidden_layers
+    assert metadata["weights_fingerprint"] == weights_fingerprint(tiny_model)
+
+
+def test_load_refuses_latents_cut_to_fewer_rows(tiny_model, saved):
+    path = saved[0]
+    rewrite(path, lambda t: t.update({"layers.2.latent": t["layers.2.latent"][:, :3].contiguous()}))
+    with pytest.raises(KimiK3CacheError, match=r"`layers.2.latent` has shape \[2, 3, 40\].*\[2, 11, 40\]"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+
+
+def test_load_refuses_a_missing_latent(tiny_model, saved):
+    path = saved[0]
+    rewrite(path, lambda t: t.pop("layers.5.latent"))
+    with pytest.raises(KimiK3CacheError, match=r"\['layers.5.latent'\] are missing"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+
+
+def test_load_refuses_a_wrong_seq_length(tiny_model, saved):
+    path = saved[0]
+    rewrite(path, change_metadata=lambda m: m.update(seq_length="12"))
+    with pytest.raises(KimiK3CacheError, match="holds 12 tokens but layers"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+    # the lengths agreeing with a wrong count: the tensors do not
+    rewrite(path, change_metadata=lambda m: m.update(lengths=json.dumps([12] * 6)))
+    with pytest.raises(KimiK3CacheError, match=r"`tokens` has shape \[2, 11\].*\[2, 12\]"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+    rewrite(path, change_metadata=lambda m: m.update(seq_length="eleven"))
+    with pytest.raises(KimiK3CacheError, match="`seq_length` metadata is 'eleven'"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+
+
+def test_load_refuses_a_cache_made_by_other_weights(tiny_model, saved):
+    path = saved[0]
+    other = randomize_(KimiK3ForCausalLM(tiny_model.config).eval(), seed=1)
+    with pytest.raises(KimiK3CacheError, match="made by a model with other weights"):
+        KimiK3HybridCache.load(path, tiny_model.config, model=other)
+    with pytest.raises(KimiK3CacheError, match="other weights"):
+        KimiK3HybridCache.load(path, tiny_model.config, fingerprint=weights_fingerprint(other))
+    KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model)  # its own model: accepted
+    # a cache filled by plain forwards and saved without model= carries the fingerprint of the model that wrote it
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(torch.randint(3, 512, (1, 5)), past_key_values=cache, use_cache=True)
+    cache.save(path)
+    with pytest.raises(KimiK3CacheError, match="other weights"):
+        KimiK3HybridCache.load(path, tiny_model.config, model=other)
+
+
+def test_load_without_a_checkable_fingerprint_warns(tiny_model, saved):
+    path = saved[0]
+    with torch.device("meta"):
+        unreadable = KimiK3ForCausalLM(tiny_model.config)
+    with pytest.warns(UserWarning, match="cannot be read cheaply"):
+        KimiK3HybridCache.load(path, tiny_model.config, model=unreadable)
+    rewrite(path, change_metadata=lambda m: m.update(weights_fingerprint=""))
+    with pytest.warns(UserWarning, match="saved without a weights fingerprint"):
+        KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model)
+    rewrite(path, change_metadata=lambda m: m.update(weights_fingerprint="not-a-digest"))
+    with pytest.raises(KimiK3CacheError, match="not a SHA-256 hex digest"):
+        KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model)
+
+
+def test_load_wraps_a_truncated_file(tiny_model, saved):
+    path = saved[0]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(KimiK3CacheError, match="truncated") as error:
+        KimiK3HybridCache.load(path, tiny_model.config)
+    assert isinstance(error.value, CheckpointError) and isinstance(error.value, KimiK3CacheFileError)
+    path.write_bytes(data[:5])
+    with pytest.raises(KimiK3CacheError, match="not a safetensors file"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+
+
+def test_load_wraps_random_bytes(tiny_model, tmp_path):
+    path = tmp_path / "noise.safetensors"
+    path.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+                     .numpy().tobytes())
+    with pytest.raises(KimiK3CacheError, match="noise.safetensors"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+
+
+@pytest.mark.parametrize("name, dtype, rule", [("layers.0.recurrent_state", torch.float16, "float32"),
+                                               ("layers.2.latent", torch.int32, "a floating-point dtype"),
+                                               ("layers.1.conv_state", torch.int64, "a floating-point dtype"),
+                                               ("tokens", torch.float32, "int64")])
+def test_load_refuses_a_wrong_dtype(tiny_model, saved, name, dtype, rule):
+    path = saved[0]
+    rewrite(path, lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(KimiK3CacheError, match=rf"`{name}` is {dtype}, a saved cache stores it as {rule}"):
+        KimiK3HybridCache.load(path, tiny_model.config)
+
+
+def test_load_refuses_missing_or_garbled_metadata_and_foreign_entries(tiny_model, saved):
+    path = saved[0]
+    good = path.read_bytes()
+    cases = [
+        (dict(change_metadata=lambda m: m.pop("lengths")), "`lengths` metadata is missing"),
+        (dict(change_metadata=lambda m: m.update(lengths="[11, 11")), "`lengths` metadata is missing or not JSON"),
+        (dict(change_metadata=lambda m: m.update(lengths="[11, 11]")), "one token count per layer"),
+        (dict(change_metadata=lambda m: m.update(config="{")), "`config` metadata is missing or not a JSON object"),
+        (dict(change_metadata=lambda m: m.update(format="other")), "metadata format is 'other'"),
+        (dict(change_metadata=lambda m: m.update(version="9")), "format version '9'"),
+        (dict(change_metadata=lambda m: m.pop("batch_size")), "`batch_size` metadata is None"),
+        (dict(change_tensors=lambda t: t.update(extra=torch.zeros(1))), r"tensors no K3 cache of this config has: \['extra'\]"),
+        (dict(change_tensors=lambda t: t["tokens"].__setitem__((0, 0), 512)), "outside this model's vocabulary"),
+    ]
+    for change, message in cases:
+        path.write_bytes(good)
+        rewrite(path, **change)
+        with pytest.raises(KimiK3CacheError, match=message):
+            KimiK3HybridCache.load(path, tiny_model.config)
+    path.write_bytes(good)
+    with pytest.raises(KimiK3CacheError, match="kv_lora_rank"):
+        KimiK3HybridCache.load(path, KimiK3TextConfig.tiny(kv_lora_rank=16))
+
+
+def test_a_file_of_the_first_format_loads_with_its_tokens_unknown(tiny_model, saved):
+    path, sequences, _ = saved
+    rewrite(path, lambda t: t.pop("tokens"), lambda m: [m.pop(k) for k in ("lengths", "batch_size",
+                                                                           "weights_fingerprint")] + [m.update(version="1")])
+    with pytest.warns(UserWarning, match="without the token ids"):
+        restored = KimiK3HybridCache.load(path, tiny_model.config)
+    assert torch.equal(restored.token_ids, torch.full((2, 11), -2))
+    assert torch.equal(greedy(tiny_model, sequences, 4, past_key_values=restored), greedy(tiny_model, sequences[:, :8], 8))
+
+
+def test_an_empty_cache_round_trips(tiny_model, tmp_path):
+    KimiK3HybridCache(tiny_model.config).save(tmp_path / "empty.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        restored = KimiK3HybridCache.load(tmp_path / "empty.safetensors", tiny_model.config)
+    assert restored.get_seq_length() == 0 and restored.token_ids is None
+    ids = torch.randint(3, 512, (1, 6))
+    assert torch.equal(greedy(tiny_model, ids, 3, past_key_values=restored), greedy(tiny_model, ids, 3))
