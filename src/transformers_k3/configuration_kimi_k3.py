@@ -2,12 +2,16 @@
 
 The official checkpoint's ``config.json`` is a composite ``kimi_k3`` config whose ``text_config`` says
 ``model_type: "kimi_linear"`` (a name transformers already owns) and whose ``vision_config`` says
-``kimi_k3_vision``. Both load here unchanged: key names follow the official release (K3_SPEC.md section 1),
-and every field is checked with an error that names it.
+``kimi_k3_vision``. Both load here unchanged: key names follow the official release (K3_SPEC.md section 1).
+
+Every field of the three configs is checked strictly, however it is set (see `_FieldChecks`): its type, a finite
+float32 value in its range, an enum value this implementation builds, token ids inside the vocabulary, and the
+relations between fields. A bad value raises `KimiK3ConfigError` naming the field, the value and what the field
+accepts (``_TEXT_SPECS``, ``_LINEAR_ATTN_SPECS``, ``_VISION_SPECS``, ``_COMPOSITE_SPECS`` and ``validate_k3``).
 
 ``KimiK3TextConfig`` is registered as ``kimi_k3_text`` so that a saved text-only model never collides
-with the in-tree Kimi Linear; a flat ``kimi_linear`` config that carries K3-only features is routed to
-this class at load time (see ``_route_kimi_linear_configs``).
+with the in-tree Kimi Linear; a flat ``kimi_linear`` config that carries any K3-only key is routed to
+this class (see ``_route_kimi_linear_configs``).
 """
 
 from __future__ import annotations
@@ -34,12 +38,136 @@ _ALLOWED_ACTS = ("situ", "silu")
 
 
 class KimiK3ConfigError(ValueError):
-    """A config field has a value the model cannot be built with. The message names the field."""
+    """A config field has a value the model cannot be built with. The message names the field, the value and what
+    the field accepts."""
 
 
 def _check(condition: bool, field: str, message: str) -> None:
     if not condition:
         raise KimiK3ConfigError(f"Invalid Kimi K3 config field `{field}`: {message}")
+
+
+def _shown(value: Any) -> str:
+    """The value as an error message shows it (a nested config by its class, a long list cut short)."""
+    if isinstance(value, PreTrainedConfig):
+        return f"a {type(value).__name__}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+# The model computes in float32 at most: a Python float beyond its range is inf there, and a norm eps below its
+# smallest normal number rounds away.
+_FP32_MAX = 3.4028234663852886e38
+_FP32_TINY = 2.0**-126
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite float32-range number (``bool`` is not a number here; NaN fails the comparison)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32_MAX
+
+
+class _Spec:
+    """What one field accepts on its own (type, range, null); relations between fields are checked in the
+    configs' ``validate_k3``. ``accepts`` only ever sees a non-null value and must not raise."""
+
+    def __init__(self, allowed: str, accepts, nullable: bool = False, why: str | None = None):
+        self.allowed = allowed + (" or null" if nullable else "") + (f" ({why})" if why else "")
+        self.accepts = accepts
+        self.nullable = nullable
+
+    def check(self, field: str, value: Any) -> None:
+        ok = self.nullable if value is None else self.accepts(value)
+        _check(ok, field, f"must be {self.allowed}, got {_shown(value)}")
+
+
+def _integer(minimum: int, nullable: bool = False, multiple_of: int = 1, why: str | None = None) -> _Spec:
+    allowed = f"an integer >= {minimum}" + (f" and a multiple of {multiple_of}" if multiple_of > 1 else "")
+    return _Spec(allowed, lambda v: _is_int(v) and v >= minimum and v % multiple_of == 0, nullable, why)
+
+
+def _real(low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False,
+          nullable: bool = False, why: str | None = None) -> _Spec:
+    def accepts(v):
+        return _is_real(v) and (low is None or (v > low if low_open else v >= low)) and (
+            high is None or (v < high if high_open else v <= high))
+
+    if low is not None and high is not None:
+        where = f"in {'(' if low_open else '['}{low!r}, {high!r}{')' if high_open else ']'}"
+    elif low is not None:
+        where = f"{'>' if low_open else '>='} {low!r}"
+    else:
+        where = f"{'<' if high_open else '<='} {high!r}"
+    return _Spec(f"a finite (float32) number {where}", accepts, nullable, why)
+
+
+def _flag() -> _Spec:
+    return _Spec("true or false", lambda v: isinstance(v, bool))
+
+
+def _choice(*choices: Any, why: str | None = None) -> _Spec:
+    allowed = repr(choices[0]) if len(choices) == 1 else f"one of {choices!r}"
+    # the type must match too: 0 == False and 1.0 == 1, but they are not the same setting
+    return _Spec(allowed, lambda v: any(type(v) is type(c) and v == c for c in choices), why=why)
+
+
+def _list_of(allowed: str, item_ok, nullable: bool = False) -> _Spec:
+    return _Spec(allowed, lambda v: isinstance(v, (list, tuple)) and all(item_ok(i) for i in v), nullable)
+
+
+# Every norm eps: positive, not rounding away in float32, and small against unit-scale activations (an eps of 1 or
+# more swamps the mean square it is added to and scales every output toward zero).
+def _eps(nullable: bool = False, why: str | None = None) -> _Spec:
+    return _real(_FP32_TINY, 1.0, high_open=True, nullable=nullable, why=why)
+
+
+class _FieldChecks:
+    """Strict-config behaviour shared by the three K3 configs, in the manner of transformers' ``@strict`` configs
+    (a field validator on every assignment, the class validator at construction and before saving), with
+    `KimiK3ConfigError` as the error:
+
+    * assigning a field runs that field's own check (``_FIELD_SPECS``: type, range, null), so a NaN or a string
+      never reaches a built model however it was set (constructor, ``config.x = ...``, ``update``, the keyword
+      arguments of ``from_pretrained``);
+    * ``validate_k3`` checks every field and the relations between them; it runs at the end of construction,
+      after ``update`` and ``from_dict(..., **kwargs)`` (which first re-derive what the updated fields determine),
+      and in ``validate``, which ``save_pretrained`` calls."""
+
+    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = {}
+
+    def __setattr__(self, key, value):
+        name = type(self).attribute_map.get(key, key)
+        spec = type(self)._FIELD_SPECS.get(name)
+        if spec is not None:
+            spec.check(name, value)
+        super().__setattr__(key, value)
+
+    def _check_fields(self) -> None:
+        for name, spec in self._FIELD_SPECS.items():
+            spec.check(name, getattr(self, name, None))
+
+    def validate(self):
+        self.validate_k3()  # first: it names the field where transformers' generic validators would not
+        super().validate()
+
+    def update(self, config_dict: dict[str, Any]):
+        super().update(config_dict)
+        self._refresh_derived({self.attribute_map.get(key, key) for key in config_dict})
+        self.validate_k3()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        # transformers sets the keyword arguments on the built config one by one: re-derive and check the whole
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if kwargs.get("return_unused_kwargs") else result
+        updated = {config.attribute_map.get(key, key) for key in kwargs if key != "return_unused_kwargs"}
+        if updated:
+            config._refresh_derived(updated)
+            config.validate_k3()
+        return result
 
 
 def _default_layer_lists(num_hidden_layers: int) -> dict[str, list[int]]:
@@ -64,6 +192,22 @@ class _ReleaseTokenId(int):
 _RESAVED_KEYS_DROPPED = ("head_dim", "rope_parameters")
 
 
+# Quantities our text config derives (read-only properties), by the keys a config may carry them under: the
+# in-tree Kimi Linear saves `qk_head_dim` and its `linear_*` copies of `linear_attn_config`. A given one is checked
+# against the derived value instead of being set.
+_DERIVED_KEYS = {
+    "qk_head_dim": "qk_head_dim",
+    "linear_num_heads": "linear_num_heads",
+    "linear_head_dim": "linear_head_dim",
+    "linear_conv_kernel_dim": "linear_conv_kernel_size",
+    "linear_conv_kernel_size": "linear_conv_kernel_size",
+    "use_full_rank_gate": "use_full_rank_gate",
+    "gate_lower_bound": "gate_lower_bound",
+    "use_attn_res": "use_attn_res",
+    "num_attn_res_blocks": "num_attn_res_blocks",
+}
+
+
 def _is_no_rope_scaling(value: Any) -> bool:
     """``None`` or the default (no-op) RoPE type, also in transformers 5's per-layer-type nesting."""
     if value is None:
@@ -75,7 +219,85 @@ def _is_no_rope_scaling(value: Any) -> bool:
     return value.get("rope_type", value.get("type", "default")) == "default"
 
 
-class KimiK3TextConfig(PreTrainedConfig):
+_LAYER_IDS = _list_of("a list of 1-based integer layer ids", _is_int)
+
+# What each field of `KimiK3TextConfig` accepts on its own. Null is allowed where it has a meaning (see the class
+# docstring) or where the field is not read in some configurations (the MoE sizes of a dense model,
+# `intermediate_size` of an all-MoE one); `validate_k3` requires them where they are read.
+_TEXT_SPECS: dict[str, _Spec] = {
+    "vocab_size": _integer(1),
+    "hidden_size": _integer(1),
+    "intermediate_size": _integer(1, nullable=True),
+    "num_hidden_layers": _integer(1),
+    "num_attention_heads": _integer(1),
+    "num_key_value_heads": _integer(1, nullable=True),
+    "hidden_act": _choice(*_ALLOWED_ACTS),
+    "activation_situ_beta": _real(0, low_open=True, nullable=True, why="null: the SiTU default cap"),
+    "activation_situ_linear_beta": _real(0, low_open=True, nullable=True, why="null: the up half is not capped"),
+    "rms_norm_eps": _eps(),
+    "initializer_range": _real(0, 1, why="the std of the normal initialisation; K3: 0.02"),
+    "tie_word_embeddings": _flag(),
+    "max_position_embeddings": _integer(1),
+    "use_cache": _flag(),
+    "pad_token_id": _integer(0, nullable=True),
+    "bos_token_id": _integer(0, nullable=True),
+    "eos_token_id": _Spec("a token id >= 0 or a list of them", lambda v: (_is_int(v) and v >= 0) or (
+        isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 0 for i in v)), nullable=True),
+    "rope_theta": _real(0, low_open=True, nullable=True, why="not read: the text model has no RoPE"),
+    "rope_scaling": _Spec("a dict", lambda v: isinstance(v, dict), nullable=True),
+    "q_lora_rank": _integer(1, nullable=True, why="null: a full-rank q_proj"),
+    "kv_lora_rank": _integer(1),
+    "qk_nope_head_dim": _integer(1),
+    "qk_rope_head_dim": _integer(0),
+    "v_head_dim": _integer(1),
+    "mla_use_nope": _choice(True, why="K3's MLA has no positional encoding and this implementation applies no RoPE"),
+    "mla_use_output_gate": _flag(),
+    "attention_dropout": _real(0, 1, high_open=True),
+    "num_experts": _integer(1, nullable=True, why="null: every layer dense"),
+    "num_experts_per_token": _integer(1, nullable=True),
+    "num_shared_experts": _integer(0),
+    "moe_intermediate_size": _integer(1, nullable=True),
+    "routed_expert_hidden_size": _integer(1, nullable=True, why="null: experts at full width"),
+    "latent_moe_use_norm": _flag(),
+    "first_k_dense_replace": _integer(0),
+    "moe_layer_freq": _integer(1),
+    "moe_router_activation_func": _choice("sigmoid", "softmax"),
+    "moe_renormalize": _flag(),
+    "routed_scaling_factor": _real(0, low_open=True),
+    "topk_method": _choice("noaux_tc", why="the router always selects with the e_score_correction_bias, "
+                                           "DeepSeek-V3's aux-loss-free top-k"),
+    "use_grouped_topk": _flag(),
+    "num_expert_group": _integer(1),
+    "topk_group": _integer(1),
+    "router_fp32": _flag(),
+    "output_router_logits": _flag(),
+    "router_aux_loss_coef": _real(0),
+    "num_nextn_predict_layers": _choice(0, why="K3 has no MTP head; this implementation builds none (SGLang skips "
+                                                "those tensors too)"),
+    "attn_res_block_size": _integer(1, nullable=True, why="null: classic residuals"),
+    "linear_attn_config": _Spec("a dict of the KDA settings", lambda v: isinstance(v, dict), nullable=True),
+    "kda_o_norm_eps": _eps(),
+    "mla_latent_norm_eps": _eps(nullable=True, why="null: rms_norm_eps"),
+    "logit_scale": _real(0, low_open=True),
+    "layer_types": _list_of("a list of 'linear_attention' / 'full_attention'",
+                            lambda t: t in ("linear_attention", "full_attention"), nullable=True),
+    "mlp_layer_types": _list_of("a list of 'dense' / 'sparse'", lambda t: t in ("dense", "sparse"), nullable=True),
+}
+
+# The keys of `linear_attn_config` (reported as `linear_attn_config.<key>`).
+_LINEAR_ATTN_SPECS: dict[str, _Spec] = {
+    "num_heads": _integer(1),
+    "head_dim": _integer(1),
+    "short_conv_kernel_size": _integer(1),
+    "use_full_rank_gate": _flag(),
+    "gate_lower_bound": _real(high=0, high_open=True, nullable=True,
+                              why="K3: -5.0; null: the softplus forget gate"),
+    "kda_layers": _LAYER_IDS,
+    "full_attn_layers": _LAYER_IDS,
+}
+
+
+class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
     r"""Configuration of the Kimi K3 text decoder (KDA + gated NoPE MLA, Block Attention Residuals,
     Stable Latent MoE with SiTU-GLU).
 
@@ -111,6 +333,7 @@ class KimiK3TextConfig(PreTrainedConfig):
         "norm_topk_prob": "moe_renormalize",
         "n_group": "num_expert_group",
     }
+    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _TEXT_SPECS
     # Tensor / expert / pipeline parallel plans, keyed by our module names (checked against the model in tests).
     base_model_tp_plan: ClassVar[dict[str, str]] = {
         "layers.*.self_attn.q_proj": "colwise",
@@ -211,6 +434,7 @@ class KimiK3TextConfig(PreTrainedConfig):
                            f"encoding (NoPE MLA), so a RoPE scaling cannot be honoured; got {value!r}")
                 logger.debug(f"Kimi K3 text config: ignoring `{key}` = {value!r} (a key transformers 5 adds when it "
                              f"re-saves the release's config; the K3 text model does not read it)")
+        derived_given = {key: kwargs.pop(key) for key in list(kwargs) if key in _DERIVED_KEYS}
         unread = sorted(k for k in kwargs if not k.startswith("_"))
         if unread:
             logger.debug(f"Kimi K3 text config: keys {unread} are not read by the K3 text model (kept as attributes)")
@@ -218,26 +442,54 @@ class KimiK3TextConfig(PreTrainedConfig):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if type(value) is _ReleaseTokenId:  # the default, not set by the config
-                setattr(self, name, int(value) if isinstance(self.vocab_size, int) and value < self.vocab_size else None)
-        lac = dict(_LINEAR_ATTN_DEFAULTS)
-        if self.linear_attn_config is None:
-            lac.update(_default_layer_lists(self.num_hidden_layers))
-        else:
-            _check(isinstance(self.linear_attn_config, dict), "linear_attn_config", "must be a dict")
-            lac.update(copy.deepcopy(self.linear_attn_config))
-        self.linear_attn_config = lac
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        self.layer_types = self._layer_types_from_lists()
-        derived = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
-        # (informational: derived from num_experts / first_k_dense_replace / moe_layer_freq, which the layers read;
-        # a saved config carries it, and a given one must say the same)
-        _check(self.mlp_layer_types is None or list(self.mlp_layer_types) == derived, "mlp_layer_types",
-               f"{self.mlp_layer_types!r} disagrees with num_experts / first_k_dense_replace / moe_layer_freq, which "
-               f"make the layers {derived}; set those fields (or drop mlp_layer_types)")
-        self.mlp_layer_types = derived
+                setattr(self, name, int(value) if value < self.vocab_size else None)
+        given = {name for name in ("layer_types", "mlp_layer_types") if getattr(self, name) is not None}
+        self._refresh_derived({"linear_attn_config"} | given)
         _drop_dequantized_on_load_quantization(self)
         self.validate_k3()
+        for key, value in derived_given.items():
+            name = _DERIVED_KEYS[key]
+            derived = getattr(self, name)
+            _check(value == derived and isinstance(value, bool) == isinstance(derived, bool), key,
+                   f"is derived ({name} = {derived!r}, from the other fields) but the config says {_shown(value)}; "
+                   f"drop the key or make the fields it follows agree")
+
+    def _refresh_derived(self, updated: set[str]) -> None:
+        """Complete `linear_attn_config` with the release's defaults (when null: also its layer placement), and
+        recompute ``num_key_value_heads`` (MLA: one per query head) and the layer-type lists from the fields they
+        follow; a layer-type list in ``updated`` (set by the caller) is kept and must agree."""
+        if "linear_attn_config" in updated:
+            lac = dict(_LINEAR_ATTN_DEFAULTS)
+            if self.linear_attn_config is None:
+                lac.update(_default_layer_lists(self.num_hidden_layers))
+            else:
+                lac.update(copy.deepcopy(self.linear_attn_config))
+            self.linear_attn_config = lac
+        if self.num_key_value_heads is None or (
+            "num_attention_heads" in updated and "num_key_value_heads" not in updated
+        ):
+            self.num_key_value_heads = self.num_attention_heads
+        for name, derived in self._derived_layer_types().items():
+            if name in updated:
+                self._check_agrees(name, derived)
+            setattr(self, name, derived)
+
+    def _derived_layer_types(self) -> dict[str, list[str]]:
+        """``layer_types`` (from the 1-based lists of `linear_attn_config`) and ``mlp_layer_types`` (from
+        num_experts / first_k_dense_replace / moe_layer_freq, which the layers read; informational, but the
+        in-tree masking utilities and a saved config carry it)."""
+        return {
+            "layer_types": self._layer_types_from_lists(),
+            "mlp_layer_types": ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)],
+        }
+
+    def _check_agrees(self, name: str, derived: list[str]) -> None:
+        value = getattr(self, name)
+        sources = ("linear_attn_config's kda_layers / full_attn_layers" if name == "layer_types"
+                   else "num_experts / first_k_dense_replace / moe_layer_freq")
+        _check(value is not None and list(value) == derived, name,
+               f"{_shown(value)} disagrees with {sources}, which make the layers {derived}; set those fields (or drop "
+               f"{name})")
 
     # ----------------------------------------------------------------------------------------------
     # Derived quantities, read by the layers
@@ -288,13 +540,11 @@ class KimiK3TextConfig(PreTrainedConfig):
 
     def _layer_types_from_lists(self) -> list[str]:
         lac = self.linear_attn_config
+        _check(isinstance(lac, dict), "linear_attn_config",
+               f"must be a dict of the KDA settings (null only when constructing: the release's), got {_shown(lac)}")
         for key in ("kda_layers", "full_attn_layers"):
             _check(key in lac, f"linear_attn_config.{key}", "is required (1-based layer ids)")
-            _check(
-                isinstance(lac[key], (list, tuple)) and all(isinstance(i, int) for i in lac[key]),
-                f"linear_attn_config.{key}",
-                f"must be a list of 1-based integer layer ids, got {lac[key]!r}",
-            )
+            _LINEAR_ATTN_SPECS[key].check(f"linear_attn_config.{key}", lac[key])
         kda, full = list(lac["kda_layers"]), list(lac["full_attn_layers"])
         n = self.num_hidden_layers
         bad = [i for i in kda + full if not 1 <= i <= n]
@@ -312,75 +562,43 @@ class KimiK3TextConfig(PreTrainedConfig):
 
     # ----------------------------------------------------------------------------------------------
     def validate_k3(self) -> None:
-        """Checks every field the model reads; raises `KimiK3ConfigError` naming the first bad one."""
-
-        def positive(name: str, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                   f"must be a positive integer, got {value!r}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "qk_nope_head_dim", "v_head_dim"):
-            positive(name)
-        positive("q_lora_rank", allow_none=True)
-        positive("max_position_embeddings")
+        """Checks every field and the relations between them; raises `KimiK3ConfigError` naming the first bad
+        one, its value and what it accepts."""
+        self._check_fields()
+        vocab = self.vocab_size
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(self, name, None)
-            ids = value if isinstance(value, (list, tuple)) else [value]
-            _check(all(i is None or (isinstance(i, int) and 0 <= i < self.vocab_size) for i in ids), name,
-                   f"must be a token id in [0, vocab_size={self.vocab_size}) (or null), got {value!r}")
-        _check(isinstance(self.attention_dropout, (int, float)) and 0 <= self.attention_dropout < 1,
-               "attention_dropout", f"must be a probability in [0, 1), got {self.attention_dropout!r}")
-        _check(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0, "qk_rope_head_dim",
-               f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
-        _check(self.hidden_act in _ALLOWED_ACTS, "hidden_act",
-               f"must be one of {_ALLOWED_ACTS}, got {self.hidden_act!r}")
-        if self.hidden_act == "situ":
-            for name in ("activation_situ_beta", "activation_situ_linear_beta"):
-                value = getattr(self, name)
-                _check(value is None or (isinstance(value, (int, float)) and value > 0), name,
-                       f"must be a positive number or null, got {value!r}")
-        for name in ("rms_norm_eps", "kda_o_norm_eps"):
             value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and value > 0, name, f"must be a positive number, got {value!r}")
-        _check(self.mla_latent_norm_eps is None or self.mla_latent_norm_eps > 0, "mla_latent_norm_eps",
-               "must be a positive number or null")
+            ids = value if isinstance(value, (list, tuple)) else [value]
+            _check(all(i is None or i < vocab for i in ids), name,
+                   f"must be a token id in [0, vocab_size={vocab}) (or null), got {_shown(value)}")
+        _check(self.num_key_value_heads in (None, self.num_attention_heads), "num_key_value_heads",
+               f"must equal num_attention_heads ({self.num_attention_heads}) or be null: MLA has one key/value head "
+               f"per query head (no grouped-query attention); got {self.num_key_value_heads!r}")
         # {"rope_type": "default"} is no scaling at all (SGLang reads it as a no-op too); any other type would
         # scale a RoPE the model does not have, and its yarn mscale would change the attention scale
         scaling = self.rope_scaling
-        _check(scaling is None or (isinstance(scaling, dict)
-                                   and scaling.get("rope_type", scaling.get("type")) == "default"), "rope_scaling",
+        _check(scaling is None or scaling.get("rope_type", scaling.get("type")) == "default", "rope_scaling",
                f"must be null (or {{'rope_type': 'default'}}, no scaling): the K3 text model has no positional "
                f"encoding (NoPE MLA), so a RoPE scaling (and its yarn mscale) cannot be honoured; got {scaling!r}")
 
         # KDA
         lac = self.linear_attn_config
-        for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
-            value = lac[key]
-            _check(isinstance(value, int) and value > 0, f"linear_attn_config.{key}",
-                   f"must be a positive integer, got {value!r}")
-        lb = lac["gate_lower_bound"]
-        _check(lb is None or (isinstance(lb, (int, float)) and lb < 0), "linear_attn_config.gate_lower_bound",
-               f"must be a negative number (K3: -5.0) or null for the softplus gate, got {lb!r}")
-        unknown = sorted(set(lac) - set(_LINEAR_ATTN_DEFAULTS) - {"kda_layers", "full_attn_layers"})
-        _check(not unknown, "linear_attn_config", f"unknown keys {unknown}")
+        derived = self._derived_layer_types()  # also checks the layer lists
+        unknown = sorted(set(lac) - set(_LINEAR_ATTN_SPECS))
+        _check(not unknown, "linear_attn_config", f"unknown keys {unknown}; the keys are {sorted(_LINEAR_ATTN_SPECS)}")
+        for key, spec in _LINEAR_ATTN_SPECS.items():
+            _check(key in lac, f"linear_attn_config.{key}", f"is required ({spec.allowed})")
+            spec.check(f"linear_attn_config.{key}", lac[key])
+        for name, value in derived.items():
+            self._check_agrees(name, value)
 
         # MoE
         if self.num_experts is not None:
-            positive("num_experts")
-            positive("num_experts_per_token")
-            positive("moe_intermediate_size")
-            positive("routed_expert_hidden_size", allow_none=True)
+            for name in ("num_experts_per_token", "moe_intermediate_size"):
+                _check(getattr(self, name) is not None, name, "is required when num_experts is set (null: a dense "
+                       "model, num_experts=null)")
             _check(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
                    f"top-k ({self.num_experts_per_token}) must be <= num_experts ({self.num_experts})")
-            _check(self.moe_router_activation_func in ("sigmoid", "softmax"), "moe_router_activation_func",
-                   f"must be 'sigmoid' or 'softmax', got {self.moe_router_activation_func!r}")
-            _check(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0, "num_shared_experts",
-                   f"must be a non-negative integer, got {self.num_shared_experts!r}")
-            positive("num_expert_group")
-            positive("topk_group")
             _check(self.num_experts % self.num_expert_group == 0, "num_expert_group",
                    f"num_experts ({self.num_experts}) must be divisible by num_expert_group ({self.num_expert_group})")
             _check(self.topk_group <= self.num_expert_group, "topk_group",
@@ -391,21 +609,15 @@ class KimiK3TextConfig(PreTrainedConfig):
                 _check(self.topk_group * per_group >= self.num_experts_per_token, "topk_group",
                        f"the kept groups hold {self.topk_group * per_group} experts, fewer than top-k "
                        f"{self.num_experts_per_token}")
-            positive("moe_layer_freq")
-            # (>= num_hidden_layers is allowed: every layer dense, as DeepSeek-style configs spell a dense model)
-            _check(isinstance(self.first_k_dense_replace, int) and self.first_k_dense_replace >= 0,
-                   "first_k_dense_replace", f"must be a non-negative integer, got {self.first_k_dense_replace!r}")
-            _check(isinstance(self.routed_scaling_factor, (int, float)) and self.routed_scaling_factor > 0,
-                   "routed_scaling_factor", f"must be a positive number, got {self.routed_scaling_factor!r}")
-            _check(isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0,
-                   "router_aux_loss_coef", f"must be a number >= 0, got {self.router_aux_loss_coef!r}")
-        if any(t == "dense" for t in self.mlp_layer_types):
-            positive("intermediate_size")
-        _check(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers",
-               "K3 has no MTP head; this implementation builds none (SGLang skips those tensors too)")
-
-        # AttnRes
-        positive("attn_res_block_size", allow_none=True)
+            # the router limits the choice to topk_group groups whenever there are groups
+            _check(self.use_grouped_topk or self.num_expert_group == 1, "use_grouped_topk",
+                   f"false asks for ungrouped routing, but with num_expert_group={self.num_expert_group} the router "
+                   f"keeps only the topk_group best groups; set num_expert_group=1 (or use_grouped_topk=true)")
+        # (first_k_dense_replace >= num_hidden_layers is allowed: every layer dense, as DeepSeek-style configs spell a
+        # dense model)
+        if "dense" in derived["mlp_layer_types"]:
+            _check(self.intermediate_size is not None, "intermediate_size",
+                   "is required: the dense layers' MLP width (an integer >= 1)")
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
@@ -430,15 +642,52 @@ class KimiK3TextConfig(PreTrainedConfig):
             },
         )
         lac_override = overrides.pop("linear_attn_config", None)
-        if lac_override is not None:
+        if isinstance(lac_override, dict):
             values["linear_attn_config"] = {**values["linear_attn_config"], **lac_override}
+        elif lac_override is not None:  # not a dict: the constructor says so
+            values["linear_attn_config"] = lac_override
         values.update(overrides)
         return cls(**values)
 
 
-class KimiK3VisionConfig(PreTrainedConfig):
+# What each field of `KimiK3VisionConfig` accepts. An enum with a single value names the one architecture this
+# implementation builds: the tower and projector do not read it, so any other value would be silently ignored.
+_VISION_SPECS: dict[str, _Spec] = {
+    "patch_size": _integer(1),
+    "init_pos_emb_height": _integer(1),
+    "init_pos_emb_width": _integer(1),
+    "init_pos_emb_time": _integer(1, why="the most frames one video chunk can have"),
+    "pos_emb_type": _choice("divided_fixed"),
+    # (F.interpolate with align_corners=False: only the interpolating modes)
+    "pos_emb_interpolation_mode": _choice("bilinear", "bicubic"),
+    "vt_num_attention_heads": _integer(1),
+    "vt_num_hidden_layers": _integer(1),
+    "vt_hidden_size": _integer(2, multiple_of=2, why="the video time embedding is sin/cos pairs"),
+    "vt_intermediate_size": _integer(1),
+    "qkv_hidden_size": _integer(1),
+    "norm_type": _choice("rmsnorm"),
+    "attn_bias": _flag(),
+    "linear_bias": _flag(),
+    "patch_embed_proj_bias": _flag(),
+    "mlp_type": _choice("mlp2"),
+    "activation_func": _choice("gelu_pytorch_tanh", "gelu"),
+    "merge_kernel_size": _Spec("two integers >= 1 ([height, width] of a merged window)", lambda v: isinstance(
+        v, (list, tuple)) and len(v) == 2 and all(_is_int(k) and k >= 1 for k in v)),
+    "merge_type": _choice("sd2_tpool"),
+    "video_attn_type": _choice("spatial_temporal"),
+    "mm_projector_type": _choice("patchmergerv2"),
+    "mm_hidden_size": _integer(1, nullable=True, why="null: vt_hidden_size"),
+    "projector_hidden_act": _choice("gelu", why="the projector's GELU is the exact (erf) one"),
+    "projector_ln_eps": _eps(),
+    "text_hidden_size": _integer(1),
+    "initializer_range": _real(0, 1, why="the std of the normal initialisation; K3: 0.02"),
+}
+
+
+class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
     """Configuration of the MoonViT3d vision tower and PatchMergerV2 projector (K3_SPEC.md 1.4). Official
-    keys load unchanged; the ``vt_*`` names are the checkpoint's, the generic names are aliases."""
+    keys load unchanged; the ``vt_*`` names are the checkpoint's, the generic names are aliases. Every field is
+    checked as strictly as the text config's."""
 
     model_type: ClassVar[str] = "kimi_k3_vision"
     attribute_map: ClassVar[dict[str, str]] = {
@@ -447,6 +696,7 @@ class KimiK3VisionConfig(PreTrainedConfig):
         "hidden_size": "vt_hidden_size",
         "intermediate_size": "vt_intermediate_size",
     }
+    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _VISION_SPECS
 
     patch_size: int = 14
     init_pos_emb_height: int = 64
@@ -478,37 +728,58 @@ class KimiK3VisionConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         kwargs.pop("model_type", None)
         super().__post_init__(**kwargs)
+        self._refresh_derived(set())
+        self.validate_k3()
+
+    def _refresh_derived(self, updated: set[str]) -> None:
         self.merge_kernel_size = list(self.merge_kernel_size)
-        if self.mm_hidden_size is None:
+        if self.mm_hidden_size is None or ("vt_hidden_size" in updated and "mm_hidden_size" not in updated):
             self.mm_hidden_size = self.vt_hidden_size
-        checks = {
-            "pos_emb_type": ("divided_fixed",),
-            "merge_type": ("sd2_tpool",),
-            "mm_projector_type": ("patchmergerv2",),
-            "norm_type": ("rmsnorm",),
-            "mlp_type": ("mlp2",),
-            "activation_func": ("gelu_pytorch_tanh", "gelu"),
-            "video_attn_type": ("spatial_temporal",),
-        }
-        for name, allowed in checks.items():
-            _check(getattr(self, name) in allowed, name, f"must be one of {allowed}, got {getattr(self, name)!r}")
-        _check(self.qkv_hidden_size % self.vt_num_attention_heads == 0, "qkv_hidden_size",
-               f"({self.qkv_hidden_size}) must be divisible by vt_num_attention_heads ({self.vt_num_attention_heads})")
-        _check((self.qkv_hidden_size // self.vt_num_attention_heads) % 4 == 0, "qkv_hidden_size",
-               "the head dim must be divisible by 4 for the 2-D RoPE")
-        _check(len(self.merge_kernel_size) == 2, "merge_kernel_size", "must be two integers")
+
+    def validate_k3(self) -> None:
+        """Checks every field and the relations between them; raises `KimiK3ConfigError` naming the first bad
+        one, its value and what it accepts."""
+        self._check_fields()
+        heads, qkv = self.vt_num_attention_heads, self.qkv_hidden_size
+        _check(qkv % heads == 0, "qkv_hidden_size",
+               f"({qkv}) must be divisible by vt_num_attention_heads ({heads})")
+        _check((qkv // heads) % 4 == 0, "qkv_hidden_size",
+               f"the head dim qkv_hidden_size / vt_num_attention_heads = {qkv // heads} must be a multiple of 4 for "
+               f"the 2-D RoPE")
+        # the projector takes the tower's merged windows, vt_hidden_size wide per patch
+        _check(self.mm_hidden_size in (None, self.vt_hidden_size), "mm_hidden_size",
+               f"must equal vt_hidden_size ({self.vt_hidden_size}) or be null, got {self.mm_hidden_size!r}")
 
 
-class KimiK3Config(PreTrainedConfig):
+_RELEASE_MEDIA_PLACEHOLDER_ID = 163605  # the release's <|media_pad|>
+
+_COMPOSITE_SPECS: dict[str, _Spec] = {
+    "text_config": _Spec("a dict or a KimiK3TextConfig", lambda v: isinstance(v, (dict, KimiK3TextConfig)),
+                         nullable=True, why="null: the release's"),
+    "vision_config": _Spec("a dict or a KimiK3VisionConfig", lambda v: isinstance(v, (dict, KimiK3VisionConfig)),
+                           nullable=True, why="null: a text-only composite"),
+    "media_placeholder_token_id": _integer(0, nullable=True),
+    "pad_token_id": _integer(0, nullable=True, why="null: the text config's"),
+    "ignore_index": _choice(-100, why="the loss ignores the label -100, transformers' default; it does not read "
+                                      "this field"),
+    "image_placeholder": _Spec("a non-empty string", lambda v: isinstance(v, str) and v != ""),
+    "tie_word_embeddings": _flag(),
+}
+
+
+class KimiK3Config(_FieldChecks, PreTrainedConfig):
     """The composite K3 config (``model_type: "kimi_k3"``): ``text_config`` (built as `KimiK3TextConfig`
-    whatever its ``model_type`` key says) and an optional ``vision_config``."""
+    whatever its ``model_type`` key says) and an optional ``vision_config``. ``media_placeholder_token_id``
+    defaults to the release's ``<|media_pad|>`` (163605) where it fits the text vocabulary, and to ``None``
+    otherwise (set it to your tokenizer's ``<|media_pad|>`` id to pass images)."""
 
     model_type: ClassVar[str] = "kimi_k3"
     sub_configs_defaults: ClassVar[dict] = {"text_config": KimiK3TextConfig, "vision_config": KimiK3VisionConfig}
+    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _COMPOSITE_SPECS
 
     text_config: dict | PreTrainedConfig | None = None
     vision_config: dict | PreTrainedConfig | None = None
-    media_placeholder_token_id: int = 163605
+    media_placeholder_token_id: int | None = _ReleaseTokenId(_RELEASE_MEDIA_PLACEHOLDER_ID)
     # None: the text config's (the release's 163839 by default)
     pad_token_id: int | None = None
     ignore_index: int = -100
@@ -524,12 +795,51 @@ class KimiK3Config(PreTrainedConfig):
             # A text-only composite: the sub-config machinery filled in defaults; drop them again.
             self.vision_config = None
         text = self.text_config
-        if self.pad_token_id is None:
-            self.pad_token_id = text.pad_token_id
+        media = self.media_placeholder_token_id
+        if type(media) is _ReleaseTokenId:  # the default, not set by the config
+            self.media_placeholder_token_id = int(media) if media < text.vocab_size else None
+            if self.media_placeholder_token_id is None and has_vision:
+                logger.warning(f"Kimi K3 config: the release's <|media_pad|> id {int(media)} is outside this "
+                               f"vocabulary (vocab_size={text.vocab_size}), so media_placeholder_token_id is null: "
+                               f"set it to your tokenizer's <|media_pad|> id to pass images")
         if getattr(text, "quantization_config", None) is not None and not hasattr(self, "quantization_config"):
             self.quantization_config = text.quantization_config
+        self._refresh_derived(set())
+        self.validate_k3()
+
+    def _refresh_derived(self, updated: set[str]) -> None:
+        text = self.text_config
+        if self.pad_token_id is None:
+            self.pad_token_id = text.pad_token_id
         if self.vision_config is not None:
             self.vision_config.text_hidden_size = text.hidden_size
+
+    def validate_k3(self) -> None:
+        """Checks the composite's own fields and both sub-configs; raises `KimiK3ConfigError` naming the first bad
+        field, its value and what it accepts."""
+        self._check_fields()
+        text, vision = self.text_config, self.vision_config
+        _check(isinstance(text, KimiK3TextConfig), "text_config", f"must be a KimiK3TextConfig, got {_shown(text)}")
+        _check(vision is None or isinstance(vision, KimiK3VisionConfig), "vision_config",
+               f"must be a KimiK3VisionConfig or null, got {_shown(vision)}")
+        text.validate_k3()
+        vocab = text.vocab_size
+        for name in ("media_placeholder_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            _check(value is None or value < vocab, name,
+                   f"must be a token id in [0, text_config.vocab_size={vocab}) (or null), got {value!r}")
+        media = self.media_placeholder_token_id
+        if media is not None:
+            eos = text.eos_token_id if isinstance(text.eos_token_id, (list, tuple)) else [text.eos_token_id]
+            special = {self.pad_token_id, text.pad_token_id, text.bos_token_id, *eos} - {None}
+            # every occurrence of the id is an image slot: a pad, bos or eos token there would take an image's place
+            _check(media not in special, "media_placeholder_token_id",
+                   f"({media}) must differ from the pad / bos / eos token ids {sorted(special)}")
+        if vision is not None:
+            vision.validate_k3()
+            _check(vision.text_hidden_size == text.hidden_size, "vision_config.text_hidden_size",
+                   f"({vision.text_hidden_size}) must equal text_config.hidden_size ({text.hidden_size}): the "
+                   f"projector writes into the text model's embeddings")
 
     def get_text_config(self, decoder=None, encoder=None) -> KimiK3TextConfig:
         return self.text_config
@@ -562,43 +872,64 @@ def _drop_dequantized_on_load_quantization(config: PreTrainedConfig) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Routing flat "kimi_linear" configs that are really K3
+# Keys of `KimiK3TextConfig` that no Kimi Linear config has (neither transformers' in-tree one nor Moonshot's
+# config.json): the in-tree class would drop them, so a flat config carrying any one of them, with any value, was
+# written for K3 (test_config_validation checks that every other field of ours is a Kimi Linear key).
 _K3_ONLY_KEYS = (
     "attn_res_block_size",
     "routed_expert_hidden_size",
+    "latent_moe_use_norm",
     "activation_situ_beta",
     "activation_situ_linear_beta",
+    "mla_use_output_gate",
+    "mla_latent_norm_eps",
+    "kda_o_norm_eps",
+    "logit_scale",
+    "router_fp32",
 )
+# ... and the K3-only keys of its `linear_attn_config`
+_K3_ONLY_LINEAR_ATTN_KEYS = ("use_full_rank_gate", "gate_lower_bound")
+_K3_ARCHITECTURES = ("KimiK3LinearForCausalLM", "KimiK3ForCausalLM")
 
 
 def is_k3_text_config_dict(config_dict: dict) -> bool:
     """True when a ``kimi_linear`` dict names a K3 architecture (as the release's text-only config and our
-    ``save_pretrained`` do) or uses a feature the in-tree Kimi Linear would silently drop."""
-    if set(config_dict.get("architectures") or ()) & {"KimiK3LinearForCausalLM", "KimiK3ForCausalLM"}:
+    ``save_pretrained`` do), uses SiTU, or carries any K3-only key, which the in-tree Kimi Linear would
+    silently drop."""
+    architectures = config_dict.get("architectures") or ()
+    if isinstance(architectures, (list, tuple)) and any(a in _K3_ARCHITECTURES for a in architectures):
         return True
-    if any(config_dict.get(key) is not None for key in _K3_ONLY_KEYS):
+    if any(key in config_dict for key in _K3_ONLY_KEYS) or config_dict.get("hidden_act") == "situ":
         return True
-    if config_dict.get("hidden_act") == "situ" or config_dict.get("mla_use_output_gate"):
-        return True
-    lac = config_dict.get("linear_attn_config") or {}
-    return bool(lac.get("use_full_rank_gate")) or lac.get("gate_lower_bound") is not None
+    lac = config_dict.get("linear_attn_config")
+    return isinstance(lac, dict) and any(key in lac for key in _K3_ONLY_LINEAR_ATTN_KEYS)
 
 
 def _route_kimi_linear_configs() -> None:
-    """Make ``AutoConfig`` (and ``KimiLinearConfig.from_pretrained``) hand a flat K3 ``kimi_linear``
-    config to `KimiK3TextConfig`, so it reaches our model classes instead of loading silently into the
-    in-tree Kimi Linear, which would drop AttnRes, the latent MoE and the gates. Idempotent."""
+    """Make ``AutoConfig`` (``from_pretrained``, ``for_model``), ``KimiLinearConfig.from_dict`` and
+    ``KimiLinearConfig(**kwargs)`` hand a flat K3 ``kimi_linear`` config to `KimiK3TextConfig`, so it reaches
+    our model classes instead of loading silently into the in-tree Kimi Linear, which would drop AttnRes, the
+    latent MoE, the gates, the logit scale and the norm epsilons. Idempotent."""
     from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 
     if getattr(KimiLinearConfig, "_k3_routed", False):
         return
-    original = KimiLinearConfig.from_dict.__func__
+    original_from_dict = KimiLinearConfig.from_dict.__func__
+    original_new = KimiLinearConfig.__new__
 
     def from_dict(cls, config_dict, **kwargs):
         if issubclass(KimiLinearConfig, cls) and is_k3_text_config_dict(config_dict):
             return KimiK3TextConfig.from_dict(config_dict, **kwargs)
-        return original(cls, config_dict, **kwargs)
+        return original_from_dict(cls, config_dict, **kwargs)
+
+    def __new__(cls, *args, **kwargs):
+        # (an instance of another class is returned as is: Python then skips KimiLinearConfig.__init__)
+        if cls is KimiLinearConfig and not args and is_k3_text_config_dict(kwargs):
+            return KimiK3TextConfig(**kwargs)
+        return original_new(cls) if original_new is object.__new__ else original_new(cls, *args, **kwargs)
 
     KimiLinearConfig.from_dict = classmethod(from_dict)
+    KimiLinearConfig.__new__ = staticmethod(__new__)
     KimiLinearConfig._k3_routed = True
 
 
