@@ -76,3 +76,53 @@ def test_a_chunk_after_the_cache_agrees_whatever_device_each_module_sees(model, 
         cache = model(ids[:, :6], use_cache=True).past_key_values
         chunk = model(ids[:, 6:], past_key_values=cache).logits  # 24 tokens: more than the absorbed path takes
     torch.testing.assert_close(chunk, full[:, 6:], atol=2e-5, rtol=1e-5)
+
+
+def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(monkeypatch):
+    """The MoE layer asked the CPU kernel library for its decode limits before looking at the device: the first
+    no-grad MoE step on CUDA compiled it (~15 s, needing g++). Meta tensors stand in for the GPU's."""
+    from transformers_k3.layers.moe import KimiK3SparseMoE
+    from transformers_k3.ops import cpu_kernel
+
+    def built(*args, **kwargs):
+        raise AssertionError("the CPU kernel library was asked for on a non-CPU device")
+
+    monkeypatch.setattr(cpu_kernel, "library", built)
+    monkeypatch.setattr(cpu_kernel, "moe_decode_max_tokens", built)
+    config = KimiK3TextConfig.tiny()
+    for dtype in (torch.float32, torch.bfloat16):  # (fp32: off the CPU the grouped GEMM kernel takes bf16 only)
+        with torch.device("meta"):
+            model = KimiK3ForCausalLM(config).to(dtype).eval()
+        layers = [m for m in model.modules() if isinstance(m, KimiK3SparseMoE)]
+        with torch.no_grad():
+            for tokens in (1, 2, 40, 300):
+                out = layers[0](torch.zeros(1, tokens, config.hidden_size, device="meta", dtype=dtype))
+                assert out.shape == (1, tokens, config.hidden_size) and out.device.type == "meta"
+
+
+def test_kda_on_cuda_without_fla_says_so_once(monkeypatch, caplog):
+    from transformers_k3.ops import kda
+
+    monkeypatch.setattr(kda, "_load_fla", lambda: (None, "ModuleNotFoundError: No module named 'fla'"))
+    kda._warn_no_fla.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=kda.__name__):
+            assert [kda._select_backend(None, torch.device("cuda")) for _ in range(3)] == ["torch"] * 3
+            assert kda._select_backend(None, torch.device("cpu")) == "torch"
+        warnings = [r.getMessage() for r in caplog.records if "flash-linear-attention" in r.getMessage()]
+        assert len(warnings) == 1 and "pip install 'transformers-k3[fla]'" in warnings[0]
+        assert "No module named 'fla'" in warnings[0]
+    finally:
+        kda._warn_no_fla.cache_clear()
+
+
+def test_forced_fla_on_cpu_tensors_only_under_the_triton_interpreter(monkeypatch):
+    from transformers_k3.ops import kda
+
+    monkeypatch.setattr(kda, "_load_fla", lambda: ((object(), object()), None))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        kda._select_backend("fla", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kda._select_backend("fla", torch.device("cpu")) == "fla"
+    assert kda._select_backend(None, torch.device("cpu")) == "torch"  # automatic choice: never Triton on CPU

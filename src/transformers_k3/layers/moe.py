@@ -210,6 +210,14 @@ K3_GROUPED_MM = "k3_grouped_mm"
 GATHER_MAX_ELEMENTS_PER_EXPERT = 6144
 
 
+def _grouped_gemm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped GEMM; off the CPU its kernel takes bf16 only (an fp32 model on a GPU raised
+    "Expected inputs of BF16 type"), so other dtypes there take transformers' per-expert fallback."""
+    if weight.device.type != "cpu" and weight.dtype != torch.bfloat16:
+        return torch.ops.transformers.grouped_mm_fallback(inputs.to(weight.dtype), weight, offs=offsets)
+    return _grouped_mm(inputs, weight, offsets)
+
+
 def k3_grouped_mm_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -252,9 +260,9 @@ def k3_grouped_mm_experts_forward(
     token_ids = perm // top_k
 
     gate_up_proj, down_proj = _in_out(self, self.gate_up_proj, self.down_proj)  # the kernel takes [E, in, out]
-    gate_up = _grouped_mm(hidden_states.index_select(0, token_ids), gate_up_proj, offsets)
+    gate_up = _grouped_gemm(hidden_states.index_select(0, token_ids), gate_up_proj, offsets)
     routing_weights = top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    expert_out = _grouped_mm(self._apply_gate(gate_up) * routing_weights, down_proj, offsets)
+    expert_out = _grouped_gemm(self._apply_gate(gate_up) * routing_weights, down_proj, offsets)
 
     out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
     return out.index_add_(0, token_ids, expert_out.float()).to(hidden_states.dtype)
@@ -437,7 +445,7 @@ class KimiK3SparseMoE(nn.Module):
         """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
-        if not torch.is_grad_enabled() and y.shape[0] <= cpu_kernel.moe_decode_max_tokens() and y.is_cpu:
+        if y.is_cpu and not torch.is_grad_enabled() and y.shape[0] <= cpu_kernel.moe_decode_max_tokens():
             out = self._decode_step(y)  # a decode step on CPU: the whole layer in one kernel call
             if out is not None:
                 return out.view(orig_shape)

@@ -139,6 +139,22 @@ def _load_fla() -> tuple[tuple | None, str | None]:
     return (fla_chunk_kda, fla_fused_recurrent_kda), None
 
 
+def _triton_interpreted() -> bool:
+    """Triton's CPU interpreter (``TRITON_INTERPRET=1``) runs fla's kernels on CPU tensors: a forced
+    ``backend='fla'`` is then let through, so tests can run fla's own kernels through these wrappers."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _warn_no_fla() -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(
+        "transformers_k3: KDA on CUDA tensors without flash-linear-attention (%s): the PyTorch path runs instead, "
+        "several times slower; install it with `pip install 'transformers-k3[fla]'` (flash-linear-attention==0.6.0)",
+        _load_fla()[1])
+
+
 # Under torch.compile the choice is made once, while tracing (reading the ContextVar would break the graph at
 # every KDA call; the backend cannot change inside a compiled graph anyway).
 @torch.compiler.assume_constant_result
@@ -150,9 +166,14 @@ def _select_backend(backend: str | None, device: torch.device) -> str:
     if name is None:
         name = _normalise_backend(os.environ.get(BACKEND_ENV_VAR), f"${BACKEND_ENV_VAR}")
     if name is None:
-        return "fla" if device.type == "cuda" and _load_fla()[0] is not None else "torch"
-    if name == "fla":
         if device.type != "cuda":
+            return "torch"
+        if _load_fla()[0] is None:
+            _warn_no_fla()
+            return "torch"
+        return "fla"
+    if name == "fla":
+        if device.type != "cuda" and not _triton_interpreted():
             raise ValueError(
                 f"backend='fla' runs fla's Triton kernels, which need CUDA tensors, but the inputs are on "
                 f"{device}; use backend='torch' (or None to choose automatically)"
