@@ -116,13 +116,21 @@ def _e8m0(exp: torch.Tensor) -> torch.Tensor:
 
 
 def _release_exponents(amax: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' scale exponents: ``amax`` rounded to a power of two on its bit pattern (adding half of
-    the mantissa bit below E2M1's one mantissa bit, fp32 ``1 << 21``), minus 2; all-zero groups get the smallest."""
+    """compressed-tensors' scale exponents (``generate_mx_scales``): ``amax`` rounded to a power of two on its bit
+    pattern (adding half of the mantissa bit below E2M1's one mantissa bit, fp32 ``1 << 21``), ``log2`` of that
+    minus 2, clamped at the smallest E8M0 exponent. A subnormal ``amax`` masks to 0 there (``log2`` = -inf), so
+    its group gets the smallest scale like an all-zero group. A group whose ``amax`` rounds up past the largest
+    fp32 power of two (>= 1.75 * 2^127) has no finite scale by that rule (compressed-tensors writes an invalid one
+    for it), so it is refused."""
     bits = amax.view(torch.int32)
     rounded = ((bits + (1 << 21)) & ~((1 << 23) - 1)).view(torch.float32)
+    if bool(torch.isinf(rounded).any()):
+        raise QuantFormatError(
+            f"a 32-group's largest magnitude {float(amax.max())!r} is >= 1.75 * 2^127: compressed-tensors' MXFP4 "
+            "scale rule overflows for it (no finite E8M0 scale), so it cannot be quantised to the release format")
     _, f = torch.frexp(rounded)  # rounded = 0.5 * 2^f, so log2(rounded) = f - 1
     exp = (f.to(torch.int32) - 1) - 2
-    return torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    return torch.where(rounded > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
 def quantize_mxfp4(weight: torch.Tensor, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +167,16 @@ def quantize_mxfp4(weight: torch.Tensor, exact: bool = True) -> tuple[torch.Tens
 
 def quantize_mxfp4_release(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])`` by compressed-tensors'
-    ``mxfp4-pack-quantized`` rule (``generate_mxfp4_scales`` + its FP4 cast), for any weights:
+    ``mxfp4-pack-quantized`` rule (``generate_mx_scales`` + its FP4 cast and pack; checked byte for byte against
+    compressed-tensors 0.20.1 in modeling_tests/test_mxfp4_reference.py), for any finite weights:
 
     * per 32-group, ``amax`` is rounded to a power of two on its bit pattern (up when its mantissa is >= 1.75,
-      else down), and the E8M0 exponent is ``127 + log2(that) - 2`` (clamped to 0..254);
+      else down), and the E8M0 exponent is ``127 + log2(that) - 2``, clamped at 0 (a subnormal ``amax`` counts
+      as 0, as there); an ``amax`` >= 1.75 * 2^127 has no finite scale by this rule and raises `QuantFormatError`;
     * each value divided by ``2^(code - 127)`` is rounded to the nearest E2M1 value, **ties to even**
-      (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating at +-6; the sign bit keeps ``-0.0``.
+      (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 3.5 -> 4, 5 -> 4), saturating at +-6; low nibble = even column;
+    * the sign bit is the input's, ``-0.0`` included. (compressed-tensors writes +0 for an exact ``-0.0`` input,
+      though -0 for a negative that rounds to zero; keeping it makes a release's -0 codes round-trip.)
 
     For weights dequantised from MXFP4 (unchanged since loading) this returns the original bytes: such a
     group's largest magnitude is 4 or 6 times its scale (the only outcomes of this rule), which gives back
