@@ -261,7 +261,7 @@ def _drop_defaults(section: dict, ours: tuple[str, ...], our_defaults) -> None:
             section.pop(key)
         if key in _RELEASE_KEYS or key not in section:
             continue
-        if key in generic and key not in ("model_type",) and section[key] == generic[key]:
+        if key in generic and section[key] == generic[key]:
             section.pop(key)
         elif key in ours:
             default = getattr(our_defaults, key, None) if our_defaults is not None else None

@@ -125,15 +125,6 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-_INT_ONLY = {int}
-
-
-def _are_counts(values: list) -> bool:
-    """Every value a non-negative int (bool excluded): ``_is_count`` for a whole list, with the type test in C
-    (this runs for every tensor of every header checked, ~500,000 for the release)."""
-    return not values or (set(map(type, values)) <= _INT_ONLY and min(values) >= 0)
-
-
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """Parses and validates a safetensors header without reading tensor data or unpickling anything:
     the file must be safetensors (a pickle is reported as such), its header valid JSON, and every tensor's
@@ -141,7 +132,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: shard file is missing")
-    accepted = _header_as_safetensors_reads_it(path)
+    accepted, refusal = _header_as_safetensors_reads_it(path)
     if accepted is not None:
         return accepted
     size = path.stat().st_size
@@ -182,15 +173,15 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         try:
             dtype_name, raw_shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
             if not (isinstance(dtype_name, str) and isinstance(raw_shape, list) and isinstance(offsets, list)
-                    and len(offsets) == 2 and _are_counts(raw_shape + offsets)):
+                    and len(offsets) == 2 and all(_is_count(x) for x in raw_shape + offsets)):
                 raise TypeError
             shape, (begin, end) = tuple(raw_shape), offsets
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor `{name}` has a malformed header entry {entry!r:.200} (dtype a "
                                   "string, shape and data_offsets lists of non-negative integers)") from None
-        dtype = _DTYPES.get(dtype_name) or dtype_from_safetensors(dtype_name, path, name)
-        info = TensorInfo(path, name, dtype, shape, begin)
-        if end - begin != math.prod(shape) * dtype.itemsize:
+        dtype = dtype_from_safetensors(dtype_name, path, name)
+        info = TensorInfo(path, name, dtype, shape, int(begin))
+        if end - begin != info.nbytes:
             raise CheckpointError(f"{path}: tensor `{name}` header is inconsistent ({end - begin} bytes for {dtype_name}{list(shape)})")
         if end > data_size:
             raise CheckpointError(
@@ -199,14 +190,14 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             )
         tensors[name] = info
     _check_data_layout(path, header, data_size)
-    raise CheckpointError(f"{path}: safetensors refuses this file ({_safetensors_refusal(path)}); the file is corrupt "
-                          "or not safetensors: re-download or re-export it")
+    raise CheckpointError(f"{path}: safetensors refuses this file ({refusal}); the file is corrupt or not "
+                          "safetensors: re-download or re-export it")
 
 
-def _header_as_safetensors_reads_it(path: Path) -> dict[str, TensorInfo] | None:
+def _header_as_safetensors_reads_it(path: Path) -> tuple[dict[str, TensorInfo] | None, str]:
     """The header through safetensors' own parser (Rust: the JSON, the dtypes, and byte ranges that tile the data
-    section exactly, ~10x faster than parsing it here), or None when it refuses the file or a dtype is not one we
-    map: the checks above then name what is wrong."""
+    section exactly, ~10x faster than parsing it here), or None and why when it refuses the file or a dtype is not
+    one we map: the checks in `read_safetensors_header` then name what is wrong."""
     from safetensors import safe_open
 
     try:
@@ -217,24 +208,13 @@ def _header_as_safetensors_reads_it(path: Path) -> dict[str, TensorInfo] | None:
                 view = f.get_slice(name)
                 dtype = _DTYPES.get(view.get_dtype())
                 if dtype is None:
-                    return None
+                    return None, "a dtype this reader does not map"
                 shape = tuple(view.get_shape())
                 tensors[name] = TensorInfo(path, name, dtype, shape, offset)
                 offset += math.prod(shape) * dtype.itemsize
-            return tensors
-    except Exception:  # (safetensors' errors have no common base class)
-        return None
-
-
-def _safetensors_refusal(path: Path) -> str:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            f.offset_keys()
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "a dtype this reader does not map"
+            return tensors, ""
+    except Exception as error:  # (safetensors' errors have no common base class)
+        return None, f"{type(error).__name__}: {error}"
 
 
 def _check_data_layout(path: Path, header: dict, data_size: int) -> None:
@@ -374,15 +354,14 @@ def scan_shards(directory: Path, files: Sequence[str], index: dict[str, str] | N
     if _consistent(headers, index):  # the usual case, by set operations; otherwise the loop below says what is wrong
         for path, _, header in headers:
             if check_dtypes:
-                problems += [f"{path.name}: {non_float_problem(name, info.dtype)}" for name, info in header.items()
-                             if not info.dtype.is_floating_point and non_float_problem(name, info.dtype)]
+                problems += [f"{path.name}: {problem}" for name, info in header.items()
+                             if not info.dtype.is_floating_point and (problem := non_float_problem(name, info.dtype))]
             tensors.update(header)
         headers = []
     stored_in: dict[str, list[Path]] = {}
     for path, _, header in headers:
         for name in header:
             stored_in.setdefault(name, []).append(path)
-    posix = {file: Path(file).as_posix() for file in set(index.values())} if index is not None else {}
     for path, relative, header in headers:
         for name, info in header.items():
             if len(stored_in[name]) > 1:
@@ -396,7 +375,7 @@ def scan_shards(directory: Path, files: Sequence[str], index: dict[str, str] | N
                 raise CheckpointError(
                     f"{path}: tensor `{name}` is stored in this shard but not listed in the index {index_path.name}; "
                     "the checkpoint is inconsistent: re-download it or regenerate the index from the shards")
-            if index is not None and posix[index[name]] != relative:
+            if index is not None and Path(index[name]).as_posix() != relative:
                 raise CheckpointError(f"{path}: tensor `{name}` is indexed under {index[name]}; the checkpoint is "
                                       "inconsistent: re-download it or regenerate the index from the shards")
             problem = non_float_problem(name, info.dtype) if check_dtypes else None

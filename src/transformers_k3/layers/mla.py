@@ -38,15 +38,19 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     return out, probs
 
 
+def end_aligned_causal(q_len: int, seq: int, device) -> torch.Tensor:
+    """``[q_len, seq]`` boolean causal mask for the last ``q_len`` of ``seq`` tokens (new tokens after a cache)."""
+    return torch.ones(q_len, seq, dtype=torch.bool, device=device).tril(seq - q_len)
+
+
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``scores [B, n, T, S]`` masked by a 4-D mask (boolean or additive, causality included) or by the 2-D
     ``[B, S]`` padding mask (1 = a token) that transformers builds for the flash-attention implementations, which
     leave causality to the kernel: here it is added, aligned to the end (the new tokens are the last ``T``)."""
     mask = mask[..., -scores.shape[-1]:]
     if mask.dim() == 2:
-        q_len, seq = scores.shape[-2:]
-        causal = torch.ones(q_len, seq, dtype=torch.bool, device=scores.device).tril(seq - q_len)
-        mask = mask.to(device=scores.device, dtype=torch.bool)[:, None, None, :] & causal
+        mask = mask.to(device=scores.device, dtype=torch.bool)[:, None, None, :] & end_aligned_causal(
+            *scores.shape[-2:], scores.device)
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return scores + mask
@@ -164,8 +168,7 @@ class KimiK3MLA(nn.Module):
         if attention_mask is not None:
             scores = _apply_mask(scores, attention_mask)
         elif q_len > 1:
-            causal = torch.ones(q_len, seq, dtype=torch.bool, device=scores.device).tril(seq - q_len)
-            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            scores = scores.masked_fill(~end_aligned_causal(q_len, seq, scores.device), torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         # probs @ [c_kv | k_pe] keeps the latent contiguous too; the k_pe columns of the result are dropped.
         o_latent = torch.matmul(probs.reshape(batch, heads * q_len, seq), latent)[..., : self.kv_lora_rank]
@@ -229,8 +232,7 @@ class KimiK3MLA(nn.Module):
                     and not str(implementation).startswith(("flash_attention", "kernels-community/flash"))):
                 # No mask because the model expected the blockwise path (decided on another device than this
                 # layer's): SDPA's is_causal would align the diagonal top-left, not to the cached context's end.
-                attention_mask = torch.ones(q_len, past_len + q_len, dtype=torch.bool,
-                                            device=query.device).tril(past_len)[None, None]
+                attention_mask = end_aligned_causal(q_len, past_len + q_len, query.device)[None, None]
             pad = self.qk_head_dim - self.v_head_dim
             if interface is not eager_attention_forward and pad > 0:
                 # Fused kernels (SDPA's CPU flash path, flash-attn) need v's head dim == q/k's; zero columns
