@@ -511,3 +511,27 @@ def test_direct_load_of_an_expert_with_the_wrong_shape_is_a_checkpoint_error(rel
     write_state_dict(state, bad, max_shard_size=SHARD)
     with pytest.raises(CheckpointError, match=r"(?s)cannot be loaded as K3 weights:.*QuantFormatError: `model.layers.\d+.mlp.experts.down_proj`: expert 3 w2: MXFP4 weight_scale has shape"):
         KimiK3ForCausalLM.from_pretrained(bad)
+
+
+@pytest.mark.parametrize("which", ["text", "vl"])
+def test_our_classes_read_a_release_directory_without_a_type_warning(which, release_text_bf16, release_vl_mxfp4):
+    """``KimiK3TextConfig`` / ``KimiK3ForCausalLM.from_pretrained`` of a release directory (flat ``kimi_linear`` or
+    composite ``kimi_k3``) read its text part, with no "model of type ... to instantiate" warning; on a composite
+    the text model equals what AutoModelForCausalLM builds (it was a default-sized config, then a crash)."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    path, config = (release_text_bf16, KimiK3TextConfig.tiny()) if which == "text" else release_vl_mxfp4
+    expected = config.get_text_config()
+    with CaptureLogger(hf_logging.get_logger("transformers.configuration_utils")) as captured:
+        text = KimiK3TextConfig.from_pretrained(path)
+        model = KimiK3ForCausalLM.from_pretrained(path)
+    assert "to instantiate a model of type" not in captured.out
+    assert type(text) is KimiK3TextConfig and not hasattr(text, "text_config")
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_experts", "linear_attn_config"):
+        assert getattr(text, key) == getattr(expected, key), key
+    assert getattr(text, "quantization_config", None) is None  # MXFP4 experts are dequantised while loading
+    ids = torch.tensor([[3, 17, 42, 8, 99]])
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)

@@ -422,6 +422,23 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
     layer_types: list[str] | None = None
     mlp_layer_types: list[str] | None = None
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reader, then the release's layouts made this class's: a composite (``kimi_k3``) file gives
+        its ``text_config`` (with the composite's ``quantization_config`` and ``dtype`` where the text part has
+        none), and the release's ``model_type: "kimi_linear"`` is this class's own, so no type-mismatch warning."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        text = config_dict.get("text_config")
+        if config_dict.get("model_type") == KimiK3Config.model_type and isinstance(text, dict):
+            text = dict(text)
+            for key in ("quantization_config", "dtype"):
+                if key in config_dict and key not in text:
+                    text[key] = config_dict[key]
+            config_dict = text
+        if config_dict.get("model_type") == "kimi_linear":
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
+
     def __post_init__(self, **kwargs):
         # The official text_config says "kimi_linear"; the class decides what it is, not the key.
         kwargs.pop("model_type", None)
