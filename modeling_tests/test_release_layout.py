@@ -535,3 +535,22 @@ def test_our_classes_read_a_release_directory_without_a_type_warning(which, rele
     reference = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_composite_config_of_a_text_only_release_is_text_only(release_text_bf16):
+    """``KimiK3Config.from_pretrained`` of a flat text release wraps that text config (it gave a composite of
+    default-sized sub-configs: 7168 wide, 93 layers); the multimodal class then says to use the text one."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging as hf_logging
+
+    from transformers_k3 import KimiK3ForConditionalGeneration
+
+    expected = KimiK3TextConfig.tiny()
+    with CaptureLogger(hf_logging.get_logger("transformers.configuration_utils")) as captured:
+        config = KimiK3Config.from_pretrained(release_text_bf16)
+    assert "to instantiate a model of type" not in captured.out
+    assert config.vision_config is None
+    for key in ("hidden_size", "num_hidden_layers", "vocab_size", "num_experts", "linear_attn_config"):
+        assert getattr(config.text_config, key) == getattr(expected, key), key
+    with pytest.raises(ValueError, match="for text only use KimiK3ForCausalLM"):
+        KimiK3ForConditionalGeneration.from_pretrained(release_text_bf16)

@@ -803,6 +803,17 @@ class KimiK3Config(_FieldChecks, PreTrainedConfig):
     image_placeholder: str = "<|kimi_image_placeholder|>"
     tie_word_embeddings: bool = False
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reader; a flat text config (the release's text-only ``kimi_linear`` layout, or ours) becomes
+        a text-only composite holding it, instead of a composite of default-sized sub-configs."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") in ("kimi_linear", KimiK3TextConfig.model_type) \
+                and "text_config" not in config_dict:
+            outer = {key: config_dict[key] for key in ("quantization_config", "dtype") if key in config_dict}
+            config_dict = {**outer, "model_type": cls.model_type, "text_config": config_dict}
+        return config_dict, kwargs
+
     def __post_init__(self, **kwargs):
         kwargs.pop("model_type", None)
         has_vision = self.vision_config is not None
