@@ -533,3 +533,33 @@ def test_fuzz_covers_every_field():
     assert (own_fields(KimiK3TextConfig) - {"linear_attn_config"}) | lac_keys == set(TEXT_FIELDS)
     assert own_fields(KimiK3VisionConfig) == set(VISION_FIELDS)
     assert own_fields(KimiK3Config) == set(COMPOSITE_FIELDS) | {"text_config", "vision_config"}
+
+
+def _grouped_kv(config):
+    config.num_key_value_heads = config.num_attention_heads // 2
+
+
+def _vocab_below_media_id(config):
+    config.text_config.vocab_size = 100
+
+
+def _vision_heads_not_dividing(config):
+    config.vision_config.vt_num_attention_heads = 3
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (_grouped_kv, "num_key_value_heads"),
+    (_vocab_below_media_id, "media_placeholder_token_id"),
+    (_vision_heads_not_dividing, "qkv_hidden_size"),
+])
+def test_a_model_checks_the_relations_between_fields_mutated_after_construction(mutate, field):
+    """Each assignment above is valid for its own field; only together with another field is it wrong (grouped KV
+    heads MLA does not have, a media id outside the vocabulary, a head dim that does not divide). Building a model
+    from such a config raises instead of building a model that runs (all three did)."""
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
+
+    composite = mutate is not _grouped_kv
+    config = KimiK3Config.tiny() if composite else KimiK3TextConfig.tiny()
+    mutate(config)
+    with pytest.raises(KimiK3ConfigError, match=f"`{field}`"):
+        (KimiK3ForConditionalGeneration if composite else KimiK3ForCausalLM)(config)

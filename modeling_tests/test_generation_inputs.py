@@ -156,3 +156,26 @@ def test_num_frames_and_max_frames_are_counts():
         KimiK3VideoProcessor(max_frames=0)
     # 30 fps source sampled at 10 fps: every third frame of 12 -> 4 frames, one chunk
     assert processor.process_video(frames(12), metadata={"fps": 30}, fps=10)["grids"] == [(4, 2, 2)]
+
+
+def test_multimodal_model_without_a_media_placeholder_id():
+    """A composite config whose ``media_placeholder_token_id`` is null (the release's id outside a small vocabulary)
+    runs and generates text (the slot check compared ids with None and crashed every call), and media inputs name
+    the field to set."""
+    from transformers_k3 import KimiK3Config, KimiK3ConfigError, KimiK3ForConditionalGeneration
+
+    config = KimiK3Config.tiny()
+    config.media_placeholder_token_id = None
+    torch.manual_seed(0)
+    vl = KimiK3ForConditionalGeneration(config).eval()
+    randomize_(vl)
+    text = KimiK3ForCausalLM(config.text_config).eval()
+    text.load_state_dict({k[len("language_model."):]: v for k, v in vl.state_dict().items()
+                          if k.startswith("language_model.")})
+    prompt = torch.tensor([[5, 17, 42, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(vl(prompt).logits, text(prompt).logits, rtol=0, atol=0)
+        assert torch.equal(vl.generate(prompt, max_new_tokens=3, do_sample=False),
+                           text.generate(prompt, max_new_tokens=3, do_sample=False))
+        with pytest.raises(KimiK3ConfigError, match="media_placeholder_token_id.*<\\|media_pad\\|>"):
+            vl(prompt, pixel_values=torch.zeros(4, 3, 14, 14), image_grid_thw=torch.tensor([[1, 2, 2]]))

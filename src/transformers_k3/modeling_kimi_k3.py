@@ -368,6 +368,13 @@ class KimiK3ModelMixin:
     """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
     which generation modes the hybrid cache allows."""
 
+    def __init__(self, config, *args, **kwargs):
+        # an assignment checks its own field only: the relations between fields are checked here, before building
+        validate = getattr(config, "validate_k3", None)
+        if validate is not None:
+            validate()
+        super().__init__(config, *args, **kwargs)
+
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
         # transformers looks for the decorator's text in the model's own file; ours sits in layers/moe.py.

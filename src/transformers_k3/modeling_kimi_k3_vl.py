@@ -20,7 +20,7 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
-from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig
 from .layers.vision import (
     KimiK3MultiModalProjector,
     KimiK3VisionPositionEmbedding,
@@ -180,6 +180,11 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
             check_input_ids(input_ids, embedding.num_embeddings)
             inputs_embeds = embedding(input_ids)
         if has_media:
+            if self.config.media_placeholder_token_id is None:
+                raise KimiK3ConfigError(
+                    "Invalid Kimi K3 config field `media_placeholder_token_id`: it is null, so no token marks where "
+                    "images and videos go; set it to your tokenizer's `<|media_pad|>` id "
+                    "(`model.config.media_placeholder_token_id = tokenizer.convert_tokens_to_ids(\"<|media_pad|>\")`)")
             if input_ids is None:
                 raise ValueError("With `pixel_values`/`pixel_values_videos`, pass `input_ids`: the `<|media_pad|>` "
                                  "ids mark where the media embeddings go.")
@@ -194,7 +199,8 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
             if pixel_values_videos is not None:
                 video_embeds = torch.cat(self.get_video_features(pixel_values_videos, video_grid_thw))
             inputs_embeds = self.merge_media(input_ids, inputs_embeds, image_embeds, video_embeds, mm_token_type_ids)
-        elif input_ids is not None and self._is_prefill(past_key_values):
+        elif input_ids is not None and self.config.media_placeholder_token_id is not None \
+                and self._is_prefill(past_key_values):
             n_slots = int((input_ids == self.config.media_placeholder_token_id).sum())
             if n_slots:
                 raise KimiK3PlaceholderMismatchError(
