@@ -2,6 +2,7 @@
 independent implementation of spec 7.1-7.4, block-diagonal attention, generation with images and video, mixed
 batches, clear errors, Auto classes and the image-text-to-text pipeline."""
 
+import copy
 import math
 
 import numpy as np
@@ -29,6 +30,7 @@ from transformers_k3.layers.vision import (
     rope_2d_angles,
 )
 from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
+from transformers_k3.cache import KimiK3CacheError
 from transformers_k3.modeling_kimi_k3_vl import KimiK3PlaceholderMismatchError
 
 from conftest import randomize_
@@ -249,6 +251,53 @@ def test_generate_with_an_image_equals_recomputing_without_cache(model, processo
                            mm_token_type_ids=types, use_cache=False).logits
             ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
     assert torch.equal(out, ids)
+
+
+def _second_turn(model, processor):
+    """A first turn with image A generated with a cache, then the whole conversation: the first turn's sequence and a
+    new part holding image B. Returns (first output, whole ids, the new part's processor output)."""
+    first = ask_about_an_image(processor, "What is it?")
+    out = model.generate(**first, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         return_dict_in_generate=True)
+    new = processor(text="<|kimi_image_placeholder|> and this?", images=[rgb(40, 60, 2)], return_tensors="pt")
+    ids = torch.cat([out.sequences, new["input_ids"]], dim=1)
+    return first, out, ids, new
+
+
+def test_continuing_a_conversation_with_images_from_its_cache_equals_a_fresh_run(model, processor):
+    """Turn two of a conversation from turn one's cache, given the media of the whole conversation (as the processor
+    returns them for it) or only the new turn's, gives the tokens of a fresh run over the whole conversation (the
+    held image's features were counted against the new part's slots: a mismatch error either way)."""
+    with torch.no_grad():
+        first, out, ids, new = _second_turn(model, processor)
+        types = torch.cat([F.pad(first["mm_token_type_ids"], (0, out.sequences.shape[1] - first["input_ids"].shape[1])),
+                           new["mm_token_type_ids"]], dim=1)
+        whole = dict(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                     pixel_values=torch.cat([first["pixel_values"], new["pixel_values"]]),
+                     image_grid_thw=torch.cat([first["image_grid_thw"], new["image_grid_thw"]]))
+        fresh = greedy(model, whole, 4)
+        assert torch.equal(model.generate(**whole, past_key_values=copy.deepcopy(out.past_key_values),
+                                          max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0), fresh)
+        only_new = dict(whole, pixel_values=new["pixel_values"], image_grid_thw=new["image_grid_thw"])
+        assert torch.equal(model.generate(**only_new, past_key_values=copy.deepcopy(out.past_key_values),
+                                          max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0), fresh)
+
+
+def test_continuing_a_cache_with_other_pixels_for_its_images_is_refused(model, processor):
+    """The cache's token ids cannot tell two images of one size apart (the same `<|media_pad|>` run): given other
+    pixels for the image it holds, continuing is a KimiK3CacheError, not an answer about another image."""
+    with torch.no_grad():
+        first, out, ids, new = _second_turn(model, processor)
+        other = ask_about_an_image(processor, "What is it?")
+        other["pixel_values"] = other["pixel_values"].flip(0)
+        types = torch.cat([F.pad(first["mm_token_type_ids"], (0, out.sequences.shape[1] - first["input_ids"].shape[1])),
+                           new["mm_token_type_ids"]], dim=1)
+        with pytest.raises(KimiK3CacheError, match="other images or videos"):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                           pixel_values=torch.cat([other["pixel_values"], new["pixel_values"]]),
+                           image_grid_thw=torch.cat([first["image_grid_thw"], new["image_grid_thw"]]),
+                           past_key_values=copy.deepcopy(out.past_key_values), max_new_tokens=2, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
 
 
 def test_assisted_and_prompt_lookup_decoding_with_an_image_equal_greedy(model, processor):
