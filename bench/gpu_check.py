@@ -14,12 +14,16 @@ a. ops: ``transformers_k3.ops.kda.chunk_kda`` / ``fused_recurrent_kda`` with ``b
 b. model: a tiny K3 config (head_dim 128) on CUDA, logits of prefill, 4 cached decode steps and a packed
    batch with the KDA layers on fla (the automatic choice on CUDA) vs forced onto our PyTorch path, and a
    count proving which runs reached fla's kernels (details in ``section_model``).
+d. paths: a left-padded batch's cached decode with each attention implementation (flash_attention_2 when
+   flash-attn imports) equal to each row alone; device_map with the embeddings on the CPU and (two GPUs) the
+   layers split with the final read on the second; a saved cache loaded without ``device=``; host syncs per
+   decode step in our files (torch's sync debug mode); ``torch.compile`` of the decode step (see ``section_paths``).
 c. speed: tokens/s of our PyTorch path vs fla's kernels (also with safe_gate=True), T in {4K, 16K}, H=32,
    D=128, batch 1, bf16, and the single-token decode step (informational; never fails the run).
 
 Each check's line ends with its seconds: on a fresh machine the first call of each kernel configuration
 includes Triton's compile and fla's autotuning, which can dominate. Checks not started by their section's
-deadline (ops 55% of the budget, model 80%, speed 100%) are reported NOT RUN; a rerun on the same machine
+deadline (ops 45% of the budget, model 65%, paths 85%, speed 100%) are reported NOT RUN; a rerun on the same machine
 reuses Triton's on-disk cache, and ``--sections ops`` / ``--sections model,speed`` split the work.
 
 Tolerances (both metrics must hold; ``scale = max(1, max|reference|)``; ``rms = ||diff||_2 / ||ref||_2``)::
@@ -65,7 +69,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-SECTIONS = ("ops", "model", "speed")
+SECTIONS = ("ops", "model", "paths", "speed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -574,6 +578,214 @@ def section_model(kda_ops, calls: KernelCalls, report: Report, device, sizes: di
 
 
 # --------------------------------------------------------------------------------------------------
+# Section d: the model's CUDA paths (attention implementations, devices, cache, host syncs, compile)
+
+
+def _paths_model(device, sizes: dict, attn: str = "sdpa", dtype=torch.float32):
+    import transformers_k3
+
+    config = transformers_k3.KimiK3TextConfig.tiny(linear_attn_config={"head_dim": sizes["model_head_dim"]})
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = transformers_k3.KimiK3ForCausalLM(config).eval()
+    randomize(model)
+    return model.to(device=device, dtype=dtype), config
+
+
+def _greedy_logits(model, ids, mask, steps: int):
+    """Logits of a cached prefill and ``steps`` greedy decode steps (``[B, steps + 1, V]``, last position each)."""
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    logits, cache = [out.logits[:, -1]], out.past_key_values
+    for _ in range(steps):
+        token = logits[-1].argmax(-1, keepdim=True)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1), cache
+
+
+def _sync_sites(fn) -> list[str]:
+    """``file:line`` of each host synchronisation ``fn`` triggers on CUDA (torch's sync debug mode warns on each)."""
+    import warnings
+
+    sites = []
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            sites.append(f"{pathlib.Path(warning.filename).name}:{warning.lineno}")
+    return sites
+
+
+def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: float) -> None:
+    """The model on the paths a GPU takes that the CPU tests can only emulate (issue: the CUDA paths):
+
+    * a left-padded batch, prefill + cached decode, with each attention implementation installed (sdpa, eager,
+      flash_attention_2 in bf16 when flash-attn imports): each row equals that row run alone, unpadded;
+    * ``device_map``: the embeddings on the CPU and the rest on the GPU, and (with two GPUs) the layers split over
+      both with the final Attention-Residual read and the head on the second: logits and cached decode equal the
+      single-device run;
+    * a hybrid cache saved after the prefill and loaded without ``device=``: decoding from it equals decoding on;
+    * host syncs in one B=1 decode step and one padded-batch step (torch's sync debug mode; our files must not
+      sync in the B=1 step, at most once in the padded one);
+    * ``torch.compile`` of the decode step (default mode): equal logits when it compiles (an error is reported
+      as SKIPPED with its reason: compiled decode is not supported yet).
+    """
+    import tempfile
+
+    from transformers_k3 import KimiK3HybridCache
+
+    print("\n== d. paths: attention implementations, device maps, cache load, host syncs, compile", flush=True)
+    steps = sizes["model_decode_steps"]
+    gen = torch.Generator().manual_seed(1)
+    vocab = 512
+
+    def over(name: str) -> bool:
+        if time.monotonic() > deadline:
+            report.add("paths", "NOT RUN", name, "time budget")
+            return True
+        report.start()
+        return False
+
+    implementations = [("sdpa", torch.float32), ("eager", torch.float32)]
+    try:
+        from transformers.utils import is_flash_attn_2_available
+
+        if device.type == "cuda" and is_flash_attn_2_available():
+            implementations.append(("flash_attention_2", torch.bfloat16))
+        else:
+            report.add("paths", "SKIPPED", "padded decode, flash_attention_2", "flash-attn not installed (or no CUDA)")
+    except ImportError:
+        pass
+    long_row = torch.randint(3, vocab, (1, sizes["model_T"]), generator=gen).to(device)
+    short = sizes["model_T"] // 2
+    for attn, dtype in implementations:
+        name = f"padded decode, {attn} ({str(dtype).split('.')[-1]})"
+        if over(name):
+            continue
+        try:
+            model, config = _paths_model(device, sizes, attn, dtype)
+            ids = torch.cat([long_row, torch.cat([torch.zeros(1, sizes["model_T"] - short, dtype=torch.long,
+                                                              device=device), long_row[:, :short]], dim=1)])
+            mask = torch.ones_like(ids)
+            mask[1, : sizes["model_T"] - short] = 0
+            with torch.no_grad():
+                batched, _ = _greedy_logits(model, ids, mask, steps)
+                alone = [_greedy_logits(model, long_row, None, steps)[0],
+                         _greedy_logits(model, long_row[:, :short], None, steps)[0]]
+            tol = tolerance("model", dtype)
+            worst = [compare(alone[row][0].float(), batched[row].float(), tol) for row in range(2)]
+            ok = all(flag for flag, _ in worst)
+            report.add("paths", "PASS" if ok else "FAIL", name, "; ".join(f"row {r}: {d}" for r, (_, d) in
+                                                                          enumerate(worst)))
+        except Exception:  # noqa: BLE001
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1])
+
+    prompt = long_row[:, : sizes["model_T"] // 2]
+    layouts = []
+    if device.type == "cuda":
+        layouts.append(("embeddings on cpu, the rest on cuda:0", lambda n: {
+            "model.embed_tokens": "cpu", **{f"model.layers.{i}": 0 for i in range(n)}, "model.norm": 0,
+            "model.output_attn_res_norm": 0, "model.output_attn_res_proj": 0, "lm_head": 0}))
+        if torch.cuda.device_count() >= 2:
+            layouts.append(("layers over cuda:0 and cuda:1, final read on cuda:1", lambda n: {
+                "model.embed_tokens": 0, **{f"model.layers.{i}": int(i >= n // 2) for i in range(n)},
+                "model.norm": 1, "model.output_attn_res_norm": 1, "model.output_attn_res_proj": 1, "lm_head": 1}))
+        else:
+            report.add("paths", "SKIPPED", "device_map over two GPUs", "one CUDA device")
+    else:  # the same map with every module on the CPU: checks the module names and accelerate's hooks
+        layouts.append(("every module on cpu (dry)", lambda n: {
+            "model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" for i in range(n)}, "model.norm": "cpu",
+            "model.output_attn_res_norm": "cpu", "model.output_attn_res_proj": "cpu", "lm_head": "cpu"}))
+    for label, layout in layouts:
+        name = f"device_map: {label}"
+        if over(name):
+            continue
+        try:
+            from accelerate import dispatch_model
+
+            model, config = _paths_model(device, sizes)
+            with torch.no_grad():
+                want, _ = _greedy_logits(model, prompt, None, steps)
+                placed, _ = _paths_model("cpu", sizes)
+                placed = dispatch_model(placed, device_map=layout(config.num_hidden_layers))
+                got, _ = _greedy_logits(placed, prompt.to("cpu" if "cpu" in label else device), None, steps)
+            ok, detail = compare(want.float(), got.float().to(want.device), tolerance("model", torch.float32))
+            report.add("paths", "PASS" if ok else "FAIL", name, detail)
+            del placed
+        except Exception:  # noqa: BLE001
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1])
+
+    model, config = _paths_model(device, sizes)
+    name = "hybrid cache saved and loaded without device= follows the model"
+    if not over(name):
+        try:
+            with torch.no_grad():
+                want, _ = _greedy_logits(model, prompt, None, steps)
+                out = model(input_ids=prompt, use_cache=True)
+                with tempfile.TemporaryDirectory() as tmp:
+                    out.past_key_values.save(pathlib.Path(tmp) / "cache.safetensors")
+                    cache = KimiK3HybridCache.load(pathlib.Path(tmp) / "cache.safetensors", config, model=model)
+                logits = [out.logits[:, -1]]
+                for _ in range(steps):
+                    token = logits[-1].argmax(-1, keepdim=True)
+                    logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1])
+            ok, detail = compare(want.float(), torch.stack(logits, 1).float(), tolerance("model", torch.float32))
+            report.add("paths", "PASS" if ok else "FAIL", name, detail)
+        except Exception:  # noqa: BLE001
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1])
+
+    for label, batch_ids, batch_mask, limit in (
+        ("B=1", prompt, None, 0),
+        ("left-padded B=2", torch.cat([prompt, prompt.roll(3, dims=1)]),
+         torch.cat([torch.ones_like(prompt), torch.ones_like(prompt).index_fill(1, torch.arange(3, device=device), 0)]),
+         1),
+    ):
+        name = f"host syncs in our code, one decode step, {label}"
+        if device.type != "cuda":
+            report.add("paths", "SKIPPED", name, "torch's sync debug mode needs CUDA")
+            continue
+        if over(name):
+            continue
+        try:
+            with torch.no_grad():
+                out = model(input_ids=batch_ids, attention_mask=batch_mask, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                mask = None if batch_mask is None else torch.cat([batch_mask, batch_mask.new_ones(2, 1)], 1)
+                model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)  # warm-up
+                mask = None if mask is None else torch.cat([mask, mask.new_ones(2, 1)], 1)
+                sites = _sync_sites(lambda: model(input_ids=token, attention_mask=mask, past_key_values=cache,
+                                                  use_cache=True))
+            ours = [site for site in sites if not site.startswith(("modeling_utils", "generic", "masking_utils"))]
+            report.add("paths", "PASS" if len(ours) <= limit else "FAIL", name,
+                       f"{len(sites)} syncs in all ({', '.join(sites[:8]) or 'none'}); at most {limit} allowed in ours")
+        except Exception:  # noqa: BLE001
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1])
+
+    name = "torch.compile of the decode step (default mode)"
+    if dry:
+        report.add("paths", "SKIPPED", name, "dry run (compiling on the CPU takes minutes)")
+    elif not over(name):
+        try:
+            with torch.no_grad():
+                want, _ = _greedy_logits(model, prompt, None, steps)
+                compiled = torch.compile(model)
+                got, _ = _greedy_logits(compiled, prompt, None, steps)
+            ok, detail = compare(want.float(), got.float(), tolerance("model", torch.float32))
+            report.add("paths", "PASS" if ok else "FAIL", name, detail)
+        except Exception:  # noqa: BLE001
+            report.add("paths", "SKIPPED", name, "does not compile yet: "
+                       + traceback.format_exc().strip().splitlines()[-1][:200])
+
+
+# --------------------------------------------------------------------------------------------------
 # Section c: speed (informational)
 
 
@@ -668,7 +880,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (only with --dry)")
     parser.add_argument("--dry", action="store_true", help="CPU run with fla's naive reference as the 'fla' side")
     parser.add_argument("--dry-fault", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of ops,model,speed")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of ops,model,paths,speed")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds; checks not started by then are NOT RUN")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args(argv)
@@ -689,9 +901,10 @@ def main(argv=None) -> int:
 
     start = time.monotonic()
     report = Report()
-    # Checks start only before their section's deadline (time left over rolls on): ops until 55% of the
-    # budget, the model until 80%, speed until the end.
-    deadlines = {"ops": start + 0.55 * args.budget, "model": start + 0.8 * args.budget, "speed": start + args.budget}
+    # Checks start only before their section's deadline (time left over rolls on): ops until 45% of the
+    # budget, the model until 65%, the paths until 85%, speed until the end.
+    deadlines = {"ops": start + 0.45 * args.budget, "model": start + 0.65 * args.budget,
+                 "paths": start + 0.85 * args.budget, "speed": start + args.budget}
     try:
         import transformers_k3
         from transformers_k3.ops import kda as kda_ops
@@ -726,6 +939,8 @@ def main(argv=None) -> int:
             section_ops(kda_ops, report, device, sizes, deadlines["ops"])
         elif section == "model":
             section_model(kda_ops, calls, report, device, sizes, args.dry, deadlines["model"])
+        elif section == "paths":
+            section_paths(report, device, sizes, args.dry, deadlines["paths"])
         else:
             try:
                 section_speed(kda_ops, report, device, sizes, args.dry, deadlines["speed"])
