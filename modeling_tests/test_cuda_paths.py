@@ -126,3 +126,123 @@ def test_forced_fla_on_cpu_tensors_only_under_the_triton_interpreter(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kda._select_backend("fla", torch.device("cpu")) == "fla"
     assert kda._select_backend(None, torch.device("cpu")) == "torch"  # automatic choice: never Triton on CPU
+
+
+def _state_devices(cache):
+    """Layer index -> the set of device types its cached tensors are on."""
+    devices = {}
+    for idx, layer in enumerate(cache.layers):
+        tensors = [layer.latent] if hasattr(layer, "latent") else [layer.conv_state, layer.recurrent_state]
+        devices[idx] = {t.device.type for t in tensors}
+    return devices
+
+
+@pytest.fixture
+def saved_cache(tmp_path):
+    from transformers_k3 import KimiK3HybridCache
+
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(3, 400, (2, 5), generator=torch.Generator().manual_seed(1)),
+                      use_cache=True).past_key_values
+    assert isinstance(cache, KimiK3HybridCache)
+    path = tmp_path / "cache.safetensors"
+    cache.save(path, model=model)
+    return model, path
+
+
+def test_a_loaded_cache_follows_each_layer_of_the_model(saved_cache):
+    """Under a device_map each layer's state must sit where that layer computes (meta stands in for a second
+    device): a GPU model failed its first step on a cache loaded to the CPU."""
+    from transformers_k3 import KimiK3HybridCache
+
+    model, path = saved_cache
+    elsewhere = {1, 2}  # a KDA and an MLA layer
+    for idx in elsewhere:
+        model.model.layers[idx].to("meta")
+    with pytest.warns(UserWarning, match="cannot be read cheaply"):  # (meta weights: no fingerprint to check)
+        cache = KimiK3HybridCache.load(path, model.config, model=model)
+    assert _state_devices(cache) == {idx: {"meta" if idx in elsewhere else "cpu"} for idx in range(6)}
+    assert cache.token_ids.device.type == "cpu"  # with the embedding
+
+
+def test_a_loaded_cache_follows_an_offloaded_layers_execution_device(saved_cache):
+    """accelerate's offload keeps a layer's weights on the CPU (or meta) and computes on its hook's device."""
+    import types
+
+    from transformers_k3 import KimiK3HybridCache
+
+    model, path = saved_cache
+    model.model.layers[3]._hf_hook = types.SimpleNamespace(execution_device=torch.device("meta"))
+    model.model.layers[5]._hf_hook = types.SimpleNamespace(hooks=[types.SimpleNamespace(execution_device="meta")])
+    cache = KimiK3HybridCache.load(path, model.config, model=model)
+    assert _state_devices(cache) == {idx: {"meta" if idx in (3, 5) else "cpu"} for idx in range(6)}
+
+
+def test_an_explicit_device_wins_over_the_models(saved_cache):
+    from transformers_k3 import KimiK3HybridCache
+
+    model, path = saved_cache
+    model.model.layers[1].to("meta")
+    with pytest.warns(UserWarning, match="cannot be read cheaply"):
+        cache = KimiK3HybridCache.load(path, model.config, model=model, device="cpu")
+    assert _state_devices(cache) == {idx: {"cpu"} for idx in range(6)}
+
+
+class _CrossDeviceCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts copies between devices (``.to(device)``, ``copy_`` from another device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and tensors:
+            source = tensors[-1] if func is torch.ops.aten.copy_.default else tensors[0]
+            target = out if isinstance(out, torch.Tensor) else tensors[0]
+            if source.device != target.device:
+                self.copies.append((tuple(source.shape), source.device.type, target.device.type))
+        return out
+
+
+@pytest.mark.parametrize("preallocated", [True, False])
+def test_a_cache_built_without_a_device_keeps_the_latents_with_the_activations(preallocated):
+    """`KimiK3HybridCache(config, batch_size=B)` reserved its latents on the CPU and every step of a GPU model copied
+    each MLA layer's whole latent to the GPU; now the reservation moves to the activations' device (meta here), once."""
+    from transformers_k3 import KimiK3HybridCache
+
+    config = KimiK3TextConfig.tiny()
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    cache = KimiK3HybridCache(config, batch_size=2 if preallocated else None)
+    mla_layer = config.layer_types.index("full_attention")
+    with _CrossDeviceCopies() as counter:
+        for step in range(4):
+            full = cache.update_latent(torch.zeros(2, 5 if step == 0 else 1, width, device="meta"), mla_layer)
+            assert full.device.type == "meta" and full.shape[1] == 5 + step
+    assert counter.copies == []
+    assert cache.layers[mla_layer].latent.device.type == "meta"
+
+
+def test_a_cache_on_the_cpu_moves_to_the_model_once(saved_cache):
+    """A cache loaded without a model (so to the CPU) serves a model elsewhere (meta here): each layer's state moves
+    to its activations at the first step, not at every step."""
+    from transformers_k3 import KimiK3HybridCache
+
+    model, path = saved_cache
+    cache = KimiK3HybridCache.load(path, model.config)
+    assert _state_devices(cache) == {idx: {"cpu"} for idx in range(6)}
+    config = model.config
+    layers = [model.model.layers[i] for i in range(6)]
+    kda = layers[0].self_attn.to("meta")
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    with torch.no_grad(), _CrossDeviceCopies() as counter:
+        for step in range(3):
+            kda(torch.zeros(2, 1, config.hidden_size, device="meta"), past_key_values=cache)
+            cache.update_latent(torch.zeros(2, 1, width, device="meta"), 2)
+    moved = [c for c in counter.copies if c[1:] == ("cpu", "meta")]
+    assert len(moved) == 3  # conv window, recurrent state, latent: each once
+    assert _state_devices(cache)[0] == {"meta"} and _state_devices(cache)[2] == {"meta"}

@@ -20,6 +20,7 @@ The cache also knows what it holds (`KimiK3CacheError` when that does not fit wh
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -66,6 +67,18 @@ def _text_decoder(model: nn.Module) -> nn.Module:
             return module
     raise KimiK3CacheError(f"{type(model).__name__} holds no K3 text decoder (no `embed_tokens` and `layers`): pass "
                            "the K3 model whose weights built the cache")
+
+
+def _module_device(module: nn.Module) -> torch.device | None:
+    """Where `module` computes: accelerate's execution device when a hook places it (its weights may be offloaded
+    to the CPU or meta), else its first parameter's or buffer's device."""
+    hook = getattr(module, "_hf_hook", None)
+    for part in (hook, *getattr(hook, "hooks", ())):  # (a SequentialHook holds several)
+        execution = getattr(part, "execution_device", None)
+        if execution is not None:
+            return torch.device(execution)
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return None if tensor is None else tensor.device
 
 
 def _strided_sample(tensor: torch.Tensor, values: int = 4096) -> torch.Tensor:
@@ -195,6 +208,17 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
     def _mark(self) -> None:
         self.has_previous_state[0] = self.is_conv_states_initialized[0] and self.is_recurrent_states_initialized[0]
 
+    def follow(self, device: torch.device) -> None:
+        """Move the held states to `device` once if they are elsewhere (a cache loaded or built on the CPU for a
+        model on a GPU), so that no step copies them."""
+        if self.has_state and self.conv_states[0].device != device:
+            self.conv_states[0] = self.conv_states[0].to(device)
+            self.recurrent_states[0] = self.recurrent_states[0].to(device)
+            self.device = device
+            if self._past_states is not None:
+                self._past_states = [s.to(device) for s in self._past_states]
+                self._past_inputs = self._past_inputs.to(device)
+
     def reset(self) -> None:
         recording = self.record_past  # (a reset cache keeps recording for assisted decoding if it was)
         self.__init__(self.conv_width, self.max_rollback)
@@ -316,6 +340,10 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
                 # reserved before the activations' dtype was known (the default dtype): store in theirs, as the
                 # docstring says (a bf16 model kept fp32 latents: twice the memory), still empty so nothing is lost
                 self.latent = torch.empty_like(self.latent, dtype=latent_states.dtype)
+        if self.storage_device is None and self.latent.device != latent_states.device:
+            # reserved or loaded elsewhere (the CPU) than the activations: moved once, not copied back every step
+            self.latent = (torch.empty_like(self.latent, device=latent_states.device) if self.length == 0
+                           else self.latent.to(latent_states.device))
         new_len = self.length + latent_states.shape[1]
         if new_len > self.latent.shape[1]:
             capacity = max(new_len, 2 * self.latent.shape[1])
@@ -401,8 +429,10 @@ class KimiK3HybridCache(Cache):
                 cache that does not fit fails here; the first forward must then use this batch size.
             dtype: storage dtype of the MLA latents (default: the activations'). KDA recurrent states are fp32
                 whatever this says (K3_SPEC), conv windows follow the activations.
-            device: where the latents are allocated when ``batch_size`` is given (default: CPU, or the offload
-                device); without ``batch_size`` everything lives with the activations.
+            device: where the latents are allocated when ``batch_size`` is given (default: the default device, or
+                the offload device; a reservation elsewhere than the activations moves to them, still empty, at the
+                first step, so pass the model's device to fail here when it lacks the memory); without ``batch_size``
+                everything lives with the activations.
             offload_latents_to: keep the MLA latents on this device between steps (e.g. ``"cpu"`` for a long
                 context on a small GPU); each step copies them to the compute device.
             max_rollback: tokens of KDA history kept while past recording is on (assisted/prompt-lookup decoding).
@@ -632,10 +662,13 @@ class KimiK3HybridCache(Cache):
 
     @classmethod
     def load(cls, path: str | os.PathLike, config: KimiK3TextConfig | KimiK3Config,
-             device: str | torch.device = "cpu", model: nn.Module | None = None, fingerprint: str | None = None,
+             device: str | torch.device | None = None, model: nn.Module | None = None, fingerprint: str | None = None,
              **kwargs) -> "KimiK3HybridCache":
         """Read a cache written by `save` for a model with `config` (``kwargs`` go to the constructor, e.g.
-        ``max_cache_len``). Checked before anything is used, each failure a `KimiK3CacheError` that names it:
+        ``max_cache_len``). Each layer's tensors go to `device` if given, else to the device of `model`'s layer of
+        that index (under a ``device_map``, each layer's own; accelerate's execution device for an offloaded one),
+        else to the CPU, from where the first forward moves each layer's tensors to its activations once.
+        Checked before anything is used, each failure a `KimiK3CacheError` that names it:
 
         * the file: safetensors with the cache's metadata, not truncated (`KimiK3CacheFileError`, also a
           `CheckpointError`, for a file that cannot be read as a cache; nothing is unpickled);
@@ -662,8 +695,9 @@ class KimiK3HybridCache(Cache):
             header = read_safetensors_header(path)
         except CheckpointError as error:
             raise KimiK3CacheFileError(f"{error}; it cannot be loaded as a KimiK3HybridCache") from None
+        placement = cls._placement(text_config, device, model)
         try:
-            handle = safe_open(path, framework="pt", device=str(device))
+            handle = safe_open(path, framework="pt", device="cpu" if device is None else str(device))
         except Exception as error:  # safetensors raises its own error types
             raise corrupt(f"cannot be opened ({error})") from None
         with handle as f:
@@ -709,7 +743,7 @@ class KimiK3HybridCache(Cache):
                 loaded = {name: f.get_tensor(name) for name in wanted}
             except Exception as error:  # safetensors' own error types
                 raise corrupt(f"its tensor data cannot be read ({error})") from None
-        tokens = loaded.get("tokens")
+        tokens = loaded.get("tokens")  # (range-checked where it was read: the CPU unless `device` says otherwise)
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
             if low < UNKNOWN_TOKEN or high >= text_config.vocab_size:
@@ -718,7 +752,14 @@ class KimiK3HybridCache(Cache):
         if version == "1" and held:
             warnings.warn(f"{path} was saved by an earlier transformers_k3 without the token ids it holds: a reuse of "
                           "it for a prompt that does not extend those tokens cannot be detected", stacklevel=2)
-            tokens = torch.full((rows, held), UNKNOWN_TOKEN, dtype=torch.long, device=device)
+            tokens = torch.full((rows, held), UNKNOWN_TOKEN, dtype=torch.long)
+        if tokens is not None:
+            loaded["tokens"] = tokens
+        for name, tensor in list(loaded.items()):
+            where = placement.get(name.split(".")[1] if name.startswith("layers.") else name)
+            if where is not None and tensor.device != where:
+                loaded[name] = tensor.to(where)
+        tokens = loaded.get("tokens")
 
         cache = cls(text_config, **kwargs)
         for idx, layer in enumerate(cache.layers):
@@ -731,6 +772,21 @@ class KimiK3HybridCache(Cache):
         if held:
             cache._append_tokens(tokens)
         return cache
+
+    @staticmethod
+    def _placement(config: KimiK3TextConfig, device: str | torch.device | None,
+                   model: nn.Module | None) -> dict[str, torch.device]:
+        """Where `load` puts each layer's tensors (keyed by layer index as a string) and the token ids
+        (``"tokens"``); an absent key stays where it was read (the CPU)."""
+        if device is not None:
+            device = torch.device(device)
+            return {"tokens": device, **{str(idx): device for idx in range(config.num_hidden_layers)}}
+        if model is None:
+            return {}
+        decoder = _text_decoder(model)
+        placement = {str(idx): _module_device(layer) for idx, layer in enumerate(decoder.layers)}
+        placement["tokens"] = _module_device(decoder.embed_tokens)
+        return {key: where for key, where in placement.items() if where is not None}
 
     @staticmethod
     def _read_layout(metadata: dict, header: dict, config: KimiK3TextConfig, version: str,

@@ -132,6 +132,8 @@ class KimiK3DeltaAttention(nn.Module):
             # prompt is pre-filled one token at a time: then a one-token step can be a padded position).
             hidden_states = hidden_states * attention_mask[:, -seq_len:, None].to(hidden_states.dtype)
         cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
+        if cache_layer is not None:
+            cache_layer.follow(hidden_states.device)
         recorded = cache_layer.rollback_window(seq_len) if cache_layer is not None else 0
 
         projections = tuple(apply_linear(proj, hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
