@@ -145,3 +145,28 @@ def test_bench_moe_runs_at_a_tiny_size():
     for label in ("== experts only ==", "== whole MoE layer ==", "== decode step: one forward call on 1 token(s)",
                   "K3 experts (ours)          k3_grouped_mm", "DeepseekV3MoE", "in-tree time / ours x"):  # fmt: skip
         assert label in stdout, output
+
+
+def test_memory_layouts_arithmetic_matches_the_model_and_its_cache():
+    """bench/memory_layouts.py's counts against what the model and the hybrid cache hold: its parameter classes
+    add up to the model's parameters (the full config on the meta device: the release's 2.8T), and its cache
+    formula gives the bytes a real cache holds after a forward of the tiny model."""
+    from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig, KimiK3VisionConfig
+
+    layouts = _bench_module("memory_layouts")
+    full = KimiK3Config(vision_config=KimiK3VisionConfig())
+    counts = layouts.count_parameters(full)
+    assert 2.7e12 < counts.total < 2.9e12 and counts.routed > 0.97 * counts.total
+    tiny = KimiK3TextConfig.tiny()
+    model = KimiK3ForCausalLM(tiny).eval()
+    assert layouts.count_parameters(tiny).total == sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        cache = model(torch.randint(3, tiny.vocab_size, (1, 10)), use_cache=True).past_key_values
+    latent = sum(layer.latent.shape[-1] * layer.latent.element_size() for layer in cache.layers
+                 if hasattr(layer, "latent"))
+    state = sum(t.numel() * t.element_size() for layer in cache.layers if not hasattr(layer, "latent")
+                for t in (layer.conv_state, layer.recurrent_state))
+    assert layouts.cache_sizes(tiny, torch.float32, torch.float32) == (latent, state)
+    code, stdout, output = _run(sys.executable, "bench/memory_layouts.py", "--markdown")
+    assert code == 0, output
+    assert "| 1 node, 8 GPUs | 8 x 8 |" in stdout
