@@ -175,6 +175,14 @@ class PadALog(ConversionOps):
         return NormalizeALog()
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor-parallel parameter (a DTensor; transformers shards each checkpoint tensor as it
+    reads it, so the experts arrive as this rank's shards), else the parameter."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 class FuseExperts(ConversionOps):
     """Per-expert checkpoint tensors (lists in expert order) -> the fused expert parameter: ``[E, 2I, D]``
     from w1 (gate rows) then w3 (up rows), or ``[E, D, I]`` from w2, in the parameter's dtype.
@@ -188,7 +196,7 @@ class FuseExperts(ConversionOps):
 
     @_recorded
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        param = model.get_parameter(full_layer_name) if model is not None else None
+        param = _local(model.get_parameter(full_layer_name)) if model is not None else None
         per_proj = []  # (proj, [callables giving one expert's block])
         for proj in self.projections:
             dense = input_dict.pop(_expert_pattern(proj, "weight"), None)
