@@ -335,14 +335,19 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
     }
     _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _TEXT_SPECS
     # Tensor / expert / pipeline parallel plans, keyed by our module names (checked against the model in tests).
+    # TP splits the experts (~98% of the weights: their partial outputs are summed by "moe_tp_experts"), the shared
+    # experts and dense MLP (colwise, then rowwise with an all-reduce); the attention projections' weights are split
+    # with their outputs gathered (the KDA recurrence, the MLA latent, the routers and the AttnRes reads run on
+    # the full hidden state on every rank, as in transformers' Qwen3.5 / Kimi Linear plans). MLA's kv_b_proj stays
+    # whole: the absorbed decode reads its weight per head.
     base_model_tp_plan: ClassVar[dict[str, str]] = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.o_proj": "rowwise",
+        **{f"layers.*.self_attn.{name}": "colwise_gather_output"
+           for name in ("q_proj", "k_proj", "v_proj", "g_proj", "f_b_proj", "o_proj", "q_b_proj")},
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
         "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.routed_expert_down_proj": "colwise_gather_output",
+        "layers.*.mlp.routed_expert_up_proj": "colwise_gather_output",
         "layers.*.mlp.shared_experts.gate_proj": "colwise",
         "layers.*.mlp.shared_experts.up_proj": "colwise",
         "layers.*.mlp.shared_experts.down_proj": "rowwise",

@@ -1,0 +1,75 @@
+"""Tensor and expert parallelism through transformers' own machinery (``DistributedConfig``), on CPU with gloo:
+each case starts ``_parallel_worker.py`` under torchrun and compares, on every rank, against the same checkpoint
+loaded whole in one process (logits, greedy generation with the hybrid cache, a training step's loss and every
+gradient, Quantile Balancing's bias update and metrics, the weight bytes a rank holds).
+
+Checkpoints: one saved by ``save_pretrained`` (our layout) and one in the release's layout with MXFP4 experts
+(built from the release's inventory rules, as in test_release_layout.py; ``moe_intermediate_size=64`` so that a
+rank's half of ``w2``'s input is whole 32-wide MXFP4 groups, as it is at full size: 3072 / 8 = 12 groups).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+
+from conftest import randomize_
+from test_release_layout import release_state, write_release
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    model.save_pretrained(root / "ours")
+    release = KimiK3TextConfig.tiny(moe_intermediate_size=64)
+    write_release(root / "release", release_state(release, False, True, 1), release, False, True)
+    return {"ours": root / "ours", "release": root / "release"}
+
+
+def run_worker(mode: str, processes: int, path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                           "--standalone", os.path.join(HERE, "_parallel_worker.py"), mode, str(path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("mode, processes, which", [
+    ("tp", 2, "ours"), ("ep", 2, "ours"), ("tp", 4, "ours"), ("tp", 2, "release"), ("ep", 2, "release"),
+])
+def test_parallel_model_equals_the_single_process_model(checkpoints, mode, processes, which):
+    r = run_worker(mode, processes, checkpoints[which])
+    assert r["world"] == processes
+    # the release fixture's weights (random MXFP4 experts) are larger: fp32 sums in another order differ more
+    tol = 1e-5 if which == "ours" else 3e-5
+    assert r["logits_max_diff"] <= tol * max(1.0, r["logits_scale"]), r
+    assert r["generate_equal"], r
+    assert r["loss_diff"] <= tol, r
+    # gradients: one process's fp32 gradients of this model are themselves up to 3e-5 from fp64 ones (the routers'
+    # 1e-5: their gradient sums over every token's top-k weights), so a split model's differ from them by as much
+    assert not r["missing_grads"] and r["grad_rel_norm_diff"] <= 5e-5 and r["grad_max_abs_diff"] <= 1e-4, r
+    assert r["bias_moved"] > 1e-3 and r["bias_max_diff"] <= 1e-6 and r["metrics_equal"], r
+    # each rank holds its part of the experts: TP splits their widths, EP the experts themselves
+    experts, width = (8, 128 if which == "release" else 64)
+    assert r["experts_shape"] == ([experts, width // processes, 32] if mode == "tp" else
+                                  [experts // processes, width, 32]), r
+    assert r["split_parameters"] > 0
+    assert r["weight_bytes_ratio"] < (0.6 if processes == 2 else 0.35), r
+    print(f"{mode} x{processes} {which}: a rank holds {r['weight_bytes_ratio']:.0%} of the weight bytes")
