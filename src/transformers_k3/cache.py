@@ -462,6 +462,7 @@ class KimiK3HybridCache(Cache):
         self._token_capacity = max_cache_len or 256
         self._writer = None  # weak reference to the text model that last wrote to the cache (for `save`)
         self._check_next_input = False  # set by generate() for a cache it was given: check its first input
+        self._generated_step = False  # set by generate() for its decode steps: their inputs need no value checks
 
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
@@ -541,6 +542,16 @@ class KimiK3HybridCache(Cache):
         """Whether `expect_continuation` was called since the last call of this method."""
         expected, self._check_next_input = self._check_next_input, False
         return expected
+
+    def mark_generated_step(self, generated: bool) -> None:
+        """Set by generate() before each step: whether it is a decode step feeding back the model's own token under
+        the previous step's mask extended by ones, whose values the model then need not check (a host sync)."""
+        self._generated_step = generated
+
+    def take_generated_step(self) -> bool:
+        """Whether the next input was marked by `mark_generated_step` (read once)."""
+        generated, self._generated_step = getattr(self, "_generated_step", False), False
+        return generated
 
     def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Raise `KimiK3CacheError` unless ``input_ids`` (``[B, >= S]``, the caller's whole sequence) starts with the

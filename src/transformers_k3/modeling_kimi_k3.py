@@ -182,22 +182,37 @@ def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
     return quantization_config
 
 
-def _check_padding_only(attention_mask: torch.Tensor) -> None:
+def _padding_problem(attention_mask: torch.Tensor):
     """A 2-D attention mask may mask tokens before a row's first attended one (left padding) or after its last (right
     padding), not between attended ones: the KDA layers' recurrent state would still decay across a masked hole
     and their short convolutions would see it as zeros, so the result would be neither the sequence with those
-    tokens nor the one without them."""
+    tokens nor the one without them. Returns (a flag on the mask's device: it has a hole, what raises then) for
+    `_raise_problems`."""
     attended = attention_mask.bool()
     started = attended.long().cummax(dim=1).values.bool()
     more_later = attended.flip(1).long().cummax(dim=1).values.flip(1).bool()
     holes = started & more_later & ~attended
-    if bool(holes.any()):
+
+    def fail():
         row, position = (int(i) for i in holes.nonzero()[0])
         raise ValueError(
             f"attention_mask masks position {position} of row {row} between attended tokens; K3's KDA layers (a "
             "recurrent state) take only padding at a row's ends (left padding; right padding in training, not in generate()), "
             "not holes: drop those tokens from the input instead (if generate inferred this mask from pad_token_id "
             "because the ids contain the pad id, pass the attention_mask explicitly)")
+
+    return holes.any(), fail
+
+
+def _raise_problems(problems: list) -> None:
+    """Read the (flag, raise) pairs' flags in one host transfer (one sync on a GPU, whatever their number) and raise
+    the first problem found."""
+    problems = [problem for problem in problems if problem is not None]
+    if problems:
+        device = problems[0][0].device
+        for found, (_, fail) in zip(torch.stack([flag.to(device) for flag, _ in problems]).tolist(), problems):
+            if found:
+                fail()
 
 
 class KimiK3InputError(ValueError):
@@ -208,6 +223,12 @@ class KimiK3InputError(ValueError):
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Token ids K3's embedding can look up: an integer tensor with at least one position, every id in
     ``[0, vocab_size)``. Skipped while compiling (the range check reads the tensor's values)."""
+    _raise_problems([_input_ids_problem(input_ids, vocab_size)])
+
+
+def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int):
+    """`check_input_ids`'s form checks, raised now, and its range check as (flag, raise) for `_raise_problems`
+    (None while compiling or on meta)."""
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise KimiK3InputError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor; pass the "
                                "tokenizer's ids (a float tensor of vectors goes in as inputs_embeds)")
@@ -216,15 +237,17 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
             f"input_ids has no tokens (shape {tuple(input_ids.shape)}): pass at least one token; to start from "
             "nothing, pass the tokenizer's bos_token_id as a [batch, 1] tensor")
     if torch.compiler.is_compiling() or input_ids.device.type == "meta":
-        return
-    low, high = (int(v) for v in torch.aminmax(input_ids.detach()))
-    if low < 0 or high >= vocab_size:
-        bad = (input_ids < 0) | (input_ids >= vocab_size)
+        return None
+    bad = (input_ids.detach() < 0) | (input_ids.detach() >= vocab_size)
+
+    def fail():
         where = tuple(int(i) for i in bad.nonzero()[0])
         raise KimiK3InputError(
             f"input_ids holds id {int(input_ids[where])} at position {where}, outside this model's vocabulary "
             f"[0, {vocab_size}): the tokenizer and the checkpoint disagree. Use the tokenizer saved with the "
             "checkpoint; after adding tokens to a tokenizer, call model.resize_token_embeddings(len(tokenizer))")
+
+    return bad.any(), fail
 
 
 def _check_generation_inputs(args: tuple, kwargs: dict) -> None:
@@ -497,6 +520,10 @@ class KimiK3GenerationMixin:
             first = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_expected_continuation()
             embedded = kwargs.get("inputs_embeds") is not None and kwargs.get("is_first_iteration")
             mask = kwargs.get("attention_mask")
+            if isinstance(past_key_values, KimiK3HybridCache):
+                # (the decode loop asks for one token; a first step or a continuation's is checked in full)
+                past_key_values.mark_generated_step(next_sequence_length == 1 and cached > 0 and not first
+                                                    and not kwargs.get("is_first_iteration"))
             if first and cached and not embedded:
                 from .cache import KimiK3CacheError
 
@@ -648,8 +675,14 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 **kwargs) -> KimiK3ModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        # generate()'s own decode step (its ids sampled from these logits, its mask the checked one plus ones) needs
+        # neither value check; any other input's are read in one host sync
+        if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
+            _raise_problems([
+                _input_ids_problem(input_ids, self.embed_tokens.num_embeddings) if inputs_embeds is None else None,
+                _padding_problem(attention_mask) if attention_mask is not None and attention_mask.dim() == 2 else None,
+            ])
         if inputs_embeds is None:
-            check_input_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)
         elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
             raise KimiK3InputError(f"inputs_embeds must be [batch, tokens, hidden] with at least one token, got "
@@ -672,21 +705,18 @@ class KimiK3Model(KimiK3PreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         # The text model is position-free (NoPE MLA, no RoPE in KDA): positions only shape the MLA mask.
-        unpadded = attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
-        if (unpadded and cu_seqlens is None and inputs_embeds.shape[1] > 1 and past_key_values is not None
+        if (cu_seqlens is None and inputs_embeds.shape[1] > 1 and past_key_values is not None
                 and past_key_values.get_seq_length() > 0 and not kwargs.get("output_attentions")
-                and uses_blockwise_attention(self.config, inputs_embeds)):
+                and uses_blockwise_attention(self.config, inputs_embeds)
+                and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())))):
             mla_mask = None  # a chunk after cached tokens: MLA masks causally itself, no [T, context] mask
         else:
             mla_mask = create_causal_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                 past_key_values=past_key_values, position_ids=position_ids,
             )
+        # (a mask of ones is applied as is: multiplying by one is exact, and finding it all ones would take a sync)
         kda_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        if kda_mask is not None and bool(kda_mask.all()):
-            kda_mask = None
-        if kda_mask is not None:
-            _check_padding_only(kda_mask)
 
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:

@@ -1,0 +1,180 @@
+"""Host syncs per decode step (issue 30, item 8): on a GPU every op that reads a tensor's value on the host
+(``bool(t)``, ``int(t)``, ``.item()``, ``.tolist()``, ``nonzero``) waits for the device queue to drain, so a decode
+step that has any stalls once per sync. Counted here on CPU with the C++ kernels off (the code path CUDA tensors
+take) and the device-dependent choices made as on a GPU: a sync counts as ours when the innermost non-torch frame
+that asked for it is in transformers_k3 (transformers' own mask building syncs once per masked step; not ours)."""
+
+import collections
+import functools
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import transformers_k3.layers.mla as mla
+import transformers_k3.modeling_kimi_k3 as modeling
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+from transformers_k3.ops import cpu_kernel, kda
+
+from conftest import randomize_
+
+# the aten ops by which a value reaches the host (``.tolist()`` and ``int()`` go through _local_scalar_dense)
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "allclose"}
+
+
+def _to_host(args, kwargs) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU as its target (from a GPU: a blocking copy). Only a
+    literal ``"cpu"`` counts: here every device is the CPU, so ``.to(other.device)`` cannot be told apart."""
+    target = kwargs.get("device", args[0] if args else None)
+    return not kwargs.get("non_blocking") and isinstance(target, str) and torch.device(target).type == "cpu"
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts host syncs by the source line (file:line) of the innermost non-torch frame that caused each: the aten
+    ops that read a value, and the Tensor methods that copy to the host, which on CPU tensors dispatch nothing
+    (``tolist``, ``cpu``, ``numpy``, ``to("cpu")``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = collections.Counter()
+        self._methods = {}
+
+    def _record(self) -> None:
+        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and f.filename != __file__]
+        caller = frames[-1] if frames else None
+        self.where[f"{caller.filename}:{caller.lineno}" if caller else "?"] += 1
+
+    def __enter__(self):
+        for name in ("tolist", "cpu", "numpy", "to"):
+            method = self._methods[name] = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _method=method, _name=name, **kwargs):
+                if _name != "to" or _to_host(args, kwargs):
+                    self._record()
+                return _method(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.split("::")[-1] in SYNC_OPS:
+            self._record()
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def ours(self) -> dict:
+        return {where: n for where, n in self.where.items() if "transformers_k3" in where}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).eval()
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """Kernels off and MLA's device-dependent choice made as on a GPU."""
+    monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
+    monkeypatch.setattr(modeling, "uses_blockwise_attention", lambda config, hidden: False)
+    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+        yield
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """fla's kernels replaced by stand-ins that return the right shapes without reading anything, so that only our
+    wrappers around fla run (the KDA layers take the fla path as with CUDA tensors)."""
+
+    calls = []
+
+    def chunk(q, k, v, g, beta, initial_state=None, output_final_state=False, **kwargs):
+        calls.append(q.shape[1])
+        state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
+        return torch.zeros_like(v), state if output_final_state else None
+
+    monkeypatch.setattr(kda, "_load_fla", lambda: ((chunk, chunk), None))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with kda.kda_backend("fla"):
+        yield calls
+
+
+PROMPT = torch.randint(3, 400, (2, 6), generator=torch.Generator().manual_seed(0))
+LEFT_PADDED = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+
+
+def manual_steps(model, rows: int, mask: torch.Tensor | None, steps: int = 3) -> list[HostSyncs]:
+    """Host syncs of each decode step after a prefill, driving the model by hand."""
+    cache = model(PROMPT[:rows], attention_mask=mask, use_cache=True).past_key_values
+    counts, token = [], PROMPT[:rows, -1:]
+    for _ in range(steps):
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], 1)
+        with HostSyncs() as syncs:
+            token = model(token, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        counts.append(syncs)
+    return counts
+
+
+@pytest.mark.parametrize("kda_path", ["torch", "fla"])
+@pytest.mark.parametrize("inputs", ["one row", "one row, mask of ones", "left-padded rows"])
+def test_a_decode_step_by_hand_syncs_once_in_our_code(model, as_on_a_gpu, request, kda_path, inputs):
+    """Driven by hand, a step's input values are checked (ids inside the vocabulary, no hole in the mask), all
+    read in one sync; nothing else in the step reads a value (the masks' all-ones tests are gone)."""
+    fla_calls = request.getfixturevalue("fake_fla") if kda_path == "fla" else None
+    rows, mask = {"one row": (1, None), "one row, mask of ones": (1, torch.ones(1, 6, dtype=torch.long)),
+                  "left-padded rows": (2, LEFT_PADDED)}[inputs]
+    for syncs in manual_steps(model, rows, mask):
+        assert sum(syncs.ours.values()) == 1, syncs.ours
+    assert fla_calls is None or 1 in fla_calls  # (the decode steps went through the fla wrappers)
+
+
+def test_the_checks_of_a_step_by_hand_still_refuse_bad_values(model, as_on_a_gpu):
+    cache = model(PROMPT[:2], attention_mask=LEFT_PADDED, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        model(torch.tensor([[3], [model.config.vocab_size]]), attention_mask=torch.ones(2, 7, dtype=torch.long),
+              past_key_values=cache)
+    holed = torch.tensor([[1] * 7, [0, 0, 1, 0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="position 3 of row 1 between attended tokens"):
+        model(PROMPT[:2, :1], attention_mask=holed, past_key_values=cache)
+
+
+class _CountingForward:
+    """Wraps the model's forward for generate(): the host syncs of each call, in order."""
+
+    def __init__(self, model, monkeypatch):
+        self.calls = []
+        forward = model.forward
+
+        @functools.wraps(forward)  # (generate() reads the forward's signature)
+        def counted(*args, **kwargs):
+            with HostSyncs() as syncs:
+                out = forward(*args, **kwargs)
+            self.calls.append(syncs)
+            return out
+
+        monkeypatch.setattr(model, "forward", counted)
+
+
+@pytest.mark.parametrize("kda_path", ["torch", "fla"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_generate_decode_steps_have_no_host_sync_in_our_code(model, as_on_a_gpu, monkeypatch, request, rows,
+                                                             kda_path):
+    """generate() only appends ones to a mask whose prompt part the first step checked, and feeds back the model's
+    own tokens: its decode steps need neither check, so they sync nowhere in our code, padded or not."""
+    if kda_path == "fla":
+        request.getfixturevalue("fake_fla")
+    counting = _CountingForward(model, monkeypatch)
+    mask = LEFT_PADDED[:rows] if rows == 2 else None
+    model.generate(PROMPT[:rows], attention_mask=mask, max_new_tokens=4, do_sample=False,
+                   past_key_values=KimiK3HybridCache(model.config))
+    assert len(counting.calls) == 4
+    for syncs in counting.calls[1:]:
+        assert syncs.ours == {}
+
