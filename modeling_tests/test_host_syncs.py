@@ -178,3 +178,37 @@ def test_generate_decode_steps_have_no_host_sync_in_our_code(model, as_on_a_gpu,
     for syncs in counting.calls[1:]:
         assert syncs.ours == {}
 
+
+def _reference_processed(processor, input_ids, scores):
+    """The processor's rule applied row by row through `forced_token` (host reads and all)."""
+    expected = scores.clone()
+    for row in range(input_ids.shape[0]):
+        token = processor.forced_token(input_ids[row])
+        if token is not None:
+            expected[row] = float("-inf")
+            expected[row, token] = 0.0
+    return expected
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3])
+def test_the_thinking_budget_processor_reads_nothing_on_the_host_and_agrees_row_by_row(budget):
+    """It read 4-6 values per row per step (nonzero, int, equal); batched on the device it reads none, and forces
+    what the row-by-row rule does on every kind of row (no marker, open, over budget, mid forced sequence, closed)."""
+    from transformers_k3 import ThinkingBudgetLogitsProcessor
+
+    processor = ThinkingBudgetLogitsProcessor(budget, think_open_ids=[7, 8], end_sequence_ids=[2, 9, 10, 11],
+                                              stop_ids=[2, 3])
+    gen = torch.Generator().manual_seed(budget)
+    vocab = 12
+    for length in (1, 2, 3, 6, 10):
+        # small ids so that markers, stops and the forced sequence turn up often, in any order
+        ids = torch.randint(0, vocab, (64, length), generator=gen)
+        ids[::3, :2] = torch.tensor([7, 8])[: min(2, length)]
+        if length >= 6:
+            ids[1::4, -3:] = torch.tensor([2, 9, 10])
+        scores = torch.randn(64, vocab, generator=gen)
+        with HostSyncs() as syncs:
+            out = processor(ids, scores)
+        assert syncs.where == {}
+        torch.testing.assert_close(out, _reference_processed(processor, ids, scores), rtol=0, atol=0)
+

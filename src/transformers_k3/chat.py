@@ -842,16 +842,44 @@ class ThinkingBudgetLogitsProcessor(LogitsProcessor):
             return int(forced[done.numel()])
         return None
 
+    def _ids_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The marker, stop and forced ids on `device`, copied there once (not at every step)."""
+        cached = self.__dict__.setdefault("_device_ids", {})
+        if device not in cached:
+            cached[device] = tuple(t.to(device) for t in (self.think_open_ids, self.stop_ids, self.end_sequence_ids))
+        return cached[device]
+
+    def forced_tokens(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forced_token` of every row at once, without reading a value on the host (no sync on a GPU):
+        ``(forced [B] bool, token [B] long)``, the token meaningful where forced."""
+        marker, stop_ids, forced_ids = self._ids_on(input_ids.device)
+        rows, length = input_ids.shape
+        width, budget = marker.numel(), self.max_thinking_tokens
+        positions = torch.arange(length, device=input_ids.device)
+        no = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+        if length < width:
+            return no, no.long()
+        opens = (input_ids.unfold(1, width, 1) == marker).all(dim=-1)  # [B, L - width + 1]
+        last_open = torch.where(opens, positions[: opens.shape[1]], -1).amax(dim=1)
+        begin = last_open + width  # the thinking span's first position
+        stopped = torch.isin(input_ids, stop_ids) & (positions >= begin[:, None])
+        first_stop = torch.where(stopped, positions, length).amin(dim=1)
+        has_stop = first_stop < length
+        unclosed = ~has_stop & (length - begin >= budget)
+        # closed at or after the budget: the forced sequence is being written; its next token, if any is left
+        done = length - first_stop
+        follows = torch.ones_like(has_stop)
+        for j in range(forced_ids.numel()):
+            at = (first_stop + j).clamp(max=length - 1)
+            follows &= (j >= done) | (input_ids.gather(1, at[:, None])[:, 0] == forced_ids[j])
+        closing = has_stop & (first_stop - begin >= budget) & (done < forced_ids.numel()) & follows
+        token = torch.where(unclosed, forced_ids[0], forced_ids[done.clamp(max=forced_ids.numel() - 1)])
+        return (unclosed | closing) & (last_open >= 0), token
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        processed = scores
-        for row in range(input_ids.shape[0]):
-            token = self.forced_token(input_ids[row])
-            if token is not None:
-                if processed is scores:
-                    processed = scores.clone()
-                processed[row] = float("-inf")
-                processed[row, token] = 0.0
-        return processed
+        forced, token = self.forced_tokens(input_ids)
+        only = torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)
+        return torch.where(forced[:, None], only, scores)
 
 
 __all__ = [
