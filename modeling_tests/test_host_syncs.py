@@ -212,3 +212,25 @@ def test_the_thinking_budget_processor_reads_nothing_on_the_host_and_agrees_row_
         assert syncs.where == {}
         torch.testing.assert_close(out, _reference_processed(processor, ids, scores), rtol=0, atol=0)
 
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_the_torch_chunked_kda_syncs_once_per_call(strong):
+    """The PyTorch chunked path (a CUDA user without fla) checked every group of chunks' decay span on the host: one
+    sync per group, about one per chunk at K3's 96 heads. A bound on the whole gate decides once; gates too strong
+    for it keep the per-group check (and its result)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, length, heads, dim = 1, 32 * 24, 8, 128  # 24 chunks in 3 groups of 8
+    q, k, v = (torch.randn(batch, length, heads, dim, generator=gen) for _ in range(3))
+    g = -torch.rand(batch, length, heads, dim, generator=gen) * (7.0 if strong else 4.9)
+    beta = torch.rand(batch, length, heads, generator=gen)
+    common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, backend="torch")
+    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+        with HostSyncs() as syncs:
+            out, state = kda.chunk_kda(q, k, v, g, beta, **common)
+        reference, reference_state = kda.fused_recurrent_kda(q, k, v, g, beta, **common)  # the token loop
+    if strong:
+        assert sum(syncs.ours.values()) > 3, syncs.ours  # (the bound and each group's own checks)
+    else:
+        assert sum(syncs.ours.values()) == 1, syncs.ours
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, reference_state, atol=1e-4, rtol=1e-4)
