@@ -18,6 +18,7 @@ setup(
         "transformers>=5.23,<5.24",
         "safetensors>=0.4",
         "huggingface_hub",
+        "ninja",  # torch.utils.cpp_extension builds the CPU kernels with it
     ],
     extras_require={
         "dev": ["pytest>=8", "flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17", "Pillow",

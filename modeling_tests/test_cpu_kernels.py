@@ -1469,7 +1469,7 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
             xs = x.clone().requires_grad_()
             norm.weight.grad = None
             out = norm(xs)
-            assert out.grad_fn is not None and "RMSNorm" in type(out.grad_fn).__name__
+            assert out.grad_fn is not None and "rms_norm" in type(out.grad_fn).__name__
             (out * probe).sum().backward()
             results.append((out.detach(), xs.grad, norm.weight.grad))
     finally:

@@ -38,12 +38,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import pathlib
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from typing import Iterator
@@ -59,10 +61,11 @@ SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(
     SOURCE_DIR / name
     for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp",
-                 "moe_decode_cpu.cpp")
+                 "moe_decode_cpu.cpp", "torch_ops.cpp")
 )
 HEADERS = tuple(
-    SOURCE_DIR / name for name in ("common.h", "simd.h", "small_gemm.h", "glu_simd.h", "bf16_rows.h", "amx_tiles.h")
+    SOURCE_DIR / name for name in ("common.h", "simd.h", "small_gemm.h", "glu_simd.h", "bf16_rows.h", "amx_tiles.h",
+                                 "kernels.h")
 )
 
 _lock = threading.Lock()
@@ -191,12 +194,27 @@ def _cpu_identity() -> str:
     return "\n".join(parts)
 
 
-def _command(compiler: str, torch_lib: str, output: str, native: bool) -> list[str]:
-    return [
-        compiler, "-O3", *(["-march=native"] if native else []), "-fno-math-errno", "-fno-trapping-math",
-        "-fopenmp", "-std=c++17", "-shared", "-fPIC", *map(str, SOURCES), "-o", output, f"-L{torch_lib}",
-        "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath-link,{torch_lib}",
-    ]  # fmt: skip
+def _flags(native: bool) -> tuple[list[str], list[str]]:
+    """The compiler and linker flags the extension machinery adds to its own (torch's include paths and libraries)."""
+    torch_lib = str(pathlib.Path(torch.__file__).parent / "lib")
+    cflags = ["-O3", *(["-march=native"] if native else []), "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+    return cflags, ["-fopenmp", f"-Wl,-rpath,{torch_lib}"]
+
+
+# Run in a child process: torch.utils.cpp_extension.load compiles the sources with ninja (in parallel) and loads the
+# result, so a library that builds but cannot load fails there; this process only ever loads a verified file.
+_BUILD_SCRIPT = r"""
+import json, sys
+from torch.utils import cpp_extension
+args = json.loads(sys.argv[1])
+try:
+    cpp_extension.load(is_python_module=False, verbose=False, **args)
+except Exception as error:
+    output = getattr(error, "output", None) or b""  # (a compiler that fails its version check says why here)
+    output = output.decode(errors="replace") if isinstance(output, bytes) else str(output)
+    sys.stderr.write((output + "\n" + str(error))[-4000:])
+    sys.exit(1)
+"""
 
 
 def _checksum_path(path: pathlib.Path) -> pathlib.Path:
@@ -230,18 +248,33 @@ def _publish(built: pathlib.Path, path: pathlib.Path) -> None:
     os.replace(built, path)
 
 
-def _load() -> ctypes.CDLL:
+_loaded: list[str] = []  # the library this process loaded (its operators cannot be registered twice)
+
+
+def _build(compiler: str, name: str, native: bool, build: pathlib.Path) -> pathlib.Path:
+    """The library built in the directory ``build``, or an error carrying the compiler's message."""
+    cflags, ldflags = _flags(native)
+    args = {"name": name, "sources": [str(p) for p in SOURCES], "build_directory": str(build),
+            "extra_cflags": cflags, "extra_ldflags": ldflags}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args)], capture_output=True, text=True,
+                          env=dict(os.environ, CXX=compiler))  # fmt: skip
+    built = build / f"{name}.so"
+    if done.returncode != 0 or not built.is_file():
+        raise RuntimeError(done.stderr.strip()[-3000:] or f"exit status {done.returncode}")
+    return built
+
+
+def _load():
     compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    torch_lib = str(pathlib.Path(torch.__file__).parent / "lib")
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     cache = _writable(_cache_dir())
     errors = []
     for native in (True, False):
         key = hashlib.sha256(
-            b"\0".join([source, " ".join(_command(compiler, torch_lib, "", native)).encode(),
-                        _cpu_identity().encode(), torch.__version__.encode()])
+            b"\0".join([source, compiler.encode(), repr(_flags(native)).encode(), _cpu_identity().encode(),
+                        torch.__version__.encode(), torch.__file__.encode()])
         ).hexdigest()[:16]  # fmt: skip
         path = cache / f"cpu_kernels_{key}.so"
         if path.exists() and not _verified(path):
@@ -252,18 +285,24 @@ def _load() -> ctypes.CDLL:
                 stale.unlink(missing_ok=True)
         if not path.exists():
             logger.warning("transformers_k3: building the fused CPU kernels for this machine with %s (once; "
-                           "usually 10-20 s), cached in %s", os.path.basename(compiler), cache)
-            fd, tmp = tempfile.mkstemp(prefix=f".cpu_kernels_{key}.", suffix=".so", dir=cache)
-            os.close(fd)
+                           "usually 20-40 s), cached in %s", os.path.basename(compiler), cache)
+            build = pathlib.Path(tempfile.mkdtemp(prefix=f".cpu_kernels_{key}.", dir=cache))
             try:
-                done = subprocess.run(_command(compiler, torch_lib, tmp, native), capture_output=True, text=True)
-                if done.returncode != 0:
-                    errors.append(done.stderr.strip()[-2000:] or f"exit status {done.returncode}")
-                    continue
-                _publish(pathlib.Path(tmp), path)
+                _publish(_build(compiler, f"cpu_kernels_{key}", native, build), path)
+            except Exception as error:  # (the next flags, else the error below)
+                errors.append(str(error))
+                continue
             finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                shutil.rmtree(build, ignore_errors=True)
+        if not _loaded:
+            torch.ops.load_library(str(path))
+            _loaded.append(str(path))
+            _register_python_parts()
+        return _legacy(pathlib.Path(_loaded[0]))  # (the loaded file: a second copy would register its operators again)
+    raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
+
+
+def _legacy(path: pathlib.Path) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         lib.k3_kda_chunk_forward.restype = i32
@@ -308,7 +347,6 @@ def _load() -> ctypes.CDLL:
         lib.k3_moe_decode.restype = i32
         lib.k3_moe_decode.argtypes = [pointer, pointer, pointer, i64, pointer]
         return lib
-    raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
 
 def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int, inplace: bool = False):
@@ -731,9 +769,10 @@ class _Glu(torch.autograd.Function):
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """``F.rms_norm(hidden_states, (H,), eps=eps) * weight`` for fp32 ``hidden_states [..., H]`` and ``weight [H]`` on
-    CPU: the forward is those two ops (the same bits), the backward one kernel pass per row (``k3_rms_norm_backward``)
-    where autograd through them runs ~12 element-wise passes. For autograd only (None without it, and where it does
-    not apply: other dtypes or devices, mismatched shapes, kernels off, torch.compile)."""
+    CPU (``transformers_k3::rms_norm``): the forward is those two ops (the same bits), the backward one kernel pass
+    per row (``rms_norm_backward``) where autograd through them runs ~12 element-wise passes. For autograd only
+    (None without it, and where it does not apply: other dtypes or devices, mismatched shapes, kernels off,
+    torch.compile)."""
     if not (
         torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
         and applies(hidden_states, weight, differentiable=True)
@@ -742,31 +781,30 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
         return None
     if library() is None:
         return None
-    return _RMSNorm.apply(hidden_states, weight, float(eps))
+    return torch.ops.transformers_k3.rms_norm(hidden_states, weight, float(eps))
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden_states, weight, eps):
-        ctx.save_for_backward(hidden_states, weight)
-        ctx.eps = eps
-        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=eps) * weight
+def _rms_norm_setup(ctx, inputs, output):
+    hidden_states, weight, ctx.eps = inputs
+    ctx.save_for_backward(hidden_states, weight)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        hidden_states, weight = ctx.saved_tensors
-        hidden = hidden_states.shape[-1]
-        x = hidden_states.detach().reshape(-1, hidden).contiguous()
-        g = grad.reshape(-1, hidden).float().contiguous()
-        w = weight.detach().contiguous()
-        grad_x, grad_w = torch.empty_like(x), torch.empty(hidden, dtype=torch.float32)
-        status = library().k3_rms_norm_backward(x.data_ptr(), w.data_ptr(), g.data_ptr(), x.shape[0], hidden, ctx.eps,
-                                                grad_x.data_ptr(), grad_w.data_ptr(), max(1, torch.get_num_threads()))
-        if status != 0:
-            raise RuntimeError(f"the RMSNorm kernel's backward returned status {status}")
-        need_x, need_w = ctx.needs_input_grad[:2]
-        return grad_x.view(hidden_states.shape) if need_x else None, grad_w if need_w else None, None
+
+def _rms_norm_backward(ctx, grad):
+    hidden_states, weight = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.transformers_k3.rms_norm_backward(grad, hidden_states, weight, ctx.eps)
+    need_x, need_w = ctx.needs_input_grad[:2]
+    return grad_x if need_x else None, grad_w if need_w else None, None
+
+
+def _register_python_parts() -> None:
+    """What the operators need besides their CPU kernels (csrc/torch_ops.cpp): fake implementations (shapes and
+    dtypes, for FakeTensor, torch.compile and export) and, for the differentiable ones, their autograd formulas."""
+    fake, autograd = torch.library.register_fake, torch.library.register_autograd
+    ns = "transformers_k3::"
+    fake(ns + "rms_norm")(lambda x, w, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
+    fake(ns + "rms_norm_backward")(lambda g, x, w, eps: (torch.empty_like(x, memory_format=torch.contiguous_format),
+                                                         torch.empty_like(w, memory_format=torch.contiguous_format)))  # fmt: skip
+    autograd(ns + "rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:

@@ -23,6 +23,7 @@
 #include "bf16_rows.h"
 #include "small_gemm.h"
 #include "amx_tiles.h"
+#include "kernels.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__x86_64__)
 #include <immintrin.h>

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 
 namespace {
 

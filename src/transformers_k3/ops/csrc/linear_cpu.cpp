@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "bf16_rows.h"
+#include "kernels.h"
 
 extern "C" {
 

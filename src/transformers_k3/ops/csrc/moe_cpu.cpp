@@ -21,6 +21,7 @@
 
 #include "common.h"
 #include "glu_simd.h"
+#include "kernels.h"
 #include "small_gemm.h"
 
 namespace {

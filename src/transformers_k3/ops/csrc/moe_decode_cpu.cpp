@@ -33,10 +33,8 @@
 #include "bf16_rows.h"
 #include "common.h"
 #include "glu_simd.h"
+#include "kernels.h"
 #include "small_gemm.h"
-
-extern "C" int k3_router_sigmoid_topk(const float* logits, const float* bias, int64_t n_tokens, int64_t n_experts,
-                                      int top_k, int64_t* out_index, float* out_scores, int n_threads);
 
 #if K3_HAVE_SIMD
 namespace {

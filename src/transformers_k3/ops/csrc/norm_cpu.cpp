@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 #include "simd.h"  // K3_HAVE_SIMD
 
 namespace {

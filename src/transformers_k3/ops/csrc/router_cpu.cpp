@@ -23,6 +23,7 @@
 #include "bf16_rows.h"
 #include "common.h"
 #include "glu_simd.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
