@@ -246,3 +246,28 @@ def test_a_cache_on_the_cpu_moves_to_the_model_once(saved_cache):
     moved = [c for c in counter.copies if c[1:] == ("cpu", "meta")]
     assert len(moved) == 3  # conv window, recurrent state, latent: each once
     assert _state_devices(cache)[0] == {"meta"} and _state_devices(cache)[2] == {"meta"}
+
+
+def test_a_half_precision_router_off_the_cpu_makes_no_fp32_copy_of_its_weight():
+    """The router upcast its whole [E, H] weight to fp32 at every call off the CPU (twice the weight's bytes moved
+    per layer per step); the fp32 logits come from the bf16 operands with fp32 accumulation instead. Meta tensors
+    stand in for CUDA's (the numbers are a GPU check: bench/gpu_check.sh)."""
+    from transformers_k3.layers.moe import KimiK3Router
+
+    class Casts(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    config = KimiK3TextConfig.tiny()
+    with torch.device("meta"):
+        router = KimiK3Router(config).to(torch.bfloat16)
+    with torch.no_grad(), Casts() as casts:
+        logits, weights, indices = router(torch.zeros(3, config.hidden_size, dtype=torch.bfloat16, device="meta"))
+    assert logits.dtype == torch.float32 and tuple(logits.shape) == (3, config.num_experts)
+    assert tuple(router.weight.shape) not in casts.shapes

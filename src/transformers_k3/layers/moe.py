@@ -128,6 +128,14 @@ class KimiK3Router(nn.Module):
         # the AMX tile unit for prefill), where torch would run an fp32 GEMM on upcast copies of both, the
         # weight's made anew each call
         router_logits = cpu_kernel.linear_bf16_f32(hidden_states, self.weight)
+        if (
+            router_logits is None and hidden_states.device.type in ("cuda", "meta")
+            and hidden_states.dtype == self.weight.dtype and self.weight.dtype in (torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad))
+        ):  # fmt: skip
+            # the same fp32 logits from the half-precision operands (fp32 accumulation) without an fp32 copy of
+            # the [E, H] weight at every call (meta: its shapes)
+            router_logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
         if router_logits is None:
             router_logits = F.linear(hidden_states.float(), self.weight.float())
         bias = self.e_score_correction_bias.float()
