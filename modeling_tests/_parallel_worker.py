@@ -1,7 +1,7 @@
 """Worker for test_parallel.py (run under torchrun, gloo on CPU): tensor or expert parallelism through transformers'
 own machinery, against the same checkpoint in one process.
 
-    python -m torch.distributed.run --nproc_per_node=N _parallel_worker.py MODE CHECKPOINT
+    python -m torch.distributed.run --nproc_per_node=N _parallel_worker.py MODE CHECKPOINT OUTPUT_DIR
 
 MODE ``tp``: ``DistributedConfig(tp_plan="auto")``; ``ep``: ``DistributedConfig(tp_size=N, ep_size=N)`` (the experts
 split over the ranks by expert, the other modules by the TP plan: transformers takes ``ep_size`` as a multiple of
@@ -12,12 +12,15 @@ parallelism) as the reference and checks, on a fixed batch:
 * one training step: the loss and every parameter's gradient (a split parameter's shards are gathered back into
   the whole tensor first, by its plan: contiguous along the split dimension, or, for ``packed_colwise``, each
   rank's gate and up halves): the worst ``||error|| / ||gradient||`` and ``max|error| / max(1, max|gradient|)``;
-* the weight bytes this rank holds against the whole model's.
+* the weight bytes this rank holds against the whole model's;
+* ``save_pretrained`` of the split model, reloaded whole in one process: the whole model's logits;
+* LoRA (PEFT) on the split model: the loss and the adapters' gradients of the whole model with the same adapters.
 
 Rank 0 prints ``RESULT {json}``.
 """
 
 import json
+import pathlib
 import sys
 
 import torch
@@ -52,8 +55,30 @@ def gathered(name: str, shard: torch.Tensor, whole_shape: torch.Size, world: int
     raise AssertionError(name)
 
 
+def compare_gradients(model, whole, world: int, only: str = ""):
+    """(worst ||error|| / ||gradient||, worst max|error| / max(1, max|gradient|), its parameter, split parameters,
+    parameters without a gradient) of ``model``'s gradients against ``whole``'s."""
+    worst, worst_abs, name_worst, split, missing = 0.0, 0.0, None, 0, []
+    params = dict(model.named_parameters())
+    for name, reference in whole.named_parameters():
+        if reference.grad is None or only not in name:
+            continue
+        param = params[name]
+        if param.grad is None:
+            missing.append(name)
+            continue
+        shard = local(param.grad)
+        split += shard.shape != reference.shape
+        error = gathered(name, shard, reference.shape, world) - reference.grad
+        worst_abs = max(worst_abs, (error.abs().max() / reference.grad.abs().max().clamp_min(1)).item())
+        diff = (error.norm() / reference.grad.norm().clamp_min(1e-12)).item()
+        if diff > worst:
+            worst, name_worst = diff, name
+    return worst, worst_abs, name_worst, split, missing
+
+
 def main() -> None:
-    mode, path = sys.argv[1], sys.argv[2]
+    mode, path, out_dir = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,27 +117,41 @@ def main() -> None:
                                if name.endswith("e_score_correction_bias"))
     result["metrics_equal"] = metrics.keys() == metrics_whole.keys() and all(
         abs(metrics[k] - metrics_whole[k]) <= 1e-6 for k in metrics)
-    worst, worst_abs, name_worst, split, missing = 0.0, 0.0, None, 0, []
-    params = dict(model.named_parameters())
-    for name, reference in whole.named_parameters():
-        param = params[name]
-        if reference.grad is None:
-            continue
-        if param.grad is None:
-            missing.append(name)
-            continue
-        shard = local(param.grad)
-        split += shard.shape != reference.shape
-        error = gathered(name, shard, reference.shape, world) - reference.grad
-        worst_abs = max(worst_abs, (error.abs().max() / reference.grad.abs().max().clamp_min(1)).item())
-        diff = (error.norm() / reference.grad.norm().clamp_min(1e-12)).item()
-        if diff > worst:
-            worst, name_worst = diff, name
+    worst, worst_abs, name_worst, split, missing = compare_gradients(model, whole, world)
     result.update(grad_rel_norm_diff=worst, grad_max_abs_diff=worst_abs, grad_worst=name_worst,
                   split_parameters=split, missing_grads=missing)
+    params = dict(model.named_parameters())
     held = sum(local(p).numel() * p.element_size() for p in model.parameters())
     result["experts_shape"] = list(local(params["model.layers.1.mlp.experts.gate_up_proj"]).shape)
     result["weight_bytes_ratio"] = held / sum(p.numel() * p.element_size() for p in whole.parameters())
+
+    # a checkpoint saved from the split model is the whole model again (one process reloads it)
+    model.save_pretrained(out_dir / "saved")
+    dist.barrier()
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(out_dir / "saved", dtype=torch.float32).eval()
+        result["reloaded_logits_diff"] = (again(ids).logits - whole.eval()(ids).logits).abs().max().item()
+
+    # LoRA on the split model, on the projections the TP plan leaves whole (PEFT sizes an adapter from its layer's
+    # out_features, which TP sets to the rank's part, while a gathered output is whole): the same loss and adapter
+    # gradients as on the whole model
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj", "f_a_proj", "b_proj"]
+    adapted = []
+    for base in (model, whole):
+        base.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        adapted.append(get_peft_model(base.train(), LoraConfig(r=4, target_modules=targets, init_lora_weights=False)))
+    losses = []
+    for peft_model in adapted:
+        loss = peft_model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    result["lora_loss_diff"] = abs(losses[0] - losses[1])
+    worst, _, _, _, missing = compare_gradients(adapted[0], adapted[1], world, only="lora_")
+    result.update(lora_grad_rel_norm_diff=worst, lora_missing_grads=missing,
+                  lora_parameters=sum(1 for n, _ in adapted[1].named_parameters() if "lora_" in n))
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()

@@ -1,7 +1,8 @@
 """Tensor and expert parallelism through transformers' own machinery (``DistributedConfig``), on CPU with gloo:
 each case starts ``_parallel_worker.py`` under torchrun and compares, on every rank, against the same checkpoint
 loaded whole in one process (logits, greedy generation with the hybrid cache, a training step's loss and every
-gradient, Quantile Balancing's bias update and metrics, the weight bytes a rank holds).
+gradient, Quantile Balancing's bias update and metrics, the weight bytes a rank holds, a checkpoint saved from the
+split model and reloaded whole, LoRA on the split model).
 
 Checkpoints: one saved by ``save_pretrained`` (our layout) and one in the release's layout with MXFP4 experts
 (built from the release's inventory rules, as in test_release_layout.py; ``moe_intermediate_size=64`` so that a
@@ -41,10 +42,10 @@ def checkpoints(tmp_path_factory):
     return {"ours": root / "ours", "release": root / "release"}
 
 
-def run_worker(mode: str, processes: int, path) -> dict:
+def run_worker(mode: str, processes: int, path, out_dir) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                           "--standalone", os.path.join(HERE, "_parallel_worker.py"), mode, str(path)],
+                           "--standalone", os.path.join(HERE, "_parallel_worker.py"), mode, str(path), str(out_dir)],
                           capture_output=True, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -54,8 +55,8 @@ def run_worker(mode: str, processes: int, path) -> dict:
 @pytest.mark.parametrize("mode, processes, which", [
     ("tp", 2, "ours"), ("ep", 2, "ours"), ("tp", 4, "ours"), ("tp", 2, "release"), ("ep", 2, "release"),
 ])
-def test_parallel_model_equals_the_single_process_model(checkpoints, mode, processes, which):
-    r = run_worker(mode, processes, checkpoints[which])
+def test_parallel_model_equals_the_single_process_model(checkpoints, mode, processes, which, tmp_path):
+    r = run_worker(mode, processes, checkpoints[which], tmp_path)
     assert r["world"] == processes
     # the release fixture's weights (random MXFP4 experts) are larger: fp32 sums in another order differ more
     tol = 1e-5 if which == "ours" else 3e-5
@@ -72,4 +73,7 @@ def test_parallel_model_equals_the_single_process_model(checkpoints, mode, proce
                                   [experts // processes, width, 32]), r
     assert r["split_parameters"] > 0
     assert r["weight_bytes_ratio"] < (0.6 if processes == 2 else 0.35), r
+    assert r["reloaded_logits_diff"] == 0, r  # saved from the split model, reloaded whole: the same weights
+    assert r["lora_parameters"] > 0 and not r["lora_missing_grads"], r
+    assert r["lora_loss_diff"] <= tol and r["lora_grad_rel_norm_diff"] <= 5e-5, r
     print(f"{mode} x{processes} {which}: a rank holds {r['weight_bytes_ratio']:.0%} of the weight bytes")
