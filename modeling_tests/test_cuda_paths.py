@@ -271,3 +271,53 @@ def test_a_half_precision_router_off_the_cpu_makes_no_fp32_copy_of_its_weight():
         logits, weights, indices = router(torch.zeros(3, config.hidden_size, dtype=torch.bfloat16, device="meta"))
     assert logits.dtype == torch.float32 and tuple(logits.shape) == (3, config.num_experts)
     assert tuple(router.weight.shape) not in casts.shapes
+
+
+def _fla_function_parameters(relative_path: str, name: str) -> set[str]:
+    """The parameter names of fla's function `name` in `fla/<relative_path>`, read from its source (importing it
+    needs Triton)."""
+    import ast
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("flash-linear-attention is not installed (pip install -e '.[dev]')")
+    with open(os.path.join(list(spec.submodule_search_locations)[0], relative_path)) as source:
+        tree = ast.parse(source.read())
+    function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
+    return {a.arg for a in (*function.args.args, *function.args.kwonlyargs)}
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_the_fla_decode_step_updates_the_state_in_place(monkeypatch, contiguous):
+    """fla's public fused_recurrent_kda always allocates a new final state, which the wrapper then copied into the
+    cache's: its forward's inplace_final_state writes the cache's state directly. (Stand-ins for fla's kernels:
+    no Triton here; the call's arguments are checked against fla 0.6.0's source.)"""
+    from transformers_k3.ops import kda
+
+    calls = {}
+
+    def public(q, k, v, g, beta, initial_state=None, **kwargs):
+        calls["public"] = kwargs
+        return torch.zeros_like(v), initial_state + 1
+
+    def forward(q, k, v, g, beta, initial_state=None, **kwargs):
+        calls["in_place"] = kwargs
+        initial_state.add_(1)
+        return torch.zeros_like(v), initial_state
+
+    monkeypatch.setattr(kda, "_load_fla", lambda: ((public, public), None))
+    monkeypatch.setattr(kda, "_load_fla_inplace_recurrent", lambda: forward)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, g = (torch.randn(2, 1, 3, 8) for _ in range(4))
+    state = torch.zeros(2, 3, 8, 8) if contiguous else torch.zeros(2, 3, 8, 8).transpose(-1, -2)
+    with torch.no_grad():
+        out, final = kda.fused_recurrent_kda(q, k, v, g, torch.rand(2, 1, 3), initial_state=state,
+                                             output_final_state=True, inplace_final_state=True, backend="fla")
+    assert final is state and torch.equal(state, torch.ones(2, 3, 8, 8))
+    assert set(calls) == ({"in_place"} if contiguous else {"public"})
+    if contiguous:
+        assert calls["in_place"]["inplace_final_state"] is True
+        parameters = _fla_function_parameters("ops/kda/fused_recurrent.py", "fused_recurrent_kda_fwd")
+        assert set(calls["in_place"]) <= parameters

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import itertools
 import math
 import os
@@ -138,6 +139,20 @@ def _load_fla() -> tuple[tuple | None, str | None]:
     except Exception as error:  # noqa: BLE001 - any import-time failure makes fla unusable here
         return None, f"{type(error).__name__}: {error}"
     return (fla_chunk_kda, fla_fused_recurrent_kda), None
+
+
+@functools.cache
+def _load_fla_inplace_recurrent():
+    """fla's recurrent forward that can write the final state into the initial one (``inplace_final_state``, which
+    its public ``fused_recurrent_kda`` always turns off), guarded as that entry point guards it; None if absent."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        from fla.utils import input_guard
+    except Exception:  # noqa: BLE001 - as in _load_fla
+        return None
+    if "inplace_final_state" not in inspect.signature(fused_recurrent_kda_fwd).parameters:
+        return None
+    return input_guard(fused_recurrent_kda_fwd)
 
 
 def _triton_interpreted() -> bool:
@@ -365,6 +380,17 @@ def fused_recurrent_kda(
                 "fla's fused_recurrent_kda has no backward pass but the inputs require grad; use chunk_kda for "
                 "training, run under torch.no_grad(), or pass backend='torch'"
             )
+        in_place = _load_fla_inplace_recurrent() if inplace_final_state and not kwargs else None
+        if in_place is not None and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+            # the kernel reads each state tile and writes it back in place: no new state, no copy back
+            o, _ = in_place(
+                q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                output_final_state=True, inplace_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                cu_seqlens=cu_seqlens,
+            )  # fmt: skip
+            return o, initial_state
         fla_fused_recurrent_kda = _load_fla()[0][1]
         o = fla_fused_recurrent_kda(
             q, k, v, g, beta,
@@ -382,7 +408,7 @@ def fused_recurrent_kda(
             cu_seqlens=cu_seqlens,
             **kwargs,
         )  # fmt: skip
-        if inplace_final_state:  # fla's public entry point never writes in place: copy the result back
+        if inplace_final_state:  # (a state fla cannot update in place: its result copied back)
             return o[0], initial_state.copy_(o[1])
         return o
     _reject_fla_only(kwargs)
