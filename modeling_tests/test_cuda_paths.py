@@ -321,3 +321,47 @@ def test_the_fla_decode_step_updates_the_state_in_place(monkeypatch, contiguous)
         assert calls["in_place"]["inplace_final_state"] is True
         parameters = _fla_function_parameters("ops/kda/fused_recurrent.py", "fused_recurrent_kda_fwd")
         assert set(calls["in_place"]) <= parameters
+
+
+def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(model):
+    """The three short-convolution filters were concatenated at every decode step of every KDA layer (a launch and
+    a copy each); kept between steps, the concatenation must still follow a filter changed in place (an optimizer
+    step, load_state_dict) or replaced. Reference: the whole sequence run without a cache, after each change."""
+    from transformers_k3.layers import kda as kda_layers
+    from transformers_k3.layers.kda import KimiK3DeltaAttention
+
+    kda_layers._KEPT_CONV_WEIGHTS.clear()  # (other tests decoded with this model)
+    layers = [m for m in model.modules() if isinstance(m, KimiK3DeltaAttention)]
+    layer = layers[0]
+    width = 3 * layer.proj_dim
+
+    class FilterCats(torch.utils._python_dispatch.TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.cat.default and tuple(out.shape) == (width, layer.conv_size):
+                FilterCats.count += 1
+            return out
+
+    ids = torch.randint(3, 400, (1, 9), generator=torch.Generator().manual_seed(5))
+    original = layer.q_conv1d.weight.detach().clone()
+
+    def decoded():
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        return torch.cat([model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 9)], 1)
+
+    try:
+        with torch.no_grad():
+            with FilterCats():
+                steps = decoded()
+            assert FilterCats.count == len(layers)  # three decode steps, one concatenation per layer
+            torch.testing.assert_close(steps, model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
+            layer.q_conv1d.weight.mul_(-1.5)  # in place, as an optimizer step or load_state_dict writes
+            torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
+            layer.k_conv1d.weight = torch.nn.Parameter(layer.k_conv1d.weight.detach() * 0.5)  # replaced
+            torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
+    finally:
+        with torch.no_grad():
+            layer.q_conv1d.weight.copy_(original)
+            layer.k_conv1d.weight = torch.nn.Parameter(layer.k_conv1d.weight.detach() * 2.0)

@@ -8,6 +8,8 @@ writes it through `KimiK3HybridCache`.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,11 @@ def kda_forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(a * x)
     return -a * F.softplus(x, threshold=20.0)
+
+
+# layer -> (its filters' versions, weak references to them, their concatenation) for decode steps; outside the
+# modules so that pickling or copying a model never carries it
+_KEPT_CONV_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class KimiK3DeltaAttention(nn.Module):
@@ -79,6 +86,24 @@ class KimiK3DeltaAttention(nn.Module):
             return apply_linear(self.g_proj, x)
         return apply_linear(self.g_b_proj, apply_linear(self.g_a_proj, x))
 
+    def _decode_conv_weight(self, convs) -> torch.Tensor:
+        """The three filters as one ``[3P, K]`` weight. Without autograd it is kept between decode steps, remade when
+        a filter is replaced, moved or changed in place (its version counter: optimizer steps, ``load_state_dict``,
+        ``copy_``; a write through ``.data`` bypasses it, so such code must replace the parameter instead)."""
+        weights = [conv.weight for conv in convs]
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+            return torch.cat([w.squeeze(1) for w in weights])
+        try:
+            key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        except RuntimeError:  # inference tensors keep no version counter: nothing tells a change, so no keeping
+            return torch.cat([w.squeeze(1) for w in weights])
+        kept = _KEPT_CONV_WEIGHTS.get(self)
+        if kept is None or kept[0] != key or any(ref() is not w for ref, w in zip(kept[1], weights)):
+            # (weak references: a new parameter at a freed one's address is still a new parameter)
+            kept = (key, [weakref.ref(w) for w in weights], torch.cat([w.detach().squeeze(1) for w in weights]))
+            _KEPT_CONV_WEIGHTS[self] = kept
+        return kept[2]
+
     def _short_convs(self, projections, cache_layer, cu_seqlens) -> list[torch.Tensor]:
         """q, k, v after their causal convolutions and SiLU, reading/writing the conv window in the cache."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
@@ -88,8 +113,8 @@ class KimiK3DeltaAttention(nn.Module):
             # decode: the cached window [B, 3P, K-1] (q's channels, then k's, then v's) is updated in place by one
             # call over all three projections (each channel is its own convolution: bitwise the three separate
             # calls, tested), which costs what one of those did (~8 small ops each)
-            weight = torch.cat([conv.weight.squeeze(1) for conv in convs])
-            mixed = causal_conv1d_update(torch.cat(projections, dim=-1), window, weight, activation="silu")
+            mixed = causal_conv1d_update(torch.cat(projections, dim=-1), window, self._decode_conv_weight(convs),
+                                         activation="silu")
             return list(mixed.split(self.proj_dim, dim=-1))
         outputs, finals = [], []
         for i, (z, conv) in enumerate(zip(projections, convs)):
