@@ -23,7 +23,7 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17", "Pillow",
                 "tiktoken", "bitsandbytes>=0.50", "nbclient", "nbformat", "ipykernel", "matplotlib",
-                "compressed-tensors"],
+                "compressed-tensors", "deepspeed"],
         "fla": ["flash-linear-attention==0.6.0"],
         "vision": ["Pillow"],
         "quant": ["bitsandbytes>=0.50"],  # 0.50: 4-bit layers run on CPU too

@@ -77,3 +77,33 @@ def test_parallel_model_equals_the_single_process_model(checkpoints, mode, proce
     assert r["lora_parameters"] > 0 and not r["lora_missing_grads"], r
     assert r["lora_loss_diff"] <= tol and r["lora_grad_rel_norm_diff"] <= 5e-5, r
     print(f"{mode} x{processes} {which}: a rank holds {r['weight_bytes_ratio']:.0%} of the weight bytes")
+
+
+def test_deepspeed_zero3_trains_like_one_process(tmp_path):
+    """DeepSpeed ZeRO-3 on 2 CPU processes (gloo, DeepSpeed's CPU accelerator), loaded the user's way
+    (``HfDeepSpeedConfig`` + ``from_pretrained``: the fused experts and the release's A_log are converted to the
+    whole shapes, not the partitioned ones): 3 AdamW steps on half of a global batch per rank give the global
+    losses of one process training on the whole batch, with half the parameters on each rank."""
+    pytest.importorskip("deepspeed")
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train()
+    model.save_pretrained(tmp_path / "model")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                           os.path.join(HERE, "_deepspeed_worker.py"), str(tmp_path / "model")],
+                          capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    single = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        single.append(loss.item())
+    assert single[-1] < single[0] - 0.5
+    assert result["losses"] == pytest.approx(single, rel=1e-5), (result, single)
+    assert abs(result["held_fraction"] - 0.5) < 0.01, result

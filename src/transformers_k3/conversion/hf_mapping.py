@@ -143,7 +143,7 @@ class NormalizeALog(ConversionOps):
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         value = next(iter(input_dict.values()))
         value = value[0] if isinstance(value, list) else value
-        num_heads = model.get_parameter(full_layer_name).shape[0] if model is not None else value.numel()
+        num_heads = _target_shape(model.get_parameter(full_layer_name))[0] if model is not None else value.numel()
         try:
             return {target_patterns[0]: normalize_a_log(value, num_heads)}
         except ValueError as error:
@@ -175,12 +175,16 @@ class PadALog(ConversionOps):
         return NormalizeALog()
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor-parallel parameter (a DTensor; transformers shards each checkpoint tensor as it
-    reads it, so the experts arrive as this rank's shards), else the parameter."""
+def _target_shape(param: torch.Tensor) -> torch.Size:
+    """The shape a conversion must produce for ``param``: this rank's part of a tensor-parallel parameter (a DTensor;
+    transformers shards each checkpoint tensor as it reads it, so the experts arrive as this rank's shards), the
+    whole shape of a DeepSpeed ZeRO-3 parameter (partitioned to an empty tensor; loaded whole, then partitioned),
+    else the parameter's."""
     from torch.distributed.tensor import DTensor
 
-    return param.to_local() if isinstance(param, DTensor) else param
+    if isinstance(param, DTensor):
+        return param.to_local().shape
+    return getattr(param, "ds_shape", None) or param.shape
 
 
 class FuseExperts(ConversionOps):
@@ -196,7 +200,8 @@ class FuseExperts(ConversionOps):
 
     @_recorded
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        param = _local(model.get_parameter(full_layer_name)) if model is not None else None
+        param = model.get_parameter(full_layer_name) if model is not None else None
+        shape = _target_shape(param) if param is not None else None
         per_proj = []  # (proj, [callables giving one expert's block])
         for proj in self.projections:
             dense = input_dict.pop(_expert_pattern(proj, "weight"), None)
@@ -220,9 +225,9 @@ class FuseExperts(ConversionOps):
                     except ValueError as error:
                         raise type(error)(f"`{full_layer_name}`: expert {i} {proj}: {error}") from None
                 blocks = [lambda p=p, s=s: dequantize_mxfp4(p, s, torch.float32) for p, s in zip(packed, scale)]
-            if param is not None and len(blocks) != param.shape[0]:
+            if shape is not None and len(blocks) != shape[0]:
                 raise ValueError(
-                    f"`{full_layer_name}`: found {proj} for {len(blocks)} experts, the model has {param.shape[0]}"
+                    f"`{full_layer_name}`: found {proj} for {len(blocks)} experts, the model has {shape[0]}"
                 )
             per_proj.append((proj, blocks))
         # fill one pre-allocated fused tensor expert by expert: peak memory = the result + one expert
@@ -235,9 +240,9 @@ class FuseExperts(ConversionOps):
                     rows = block.shape[0] * len(per_proj)
                     dtype = param.dtype if param is not None else block.dtype
                     fused = torch.empty(len(blocks), rows, block.shape[1], dtype=dtype, device=block.device)
-                    if param is not None and tuple(fused.shape) != tuple(param.shape):
+                    if shape is not None and tuple(fused.shape) != tuple(shape):
                         raise ValueError(f"`{full_layer_name}`: the experts give shape {list(fused.shape)}, "
-                                         f"the model expects {list(param.shape)}")
+                                         f"the model expects {list(shape)}")
                 if tuple(block.shape) != (fused.shape[1] // len(per_proj), fused.shape[2]):
                     raise ValueError(f"`{full_layer_name}`: expert {e} {proj} has shape {list(block.shape)}, "
                                      f"expected {[fused.shape[1] // len(per_proj), fused.shape[2]]}")
