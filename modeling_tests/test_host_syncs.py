@@ -19,7 +19,7 @@ from transformers_k3.ops import cpu_kernel, kda
 
 from conftest import randomize_
 
-# the aten ops by which a value reaches the host (``.tolist()`` and ``int()`` go through _local_scalar_dense)
+# the aten ops by which a value reaches the host (``int()``, ``bool()``, ``.item()`` go through _local_scalar_dense)
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "allclose"}
 
 
@@ -99,7 +99,12 @@ def fake_fla(monkeypatch):
         state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
         return torch.zeros_like(v), state if output_final_state else None
 
+    def in_place(q, k, v, g, beta, initial_state=None, **kwargs):
+        calls.append(q.shape[1])
+        return torch.zeros_like(v), initial_state
+
     monkeypatch.setattr(kda, "_load_fla", lambda: ((chunk, chunk), None))
+    monkeypatch.setattr(kda, "_load_fla_inplace_recurrent", lambda: in_place)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with kda.kda_backend("fla"):
         yield calls
