@@ -18,12 +18,14 @@ d. paths: a left-padded batch's cached decode with each attention implementation
    flash-attn imports) equal to each row alone; device_map with the embeddings on the CPU and (two GPUs) the
    layers split with the final read on the second; a saved cache loaded without ``device=``; host syncs per
    decode step in our files (torch's sync debug mode); ``torch.compile`` of the decode step (see ``section_paths``).
+e. parallel: with two or more GPUs, TP and TP+EP over them (torchrun, nccl) against the whole model
+   (``section_parallel``; the CPU tests run the same worker over gloo).
 c. speed: tokens/s of our PyTorch path vs fla's kernels (also with safe_gate=True), T in {4K, 16K}, H=32,
    D=128, batch 1, bf16, and the single-token decode step (informational; never fails the run).
 
 Each check's line ends with its seconds: on a fresh machine the first call of each kernel configuration
 includes Triton's compile and fla's autotuning, which can dominate. Checks not started by their section's
-deadline (ops 45% of the budget, model 65%, paths 85%, speed 100%) are reported NOT RUN; a rerun on the same machine
+deadline (ops 45% of the budget, model 65%, paths 80%, parallel 90%, speed 100%) are reported NOT RUN; a rerun on the same machine
 reuses Triton's on-disk cache, and ``--sections ops`` / ``--sections model,speed`` split the work.
 
 Tolerances (both metrics must hold; ``scale = max(1, max|reference|)``; ``rms = ||diff||_2 / ||ref||_2``)::
@@ -69,7 +71,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-SECTIONS = ("ops", "model", "paths", "speed")
+SECTIONS = ("ops", "model", "paths", "parallel", "speed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -785,6 +787,54 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
                        + traceback.format_exc().strip().splitlines()[-1][:200])
 
 
+def section_parallel(report: Report, device, dry: bool, deadline: float) -> None:
+    """Tensor and expert parallelism over the GPUs (nccl, one rank per GPU, up to 4): modeling_tests/_parallel_worker.py
+    under torchrun, on a saved tiny checkpoint, against the whole model on each rank (logits, greedy generation,
+    a training step's gradients, Quantile Balancing, save + reload, LoRA). Needs two CUDA devices."""
+    import json
+    import subprocess
+    import tempfile
+
+    print("\n== e. parallel: TP and TP+EP over the GPUs (torchrun, nccl)", flush=True)
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if dry or count < 2:
+        report.add("parallel", "SKIPPED", "TP / EP over several GPUs",
+                   "needs two CUDA devices" + (" (the CPU tests run it over gloo: test_parallel.py)" if dry else ""))
+        return
+    import transformers_k3
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    processes = 4 if count >= 4 else 2
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        model = transformers_k3.KimiK3ForCausalLM(transformers_k3.KimiK3TextConfig.tiny())
+        randomize(model)
+        model.save_pretrained(pathlib.Path(tmp) / "model")
+        for mode in ("tp", "ep"):
+            name = f"{mode} over {processes} GPUs"
+            if time.monotonic() > deadline:
+                report.add("parallel", "NOT RUN", name, "time budget")
+                continue
+            report.start()
+            out = pathlib.Path(tmp) / mode
+            out.mkdir()
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                                   "--standalone", str(root / "modeling_tests" / "_parallel_worker.py"), mode,
+                                   str(pathlib.Path(tmp) / "model"), str(out)],
+                                  capture_output=True, text=True, timeout=240)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                report.add("parallel", "ERROR", name, (proc.stderr.strip().splitlines() or ["no output"])[-1][:300])
+                continue
+            r = json.loads(lines[-1][len("RESULT "):])
+            ok = (r["logits_max_diff"] <= 1e-4 * max(1.0, r["logits_scale"]) and r["generate_equal"]
+                  and r["grad_rel_norm_diff"] <= 1e-4 and not r["missing_grads"] and r["reloaded_logits_diff"] == 0
+                  and r["lora_grad_rel_norm_diff"] <= 1e-4 and r["metrics_equal"])
+            report.add("parallel", "PASS" if ok else "FAIL", name,
+                       f"logits max|d|={r['logits_max_diff']:.1e}, grads rel={r['grad_rel_norm_diff']:.1e}, "
+                       f"generate equal {r['generate_equal']}, a rank holds {r['weight_bytes_ratio']:.0%} of the weights")
+
+
 # --------------------------------------------------------------------------------------------------
 # Section c: speed (informational)
 
@@ -880,7 +930,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (only with --dry)")
     parser.add_argument("--dry", action="store_true", help="CPU run with fla's naive reference as the 'fla' side")
     parser.add_argument("--dry-fault", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of ops,model,paths,speed")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of ops,model,paths,parallel,speed")
     parser.add_argument("--budget", type=float, default=270.0, help="seconds; checks not started by then are NOT RUN")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args(argv)
@@ -902,9 +952,10 @@ def main(argv=None) -> int:
     start = time.monotonic()
     report = Report()
     # Checks start only before their section's deadline (time left over rolls on): ops until 45% of the
-    # budget, the model until 65%, the paths until 85%, speed until the end.
+    # budget, the model until 65%, the paths until 80%, the parallel runs until 90%, speed until the end.
     deadlines = {"ops": start + 0.45 * args.budget, "model": start + 0.65 * args.budget,
-                 "paths": start + 0.85 * args.budget, "speed": start + args.budget}
+                 "paths": start + 0.8 * args.budget, "parallel": start + 0.9 * args.budget,
+                 "speed": start + args.budget}
     try:
         import transformers_k3
         from transformers_k3.ops import kda as kda_ops
@@ -941,6 +992,8 @@ def main(argv=None) -> int:
             section_model(kda_ops, calls, report, device, sizes, args.dry, deadlines["model"])
         elif section == "paths":
             section_paths(report, device, sizes, args.dry, deadlines["paths"])
+        elif section == "parallel":
+            section_parallel(report, device, args.dry, deadlines["parallel"])
         else:
             try:
                 section_speed(kda_ops, report, device, sizes, args.dry, deadlines["speed"])

@@ -4,7 +4,7 @@
 # See bench/gpu_check.py for what is checked and the tolerances.
 #
 #   bash bench/gpu_check.sh                      # the CUDA check (prints SKIP and exits 0 without a GPU)
-#   bash bench/gpu_check.sh --sections ops       # only the op checks (also: model, paths, speed)
+#   bash bench/gpu_check.sh --sections ops       # only the op checks (also: model, paths, parallel, speed)
 #   bash bench/gpu_check.sh --device cpu --dry   # every code path but the Triton calls, on the CPU
 #
 # Exit status: 0 PASS or SKIP; 1 a mismatch or error; 3 checks left undone within the time budget;

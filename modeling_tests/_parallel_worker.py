@@ -20,6 +20,7 @@ Rank 0 prints ``RESULT {json}``.
 """
 
 import json
+import os
 import pathlib
 import sys
 
@@ -80,15 +81,21 @@ def compare_gradients(model, whole, world: int, only: str = ""):
 def main() -> None:
     mode, path, out_dir = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # one GPU per rank where there are enough (bench/gpu_check.py runs it so, over nccl), else the CPU and gloo
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode == "tp":
         distributed = DistributedConfig(tp_plan="auto")
     else:
         distributed = DistributedConfig(tp_size=world, ep_size=world)
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=distributed, dtype=torch.float32)
-    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.randint(3, whole.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    ids = torch.randint(3, whole.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     result = {"world": world, "mode": mode}
 
     model.eval(), whole.eval()
@@ -129,7 +136,7 @@ def main() -> None:
     model.save_pretrained(out_dir / "saved")
     dist.barrier()
     with torch.no_grad():
-        again = AutoModelForCausalLM.from_pretrained(out_dir / "saved", dtype=torch.float32).eval()
+        again = AutoModelForCausalLM.from_pretrained(out_dir / "saved", dtype=torch.float32).to(device).eval()
         result["reloaded_logits_diff"] = (again(ids).logits - whole.eval()(ids).logits).abs().max().item()
 
     # LoRA on the split model, on the projections the TP plan leaves whole (PEFT sizes an adapter from its layer's
