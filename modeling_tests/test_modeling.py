@@ -426,7 +426,7 @@ def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatc
     from transformers_k3 import KimiK3HybridCache
     from transformers_k3.ops import cpu_kernel
 
-    if cpu_kernel.library() is None or not cpu_kernel.library().k3_linear_bf16_available():
+    if cpu_kernel.library() is None or not cpu_kernel.library().linear_bf16_available():
         pytest.skip("no bf16 few-row linear kernel in this build")
     model = tiny_model.to(torch.bfloat16)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())

@@ -433,7 +433,7 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
     stored weights (no transposed copies): the float64 per-token loop's output (fp32: 1e-5; bf16: the kernel's
     fp32 result rounded once, so within a bf16 rounding), the same bits with 1, 2 or 3 threads, sentinel ids
     (expert parallelism) contributing nothing, odd widths; 5 tokens take the other paths, to the same values."""
-    if cpu_kernel.library() is None or not cpu_kernel.library().k3_moe_small_gemm_available():
+    if cpu_kernel.library() is None or not cpu_kernel.library().small_gemm_available():
         pytest.skip("the experts kernel's vector paths are unavailable (no AVX-512 or AVX2)")
     # (bf16: the kernel's fp32 result, rounded once)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=8e-3)

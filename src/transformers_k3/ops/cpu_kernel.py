@@ -1,4 +1,6 @@
-"""The fused CPU kernels (``csrc/*.cpp``): built on first use, loaded with ctypes.
+"""The fused CPU kernels (``csrc/*.cpp``) as PyTorch operators, ``torch.ops.transformers_k3.*``: built on first
+use, each with a fake implementation (FakeTensor, torch.compile, export) and, where differentiable, an autograd
+formula whose backward is itself an operator.
 
 * ``kda_cpu.cpp``: chunked KDA. The PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of
   its time in element-wise passes, one kernel launch each, over tensors that the C++ kernel keeps in cache
@@ -22,12 +24,14 @@ without autograd). The experts kernel also takes bf16 weights and activations (s
 fp32, computed in fp32, rounded once at the end). Other dtypes, KDA training and machines where the kernels
 cannot be built use the PyTorch path.
 
-The sources are compiled once per machine with the system C++ compiler (``$CXX``, else ``c++``; a few
-seconds: they include no torch headers) into ``$TRANSFORMERS_K3_CACHE`` (default
-``~/.cache/transformers_k3``), under a name that hashes the source, the compiler command, torch's
-version and location and this CPU's model and feature flags (it is built with ``-march=native``, so a
-cache shared between different machines never hands one the other's binary). It is written to a
-temporary name and renamed, so a concurrent or interrupted build never leaves a partial library behind.
+``csrc/torch_ops.cpp`` defines the operators (``TORCH_LIBRARY``): each checks its tensors and calls a kernel's
+entry point (``csrc/kernels.h``); only that file includes torch headers. The sources are compiled once per
+machine by ``torch.utils.cpp_extension`` (ninja, the system C++ compiler: ``$CXX``, else ``c++``; ~25 s on 2
+cores), in a child process, into ``$TRANSFORMERS_K3_CACHE`` (default ``~/.cache/transformers_k3``), under a name
+that hashes the source, the compiler and flags, torch's version and location and this CPU's model and feature
+flags (it is built with ``-march=native``, so a cache shared between different machines never hands one the
+other's binary). The library and its checksum are fsynced and renamed into place, so a concurrent or interrupted
+build never leaves a partial library behind, and a cached file that fails its checksum is rebuilt, not loaded.
 If no compiler is found or the build fails, the reason is logged once and the PyTorch path is used.
 
 ``TRANSFORMERS_K3_CPU_KERNEL=0`` (or :func:`use_cpu_kernel`) turns the kernels off, e.g. to compare.
@@ -36,7 +40,6 @@ If no compiler is found or the build fails, the reason is logged once and the Py
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -103,8 +106,9 @@ def enabled() -> bool:
 
 def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
     """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU, not being traced
-    by torch.compile (a ctypes call would break the graph) and, unless the kernel has a backward
-    (``differentiable``), no autograd. The library is built on the first call that qualifies."""
+    by torch.compile (a compiled model runs the PyTorch path, which its tests compare bitwise with eager) and,
+    unless the kernel has a backward (``differentiable``), no autograd. The library is built on the first call
+    that qualifies."""
     return (
         enabled()
         and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
@@ -137,20 +141,32 @@ def load_error() -> str | None:
     return _state["error"]
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library (both kernels), building it on first call; None if that is impossible here."""
+def library():
+    """The kernels' operators, ``torch.ops.transformers_k3`` (each kernel entry point one operator), building and
+    loading their library on first call; None if that is impossible here."""
     if _state["tried"]:
         return _state["lib"]
     with _lock:
         if not _state["tried"]:
             try:
-                _state["lib"] = _load()
+                _load()
+                _state["lib"] = torch.ops.transformers_k3
             except Exception as error:  # no compiler, failed build, unloadable library: use the PyTorch path
                 _state["error"] = f"{type(error).__name__}: {error}"
                 logger.warning("transformers_k3: fused CPU kernels (KDA, experts) unavailable, using the PyTorch "
                                "path (%s)", _state["error"])
             _state["tried"] = True
     return _state["lib"]
+
+
+def _feature(name: str) -> int:
+    """A build property (``small_gemm_available``, ``amx_available``, ...), asked once per process."""
+    if name not in _features:
+        _features[name] = int(getattr(torch.ops.transformers_k3, name)())
+    return _features[name]
+
+
+_features: dict[str, int] = {}
 
 
 def _cache_dir() -> pathlib.Path:
@@ -298,59 +314,13 @@ def _load():
             torch.ops.load_library(str(path))
             _loaded.append(str(path))
             _register_python_parts()
-        return _legacy(pathlib.Path(_loaded[0]))  # (the loaded file: a second copy would register its operators again)
+        return
     raise RuntimeError("building the CPU kernels failed:\n" + "\n---\n".join(errors))
 
 
-def _legacy(path: pathlib.Path) -> ctypes.CDLL:
-        lib = ctypes.CDLL(str(path))
-        pointer, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        lib.k3_kda_chunk_forward.restype = i32
-        lib.k3_kda_chunk_forward.argtypes = [pointer] * 9 + [i64] + [i32] * 4 + [f32, i32]
-        lib.k3_moe_experts_forward.restype = i32
-        lib.k3_moe_experts_forward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                               i64, i32, i32, f32, f32, pointer, pointer, i32, i32, pointer, i32]  # fmt: skip
-        lib.k3_moe_experts_backward.restype = i32
-        lib.k3_moe_experts_backward.argtypes = [pointer, i64, i32, pointer, pointer, i32, pointer, i32, pointer, i32,
-                                                i64, i32, i32, f32, f32, *[pointer] * 6, i32, i32, pointer, i32]  # fmt: skip
-        lib.k3_glu.restype = i32
-        lib.k3_glu.argtypes = [pointer, pointer, i64, i32, i32, f32, f32, *[pointer] * 4, i32]
-        lib.k3_moe_set_vector_glu.restype = i32
-        lib.k3_moe_set_vector_glu.argtypes = [i32]
-        lib.k3_moe_small_gemm_available.restype = i32
-        lib.k3_moe_small_gemm_available.argtypes = []
-        lib.k3_router_topk.restype = i32
-        lib.k3_router_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, i32]
-        lib.k3_router_sigmoid_available.restype = i32
-        lib.k3_router_sigmoid_available.argtypes = []
-        lib.k3_sigmoid.restype = i32
-        lib.k3_sigmoid.argtypes = [pointer, pointer, i64]
-        lib.k3_router_sigmoid_topk.restype = i32
-        lib.k3_router_sigmoid_topk.argtypes = [pointer, pointer, i64, i64, i32, pointer, pointer, i32]
-        lib.k3_amx_available.restype = i32
-        lib.k3_amx_available.argtypes = []
-        lib.k3_gemm_bf16_f32.restype = i32
-        lib.k3_gemm_bf16_f32.argtypes = [pointer, pointer, i64, i64, i32, pointer, i32]
-        lib.k3_linear_bf16_available.restype = i32
-        lib.k3_linear_bf16_available.argtypes = []
-        lib.k3_linear_bf16_rows.restype = i32
-        lib.k3_linear_bf16_rows.argtypes = [pointer, pointer, pointer, i64, i64, i32, pointer, i32]
-        lib.k3_router_screened_topk.restype = i32
-        lib.k3_router_screened_topk.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, i32, pointer, pointer,
-                                                i32]  # fmt: skip
-        lib.k3_rms_norm_backward.restype = i32
-        lib.k3_rms_norm_backward.argtypes = [pointer, pointer, pointer, i64, i32, f32, pointer, pointer, i32]
-        lib.k3_router_backward.restype = i32
-        lib.k3_router_backward.argtypes = [pointer, i64, i32, pointer, i64, pointer, i32, *[pointer] * 4, i32]
-        lib.k3_moe_decode_max_tokens.restype = i32
-        lib.k3_moe_decode_max_tokens.argtypes = []
-        lib.k3_moe_decode.restype = i32
-        lib.k3_moe_decode.argtypes = [pointer, pointer, pointer, i64, pointer]
-        return lib
-
-
 def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int, inplace: bool = False):
-    """Chunked KDA forward with the fused kernel, or None when it cannot run here (then use the PyTorch path).
+    """Chunked KDA forward with the fused kernel (``transformers_k3::kda_chunk_forward``), or None when it cannot run
+    here (then use the PyTorch path).
 
     ``q, k, g`` ``[B, T, H, K]``, ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, all fp32 on CPU, ``q`` not
     yet scaled; ``state`` ``[N, H, K, V]`` fp32 in sequence order; ``bounds`` the host
@@ -358,29 +328,23 @@ def chunk_forward(q, k, v, g, beta, state, bounds, scale: float, chunk: int, inp
     final state [N, H, K, V])``; with ``inplace`` the final state is written into ``state`` (which must then
     be contiguous) and returned, otherwise ``state`` is left untouched.
     """
-    lib = library()
-    if lib is None:
+    if library() is None:
         return None
-    batch, length, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    batch, length = q.shape[:2]
     if inplace and not state.is_contiguous():
         raise ValueError("chunk_forward(inplace=True) needs a contiguous state")
     final = state if inplace else state.clone(memory_format=torch.contiguous_format)
-    out = torch.empty(batch, length, heads, value_dim, dtype=torch.float32)
     if bounds is None:
         starts = torch.arange(batch, dtype=torch.int64) * length
         lengths = torch.full((batch,), length, dtype=torch.int64)
     else:
         edges = torch.tensor(bounds, dtype=torch.int64)
-        starts, lengths = edges[:-1].contiguous(), (edges[1:] - edges[:-1]).contiguous()
-    status = lib.k3_kda_chunk_forward(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), out.data_ptr(), final.data_ptr(),
-        starts.data_ptr(), lengths.data_ptr(), starts.numel(), heads, key_dim, value_dim, chunk, float(scale),
-        max(1, torch.get_num_threads()),
-    )  # fmt: skip
-    if status != 0:  # nothing was written (the kernel checks its scratch before touching any state)
-        logger.warning("transformers_k3: fused CPU KDA kernel returned status %d, using the PyTorch path", status)
+        starts, lengths = edges[:-1], edges[1:] - edges[:-1]
+    try:
+        out = torch.ops.transformers_k3.kda_chunk_forward.default(q, k, v, g, beta, final, starts, lengths, chunk,
+                                                                  float(scale))  # fmt: skip
+    except torch.OutOfMemoryError as error:  # nothing was written (the kernel checks its scratch first)
+        logger.warning("transformers_k3: fused CPU KDA kernel failed (%s), using the PyTorch path", error)
         return None
     return out, final
 
@@ -389,18 +353,13 @@ def router_topk(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.T
     """Indices ``[N, k]`` (int64) of the ``k`` largest ``scores + bias`` per row, or None when the kernel cannot
     run here. ``scores [N, E]`` and ``bias [E]`` fp32 on CPU. Rows come out in descending order of the biased
     score; equal scores rank the lower expert id first; NaN ranks above every number (as in torch.topk)."""
-    lib = library()
-    if lib is None:
+    if library() is None:
         return None
-    num_tokens, num_experts = scores.shape
-    values, shift = scores.detach().contiguous(), bias.detach().contiguous()  # held until the call returns
-    index = torch.empty(num_tokens, top_k, dtype=torch.int64)
-    status = lib.k3_router_topk(values.data_ptr(), shift.data_ptr(), num_tokens, num_experts, top_k,
-                                index.data_ptr(), max(1, torch.get_num_threads()))  # fmt: skip
-    if status != 0:
-        logger.warning("transformers_k3: fused CPU router kernel returned status %d, using torch.topk", status)
+    try:
+        return torch.ops.transformers_k3.router_topk.default(scores.detach(), bias.detach(), top_k)
+    except torch.OutOfMemoryError as error:
+        logger.warning("transformers_k3: fused CPU router kernel failed (%s), using torch.topk", error)
         return None
-    return index
 
 
 def router_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int):
@@ -413,33 +372,26 @@ def router_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int):
     lib = library()
     if lib is None or top_k > 16 or not _sigmoid_matches_torch(lib):
         return None
-    num_tokens, num_experts = logits.shape
-    values, shift = logits.detach().contiguous(), bias.detach().contiguous()  # held until the call returns
-    index = torch.empty(num_tokens, top_k, dtype=torch.int64)
-    selected = torch.empty(num_tokens, top_k, dtype=torch.float32)
-    status = lib.k3_router_sigmoid_topk(values.data_ptr(), shift.data_ptr(), num_tokens, num_experts, top_k,
-                                        index.data_ptr(), selected.data_ptr(), max(1, torch.get_num_threads()))  # fmt: skip
-    if status != 0:
-        if status != 3:
-            logger.warning("transformers_k3: fused CPU router kernel returned status %d, using torch", status)
+    try:
+        return torch.ops.transformers_k3.router_sigmoid_topk.default(logits.detach(), bias.detach(), top_k)
+    except NotImplementedError:  # (more than 2^31 experts)
         return None
-    return index, selected
+    except torch.OutOfMemoryError as error:
+        logger.warning("transformers_k3: fused CPU router kernel failed (%s), using torch", error)
+        return None
 
 
 def _sigmoid_matches_torch(lib) -> bool:
     """Whether the kernels' sigmoid gives bitwise torch.sigmoid on a probe spanning its range (a torch whose
     sigmoid is computed differently would change the ranking of near-ties: then the router keeps torch's)."""
-    cached = getattr(lib, "k3_sigmoid_checked", None)
-    if cached is None:
+    if "sigmoid_matches" not in _features:
         probe = torch.cat([torch.linspace(-100, 100, 4000), torch.logspace(-30, 1, 90),
                            torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 88.5])])  # fmt: skip
-        ours, theirs = torch.empty_like(probe), torch.sigmoid(probe)
         # (4,096 values: torch's vectorised loop covers all of them, with no scalar tail)
-        cached = bool(lib.k3_router_sigmoid_available()) and (
-            lib.k3_sigmoid(probe.data_ptr(), ours.data_ptr(), probe.numel()) == 0 and same_bits(ours, theirs)
+        _features["sigmoid_matches"] = bool(_feature("sigmoid_available")) and same_bits(
+            lib.sigmoid(probe), torch.sigmoid(probe)
         )
-        lib.k3_sigmoid_checked = cached
-    return cached
+    return bool(_features["sigmoid_matches"])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -451,35 +403,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def selected_scores(hidden_states, weight, top_k_index, selected):
     """The router's chosen sigmoid scores ``selected [N, k]`` (``sigmoid(hidden_states weight^T)`` at
     ``top_k_index``, passed in without autograd) as a differentiable function of ``hidden_states [N, H]`` and
-    ``weight [E, H]`` (fp32, CPU) whose backward touches only the ``N k`` chosen logits (`k3_router_backward`)
+    ``weight [E, H]`` (fp32, CPU) whose backward touches only the ``N k`` chosen logits (``router_backward``)
     instead of autograd's dense ``[N, E]`` products."""
-    return _SelectedScores.apply(hidden_states, weight, top_k_index, selected)
+    return torch.ops.transformers_k3.selected_scores.default(hidden_states, weight, top_k_index, selected.detach())
 
 
-class _SelectedScores(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden_states, weight, top_k_index, selected):
-        selected = selected.detach().clone()
-        ctx.save_for_backward(hidden_states, weight, top_k_index, selected)
-        return selected
+def _selected_setup(ctx, inputs, output):
+    hidden_states, weight, top_k_index, _ = inputs
+    ctx.save_for_backward(hidden_states, weight, top_k_index, output)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_selected):
-        hidden_states, weight, top_k_index, selected = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[:2]
-        (num_tokens, hidden), (num_experts, top_k) = hidden_states.shape, (weight.shape[0], top_k_index.shape[1])
-        h, w, index = hidden_states.detach().contiguous(), weight.detach().contiguous(), top_k_index.contiguous()
-        grad, chosen = grad_selected.contiguous(), selected.contiguous()  # (all held until the call returns)
-        grad_h = torch.empty(num_tokens, hidden) if need_h else None
-        grad_w = torch.empty(num_experts, hidden) if need_w else None
-        status = library().k3_router_backward(
-            h.data_ptr(), num_tokens, hidden, w.data_ptr(), num_experts, index.data_ptr(), top_k, chosen.data_ptr(),
-            grad.data_ptr(), _ptr(grad_h), _ptr(grad_w), max(1, torch.get_num_threads()),
-        )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"the fused CPU router kernel's backward returned status {status}")
-        return grad_h, grad_w, None, None
+
+def _selected_backward(ctx, grad):
+    hidden_states, weight, top_k_index, selected = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[:2]
+    grad_h, grad_w = torch.ops.transformers_k3.router_backward.default(grad, hidden_states, weight, top_k_index,
+                                                                       selected, need_h, need_w)  # fmt: skip
+    return grad_h if need_h else None, grad_w if need_w else None, None, None
 
 
 def router_screened_topk(
@@ -511,27 +450,20 @@ def router_screened_topk(
     lib = library()
     if not _sigmoid_matches_torch(lib):
         return None
-    x, w = hidden_states.detach().contiguous(), weight.detach().contiguous()  # (held until the call returns)
-    shift = bias.detach().contiguous()
-    num_tokens = x.shape[0]
-    index = torch.empty(num_tokens, top_k, dtype=torch.int64)
-    selected = torch.empty(num_tokens, top_k, dtype=torch.float32)
-    status = lib.k3_router_screened_topk(
-        x.data_ptr(), num_tokens, x.shape[1], w.data_ptr(), w.shape[0], shift.data_ptr(), top_k, int(screen),
-        index.data_ptr(), selected.data_ptr(), max(1, torch.get_num_threads()),
-    )  # fmt: skip
-    if status != 0:
-        if status not in (3, 4):  # (4: a weight or bias that is not finite; the GEMM path ranks it as torch does)
-            logger.warning("transformers_k3: screened CPU router kernel returned status %d, using the GEMM", status)
+    try:
+        return lib.router_screened_topk.default(hidden_states.detach(), weight.detach(), bias.detach(), top_k,
+                                                screen)  # fmt: skip
+    except NotImplementedError:  # (a weight or bias that is not finite: the GEMM path ranks it as torch does)
         return None
-    return index, selected
+    except torch.OutOfMemoryError as error:
+        logger.warning("transformers_k3: screened CPU router kernel failed (%s), using the GEMM", error)
+        return None
 
 
 def amx_available() -> bool:
     """Whether :func:`linear_bf16_f32` can run here: the kernels loaded, built for a CPU with the AMX tile unit
     (bf16), and the process granted its registers by the OS."""
-    lib = library()
-    return lib is not None and bool(lib.k3_amx_available())
+    return library() is not None and bool(_feature("amx_available"))
 
 
 def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -548,34 +480,18 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         and enabled() and not torch.compiler.is_compiling() and amx_available()
     ):  # fmt: skip
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _LinearBf16F32.apply(x, weight)
-    return _linear_bf16_f32(x, weight)
+    return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
 
 
-def _linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    a, b = x.detach().contiguous(), weight.detach().contiguous()
-    out = torch.empty(a.shape[0], b.shape[0], dtype=torch.float32)
-    status = library().k3_gemm_bf16_f32(a.data_ptr(), b.data_ptr(), a.shape[0], b.shape[0], a.shape[1],
-                                        out.data_ptr(), max(1, torch.get_num_threads()))  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"the AMX bf16 GEMM returned status {status} (out of memory?)")
-    return out
+def _gemm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
 
 
-class _LinearBf16F32(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return _linear_bf16_f32(x, weight)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w
+def _gemm_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+    grad_w = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w
 
 
 # Where linear_bf16 beats torch's bf16 matmul (2 threads, this project's Sapphire Rapids; median call time, torch /
@@ -613,20 +529,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     lib = library()
     if lib is None or not _linear_bf16_available(lib):
         return None
-    a, w = x.contiguous(), weight.contiguous()  # (held until the calls return)
-    b = None if bias is None else bias.contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    b_ptr = None if b is None else b.data_ptr()
-    if rows <= LINEAR_BF16_MAX_ROWS:  # (a decode step: one call)
-        status = lib.k3_linear_bf16_rows(a.data_ptr(), w.data_ptr(), b_ptr, rows, n, k, out.data_ptr(),
-                                         torch.get_num_threads())  # fmt: skip
-        return out if status == 0 else None
-    a_ptr, out_ptr, threads = a.data_ptr(), out.data_ptr(), torch.get_num_threads()
-    for i in range(0, rows, LINEAR_BF16_MAX_ROWS):  # (rows of 2-byte values)
-        m = min(LINEAR_BF16_MAX_ROWS, rows - i)
-        if lib.k3_linear_bf16_rows(a_ptr + 2 * i * k, w.data_ptr(), b_ptr, m, n, k, out_ptr + 2 * i * n, threads):
-            return None
-    return out
+    return lib.linear_bf16.default(x, weight, bias)  # (more than 15 rows: in calls of 15)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -707,64 +610,37 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def _linear_bf16_available(lib) -> bool:
-    cached = getattr(lib, "k3_linear_bf16_checked", None)
-    if cached is None:
-        cached = lib.k3_linear_bf16_checked = bool(lib.k3_linear_bf16_available())
-    return cached
+    return bool(_feature("linear_bf16_available"))
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: tuple) -> torch.Tensor | None:
     """``act(gate, up)`` for the dense MLP and the shared experts (``activation`` as for `moe_experts`), computed in
-    fp32 by the experts kernel's GLU (``k3_glu``: the same values as the routed experts' GLU, a few ulp from
-    torch's tanh and sigmoid) and returned in the inputs' dtype (fp32 or bf16: bf16 inputs are computed in fp32
-    and rounded once, as `situ_glu` does). One call where torch takes ~9 element-wise ops forward and ~15 backward,
-    each a pass over ``[N, I]``. Differentiable (the backward is the kernel's, one pass). None where it does not
-    apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512 / AVX2, torch.compile."""
+    fp32 by the experts kernel's GLU (``transformers_k3::glu``: the same values as the routed experts' GLU, a few
+    ulp from torch's tanh and sigmoid) and returned in the inputs' dtype (fp32 or bf16: bf16 inputs are computed in
+    fp32 and rounded once, as `situ_glu` does). One call where torch takes ~9 element-wise ops forward and ~15
+    backward, each a pass over ``[N, I]``. Differentiable (the backward is the kernel's, one pass). None where it
+    does not apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512 / AVX2,
+    torch.compile."""
     if not (
         gate.dtype is up.dtype and gate.dtype in (torch.float32, torch.bfloat16) and gate.is_cpu and up.is_cpu
         and gate.shape == up.shape and gate.dim() >= 1 and gate.shape[-1] > 0
         and enabled() and not torch.compiler.is_compiling()
     ):  # fmt: skip
         return None
-    lib = library()
-    if lib is None or not lib.k3_moe_small_gemm_available():
+    if library() is None or not _feature("small_gemm_available"):
         return None
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _Glu.apply(gate, up, activation)
-    return _glu(gate, up, activation)[0]
+    return torch.ops.transformers_k3.glu.default(gate, up, *_activation_args(activation))
 
 
-def _glu(gate, up, activation, grad_out=None):
-    """(act, grad_gate, grad_up) in the inputs' dtype (the gradients only with ``grad_out``)."""
-    dtype, shape = gate.dtype, gate.shape
-    a, u = gate.detach().float().contiguous(), up.detach().float().contiguous()
-    d = None if grad_out is None else grad_out.float().contiguous()
-    out = torch.empty_like(a)
-    grad_a = grad_u = None
-    if d is not None:
-        grad_a, grad_u = torch.empty_like(a), torch.empty_like(a)
-    kind, beta, linear_beta = _activation_args(activation)
-    status = library().k3_glu(a.data_ptr(), u.data_ptr(), a.numel() // shape[-1], shape[-1], kind, beta, linear_beta,
-                              _ptr(d), out.data_ptr(), _ptr(grad_a), _ptr(grad_u), max(1, torch.get_num_threads()))  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"the GLU kernel returned status {status}")
-    cast = (lambda t: t) if dtype is torch.float32 else (lambda t: None if t is None else t.to(dtype))
-    return cast(out), cast(grad_a), cast(grad_u)
+def _glu_setup(ctx, inputs, output):
+    gate, up, *ctx.activation = inputs
+    ctx.save_for_backward(gate, up)
 
 
-class _Glu(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        ctx.save_for_backward(gate, up)
-        ctx.activation = activation
-        return _glu(gate, up, activation)[0]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        _, grad_gate, grad_up = _glu(gate, up, ctx.activation, grad_out=grad)
-        return grad_gate, grad_up, None
+def _glu_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = torch.ops.transformers_k3.glu_backward.default(grad, gate, up, *ctx.activation)
+    return grad_gate, grad_up, None, None, None
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -799,22 +675,73 @@ def _rms_norm_backward(ctx, grad):
 def _register_python_parts() -> None:
     """What the operators need besides their CPU kernels (csrc/torch_ops.cpp): fake implementations (shapes and
     dtypes, for FakeTensor, torch.compile and export) and, for the differentiable ones, their autograd formulas."""
-    fake, autograd = torch.library.register_fake, torch.library.register_autograd
-    ns = "transformers_k3::"
-    fake(ns + "rms_norm")(lambda x, w, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
-    fake(ns + "rms_norm_backward")(lambda g, x, w, eps: (torch.empty_like(x, memory_format=torch.contiguous_format),
-                                                         torch.empty_like(w, memory_format=torch.contiguous_format)))  # fmt: skip
+    ns, fake, autograd = "transformers_k3::", torch.library.register_fake, torch.library.register_autograd
+    contiguous = torch.contiguous_format
+    f32, i64 = torch.float32, torch.int64
+
+    def empty_as(x, dtype=None):
+        return torch.empty_like(x, dtype=dtype, memory_format=contiguous)
+
+    def none(x):  # (what an op returns for a gradient it was not asked for)
+        return x.new_empty(0, dtype=f32)
+
+    @fake(ns + "kda_chunk_forward")
+    def _(q, k, v, g, beta, state, starts, lengths, chunk, scale):
+        return q.new_empty((*q.shape[:3], v.shape[-1]))
+
+    @fake(ns + "router_topk")
+    def _(scores, bias, top_k):
+        return scores.new_empty((scores.shape[0], top_k), dtype=i64)
+
+    @fake(ns + "router_sigmoid_topk")
+    def _(logits, bias, top_k):
+        return logits.new_empty((logits.shape[0], top_k), dtype=i64), logits.new_empty((logits.shape[0], top_k))
+
+    @fake(ns + "router_screened_topk")
+    def _(x, weight, bias, top_k, screen):
+        return x.new_empty((x.shape[0], top_k), dtype=i64), x.new_empty((x.shape[0], top_k))
+
+    fake(ns + "sigmoid")(lambda x: empty_as(x))
+    fake(ns + "selected_scores")(lambda h, w, index, selected: torch.empty_like(selected))
+
+    @fake(ns + "router_backward")
+    def _(grad, h, w, index, selected, need_hidden, need_weight):
+        return empty_as(h) if need_hidden else none(h), empty_as(w) if need_weight else none(w)
+
+    fake(ns + "gemm_bf16_f32")(lambda x, w: x.new_empty((x.shape[0], w.shape[0]), dtype=f32))
+    fake(ns + "linear_bf16")(lambda x, w, bias: x.new_empty((*x.shape[:-1], w.shape[0])))
+    fake(ns + "glu")(lambda gate, up, kind, beta, linear_beta: empty_as(gate))
+    fake(ns + "glu_backward")(lambda grad, gate, up, kind, beta, linear_beta: (empty_as(gate), empty_as(gate)))
+    fake(ns + "rms_norm")(lambda x, w, eps: empty_as(x))
+    fake(ns + "rms_norm_backward")(lambda grad, x, w, eps: (empty_as(x), empty_as(w)))
+
+    def experts_sizes(x, index, gate_up, transposed):
+        return x.shape[0], index.shape[1], x.shape[1], gate_up.shape[2 if transposed else 1] // 2
+
+    @fake(ns + "moe_experts")
+    def _(x, index, weights, gate_up, down, transposed, kind, beta, linear_beta, small, save_products):
+        tokens, top_k, hidden, inter = experts_sizes(x, index, gate_up, transposed)
+        products = x.new_empty((tokens * top_k, 2 * inter), dtype=f32) if small and save_products else none(x)
+        return x.new_empty((tokens, hidden)), products
+
+    @fake(ns + "moe_experts_backward")
+    def _(grad, x, index, weights, gate_up, down, products, transposed, kind, beta, linear_beta, small, mask):
+        return (x.new_empty(x.shape) if mask[0] else none(x), weights.new_empty(weights.shape) if mask[1] else none(x),
+                empty_as(gate_up) if mask[2] else none(x), empty_as(down) if mask[3] else none(x))  # fmt: skip
+
+    fake(ns + "moe_decode")(lambda y, *weights_and_settings: empty_as(y))
+
     autograd(ns + "rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    autograd(ns + "glu", _glu_backward, setup_context=_glu_setup)
+    autograd(ns + "gemm_bf16_f32", _gemm_backward, setup_context=_gemm_setup)
+    autograd(ns + "selected_scores", _selected_backward, setup_context=_selected_setup)
+    autograd(ns + "moe_experts", _experts_backward, setup_context=_experts_setup)
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:
     if activation[0] == "silu":
         return 0, 0.0, 0.0
     return 1, float(activation[1]), float(activation[2] or 0.0)
-
-
-def _ptr(x: torch.Tensor | None) -> int | None:
-    return None if x is None else x.data_ptr()
 
 
 def moe_decode_max_tokens() -> int:
@@ -826,11 +753,7 @@ def moe_decode_max_tokens() -> int:
     lib = library()
     if lib is None:
         return 0
-    cached = getattr(lib, "k3_moe_decode_max_tokens_value", None)
-    if cached is None:
-        cached = int(lib.k3_moe_decode_max_tokens()) if _sigmoid_matches_torch(lib) else 0
-        lib.k3_moe_decode_max_tokens_value = cached
-    return cached
+    return _feature("moe_decode_max_tokens") if _sigmoid_matches_torch(lib) else 0
 
 
 # The decode kernel runs on one thread, the modules' products on every thread: it is taken for layers up to this
@@ -894,14 +817,9 @@ class MoeDecode:
             return  # (bf16 experts the experts kernel does not take: the modules' bf16 products round at each step)
         kind, beta, linear_beta = _activation_args(activation)
         self.hidden = hidden
-        self.desc = (ctypes.c_int64 * 20)(
-            hidden, int(dtype is torch.bfloat16), router.data_ptr(), int(router.dtype is not dtype),
-            bias.data_ptr(), num_experts, top_k, int(renormalize), _ptr(down_latent) or 0, latent, _ptr(norm) or 0,
-            _ptr(up_latent) or 0, gate_up.data_ptr(), down.data_ptr(), inter, kind,
-            *((0, 0, 0) if shared is None else (w.data_ptr() for w in shared)), shared_inter,
-        )  # fmt: skip
-        self.params = (ctypes.c_float * 4)(scale, eps, beta, linear_beta)
-        self.address = ctypes.addressof(self.desc), ctypes.addressof(self.params)
+        shared = (None, None, None) if shared is None else shared
+        self.args = (router, bias, top_k, bool(renormalize), float(scale), down_latent, norm, float(eps), up_latent,
+                     gate_up, down, kind, beta, linear_beta, *shared)  # fmt: skip
         self.usable = True
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor | None:
@@ -909,10 +827,10 @@ class MoeDecode:
             return None
         if torch.is_grad_enabled() and y.requires_grad:
             return None
-        x = y.contiguous()
-        out = torch.empty_like(x)
-        status = library().k3_moe_decode(*self.address, x.data_ptr(), x.shape[0], out.data_ptr())
-        return out if status == 0 else None
+        try:
+            return torch.ops.transformers_k3.moe_decode.default(y, *self.args)
+        except NotImplementedError:  # (the selection kernel unavailable)
+            return None
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
@@ -940,17 +858,11 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
         return None  # (bf16 weights: the small-GEMM path only)
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        return _FusedExperts.apply(*tensors, top_k_index, transposed, activation)
+        out, _ = _experts_forward(*tensors, top_k_index, transposed, activation, save_products=True)
+        if out is None:
+            raise RuntimeError("the fused CPU MoE kernel failed (see the warning above)")
+        return out
     return _experts_forward(*tensors, top_k_index, transposed, activation)
-
-
-def _experts_operands(hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed):
-    """What both kernel entry points take besides the weights: contiguous ``x``, routing weights and int64 ids
-    (held by the caller until the call returns: a temporary's memory would be freed before the kernel reads
-    it), ``N, k, D, I``, the thread count and whether the small-GEMM path runs."""
-    x, weights = hidden_states.detach().float().contiguous(), top_k_weights.detach().float().contiguous()
-    index = top_k_index.to(torch.int64).contiguous()
-    return x, weights, index, *_experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)
 
 
 def _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed):
@@ -984,85 +896,45 @@ def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_to
     other choice is then the PyTorch path, which is slower and larger at any token count (a decode step
     included)."""
     if _small_gemm_override is not None:
-        return _small_gemm_override and bool(library().k3_moe_small_gemm_available())
+        return _small_gemm_override and bool(_feature("small_gemm_available"))
     if bf16:
-        return bool(library().k3_moe_small_gemm_available()) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
-    return (bool(library().k3_moe_small_gemm_available()) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
+        return bool(_feature("small_gemm_available")) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
+    return (bool(_feature("small_gemm_available")) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
             and num_tokens * top_k >= SMALL_MIN_ROWS_PER_EXPERT * num_experts and threads - 1 <= top_k)  # fmt: skip
-
-
-def _experts_scratch(small: bool, num_tokens: int, top_k: int, hidden: int, threads: int) -> torch.Tensor:
-    """The kernel's [*, D] scratch: per-thread accumulators (small-GEMM path) or expert-sorted rows."""
-    return torch.empty((threads - 1) * num_tokens if small else num_tokens * top_k, hidden, dtype=torch.float32)
 
 
 def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation,
                      save_products: bool = False):  # fmt: skip
-    """``out [N, D]`` (None if the kernel failed); with ``save_products`` ``(out, saved)``: on the small-GEMM path
-    ``saved [N k, 2I]`` holds the gate/up products (expert-sorted) for the backward, which then skips recomputing
-    them (autograd keeps the same products in the PyTorch path), else None."""
-    lib = library()
-    x, weights, index, num_tokens, top_k, hidden, inter, threads, small = _experts_operands(
-        hidden_states, top_k_weights, gate_up_proj, top_k_index, transposed
-    )
-    scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads)
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
-    saved = torch.empty(num_tokens * top_k, 2 * inter) if save_products and small else None
-    status = lib.k3_moe_experts_forward(
-        x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
-        int(transposed), down_proj.data_ptr(), int(transposed), gate_up_proj.shape[0], inter,
-        *_activation_args(activation), scratch.data_ptr(), out.data_ptr(), threads, int(small), _ptr(saved),
-        int(gate_up_proj.dtype == torch.bfloat16),
-    )  # fmt: skip
-    if status != 0:
-        logger.warning("transformers_k3: fused CPU MoE kernel returned status %d, using the PyTorch path", status)
-        out = None
-    elif hidden_states.dtype != torch.float32:
-        out = out.to(hidden_states.dtype)
-    return (out, saved) if save_products else out
-
-
-class _FusedExperts(torch.autograd.Function):
-    """Forward and backward of the routed experts in the fused kernel (``k3_moe_experts_forward`` /
-    ``_backward``). On the small-GEMM path the forward keeps the experts' gate/up products ([N k, 2I], as autograd
-    would in the PyTorch path) and the backward reads them; on the sgemm path (large experts, where they would
-    be large too) the backward recomputes them."""
-
-    @staticmethod
-    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation):
-        out, saved = _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed,
-                                      activation, save_products=True)  # fmt: skip
-        if out is None:
-            raise RuntimeError("the fused CPU MoE kernel failed (see the warning above)")
-        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index)
-        ctx.transposed, ctx.activation, ctx.products = transposed, activation, saved
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index = ctx.saved_tensors
-        need_x, need_w, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        x, weights, index, num_tokens, top_k, hidden, inter, threads, small = _experts_operands(
-            hidden_states, top_k_weights, gate_up_proj, top_k_index, ctx.transposed
-        )
-        grad_x = torch.empty(num_tokens, hidden) if need_x else None  # (fp32; cast below)
-        grad_w = torch.empty(num_tokens, top_k) if need_w else None
-        grad_gate_up = torch.empty_like(gate_up_proj) if need_gate_up else None
-        grad_down = torch.empty_like(down_proj) if need_down else None
-        scratch = _experts_scratch(small, num_tokens, top_k, hidden, threads) if need_x else None
-        grad = grad_out.float().contiguous()  # held in a variable, like the operands
-        status = library().k3_moe_experts_backward(
-            x.data_ptr(), num_tokens, hidden, index.data_ptr(), weights.data_ptr(), top_k, gate_up_proj.data_ptr(),
-            int(ctx.transposed), down_proj.data_ptr(), int(ctx.transposed), gate_up_proj.shape[0], inter,
-            *_activation_args(ctx.activation), grad.data_ptr(), _ptr(grad_x), _ptr(grad_w),
-            _ptr(grad_gate_up), _ptr(grad_down), _ptr(scratch), threads, int(small),
-            _ptr(ctx.products if small else None), int(gate_up_proj.dtype == torch.bfloat16),
+    """``out [N, D]`` (None if the kernel failed) from ``transformers_k3::moe_experts``; with ``save_products``
+    ``(out, saved)``: on the small-GEMM path ``saved [N k, 2I]`` holds the gate/up products (expert-sorted) for the
+    backward, which then skips recomputing them (autograd keeps the same products in the PyTorch path), else
+    None. The op is differentiable (its backward is ``moe_experts_backward``)."""
+    small = _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)[-1]
+    try:
+        out, saved = torch.ops.transformers_k3.moe_experts.default(
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed,
+            *_activation_args(activation), small, save_products,
         )  # fmt: skip
-        if status != 0:
-            raise RuntimeError(f"the fused CPU MoE kernel's backward returned status {status} (out of memory?)")
-        if grad_x is not None:
-            grad_x = grad_x.to(hidden_states.dtype)
-        if grad_w is not None:
-            grad_w = grad_w.to(top_k_weights.dtype)
-        return grad_x, grad_w, grad_gate_up, grad_down, None, None, None
+    except torch.OutOfMemoryError as error:
+        logger.warning("transformers_k3: fused CPU MoE kernel failed (%s), using the PyTorch path", error)
+        out = saved = None
+    return (out, saved if small else None) if save_products else out
+
+
+def _experts_setup(ctx, inputs, output):
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *ctx.args, _ = inputs
+    ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _experts_backward(ctx, grad_out, _):
+    """On the small-GEMM path the forward kept the experts' gate/up products ([N k, 2I], as autograd would in the
+    PyTorch path) and the backward reads them; otherwise (``products`` empty) it recomputes them."""
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, products = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [need[0], need[2], need[3], need[4]]
+    grads = torch.ops.transformers_k3.moe_experts_backward.default(
+        grad_out, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, products, *ctx.args, mask
+    )
+    grad_x, grad_w, grad_gate_up, grad_down = (g if m else None for g, m in zip(grads, mask))
+    return grad_x, None, grad_w, grad_gate_up, grad_down, None, None, None, None, None, None

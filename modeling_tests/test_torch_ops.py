@@ -1,0 +1,259 @@
+"""The fused CPU kernels as PyTorch operators (torch.ops.transformers_k3.*, csrc/torch_ops.cpp): each passes
+torch.library.opcheck (its schema, its fake implementation against the real one, its autograd registration and,
+through AOTAutograd with dynamic shapes, a traced forward and backward equal to eager) and computes what the
+PyTorch reference computes; torch.compile(fullgraph=True) runs one inside its graph."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformers_k3.layers.activations import situ_glu
+from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
+from transformers_k3.ops import cpu_kernel
+from transformers_k3.ops.kda import chunk_kda
+
+from test_moe import make_config, make_moe, modules_path, randomize, ref_experts
+from test_ops_kda import make_inputs
+
+ops = torch.ops.transformers_k3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if cpu_kernel.library() is None:
+        pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
+
+
+def need(feature: str):
+    if not getattr(ops, feature)():
+        pytest.skip(f"this build or CPU lacks {feature} (AVX-512 / AVX2 / AMX)")
+
+
+def opcheck(op, args, **kwargs):
+    torch.library.opcheck(op, args, kwargs)
+
+
+def rand(*shape, seed=0, dtype=torch.float32, grad=False):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return x.requires_grad_() if grad else x
+
+
+def test_every_operator_is_registered_with_a_fake_implementation():
+    expected = {"kda_chunk_forward", "router_topk", "router_sigmoid_topk", "router_screened_topk", "sigmoid",
+                "selected_scores", "router_backward", "gemm_bf16_f32", "linear_bf16", "glu", "glu_backward",
+                "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode"}  # fmt: skip
+    for name in expected:
+        op = getattr(ops, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"), name  # (register_fake)
+    for name in ("rms_norm", "glu", "gemm_bf16_f32", "selected_scores", "moe_experts"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(getattr(ops, name).default.name(), "Autograd"), name
+
+
+def test_rms_norm():
+    x, w = rand(3, 7, 48, grad=True), (1 + 0.1 * rand(48, seed=1)).requires_grad_()
+    opcheck(ops.rms_norm.default, (x, w, 1e-6))
+    out = ops.rms_norm(x, w, 1e-6)
+    ref = F.rms_norm(x, (48,), eps=1e-6) * w
+    assert torch.equal(out, ref)  # (the forward is those two ops)
+    probe = rand(3, 7, 48, seed=2)
+    got = torch.autograd.grad((out * probe).sum(), (x, w))
+    want = torch.autograd.grad((ref * probe).sum(), (x, w))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    opcheck(ops.rms_norm_backward.default, (probe, x.detach(), w.detach(), 1e-6))
+
+
+@pytest.mark.parametrize("activation", [("silu",), ("situ", 4.0, 25.0), ("situ", 2.0, None)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_glu(activation, dtype):
+    need("small_gemm_available")
+    gate, up = rand(5, 3, 40, dtype=dtype, grad=True), rand(5, 3, 40, seed=1, dtype=dtype, grad=True)
+    kind, beta, linear_beta = cpu_kernel._activation_args(activation)
+    opcheck(ops.glu.default, (gate, up, kind, beta, linear_beta))
+    out = ops.glu(gate, up, kind, beta, linear_beta)
+    assert out.dtype == dtype
+    g32, u32 = (t.detach().float().requires_grad_() for t in (gate, up))
+    ref = F.silu(g32) * u32 if kind == 0 else situ_glu(g32, u32, beta, activation[2])
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), ref, **tolerance)
+    probe = rand(5, 3, 40, seed=2)
+    got = torch.autograd.grad((out.float() * probe).sum(), (gate, up))
+    want = torch.autograd.grad((ref * probe).sum(), (g32, u32))
+    for g, r in zip(got, want):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), r, **tolerance)
+    opcheck(ops.glu_backward.default, (probe.to(dtype), gate.detach(), up.detach(), kind, beta, linear_beta))
+
+
+def test_router_topk_and_sigmoid_topk():
+    scores, bias = rand(33, 40).sigmoid(), 0.1 * rand(40, seed=1)
+    opcheck(ops.router_topk.default, (scores, bias, 6))
+    assert torch.equal(ops.router_topk(scores, bias, 6), torch.topk(scores + bias, 6).indices)
+    need("sigmoid_available")
+    logits = rand(33, 40, seed=2)
+    opcheck(ops.router_sigmoid_topk.default, (logits, bias, 6))
+    index, selected = ops.router_sigmoid_topk(logits, bias, 6)
+    assert torch.equal(index, torch.topk(torch.sigmoid(logits) + bias, 6).indices)
+    assert cpu_kernel.same_bits(selected, torch.sigmoid(logits).gather(1, index))
+    probe = rand(64, 64, seed=3)  # (a multiple of torch's vector width: torch's loop has no scalar tail)
+    opcheck(ops.sigmoid.default, (probe,))
+    assert cpu_kernel.same_bits(ops.sigmoid(probe), torch.sigmoid(probe))
+
+
+def test_selected_scores_backward_is_the_dense_gradient_at_the_chosen_experts():
+    h, w = rand(17, 24, grad=True), rand(30, 24, seed=1, grad=True)
+    index = torch.topk(h.detach() @ w.detach().t(), 4).indices
+    dense = torch.sigmoid(h @ w.t()).gather(1, index)
+    opcheck(ops.selected_scores.default, (h, w, index, dense.detach()))
+    out = ops.selected_scores(h, w, index, dense.detach())
+    assert torch.equal(out, dense.detach())
+    probe = rand(17, 4, seed=2)
+    got = torch.autograd.grad((out * probe).sum(), (h, w))
+    want = torch.autograd.grad((dense * probe).sum(), (h, w))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    opcheck(ops.router_backward.default, (probe, h.detach(), w.detach(), index, dense.detach(), True, False))
+
+
+def test_router_screened_topk():
+    need("amx_available")
+    x, w, bias = rand(40, 64), rand(50, 64, seed=1), 0.1 * rand(50, seed=2)
+    opcheck(ops.router_screened_topk.default, (x, w, bias, 8, True))
+    index, selected = ops.router_screened_topk(x, w, bias, 8, True)
+    ref_index, ref_selected = ops.router_sigmoid_topk(x @ w.t(), bias, 8)
+    assert torch.equal(index, ref_index)
+    torch.testing.assert_close(selected, ref_selected, atol=1e-6, rtol=1e-5)
+
+
+def test_gemm_bf16_f32():
+    need("amx_available")
+    x, w = rand(20, 64, dtype=torch.bfloat16, grad=True), rand(24, 64, seed=1, dtype=torch.bfloat16, grad=True)
+    opcheck(ops.gemm_bf16_f32.default, (x, w))
+    torch.testing.assert_close(ops.gemm_bf16_f32(x, w), F.linear(x.float(), w.float()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 15, 31])
+def test_linear_bf16(rows):
+    need("linear_bf16_available")
+    x, w, b = rand(rows, 64, dtype=torch.bfloat16), rand(48, 64, seed=1, dtype=torch.bfloat16), rand(48, seed=2)
+    b = b.bfloat16()
+    for bias in (b, None):
+        opcheck(ops.linear_bf16.default, (x, w, bias))
+        out = ops.linear_bf16(x, w, bias)
+        ref = F.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
+        torch.testing.assert_close(out, ref, atol=0, rtol=2**-7)  # (one rounding apart at most)
+
+
+@pytest.mark.parametrize("case", ["whole", "packed"])
+def test_kda_chunk_forward(case):
+    q, k, v, g, beta, h0 = make_inputs(1 if case == "packed" else 2, 70, 2, 16, 16, "k3", seed=3)
+    if case == "packed":
+        edges = torch.tensor([0, 30, 30, 70])
+        h0 = torch.randn(3, 2, 16, 16, generator=torch.Generator().manual_seed(4))
+        starts, lengths = edges[:-1], edges[1:] - edges[:-1]
+    else:
+        starts, lengths = torch.tensor([0, 70]), torch.tensor([70, 70])
+    scale = 16**-0.5
+    state = h0.clone()
+    opcheck(ops.kda_chunk_forward.default, (q, k, v, g, beta, state.clone(), starts, lengths, 64, scale))
+    out = ops.kda_chunk_forward(q, k, v, g, beta, state, starts, lengths, 64, scale)
+    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+        cu = None if case == "whole" else edges
+        ref_o, ref_s = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                 cu_seqlens=cu)  # fmt: skip
+    torch.testing.assert_close(out, ref_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_s, atol=1e-4, rtol=1e-4)  # (updated in place: Tensor(a!))
+    with pytest.raises(RuntimeError, match="lies outside"):
+        ops.kda_chunk_forward(q, k, v, g, beta, state, starts, lengths + 1, 64, scale)
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["sgemm", "small_gemm"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["stored", "transposed"])
+def test_moe_experts(small, transposed):
+    if small:
+        need("small_gemm_available")
+    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
+    experts = randomize(KimiK3Experts(cfg))
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(37)])
+    x = rand(37, 32, seed=1, grad=True)
+    w = torch.rand(37, 4, generator=gen).requires_grad_()
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if transposed:
+        gate_up, down = (p.detach().transpose(1, 2).contiguous().requires_grad_() for p in (gate_up, down))
+    kind, beta, linear_beta = cpu_kernel._activation_args(experts.glu_activation)
+    args = (x, idx, w, gate_up, down, transposed, kind, beta, linear_beta, small)
+    for save in (False, True):
+        opcheck(ops.moe_experts.default, (*args, save))
+    out, products = ops.moe_experts(*args, True)
+    assert products.shape == ((37 * 4, 2 * experts.intermediate_dim) if small else (0,))
+    probe = rand(37, 32, seed=5)
+    grads = torch.autograd.grad((out * probe).sum(), (x, w, gate_up, down))
+    ref_out, ref_grads = ref_experts(experts, x, idx, w, probe)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        got = got.transpose(1, 2) if transposed and got.dim() == 3 else got
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    opcheck(ops.moe_experts_backward.default,
+            (probe, *detached[:5], products.detach(), *detached[5:], [True, False, True, True]))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_decode(dtype, monkeypatch):
+    if cpu_kernel.moe_decode_max_tokens() == 0:
+        pytest.skip("the fused decode step needs AVX-512 or AVX2")
+    made = []
+    original = cpu_kernel.MoeDecode.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(cpu_kernel.MoeDecode, "__init__", recording)
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    moe = moe.to(dtype)
+    y = rand(3, cfg.hidden_size, seed=7, dtype=dtype)
+    with torch.no_grad():
+        moe(y)
+    [kernel] = made
+    assert kernel.usable
+    weights = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in kernel.args)  # (no derivative)
+    opcheck(ops.moe_decode.default, (y, *weights))
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ops.moe_decode(y, *kernel.args), modules_path(moe, y), **tolerance)
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        ops.moe_decode(y, kernel.args[0], kernel.args[1][:-1], *kernel.args[2:])
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "glu"])
+def test_compiled_graph_calls_the_kernel_without_a_graph_break(name):
+    """torch.compile(fullgraph=True) over an operator: traced through its fake implementation, the kernel runs
+    inside the compiled graph (a graph break would raise here), forward and backward."""
+    if name == "glu":
+        need("small_gemm_available")
+        x, y = rand(6, 40, grad=True), rand(6, 40, seed=1, grad=True)
+
+        def fn(a, b):
+            return ops.glu(a, b, 1, 4.0, 25.0) * 2.0
+
+    else:
+        x, y = rand(6, 40, grad=True), (1 + 0.1 * rand(40, seed=1)).requires_grad_()
+
+        def fn(a, b):
+            return ops.rms_norm(a, b, 1e-6) * 2.0
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend=counts)
+    out = compiled(x, y)
+    graph = "\n".join(str(g.graph) for g in counts.graphs)
+    assert counts.frame_count == 1 and f"transformers_k3.{name}" in graph
+    torch.testing.assert_close(out, fn(x, y), atol=0, rtol=0)
+    got = torch.autograd.grad(out.sum(), (x, y))
+    want = torch.autograd.grad(fn(x, y).sum(), (x, y))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=0, rtol=0)
+    inductor = torch.compile(fn, fullgraph=True)  # the default backend too, forward and backward
+    torch.testing.assert_close(inductor(x, y), fn(x, y), atol=1e-6, rtol=1e-6)
