@@ -3,7 +3,8 @@ own machinery, against the same checkpoint in one process.
 
     python -m torch.distributed.run --nproc_per_node=N _parallel_worker.py MODE CHECKPOINT OUTPUT_DIR
 
-MODE ``tp``: ``DistributedConfig(tp_plan="auto")``; ``ep``: ``DistributedConfig(tp_size=N, ep_size=N)`` (the experts
+MODE ``vl``: the multimodal model under ``tp_plan="auto"``, logits and generation with an image only; ``tp``:
+``DistributedConfig(tp_plan="auto")``; ``ep``: ``DistributedConfig(tp_size=N, ep_size=N)`` (the experts
 split over the ranks by expert, the other modules by the TP plan: transformers takes ``ep_size`` as a multiple of
 ``tp_size``, and ``enable_expert_parallel=True`` alone leaves ``ep_size`` at 1). Every rank also loads the checkpoint whole (no
 parallelism) as the reference and checks, on a fixed batch:
@@ -78,6 +79,30 @@ def compare_gradients(model, whole, world: int, only: str = ""):
     return worst, worst_abs, name_worst, split, missing
 
 
+def multimodal(path: str, device: torch.device, rank: int) -> None:
+    """The multimodal model under ``tp_plan="auto"`` (its text model split by the text plan, the vision tower
+    whole): logits and greedy generation with an image against the whole model."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"),
+                                                        dtype=torch.float32).eval()
+    whole = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    pad = whole.config.media_placeholder_token_id
+    grid = torch.tensor([[1, 4, 4]], device=device)  # 16 patches -> 4 merged tokens
+    pixels = torch.randn(16, 3, 14, 14, generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.tensor([[5, 6, pad, pad, pad, pad, 7, 8]], device=device)
+    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid)
+    with torch.no_grad():
+        want, got = whole(**inputs).logits, model(**inputs).logits
+        kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        same = bool(torch.equal(whole.generate(**inputs, **kwargs), model.generate(**inputs, **kwargs)))
+    split = sum(local(p).shape != q.shape for p, q in zip(model.parameters(), whole.parameters()))
+    if rank == 0:
+        print("RESULT " + json.dumps({"logits_max_diff": (want - got).abs().max().item(), "logits_scale":
+                                      want.abs().max().item(), "generate_equal": same, "split_parameters": split}),
+              flush=True)
+
+
 def main() -> None:
     mode, path, out_dir = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
     torch.set_num_threads(1)
@@ -89,6 +114,11 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "vl":
+        multimodal(path, device, rank)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if mode == "tp":
         distributed = DistributedConfig(tp_plan="auto")
     else:

@@ -107,3 +107,15 @@ def test_deepspeed_zero3_trains_like_one_process(tmp_path):
     assert single[-1] < single[0] - 0.5
     assert result["losses"] == pytest.approx(single, rel=1e-5), (result, single)
     assert abs(result["held_fraction"] - 0.5) < 0.01, result
+
+
+def test_multimodal_model_under_tensor_parallelism(tmp_path):
+    """``AutoModelForImageTextToText`` with ``tp_plan="auto"`` on 2 gloo processes: the text model split by the
+    text plan, the vision tower whole; logits and greedy generation with an image equal the whole model's."""
+    from transformers_k3 import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    randomize_(KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval()).save_pretrained(tmp_path / "vl")
+    r = run_worker("vl", 2, tmp_path / "vl", tmp_path)
+    assert r["split_parameters"] > 0, r
+    assert r["logits_max_diff"] <= 1e-5 * max(1.0, r["logits_scale"]) and r["generate_equal"], r
