@@ -80,9 +80,10 @@ def model():
 
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
-    """Kernels off and MLA's device-dependent choice made as on a GPU."""
+    """Kernels off and the device-dependent choices made as on a GPU (MLA's path, host reads not free)."""
     monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
     monkeypatch.setattr(modeling, "uses_blockwise_attention", lambda config, hidden: False)
+    monkeypatch.setattr(modeling, "_host_reads_are_free", lambda tensor: False)
     with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
         yield
 
@@ -129,18 +130,19 @@ def manual_steps(model, rows: int, mask: torch.Tensor | None, steps: int = 3) ->
 
 @pytest.mark.parametrize("kda_path", ["torch", "fla"])
 @pytest.mark.parametrize("inputs", ["one row", "one row, mask of ones", "left-padded rows"])
-def test_a_decode_step_by_hand_syncs_once_in_our_code(model, as_on_a_gpu, request, kda_path, inputs):
-    """Driven by hand, a step's input values are checked (ids inside the vocabulary, no hole in the mask), all
-    read in one sync; nothing else in the step reads a value (the masks' all-ones tests are gone)."""
+def test_a_decode_step_by_hand_syncs_only_for_a_mask(model, as_on_a_gpu, request, kda_path, inputs):
+    """Driven by hand, a cached step on a GPU reads nothing for its ids (the embedding's device-side bounds check
+    stands) and, given a 2-D mask, reads its hole check: none for a batch of one without a mask, one with."""
     fla_calls = request.getfixturevalue("fake_fla") if kda_path == "fla" else None
     rows, mask = {"one row": (1, None), "one row, mask of ones": (1, torch.ones(1, 6, dtype=torch.long)),
                   "left-padded rows": (2, LEFT_PADDED)}[inputs]
     for syncs in manual_steps(model, rows, mask):
-        assert sum(syncs.ours.values()) == 1, syncs.ours
+        assert sum(syncs.ours.values()) == (0 if mask is None else 1), syncs.ours
     assert fla_calls is None or 1 in fla_calls  # (the decode steps went through the fla wrappers)
 
 
-def test_the_checks_of_a_step_by_hand_still_refuse_bad_values(model, as_on_a_gpu):
+def test_the_checks_of_a_step_by_hand_still_refuse_bad_values(model):
+    """Where host reads are free (the CPU) a cached step's ids are still checked; on a GPU the prompt's are."""
     cache = model(PROMPT[:2], attention_mask=LEFT_PADDED, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="outside this model's vocabulary"):
         model(torch.tensor([[3], [model.config.vocab_size]]), attention_mask=torch.ones(2, 7, dtype=torch.long),
@@ -148,6 +150,13 @@ def test_the_checks_of_a_step_by_hand_still_refuse_bad_values(model, as_on_a_gpu
     holed = torch.tensor([[1] * 7, [0, 0, 1, 0, 1, 1, 1]])
     with pytest.raises(ValueError, match="position 3 of row 1 between attended tokens"):
         model(PROMPT[:2, :1], attention_mask=holed, past_key_values=cache)
+
+
+def test_on_a_gpu_a_prompts_ids_are_still_checked(model, as_on_a_gpu):
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        model(torch.tensor([[3, model.config.vocab_size]]), past_key_values=KimiK3HybridCache(model.config))
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        model(torch.tensor([[3, -1]]))
 
 
 class _CountingForward:

@@ -204,6 +204,11 @@ def _padding_problem(attention_mask: torch.Tensor):
     return holes.any(), fail
 
 
+def _host_reads_are_free(tensor: torch.Tensor) -> bool:
+    """Whether reading `tensor`'s values on the host costs no device sync (it is in host memory)."""
+    return tensor.device.type == "cpu"
+
+
 def _raise_problems(problems: list) -> None:
     """Read the (flag, raise) pairs' flags in one host transfer (one sync on a GPU, whatever their number) and raise
     the first problem found."""
@@ -226,9 +231,9 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     _raise_problems([_input_ids_problem(input_ids, vocab_size)])
 
 
-def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int):
+def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int, range_check: bool = True):
     """`check_input_ids`'s form checks, raised now, and its range check as (flag, raise) for `_raise_problems`
-    (None while compiling or on meta)."""
+    (None without `range_check`, while compiling or on meta)."""
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise KimiK3InputError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor; pass the "
                                "tokenizer's ids (a float tensor of vectors goes in as inputs_embeds)")
@@ -236,7 +241,7 @@ def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int):
         raise KimiK3InputError(
             f"input_ids has no tokens (shape {tuple(input_ids.shape)}): pass at least one token; to start from "
             "nothing, pass the tokenizer's bos_token_id as a [batch, 1] tensor")
-    if torch.compiler.is_compiling() or input_ids.device.type == "meta":
+    if not range_check or torch.compiler.is_compiling() or input_ids.device.type == "meta":
         return None
     bad = (input_ids.detach() < 0) | (input_ids.detach() >= vocab_size)
 
@@ -675,11 +680,14 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 **kwargs) -> KimiK3ModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
-        # generate()'s own decode step (its ids sampled from these logits, its mask the checked one plus ones) needs
-        # neither value check; any other input's are read in one host sync
+        # generate() feeds its decode steps its own tokens under a checked mask; off the CPU a cached step's ids are
+        # left to the embedding's device-side bounds check: the value checks left are read in one host sync
         if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
+            continuing = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.get_seq_length() > 0
             _raise_problems([
-                _input_ids_problem(input_ids, self.embed_tokens.num_embeddings) if inputs_embeds is None else None,
+                _input_ids_problem(input_ids, self.embed_tokens.num_embeddings,
+                                   range_check=not continuing or _host_reads_are_free(input_ids))
+                if inputs_embeds is None else None,
                 _padding_problem(attention_mask) if attention_mask is not None and attention_mask.dim() == 2 else None,
             ])
         if inputs_embeds is None:
