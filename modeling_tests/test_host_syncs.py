@@ -193,6 +193,23 @@ def test_generate_decode_steps_have_no_host_sync_in_our_code(model, as_on_a_gpu,
         assert syncs.ours == {}
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_multimodal_generate_decode_steps_have_no_host_sync_in_our_code(as_on_a_gpu, monkeypatch, rows):
+    """The multimodal model's forward checks its ids and media slots only where the text model does: generate()'s
+    own decode steps (it checked the ids every step, and read the cache's token record)."""
+    from transformers_k3 import KimiK3Config, KimiK3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    vl = randomize_(KimiK3ForConditionalGeneration(KimiK3Config.tiny())).eval()
+    counting = _CountingForward(vl, monkeypatch)
+    mask = LEFT_PADDED[:rows] if rows == 2 else None
+    vl.generate(PROMPT[:rows], attention_mask=mask, max_new_tokens=4, do_sample=False,
+                past_key_values=KimiK3HybridCache(vl.config.text_config))
+    assert len(counting.calls) == 4
+    for syncs in counting.calls[1:]:
+        assert syncs.ours == {}
+
+
 def _reference_processed(processor, input_ids, scores):
     """The processor's rule applied row by row through `forced_token` (host reads and all)."""
     expected = scores.clone()

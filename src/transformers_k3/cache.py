@@ -548,6 +548,11 @@ class KimiK3HybridCache(Cache):
         the previous step's mask extended by ones, whose values the model then need not check (a host sync)."""
         self._generated_step = generated
 
+    def generated_step_marked(self) -> bool:
+        """Whether the next input was marked by `mark_generated_step`, left marked (the multimodal model's check;
+        its text model takes the mark)."""
+        return getattr(self, "_generated_step", False)
+
     def take_generated_step(self) -> bool:
         """Whether the next input was marked by `mark_generated_step` (read once)."""
         generated, self._generated_step = getattr(self, "_generated_step", False), False

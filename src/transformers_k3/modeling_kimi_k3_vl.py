@@ -24,7 +24,7 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
-from .cache import KimiK3CacheError
+from .cache import KimiK3CacheError, KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig
 from .layers.vision import (
     KimiK3MultiModalProjector,
@@ -260,11 +260,12 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
             if input_ids is None:
                 raise ValueError("Pass `input_ids` (or `inputs_embeds`).")
             embedding = self.get_input_embeddings()
-            check_input_ids(input_ids, embedding.num_embeddings)
+            if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.generated_step_marked()):
+                check_input_ids(input_ids, embedding.num_embeddings)  # (generate()'s own decode steps: no host read)
             inputs_embeds = embedding(input_ids)
         held = past_key_values.get_seq_length() if past_key_values is not None else 0
-        held_ids = past_key_values.token_ids if held else None
         if has_media:
+            held_ids = past_key_values.token_ids if held else None
             if self.config.media_placeholder_token_id is None:
                 raise KimiK3ConfigError(
                     "Invalid Kimi K3 config field `media_placeholder_token_id`: it is null, so no token marks where "
