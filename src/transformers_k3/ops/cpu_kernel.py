@@ -480,7 +480,10 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         and enabled() and not torch.compiler.is_compiling() and amx_available()
     ):  # fmt: skip
         return None
-    return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
+    with _below_autograd():
+        return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
 
 
 def _gemm_setup(ctx, inputs, output):
@@ -629,7 +632,10 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: tuple) -> torch.Tensor
         return None
     if library() is None or not _feature("small_gemm_available"):
         return None
-    return torch.ops.transformers_k3.glu.default(gate, up, *_activation_args(activation))
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return torch.ops.transformers_k3.glu.default(gate, up, *_activation_args(activation))
+    with _below_autograd():
+        return torch.ops.transformers_k3.glu.default(gate, up, *_activation_args(activation))
 
 
 def _glu_setup(ctx, inputs, output):
@@ -658,6 +664,12 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     if library() is None:
         return None
     return torch.ops.transformers_k3.rms_norm(hidden_states, weight, float(eps))
+
+
+def _below_autograd():
+    """For a differentiable operator's call that wants no gradient: its Python autograd kernel would only pass it
+    on, at ~8 us a call (the decode step makes dozens)."""
+    return torch._C._AutoDispatchBelowAutograd()
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -910,11 +922,14 @@ def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_
     backward, which then skips recomputing them (autograd keeps the same products in the PyTorch path), else
     None. The op is differentiable (its backward is ``moe_experts_backward``)."""
     small = _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)[-1]
+    tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
     try:
-        out, saved = torch.ops.transformers_k3.moe_experts.default(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed,
-            *_activation_args(activation), small, save_products,
-        )  # fmt: skip
+        with contextlib.nullcontext() if grad else _below_autograd():
+            out, saved = torch.ops.transformers_k3.moe_experts.default(
+                hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed,
+                *_activation_args(activation), small, save_products,
+            )  # fmt: skip
     except torch.OutOfMemoryError as error:
         logger.warning("transformers_k3: fused CPU MoE kernel failed (%s), using the PyTorch path", error)
         out = saved = None
