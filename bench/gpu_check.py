@@ -634,6 +634,8 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
     * ``device_map``: the embeddings on the CPU and the rest on the GPU, and (with two GPUs) the layers split over
       both with the final Attention-Residual read and the head on the second: logits and cached decode equal the
       single-device run;
+    * chunks of 24 tokens after a cache (the blockwise path: CUDA's memory-efficient kernel and its log-sum-exp,
+      context blocks of 16 tokens) equal one forward over everything;
     * a hybrid cache saved after the prefill and loaded without ``device=``: decoding from it equals decoding on;
     * host syncs in one B=1 decode step and one padded-batch step (torch's sync debug mode; our files must not
       sync in the B=1 step, at most once in the padded one);
@@ -726,6 +728,25 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
             report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1])
 
     model, config = _paths_model(device, sizes)
+    name = "chunks after the cache (blockwise attention over the context, log-sum-exp merged) equal one forward"
+    if not over(name):
+        try:
+            import transformers_k3.layers.mla as mla
+
+            ids = long_row[:, : 3 * 24]
+            block, mla.CONTEXT_BLOCK = mla.CONTEXT_BLOCK, 16  # several context blocks to merge
+            try:
+                with torch.no_grad():
+                    whole = model(ids).logits
+                    cache = model(ids[:, :24], use_cache=True).past_key_values
+                    parts = [whole[:, :24]] + [model(ids[:, s:s + 24], past_key_values=cache).logits for s in (24, 48)]
+            finally:
+                mla.CONTEXT_BLOCK = block
+            ok, detail = compare(whole.float(), torch.cat(parts, 1).float(), tolerance("model", torch.float32))
+            report.add("paths", "PASS" if ok else "FAIL", name, detail)
+        except Exception:  # noqa: BLE001
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1])
+
     name = "hybrid cache saved and loaded without device= follows the model"
     if not over(name):
         try:

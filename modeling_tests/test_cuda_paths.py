@@ -2,6 +2,8 @@
 flash-attention family gets transformers' 2-D padding mask, which the absorbed decode path must read right), and
 the chunk-after-cache path when the model and the MLA layer decide it on different devices."""
 
+import types
+
 import pytest
 import torch
 
@@ -76,6 +78,50 @@ def test_a_chunk_after_the_cache_agrees_whatever_device_each_module_sees(model, 
         cache = model(ids[:, :6], use_cache=True).past_key_values
         chunk = model(ids[:, 6:], past_key_values=cache).logits  # 24 tokens: more than the absorbed path takes
     torch.testing.assert_close(chunk, full[:, 6:], atol=2e-5, rtol=1e-5)
+
+
+def _efficient_attention_like_cuda(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                                   is_causal=False, *, scale=None):
+    """CUDA's memory-efficient kernel as its schema and PyTorch's kernel give it, in plain math on the CPU: the
+    output, and the log-sum-exp with its rows padded to a multiple of 32 (garbage in the padding)."""
+    assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
+    scores = query.float() @ key.float().transpose(-1, -2) * scale
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = (scores - lse[..., None]).exp() @ value.float()
+    rows = -(-query.shape[-2] // 32) * 32
+    padded = torch.full((*lse.shape[:-1], rows), 123.0)
+    padded[..., : lse.shape[-1]] = lse
+    return out.to(query.dtype), padded, torch.empty(()), torch.empty(())
+
+
+def test_the_blockwise_chunk_attention_takes_cudas_log_sum_exp_kernel(model, implementation, monkeypatch):
+    """On CUDA a chunk after cached tokens attends blockwise too (it expanded K/V for the whole context: ~10 GB at
+    128K), through the memory-efficient kernel's log-sum-exp. Emulated: the CPU path routed through the CUDA
+    wrapper with that kernel's documented outputs (padded log-sum-exp rows), context blocks of 8 tokens so that
+    several merge; the chunks equal one forward over everything."""
+    implementation("sdpa")
+    calls = []
+
+    def efficient(*args, **kwargs):
+        calls.append(args[0].shape)
+        return _efficient_attention_like_cuda(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", efficient)
+    monkeypatch.setitem(mla.LSE_KERNELS, "cpu", mla._cuda_efficient_attention)
+    monkeypatch.setattr(mla, "CONTEXT_BLOCK", 8)
+    ids = torch.randint(3, 400, (1, 60), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :20], use_cache=True).past_key_values
+        chunks = [full[:, :20]]
+        for start in (20, 40):  # 20 tokens each: past the absorbed path's 16
+            chunks.append(model(ids[:, start:start + 20], past_key_values=cache).logits)
+    assert calls, "the blockwise path did not run"
+    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=2e-5, rtol=1e-5)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"), requires_grad=False)  # what the check reads
+    assert mla.uses_blockwise_attention(model.config, on_cuda)
 
 
 def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(monkeypatch):

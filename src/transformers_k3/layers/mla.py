@@ -85,10 +85,33 @@ def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
 
 
 def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
-    """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA on CPU); the
-    model then builds no ``[T, context]`` mask for it."""
-    return config._attn_implementation == "sdpa" and hidden_states.device.type == "cpu" and not (
+    """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA, on CPU or CUDA:
+    the devices with a fused kernel that returns its log-sum-exp); the model then builds no ``[T, context]`` mask."""
+    return config._attn_implementation == "sdpa" and hidden_states.device.type in LSE_KERNELS and not (
         hidden_states.requires_grad and torch.is_grad_enabled())
+
+
+def _cuda_efficient_attention(query, key, value, causal: bool, scale: float):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : query.shape[-2]].float()  # (its log-sum-exp rows come padded to a multiple of 32)
+
+
+def _cpu_flash_attention(query, key, value, causal: bool, scale: float):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, scale=scale)[:2]
+    return out, lse.float()
+
+
+# the fused kernels that return their log-sum-exp, by device type (CUDA's memory-efficient one takes fp32 too)
+LSE_KERNELS = {"cuda": _cuda_efficient_attention, "cpu": _cpu_flash_attention}
+
+
+def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention ``[B, n, T, d]`` and its log-sum-exp ``[B, n, T]`` (fp32) from a fused kernel
+    (`LSE_KERNELS`). ``causal`` aligns the diagonal top-left (used for ``T`` queries over their own keys)."""
+    return LSE_KERNELS[query.device.type](query, key, value, causal, scale)
 
 
 class KimiK3MLA(nn.Module):
@@ -182,17 +205,16 @@ class KimiK3MLA(nn.Module):
         The new tokens attend to each other with a causal kernel; the cached context is expanded through
         ``kv_b_proj`` `CONTEXT_BLOCK` tokens at a time and attended without a mask; the partial results are merged
         by their log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context
-        ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs the CPU flash
-        kernel's log-sum-exp output, so it serves CPU tensors."""
+        ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs a kernel's
+        log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors)."""
         pad = self.qk_head_dim - self.v_head_dim
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
             key, value = self._expand(block)
             if pad > 0:  # the fused kernel wants v's head dim == q/k's (as the prefill path above)
                 value = F.pad(value, (0, pad))
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, causal, scale=self.scaling)[:2]
-            return out[..., : self.v_head_dim].float(), lse.float()  # [B, n, T, dv], [B, n, T]
+            out, lse = attention_with_lse(query, key, value, causal, self.scaling)
+            return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
 
         out, lse = attend(latent[:, past_len:], causal=True)
         for start in range(0, past_len, CONTEXT_BLOCK):
@@ -250,4 +272,4 @@ class KimiK3MLA(nn.Module):
         return apply_linear(self.o_proj, attn_output), attn_weights
 
 
-__all__ = ["KimiK3MLA", "eager_attention_forward", "uses_blockwise_attention"]
+__all__ = ["KimiK3MLA", "attention_with_lse", "eager_attention_forward", "uses_blockwise_attention"]
