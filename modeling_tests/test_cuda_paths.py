@@ -411,3 +411,28 @@ def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(mod
         with torch.no_grad():
             layer.q_conv1d.weight.copy_(original)
             layer.k_conv1d.weight = torch.nn.Parameter(layer.k_conv1d.weight.detach() * 2.0)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatch, lower_bound):
+    """K3's gate is ``lower_bound * sigmoid(.)``, inside (lower_bound, 0): with the bound in [-5, 0) the layer's
+    prefill asks fla's chunk_kda for safe_gate (its faster path for bounded gates, which it never used); Kimi
+    Linear's unbounded softplus gate does not. fla stubbed (no Triton here), the call's keywords recorded."""
+    from transformers_k3.ops import kda
+
+    seen = []
+
+    def chunk(q, k, v, g, beta, initial_state=None, output_final_state=False, **kwargs):
+        seen.append(kwargs.get("safe_gate", False))
+        if lower_bound is not None:
+            assert bool((g >= lower_bound).all() and (g <= 0).all())  # what safe_gate promises the kernel
+        state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
+        return torch.zeros_like(v), state if output_final_state else None
+
+    monkeypatch.setattr(kda, "_load_fla", lambda: ((chunk, chunk), None))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = KimiK3TextConfig.tiny(linear_attn_config={"gate_lower_bound": lower_bound})
+    model = KimiK3ForCausalLM(config).eval()
+    with torch.no_grad(), kda.kda_backend("fla"):
+        model(torch.randint(3, 400, (1, 40)))
+    assert seen and all(flag == (lower_bound is not None) for flag in seen), seen

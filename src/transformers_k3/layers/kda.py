@@ -127,6 +127,12 @@ class KimiK3DeltaAttention(nn.Module):
             cache_layer.update_conv_state(torch.cat(finals, dim=1).to(projections[0].dtype))
         return outputs
 
+    def _chunk_options(self) -> dict:
+        # K3's gate lower_bound * sigmoid(.) lies in (lower_bound, 0): with a bound in [-5, 0) fla's chunked kernel
+        # may take its bounded-gate path (M=16 tensor-core blocks; the same quantity). The PyTorch path ignores it.
+        bound = self.lower_bound
+        return {"safe_gate": True} if bound is not None and -5 <= bound < 0 else {}
+
     def _recorded_delta_rule(self, q, k, v, g, beta, state, recorded: int):
         """The delta rule with the recurrent state kept after each of the last `recorded` tokens, so that the
         cache can roll back to any of them (assisted / prompt-lookup decoding). Earlier tokens run chunked."""
@@ -136,7 +142,7 @@ class KimiK3DeltaAttention(nn.Module):
         common = dict(scale=self.head_dim ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True)
         if head > 0:
             out, state = chunk_kda(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
-                                   initial_state=state, **common)
+                                   initial_state=state, **common, **self._chunk_options())
             outputs.append(out)
         if state is None:
             state = q.new_zeros(q.shape[0], self.num_heads, self.head_dim, self.head_dim, dtype=torch.float32)
@@ -179,12 +185,14 @@ class KimiK3DeltaAttention(nn.Module):
         else:
             kda = fused_recurrent_kda if state is not None and seq_len <= RECURRENT_MAX_LEN else chunk_kda
             # A decode step without autograd updates the cached state in place (no new state per token).
-            inplace = {"inplace_final_state": True} if kda is fused_recurrent_kda and not (
+            options = {"inplace_final_state": True} if kda is fused_recurrent_kda and not (
                 torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))) else {}
+            if kda is chunk_kda:
+                options = self._chunk_options()
             core, final_state = kda(
                 q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
                 output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-                **inplace,
+                **options,
             )
         if cache_layer is not None:
             cache_layer.update_recurrent_state(final_state)
