@@ -664,8 +664,8 @@ def test_compiled_decode_step_equals_eager():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False, dynamic=True)
     with torch.no_grad():
         fused = decode(model)  # eager prefill and steps run the fused CPU kernels
-        # The graph never calls the (ctypes) kernels, so the bitwise comparison is with the same PyTorch ops,
-        # the eager prefill included.
+        # The graph does not call the fused kernels yet (their wrappers step aside while compiling), so the bitwise
+        # comparison is with the same PyTorch ops, the eager prefill included.
         with cpu_kernel.use_cpu_kernel(False):
             want = decode(model)
             got = decode(compiled)
