@@ -8,7 +8,7 @@
 // that torch itself links (MKL), and the output rows are written straight into [tokens, H, V].
 // Tasks run on OpenMP threads (the runtime torch loaded); MKL runs sequentially inside them.
 //
-// Plain C ABI (called through ctypes): no torch headers, so it compiles in under a second.
+// No torch headers (torch_ops.cpp binds it as an operator through kernels.h), so it compiles in under a second.
 // Layouts (all row-major, fp32, contiguous):
 //   q, k, g: [tokens, H, K]    v, out: [tokens, H, V]    beta: [tokens, H]
 //   state:   [n_seq, H, K, V], read as the initial state and overwritten with the final state (on failure,
