@@ -2,7 +2,10 @@
 `__init__` (which imports Triton) never runs on these CPU machines."""
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +83,32 @@ def tiny_model(tiny_config):
     torch.manual_seed(0)
     model = transformers_k3.KimiK3ForCausalLM(tiny_config).eval()
     return randomize_(model)
+
+
+def run_torchrun(worker: str, *args: str, processes: int = 2, timeout: int = 600, env: dict | None = None) -> dict:
+    """``modeling_tests/<worker>`` under torchrun on ``processes`` CPU processes (one thread each, this directory on
+    the path): the ``RESULT {json}`` its rank 0 prints."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+           **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                           "--standalone", os.path.join(here, worker), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def adamw_losses(model: torch.nn.Module, steps: int = 3) -> list[float]:
+    """The losses of ``steps`` AdamW steps (lr 1e-2) on the whole fixed batch the distributed workers split between
+    their ranks: the single-process reference of their global-batch losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -6,11 +6,7 @@ gloo) and torch.compile of the decode step. The chat parsing helpers are tested 
 from __future__ import annotations
 
 import copy
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,10 +30,7 @@ from transformers_k3.chat import (
     parse_kimi_k3_response,
 )
 
-from conftest import randomize_
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+from conftest import adamw_losses, randomize_, run_torchrun
 
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
@@ -604,27 +597,12 @@ def test_ddp_and_fsdp2_on_two_cpu_processes():
     bf16 accuracy, through the fused CPU kernels where the build has them. ~25 s, mostly two Python start-ups."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
-    worker = os.path.join(HERE, "_distributed_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           worker], capture_output=True, text=True, timeout=240, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_torchrun("_distributed_worker.py", timeout=240)
     assert result["distributed_type"].endswith("MULTI_CPU") and result["ddp_wrapper"] == "DistributedDataParallel"
     assert abs(result["fsdp_local_fraction"] - 0.5) < 0.01  # parameters really sharded over the 2 ranks
 
     torch.manual_seed(0)
-    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
-    single = []
-    for _ in range(3):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        single.append(loss.item())
+    single = adamw_losses(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train())
     print("single", single, "ddp", result["ddp"], "fsdp2", result["fsdp2"])
     assert single[-1] < single[0] - 0.5
     for engine in ("ddp", "fsdp2"):

@@ -9,20 +9,13 @@ Checkpoints: one saved by ``save_pretrained`` (our layout) and one in the releas
 rank's half of ``w2``'s input is whole 32-wide MXFP4 groups, as it is at full size: 3072 / 8 = 12 groups).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
-from conftest import randomize_
+from conftest import adamw_losses, randomize_, run_torchrun
 from test_release_layout import release_state, write_release
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 pytestmark = [
     pytest.mark.distributed,
@@ -43,13 +36,7 @@ def checkpoints(tmp_path_factory):
 
 
 def run_worker(mode: str, processes: int, path, out_dir) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                           "--standalone", os.path.join(HERE, "_parallel_worker.py"), mode, str(path), str(out_dir)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_torchrun("_parallel_worker.py", mode, path, out_dir, processes=processes)
 
 
 @pytest.mark.parametrize("mode, processes, which", [
@@ -88,22 +75,8 @@ def test_deepspeed_zero3_trains_like_one_process(tmp_path):
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train()
     model.save_pretrained(tmp_path / "model")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-                           os.path.join(HERE, "_deepspeed_worker.py"), str(tmp_path / "model")],
-                          capture_output=True, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads(lines[-1][len("RESULT "):])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
-    single = []
-    for _ in range(3):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        single.append(loss.item())
+    result = run_torchrun("_deepspeed_worker.py", tmp_path / "model", env={"DS_ACCELERATOR": "cpu"})
+    single = adamw_losses(model)
     assert single[-1] < single[0] - 0.5
     assert result["losses"] == pytest.approx(single, rel=1e-5), (result, single)
     assert abs(result["held_fraction"] - 0.5) < 0.01, result

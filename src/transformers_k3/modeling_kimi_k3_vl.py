@@ -167,8 +167,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
         if types is None:
             return {"image": slots, "video": slots}
         types = types.to(slots.device)
-        return {"image": slots & (types == IMAGE_TYPE_ID), "video": slots & (types == VIDEO_TYPE_ID),
-                "typed": slots}
+        return {"image": slots & (types == IMAGE_TYPE_ID), "video": slots & (types == VIDEO_TYPE_ID)}
 
     def _held_types(self, held_ids: torch.Tensor, known: list | None, both_kinds: bool, kind: int | None):
         """``mm_token_type_ids`` of the tokens a cache holds: from the media it recorded (item by item), else, with
@@ -223,7 +222,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
         places = mask.nonzero().tolist()  # row-major, one [row, column] per slot
         if sum(counts) == n_new:
             places = [place for place in places if place[1] >= held]
-        keep, first, offset = [], 0, 0
+        keep, kept, first, offset = [], [], 0, 0
         for index, (count, rows) in enumerate(zip(counts, rows_per_item)):
             row, column = places[first]
             last_column = places[first + count - 1][1] if count else column
@@ -237,15 +236,13 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
             records.append((name, row, column, count, digest))
             if column >= held:
                 keep.append(index)
+                kept.append(item)
             first, offset = first + count, offset + rows
         if not keep:
             return None, None
         if len(keep) == len(counts):
             return pixels, grid
-        starts = [0]
-        for rows in rows_per_item:
-            starts.append(starts[-1] + rows)
-        return torch.cat([pixels[starts[i]:starts[i + 1]] for i in keep]), grid[keep]
+        return torch.cat(kept), grid[keep]
 
     # ---------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
