@@ -555,7 +555,7 @@ class KimiK3HybridCache(Cache):
 
     def take_generated_step(self) -> bool:
         """Whether the next input was marked by `mark_generated_step` (read once)."""
-        generated, self._generated_step = getattr(self, "_generated_step", False), False
+        generated, self._generated_step = self.generated_step_marked(), False
         return generated
 
     def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
