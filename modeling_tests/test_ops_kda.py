@@ -1,7 +1,8 @@
 """Tests for the KDA core (spec section 4.6): our chunked and recurrent PyTorch paths against fla's
 naive recurrent reference (loaded by file path so fla's Triton-importing package init never runs) and
-against our own naive twin. Every test runs twice: with the fused CPU kernel (which computes chunked
-calls without autograd) and with it turned off (the pure PyTorch path)."""
+against our own naive twin. Every test runs twice: with the fused CPU kernel (which computes fp32 calls, under
+autograd through the differentiable operator of ops/kda_autograd.py, see test_kda_autograd.py) and with it turned
+off (the pure PyTorch path)."""
 
 import importlib.util
 import pathlib

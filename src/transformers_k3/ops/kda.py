@@ -27,12 +27,14 @@ On x86 CPUs subnormal floats (below ~1e-38) are ~100x slower, and strong decays 
 values that small are dropped (set to 0) where they arise, which changes results by far less than fp32
 rounding, and the one step that creates them by chaining decays (the triangular solve) runs in float64.
 
-For inference on CPU (fp32 compute, no autograd) both entry points run a fused C++ kernel instead
+On CPU with fp32 compute both entry points run a fused C++ kernel instead
 (:mod:`transformers_k3.ops.cpu_kernel`, ``csrc/kda_cpu.cpp``): the chunked algorithm, one task per (sequence,
 head) walking its chunks with cache-resident buffers; 2.5-4x faster than the PyTorch chunked code here for
-prefill, and faster than the token loop from a single token on (decode steps update the state in place). The
-PyTorch code stays the path for training, other compute dtypes, ``torch.compile`` and machines without a C++
-compiler.
+prefill, and faster than the token loop from a single token on (decode steps update the state in place). Under
+autograd the same kernel computes the forward through the differentiable operator
+``transformers_k3::kda_chunk`` (:mod:`transformers_k3.ops.kda_autograd`), whose backward recomputes the
+PyTorch chunked path and takes its gradient: CPU training and inference compute the same function. The PyTorch
+code stays the path for other compute dtypes and machines without a C++ compiler.
 
 The backend can be forced per call (``backend=``), for a block of code (:func:`kda_backend`) or for the
 process (environment variable ``TRANSFORMERS_K3_KDA_BACKEND``), in that order of precedence.
@@ -52,7 +54,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel
+from . import cpu_kernel, kda_autograd
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -622,6 +624,16 @@ def _torch_kda(
             if not output_final_state:
                 return o, None
             return o, final.transpose(-1, -2).contiguous() if state_v_first else final
+    elif kda_autograd.applies(q, k, v, g, beta, state):
+        # Training: the same kernel forward, differentiable, its gradient the PyTorch chunked path's (recomputed in
+        # the backward), so CPU training and inference compute one function. Everything above (l2norm, gate, beta
+        # sigmoid, grouped values, state layout) stays ordinary autograd.
+        o, final = kda_autograd.kda_chunk(q, k, v, g, beta, state, bounds, scale if block else 1.0,
+                                          block or TORCH_CHUNK_SIZE)  # fmt: skip
+        o = o.to(out_dtype)
+        if not output_final_state:
+            return o, None
+        return o, final.transpose(-1, -2).contiguous() if state_v_first else final
 
     if block is None and length == 1 and cu_seqlens is None:
         # A decode step: no layout, no token loop, a dozen ops (Python overhead dominated the generic path).

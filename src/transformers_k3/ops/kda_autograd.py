@@ -1,0 +1,151 @@
+"""Chunked KDA on CPU under autograd: the fused forward kernel with the PyTorch chunked path's gradient.
+
+``transformers_k3::kda_chunk`` is a functional operator (no input is written) whose CPU implementation is the fused
+kernel (:func:`transformers_k3.ops.cpu_kernel.chunk_forward`, ``inplace=False``). Its autograd formula recomputes
+the PyTorch chunked path (:func:`transformers_k3.ops.kda._chunked`, the code CPU training ran before) on the saved
+inputs and returns that computation's vector-Jacobian product, so CPU training and CPU inference evaluate the same
+function (the kernel's forward) and the gradient is exactly the PyTorch path's for the same cotangents (the
+forward values differ from the PyTorch path's by fp32 rounding only).
+
+The backward is itself an operator, ``transformers_k3::kda_chunk_backward`` (fake implementation included): the
+PyTorch path reads host values (the gate's largest magnitude, the sequence layout) that a traced graph
+(AOTAutograd, torch.compile) cannot hold, so the recomputation stays inside an opaque call.
+
+Both take the tensors as :func:`transformers_k3.ops.kda._torch_kda` hands them to the kernel: ``q, k, g``
+``[B, T, H, K]`` (``q`` not yet scaled), ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, ``state`` ``[N, H, K, V]`` in
+sequence order, all fp32 on CPU, ``bounds`` the host ``cu_seqlens`` (then ``B == 1``) or None, ``scale`` the query
+scale and ``chunk`` the chunk size. L2 normalisation, grouped-value repetition, the in-kernel gate and the beta
+sigmoid happen before, in ordinary differentiable PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from . import cpu_kernel
+
+
+def _reference(q, k, v, g, beta, state, bounds, scale, chunk):
+    """The PyTorch chunked path on the operator's arguments: ``(o [B, T, H, V], final [N, H, K, V])``, sequence
+    order. Differentiable when its inputs require grad (then it runs the autograd-friendly, out-of-place code)."""
+    from . import kda as _kda  # (kda imports this module)
+
+    batch, length = q.shape[:2]
+    layout = _kda._Layout(batch, length, bounds, chunk, q.device)
+    o, final = _kda._chunked(q, k, v, g, beta[..., None], layout.sort_states(state.contiguous()), layout, scale)
+    return o, layout.unsort_states(final)
+
+
+@torch.library.custom_op("transformers_k3::kda_chunk", mutates_args=(), device_types="cpu")
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor, bounds: list[int] | None, scale: float,
+              chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(o, final_state)`` of chunked KDA, computed by the fused kernel; differentiable in every tensor argument."""
+    fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, chunk, inplace=False)
+    if fused is None:  # (kernels unavailable or out of memory: the PyTorch path, same function)
+        o, final = _reference(q, k, v, g, beta, state, bounds, scale, chunk)
+        return o.contiguous(), final.contiguous()
+    return fused
+
+
+@kda_chunk.register_fake
+def _(q, k, v, g, beta, state, bounds, scale, chunk):
+    return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(state, memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, g, beta, state, ctx.bounds, ctx.scale, ctx.chunk = inputs
+    ctx.save_for_backward(q, k, v, g, beta, state)
+    ctx.set_materialize_grads(False)  # (an unused output, e.g. the final state, gets None: no vjp through it)
+
+
+def _backward(ctx, grad_o, grad_state):
+    mask = list(ctx.needs_input_grad[:6])
+    grads = torch.ops.transformers_k3.kda_chunk_backward.default(
+        grad_o, grad_state, *ctx.saved_tensors, ctx.bounds, ctx.scale, ctx.chunk, mask
+    )
+    return (*(x if m else None for x, m in zip(grads, mask)), None, None, None)
+
+
+kda_chunk.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("transformers_k3::kda_chunk_backward", mutates_args=(), device_types="cpu")
+def kda_chunk_backward(grad_o: torch.Tensor | None, grad_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                       bounds: list[int] | None, scale: float, chunk: int,
+                       mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients of ``(o, final_state)`` with respect to ``q, k, v, g, beta, state`` for the cotangents ``grad_o``,
+    ``grad_state`` (None: that output was not used): the vjp of the PyTorch chunked path, recomputed on these
+    inputs. ``mask`` says which of the six are wanted; the others come back as empty tensors."""
+    inputs = (q, k, v, g, beta, state)
+    with _autograd_inside_operator(), torch.enable_grad():
+        leaves = [x.detach().requires_grad_(m) for x, m in zip(inputs, mask)]
+        o, final = _reference(*leaves, bounds, scale, chunk)
+        wanted = [x for x, m in zip(leaves, mask) if m]
+        # (an output that depends on no input, as o of an empty input, does not take part)
+        outputs = [(y, bar) for y, bar in ((o, grad_o), (final, grad_state)) if bar is not None and y.requires_grad]
+        found = [None] * len(wanted)
+        if wanted and outputs:
+            ys, bars = zip(*outputs)
+            found = torch.autograd.grad(ys, wanted, bars, allow_unused=True)
+    found = iter(found)
+    results = []
+    for x, m in zip(inputs, mask):
+        grad = next(found) if m else None
+        if grad is None:
+            grad = torch.zeros_like(x) if m else x.new_empty(0)
+        elif any(t is not None and _shares_storage(grad, t) for t in (grad_o, grad_state)):
+            grad = grad.clone()  # (an operator's outputs may not alias its inputs: an identity passes a cotangent)
+        results.append(grad.contiguous())  # (as the fake implementation says)
+    return tuple(results)
+
+
+@kda_chunk_backward.register_fake
+def _(grad_o, grad_state, q, k, v, g, beta, state, bounds, scale, chunk, mask):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) if m else x.new_empty(0)
+                 for x, m in zip((q, k, v, g, beta, state), mask))  # fmt: skip
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def _autograd_inside_operator() -> Iterator[None]:
+    """Record autograd inside an operator's implementation. The dispatcher runs an operator's CPU kernel with the
+    autograd keys excluded (the operator's own autograd formula has already run), and a compiled graph calls it
+    with ADInplaceOrView and other keys excluded as well (then in-place writes into views, which the PyTorch path
+    makes, would be differentiated wrongly): the block runs with a fresh thread's dispatch keys instead (autocast
+    off, so the recomputation is in the inputs' dtype, as the kernel's forward was)."""
+    include, exclude = _default_dispatch_keys()
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        yield
+
+
+@functools.cache
+def _default_dispatch_keys():
+    """The thread-local dispatch key sets a new thread starts with (included, excluded)."""
+    found = []
+    reader = threading.Thread(target=lambda: found.append(
+        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))  # fmt: skip
+    reader.start()
+    reader.join()
+    return found[0]
+
+
+def applies(q, k, v, g, beta, state) -> bool:
+    """Whether :func:`kda_chunk` should compute this call: a gradient is wanted, every tensor is fp32 on CPU and
+    the fused kernels are on and built (without autograd the in-place inference route runs instead)."""
+    return (
+        torch.is_grad_enabled()
+        and any(x.requires_grad for x in (q, k, v, g, beta, state))
+        and cpu_kernel.applies(q, k, v, g, beta, state, differentiable=True)
+        and cpu_kernel.library() is not None
+    )
