@@ -619,6 +619,59 @@ def test_ddp_and_fsdp2_on_two_cpu_processes():
 
 # ================================================================ torch.compile
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_model_runs_the_kernels_in_its_graph(dtype):
+    """torch.compile(model, fullgraph=True) (a graph break would raise) over a prefill and decode steps through the
+    hybrid cache runs the fused CPU kernels inside its graphs, as operators traced through their fake
+    implementations: the graphs hold ``torch.ops.transformers_k3`` calls (chunked KDA, the MoE decode step, the
+    experts, the router, the GLU; in bf16 the small products too), the logits equal eager's with the same kernels
+    bitwise, and the cache's growth recompiles nothing (one graph for the prefill, one for the steps)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+    from functorch.compile import make_boxed_func
+
+    if cpu_kernel.library() is None:
+        pytest.skip("the CPU kernels are not built here")
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(dtype)
+    ids = torch.randint(3, 512, (2, 15))
+    in_graph: set[str] = set()
+
+    def record(gm, example_inputs):  # (after AOTAutograd's functionalization: what actually runs)
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                # (an operator that writes an input, the KDA state, is wrapped in auto_functionalized)
+                target = node.args[0] if "auto_functionalized" in str(node.target) else node.target
+                if str(target).startswith("transformers_k3."):
+                    in_graph.add(str(target))
+        return make_boxed_func(gm.forward)
+
+    def run(fn) -> torch.Tensor:
+        cache = KimiK3HybridCache(model.config)
+        outs = [fn(ids[:, :10], past_key_values=cache, use_cache=True).logits]
+        for t in range(10, ids.shape[1]):
+            outs.append(fn(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        return torch.cat(outs, dim=1)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record), fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        want = run(model)
+        got = run(compiled)
+    assert torch.equal(got, want)
+    expected = {"kda_chunk_forward", "moe_decode", "moe_experts", "router_sigmoid_topk"}
+    if cpu_kernel._feature("small_gemm_available"):
+        expected.add("glu")
+    if dtype is torch.bfloat16 and cpu_kernel._feature("linear_bf16_available"):
+        expected.add("linear_bf16")
+    assert expected <= {name.split(".")[1] for name in in_graph}, in_graph
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_compiled_decode_step_equals_eager():
     """torch.compile (fullgraph=False, dynamic shapes, the aot_eager backend: dynamo capture plus AOTAutograd's
     functionalization of the in-place cache updates, without inductor's minutes of C++ codegen on a loaded CPU)
@@ -642,8 +695,8 @@ def test_compiled_decode_step_equals_eager():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False, dynamic=True)
     with torch.no_grad():
         fused = decode(model)  # eager prefill and steps run the fused CPU kernels
-        # The graph does not call the fused kernels yet (their wrappers step aside while compiling), so the bitwise
-        # comparison is with the same PyTorch ops, the eager prefill included.
+        # With the kernels off, the graph and eager run the same PyTorch ops, the eager prefill included (the
+        # kernels inside a graph: test_compiled_model_runs_the_kernels_in_its_graph).
         with cpu_kernel.use_cpu_kernel(False):
             want = decode(model)
             got = decode(compiled)

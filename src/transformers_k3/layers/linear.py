@@ -31,8 +31,7 @@ def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; for a plain `nn.Linear` (see the module docstring) on bf16 ``x`` that `cpu_kernel.linear_bf16`
     takes (CPU, a few rows, no autograd, kernels on), or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without
     bf16 instructions), its result."""
-    # (torch.compile traces the layer's own call: the check stops before the module internals it reads)
-    if x.dtype is torch.bfloat16 and not torch.compiler.is_compiling() and type(layer) is nn.Linear and (
+    if x.dtype is torch.bfloat16 and type(layer) is nn.Linear and (
         _nothing_around(layer)
     ):
         out = cpu_kernel.linear_bf16(x, layer.weight, layer.bias)

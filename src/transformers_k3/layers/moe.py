@@ -22,7 +22,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import cpu_kernel
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
-from .linear import _nothing_around, apply_linear
+from .linear import apply_linear
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
@@ -470,13 +470,6 @@ class KimiK3SparseMoE(nn.Module):
             routed = routed + self.shared_experts(y)
         return routed.view(orig_shape)
 
-    def __getstate__(self) -> dict:
-        # (the decode plan describes this process's memory to the kernel: not pickled or deep-copied, made anew
-        # on the next decode step)
-        state = super().__getstate__()
-        state.pop("_decode_plan", None)
-        return state
-
     def _decode_step(self, y: torch.Tensor) -> torch.Tensor | None:
         """The layer on a few tokens in one kernel call (`cpu_kernel.MoeDecode`: the modules' quantities, bf16
         rounded where they round, the fp32 sums in another order; several times faster at decode, where the ~15
@@ -485,37 +478,82 @@ class KimiK3SparseMoE(nn.Module):
         when they do not read its logits: `KimiK3Router.logits_observed`) and no global ones, no replaced
         ``forward`` (accelerate's offload), the experts under ``"k3_grouped_mm"``, an ungrouped sigmoid router,
         linear layers without bias; otherwise None (then the modules run: LoRA, quantized or offloaded layers,
-        recorded router logits, another experts implementation, autocast). What was checked once per set of
-        submodules, settings and weights is kept (`_DecodePlan`); the hooks, the experts implementation, the
-        submodules' settings (`_DecodePlan.stale`) and the weights' tensors, storage and shapes are checked on
-        every call."""
+        recorded router logits, another experts implementation, autocast). The submodules, their settings and
+        their weights are read on every call (nothing is kept between calls; under torch.compile these checks
+        are the graph's guards)."""
         if _any_global_hooks() or torch.is_autocast_enabled("cpu"):
             return None  # (under autocast the modules' linear layers compute in its dtype)
-        modules = self._modules  # (an optional submodule set to None is not there)
-        shared = modules.get("shared_experts")
-        key = (y.dtype, modules["gate"], modules["experts"], modules.get("routed_expert_down_proj"),
-               modules.get("routed_expert_norm"), modules.get("routed_expert_up_proj"), shared,
-               *((shared._modules["gate_proj"], shared._modules["up_proj"], shared._modules["down_proj"])
-                 if type(shared) is KimiK3MLP else ()))  # fmt: skip
-        plan = self.__dict__.get("_decode_plan")
-        if plan is None or plan.key != key or plan.stale():
-            plan = _DecodePlan(key)
-            self.__dict__["_decode_plan"] = plan
-        if not plan.usable:
-            return None
-        gate, experts = key[1], key[2]
-        if not all(_nothing_around(module) for module in key[2:] if module is not None):
-            return None  # (the experts and everything after the router: no hooks, no replaced forward)
-        if (
-            gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
-            or gate.logits_observed() or experts.config._experts_implementation != K3_GROUPED_MM
-            or experts.is_transposed
-        ):  # fmt: skip
-            return None
         if self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks:
             return None  # (hooks on this layer run around forward, which calls this: a hook that replaces the
             # input or output still sees it; a backward hook asks for the modules' graph, which no_grad has not)
-        return plan.run(y)
+        modules = self._modules  # (an optional submodule set to None is not there)
+        gate, experts = modules["gate"], modules["experts"]
+        down, norm, up = (modules.get(name) for name in
+                          ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj"))
+        shared = modules.get("shared_experts")
+        if (
+            type(gate) is not KimiK3Router or type(experts) is not KimiK3Experts
+            or (norm is not None and type(norm) is not KimiK3RMSNorm)
+            or (shared is not None and type(shared) is not KimiK3MLP)
+            or (down is None) != (up is None) or (norm is not None and down is None)
+        ):  # fmt: skip
+            return None
+        linears = [m for m in (down, up) if m is not None]
+        if shared is not None:
+            linears += [shared._modules.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
+        for m in linears:  # (loops, not any(): this runs on every decode step of every MoE layer)
+            if type(m) is not nn.Linear or m.bias is not None or _hooked(m):
+                return None
+        for m in (experts, norm, shared):
+            if m is not None and _hooked(m):
+                return None
+        if (
+            gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
+            or gate.logits_observed() or _experts_implementation(experts) != K3_GROUPED_MM
+            or experts.is_transposed or (shared is not None and shared.glu != experts.glu_activation)
+            or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
+            or getattr(experts, "_is_expert_parallel", False) or experts.has_bias or not experts.has_gate
+            or experts.has_post_expert_norm
+        ):  # fmt: skip
+            return None  # (the experts and everything after the router: no hooks, no replaced forward)
+        # The weights as the modules hold them now (None for one that is not a registered parameter or buffer: a
+        # parametrized weight, FSDP's views of its flat parameter).
+        weights = [m._parameters.get("weight") for m in linears]
+        router, bias = gate._parameters.get("weight"), gate._buffers.get("e_score_correction_bias")
+        gate_up, down_w = experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj")
+        norm_w = None if norm is None else norm._parameters.get("weight")
+        if router is None or bias is None or gate_up is None or down_w is None or (norm is not None and norm_w is None):
+            return None
+        for w in weights:
+            if w is None:
+                return None
+        latent = down is not None
+        kernel = cpu_kernel.MoeDecode(
+            y.dtype, router, bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,
+            weights[0] if latent else None, norm_w, 0.0 if norm is None else norm.variance_epsilon,
+            weights[1] if latent else None, gate_up, down_w, experts.glu_activation,
+            tuple(weights[-3:]) if shared is not None else None,
+        )  # fmt: skip
+        return kernel(y) if kernel.usable else None
+
+
+def _experts_implementation(experts: nn.Module) -> str | None:
+    """``experts.config._experts_implementation``, read from the instance (the property through transformers'
+    config attribute machinery costs ~4 us, on every decode step of every MoE layer)."""
+    config = experts.config
+    value = config.__dict__.get("_experts_implementation_internal", _UNSET)
+    return getattr(config, "_experts_implementation", None) if value is _UNSET else value
+
+
+_UNSET = object()
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Hooks of its own or a forward set on the instance (accelerate's offload); global hooks are checked apart."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or "forward" in module.__dict__
+    )  # fmt: skip
 
 
 def _any_global_hooks() -> bool:
@@ -523,100 +561,6 @@ def _any_global_hooks() -> bool:
         _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
         or _module._global_backward_pre_hooks
     )  # fmt: skip
-
-
-class _DecodePlan:
-    """`KimiK3SparseMoE._decode_step`'s checks of one set of submodules (``key``: the input dtype and the
-    submodules, by identity) that hold until one is replaced or a setting changes (`stale`): their classes, the
-    router's and experts' settings, and, re-checked by `run` on each call, the weights' tensors, storage and shapes
-    (a ``.to()`` or ``load_state_dict`` that replaces or moves them re-plans). ``usable`` False: the modules must
-    run."""
-
-    def __init__(self, key: tuple) -> None:
-        self.key, self.settings, self.usable = key, None, False
-        _, gate, experts, down, norm, up, shared, *shared_linears = key
-        if (
-            type(gate) is not KimiK3Router or type(experts) is not KimiK3Experts
-            or (norm is not None and type(norm) is not KimiK3RMSNorm)
-            or (shared is not None and type(shared) is not KimiK3MLP)
-        ):  # fmt: skip
-            return
-        self.gate, self.experts, self.norm, self.shared_module = gate, experts, norm, shared
-        self.settings = self.current_settings()
-        linears = [m for m in (down, up) if m is not None] + shared_linears
-        if (
-            (shared is not None and shared.glu != experts.glu_activation)
-            or any(type(m) is not nn.Linear or m.bias is not None for m in linears)
-            or (down is None) != (up is None) or (norm is not None and down is None)
-            or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
-            or getattr(experts, "_is_expert_parallel", False) or experts.has_bias or not experts.has_gate
-            or experts.has_post_expert_norm
-        ):  # fmt: skip
-            return
-        self.linears = linears
-        self.latent, self.shared = down is not None, shared is not None
-        # (the tensors whose shapes give the kernel's sizes: the router's, the experts' gate/up, the latent
-        # down-projection's and the shared gate's)
-        self.sized = (0, 2, *((4,) if self.latent else ()), *((-3,) if self.shared else ()))
-        tensors = self.tensors()
-        if any(t is None for t in tensors):
-            return
-        self.refresh(tensors)
-        self.usable = True
-
-    def current_settings(self) -> tuple:
-        """The submodules' settings the kernel's description takes and the modules' forwards read on every call
-        (``top_k``, ``routed_scaling_factor``, ... may be set on a built model: then a new plan is made)."""
-        gate, experts, norm, shared = self.gate, self.experts, self.norm, self.shared_module
-        return (
-            gate.top_k, gate.renormalize, gate.routed_scaling_factor, gate.use_softmax, gate.num_expert_group,
-            experts.glu_activation, experts.has_bias, experts.has_gate, experts.has_post_expert_norm,
-            getattr(experts, "_is_expert_parallel", False), None if norm is None else norm.variance_epsilon,
-            None if shared is None else shared.glu,
-        )  # fmt: skip
-
-    def stale(self) -> bool:
-        """Whether a setting changed since the plan was made."""
-        return self.settings is not None and self.current_settings() != self.settings
-
-    def tensors(self) -> tuple:
-        """The weights as the modules hold them now, in `cpu_kernel.MoeDecode.tensors`' order (None for one that is
-        not a registered parameter or buffer: a parametrized weight, FSDP's views of its flat parameter)."""
-        gate, experts, linears, norm = self.gate, self.experts, self.linears, self.norm
-        return (gate._parameters.get("weight"), gate._buffers.get("e_score_correction_bias"),
-                experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj"),
-                *((linears[0]._parameters.get("weight"), linears[1]._parameters.get("weight")) if self.latent else ()),
-                *((norm._parameters.get("weight"),) if norm is not None else ()),
-                *((m._parameters.get("weight") for m in linears[-3:]) if self.shared else ()))  # fmt: skip
-
-    def refresh(self, tensors: tuple) -> None:
-        """A new kernel description of ``tensors`` (as `tensors` returns them, none None)."""
-        gate, experts, norm = self.gate, self.experts, self.norm
-        router, bias, gate_up, down, *rest = tensors
-        down_latent, up_latent = (rest[0], rest[1]) if self.latent else (None, None)
-        self.kernel = cpu_kernel.MoeDecode(
-            self.key[0], router, bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor, down_latent,
-            None if norm is None else rest[2], 0.0 if norm is None else norm.variance_epsilon, up_latent, gate_up,
-            down, experts.glu_activation, tuple(rest[-3:]) if self.shared else None,
-        )  # fmt: skip
-        self.pointers = [t.data_ptr() for t in tensors]
-        self.shapes = [tensors[i].shape for i in self.sized]
-
-    def run(self, y: torch.Tensor) -> torch.Tensor | None:
-        """The kernel's result, the weights re-read first: a replaced parameter or buffer, or one whose storage
-        moved or whose shape changed (``.to()``, ``param.data = ...``), makes a new kernel description; a weight
-        that is no longer a registered parameter or buffer, None."""
-        tensors = self.tensors()
-        try:
-            pointers = [t.data_ptr() for t in tensors]
-        except AttributeError:  # (a None)
-            return None
-        if (
-            pointers != self.pointers or any(a is not b for a, b in zip(tensors, self.kernel.tensors))
-            or [tensors[i].shape for i in self.sized] != self.shapes
-        ):  # fmt: skip
-            self.refresh(tensors)
-        return self.kernel(y) if self.kernel.usable else None
 
 
 def router_aux_loss(

@@ -106,14 +106,14 @@ def enabled() -> bool:
 
 def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
     """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU, not being traced
-    by torch.compile (a compiled model runs the PyTorch path, which its tests compare bitwise with eager) and,
+    by torch.compile too (the operators are traced through their fake implementations, so a compiled graph runs
+    the same kernels as eager) and,
     unless the kernel has a backward (``differentiable``), no autograd. The library is built on the first call
     that qualifies."""
     return (
         enabled()
         and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
         and (differentiable or not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
-        and not torch.compiler.is_compiling()
     )
 
 
@@ -132,7 +132,6 @@ def experts_applies(hidden_states, top_k_weights, gate_up_proj, down_proj) -> bo
         and top_k_weights.dtype in EXPERTS_DTYPES
         and gate_up_proj.dtype in EXPERTS_DTYPES
         and down_proj.dtype == gate_up_proj.dtype
-        and not torch.compiler.is_compiling()
     )
 
 
@@ -143,9 +142,20 @@ def load_error() -> str | None:
 
 def library():
     """The kernels' operators, ``torch.ops.transformers_k3`` (each kernel entry point one operator), building and
-    loading their library on first call; None if that is impossible here."""
+    loading their library on first call; None if that is impossible here. Under torch.compile the build or load
+    runs at trace time and the answer is a constant of the graph."""
+    return torch.ops.transformers_k3 if _loaded_library() else None
+
+
+@torch.compiler.assume_constant_result
+def _loaded_library() -> bool:
     if _state["tried"]:
-        return _state["lib"]
+        return _state["lib"] is not None
+    _build_and_load()
+    return _state["lib"] is not None
+
+
+def _build_and_load() -> None:
     with _lock:
         if not _state["tried"]:
             try:
@@ -156,9 +166,9 @@ def library():
                 logger.warning("transformers_k3: fused CPU kernels (KDA, experts) unavailable, using the PyTorch "
                                "path (%s)", _state["error"])
             _state["tried"] = True
-    return _state["lib"]
 
 
+@torch.compiler.assume_constant_result
 def _feature(name: str) -> int:
     """A build property (``small_gemm_available``, ``amx_available``, ...), asked once per process."""
     if name not in _features:
@@ -384,6 +394,12 @@ def router_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int):
 def _sigmoid_matches_torch(lib) -> bool:
     """Whether the kernels' sigmoid gives bitwise torch.sigmoid on a probe spanning its range (a torch whose
     sigmoid is computed differently would change the ranking of near-ties: then the router keeps torch's)."""
+    return _sigmoid_probe()
+
+
+@torch.compiler.assume_constant_result
+def _sigmoid_probe() -> bool:
+    lib = torch.ops.transformers_k3
     if "sigmoid_matches" not in _features:
         probe = torch.cat([torch.linspace(-100, 100, 4000), torch.logspace(-30, 1, 90),
                            torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 88.5])])  # fmt: skip
@@ -434,12 +450,12 @@ def router_screened_topk(
     through ``.data``, which bumps no version counter, could leave stale). No gradient (the router attaches
     `selected_scores`). ``screen=False`` computes every logit in fp32 (for tests). None where it cannot run:
     kernels off or unbuilt, no AMX, not fp32 on CPU, ``k > 16``, an odd ``H``, a weight or bias with a value that
-    is not finite, under torch.compile."""
+    is not finite."""
     if not (
         hidden_states.dtype == weight.dtype == bias.dtype == torch.float32 and hidden_states.dim() == 2
         and top_k <= 16 and hidden_states.shape[1] % 2 == 0
         and all(t.device.type == "cpu" for t in (hidden_states, weight, bias))
-        and enabled() and not torch.compiler.is_compiling() and amx_available()
+        and enabled() and amx_available()
     ):  # fmt: skip
         return None
     if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[1] or bias.shape != (weight.shape[0],):
@@ -473,11 +489,11 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     torch has no CPU matmul with bf16 operands and an fp32 result. Differentiable: the backward is the PyTorch
     path's (fp32 products, gradients rounded to each input's dtype). Fewer than 12 rows (a decode step) take
     AVX-512 dot products instead (packing the weight for the tile unit would cost more than the products).
-    Returns None where it cannot run (other dtypes or devices, kernels off or without AMX, under
-    torch.compile); then use the PyTorch path."""
+    Returns None where it cannot run (other dtypes or devices, kernels off or without AMX);
+    then use the PyTorch path."""
     if not (
         x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu"
-        and enabled() and not torch.compiler.is_compiling() and amx_available()
+        and enabled() and amx_available()
     ):  # fmt: skip
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -521,7 +537,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
     order. torch spends ~35 us on any such call on this CPU (~5 us in fp32); this one ~10 us with the Python call.
     Returns None where it does not apply: other dtypes, devices or tensor types, more rows, autograd (a gradient
-    is wanted), torch.compile, the kernels off or without AVX-512 / AVX2; then use F.linear."""
+    is wanted), the kernels off or without AVX-512 / AVX2; then use F.linear."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
@@ -541,7 +557,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _bf16_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
     """The rows of ``F.linear(x, weight, bias)`` where `linear_bf16` and `linear_bf16_upcast` may compute it (bf16
     plain tensors on CPU, x's last dimension K = weight's, no gradient wanted, a bf16 bias of N or none, the
-    kernels on, not under torch.compile), else None. (Ordered for speed: it runs on every linear layer of a decode
+    kernels on), else None. (Ordered for speed: it runs on every linear layer of a decode
     step.)"""
     if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not (x.is_cpu and weight.is_cpu):
         return None
@@ -556,7 +572,7 @@ def _bf16_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return None
     if bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,)):
         return None
-    if not enabled() or torch.compiler.is_compiling():
+    if not enabled():
         return None
     return x.numel() // k
 
@@ -589,7 +605,7 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     Zen 3: [2,048, 256] x [256, 128] 14.8 -> 1.0 ms). The copies are made in blocks of at most UPCAST_BLOCK floats
     of the weight (output features) and of the input (rows), so the extra memory stays bounded whatever the sizes.
     Returns None where it does not apply (other dtypes, devices or tensor types, few rows, autograd, a CPU with
-    bf16 instructions, torch.compile, the kernels off); then use F.linear."""
+    bf16 instructions, the kernels off); then use F.linear."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
@@ -622,12 +638,11 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: tuple) -> torch.Tensor
     ulp from torch's tanh and sigmoid) and returned in the inputs' dtype (fp32 or bf16: bf16 inputs are computed in
     fp32 and rounded once, as `situ_glu` does). One call where torch takes ~9 element-wise ops forward and ~15
     backward, each a pass over ``[N, I]``. Differentiable (the backward is the kernel's, one pass). None where it
-    does not apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512 / AVX2,
-    torch.compile."""
+    does not apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512 / AVX2."""
     if not (
         gate.dtype is up.dtype and gate.dtype in (torch.float32, torch.bfloat16) and gate.is_cpu and up.is_cpu
         and gate.shape == up.shape and gate.dim() >= 1 and gate.shape[-1] > 0
-        and enabled() and not torch.compiler.is_compiling()
+        and enabled()
     ):  # fmt: skip
         return None
     if library() is None or not _feature("small_gemm_available"):
@@ -653,8 +668,7 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     """``F.rms_norm(hidden_states, (H,), eps=eps) * weight`` for fp32 ``hidden_states [..., H]`` and ``weight [H]`` on
     CPU (``transformers_k3::rms_norm``): the forward is those two ops (the same bits), the backward one kernel pass
     per row (``rms_norm_backward``) where autograd through them runs ~12 element-wise passes. For autograd only
-    (None without it, and where it does not apply: other dtypes or devices, mismatched shapes, kernels off,
-    torch.compile)."""
+    (None without it, and where it does not apply: other dtypes or devices, mismatched shapes, kernels off)."""
     if not (
         torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
         and applies(hidden_states, weight, differentiable=True)
@@ -668,7 +682,10 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 def _below_autograd():
     """For a differentiable operator's call that wants no gradient: its Python autograd kernel would only pass it
-    on, at ~8 us a call (the decode step makes dozens)."""
+    on, at ~8 us a call (the decode step makes dozens). A compiled graph has no such cost (and cannot hold the
+    guard object): there it is a no-op."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     return torch._C._AutoDispatchBelowAutograd()
 
 
@@ -758,9 +775,9 @@ def _activation_args(activation: tuple) -> tuple[int, float, float]:
 
 def moe_decode_max_tokens() -> int:
     """The most tokens `MoeDecode` takes (0: it cannot run here: kernels off, neither AVX-512 nor AVX2, under
-    torch.compile, or a sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's
+    or a sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's
     scores)."""
-    if not enabled() or torch.compiler.is_compiling():
+    if not enabled():
         return 0
     lib = library()
     if lib is None:
@@ -785,11 +802,10 @@ class MoeDecode:
     the norm's weight ``[L]`` (None: not a latent layer; ``norm`` None: no norm), the experts ``[E, 2I, L]`` /
     ``[E, L, I]``, ``activation`` as for `moe_experts`, ``shared`` the shared expert's gate, up ``[S, H]`` and down
     ``[H, S]`` weights or None. The same quantities as the modules compute (bf16: rounded where they round), the
-    sums in another order. ``usable`` False where the weights do not fit (dtypes, shapes, layouts, devices, tensor
-    types), the layer is too large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts for the experts
+    sums in another order. ``usable`` False where the weights do not fit (dtypes, layouts, devices, tensor types;
+    the operator checks the shapes), the layer is too large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts for the experts
     kernel (`experts_small_gemm`: the modules then run torch's bf16 products); a call returns None where ``y`` does
-    not (then run the modules). The weights are read at each call: the caller keeps this only while its tensors
-    and their storage are the modules' (`_DecodePlan`)."""
+    not (then run the modules). Made for each call from the tensors the modules hold then."""
 
     def __init__(self, dtype: torch.dtype, router: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
                  scale: float, down_latent: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
@@ -801,26 +817,28 @@ class MoeDecode:
             weights += [down_latent, up_latent] + ([norm] if norm is not None else [])
         if shared is not None:
             weights += list(shared)
-        self.tensors = (router, bias, *weights)  # (held: their storage stays valid while this is used)
-        if dtype not in (torch.float32, torch.bfloat16) or not (router.dtype is dtype or router.dtype is torch.float32):
+        self.tensors = (router, bias, *weights)
+        f32 = torch.float32
+        if (dtype is not f32 and dtype is not torch.bfloat16) or (router.dtype is not dtype and router.dtype is not f32):
             return
-        if any(w.dtype is not dtype for w in weights) or bias.dtype is not torch.float32:
+        if bias.dtype is not f32:
             return
-        if any(type(t) not in _PLAIN_TENSORS or not t.is_cpu or not t.is_contiguous() for t in self.tensors):
+        for t in self.tensors:  # (a loop, not any(): this runs on every decode step of every MoE layer)
+            if type(t) not in _PLAIN_TENSORS or not t.is_cpu or not t.is_contiguous():
+                return
+        for w in weights:
+            if w.dtype is not dtype:
+                return
+        # The sizes the dispatch decision needs; the operator checks every shape against them and names a misfit
+        # (the modules' own products would fail on it too).
+        if router.dim() != 2 or gate_up.dim() != 3:
             return
-        num_experts, hidden = router.shape if router.dim() == 2 else (0, 0)
+        num_experts, hidden = router.shape
         latent = 0 if down_latent is None else down_latent.shape[0]
         width = latent or hidden
-        inter = gate_up.shape[1] // 2 if gate_up.dim() == 3 else 0
+        inter = gate_up.shape[1] // 2
         shared_inter = 0 if shared is None else shared[0].shape[0]
-        if (
-            num_experts == 0 or bias.shape != (num_experts,) or not 1 <= top_k <= min(16, num_experts)
-            or gate_up.shape != (num_experts, 2 * inter, width) or down.shape != (num_experts, width, inter)
-            or (latent and (down_latent.shape != (latent, hidden) or up_latent.shape != (hidden, latent)
-                            or (norm is not None and norm.shape != (latent,))))
-            or (shared is not None and (shared[0].shape != (shared_inter, hidden) or shared[1].shape != shared[0].shape
-                                        or shared[2].shape != (hidden, shared_inter)))
-        ):  # fmt: skip
+        if num_experts == 0 or not 1 <= top_k <= min(16, num_experts):
             return
         macs = num_experts * hidden + 2 * latent * hidden + 3 * shared_inter * hidden + top_k * 3 * width * inter
         if macs > MOE_DECODE_MAX_MACS[dtype]:
@@ -881,10 +899,17 @@ def _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed):
     """``N, k, D, I``, the thread count and whether the small-GEMM path runs."""
     num_tokens, top_k = top_k_index.shape
     hidden, inter = hidden_states.shape[-1], (gate_up_proj.shape[1] if not transposed else gate_up_proj.shape[2]) // 2
-    threads = max(1, torch.get_num_threads())
+    threads = _threads()
     small = experts_small_gemm(hidden, inter, top_k, threads, num_tokens, gate_up_proj.shape[0],
                                bf16=gate_up_proj.dtype == torch.bfloat16)  # fmt: skip
     return num_tokens, top_k, hidden, inter, threads, small
+
+
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """Intra-op threads, for the experts kernel's choice of path (either computes the same function); a compiled
+    graph keeps the count it was traced with."""
+    return max(1, torch.get_num_threads())
 
 
 # The experts kernel's small-GEMM path (register-blocked AVX-512 / AVX2 products on in-cache transposed copies of
