@@ -55,8 +55,8 @@ def _count_pytorch_chunked(monkeypatch):
 
 
 def test_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
-    """No autograd, fp32 compute (bf16 inputs are promoted), CPU, enabled: the kernel; with gradients or
-    when turned off: the PyTorch chunked path."""
+    """fp32 compute (bf16 inputs are promoted), CPU, enabled: the kernel, with or without autograd (with it, the
+    backward recomputes the PyTorch chunked path for its gradient); turned off: the PyTorch chunked path."""
     calls = _count_pytorch_chunked(monkeypatch)
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
     with torch.no_grad():
@@ -66,8 +66,10 @@ def test_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
     with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
         chunk_kda(q, k, v, g, beta, initial_state=h0)
     assert len(calls) == 1
-    chunk_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0)
-    assert len(calls) == 2
+    out, _ = chunk_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0)
+    assert len(calls) == 1  # (the forward: the kernel)
+    out.sum().backward()
+    assert len(calls) == 2 and q.grad is not None  # (the backward: the PyTorch path's gradient)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
