@@ -45,6 +45,15 @@ tokens/s of a prefix estimates its rate at T (measured on N tokens, not at T: ca
 the full length are not captured); the output difference is then taken over that prefix (all methods are
 causal, so a prefix's outputs are the full run's first N). No time at T is ever printed for such a row.
 
+Training rows (forward + backward, ``chunk_kda`` under autograd from a zero state, a fixed random cotangent on
+the output and the final state): with the kernels on the forward is the fused kernel
+(``transformers_k3::kda_chunk``) and the backward recomputes the PyTorch chunked path and differentiates it; with
+them off both are the PyTorch path. They print fwd+bwd tokens/s, its ratio to the PyTorch path, the forward and
+backward times separately, the peak-RSS growth, what autograd keeps from the forward for the backward ("saved":
+each storage once, the inputs included, counted on the probe's 256 tokens and scaled to the row's; the kernel's
+operator keeps its inputs and recomputes the rest in the backward, whose peak is then the PyTorch path's) and the
+largest gradient difference from the kernel row (all five inputs' gradients). No FLOP count, so no roofline.
+
 Timings on a shared machine are noisy: the best of up to 3 runs is reported (fewer when the cap would be
 exceeded), the load average is printed so a loaded run can be recognised, and tokens per CPU-second (all
 threads' CPU time) is shown next to wall-clock tokens/s because it suffers less from other load.
@@ -53,6 +62,7 @@ threads' CPU time) is shown next to wall-clock tokens/s because it suffers less 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -78,7 +88,12 @@ DECODE_METHODS = {
     "intree_decode": "in-tree recurrent_kimi_delta_attention, T=1",
     "fla_naive_decode": "fla naive_recurrent_kda, T=1",
 }
+TRAIN_METHODS = {
+    "ours_train": "ours chunk_kda fwd+bwd (kernel forward)",
+    "ours_train_pytorch": "ours chunk_kda fwd+bwd, PyTorch path",
+}
 BASELINE = "intree_chunk"
+TRAIN_BASELINE = "ours_train_pytorch"
 DECODE_BASELINE = "intree_decode"
 CONFIGS = [(4, 128), (32, 128)]  # (heads, head dim K = V)
 PROBE_TOKENS = 256  # a multiple of every chunk size here
@@ -162,11 +177,11 @@ def _intree(name: str):
 
 def _load_method(name: str):
     """``fn(q, k, v, g, beta, state) -> (o, final_state)``; ``state`` is None for prefill."""
-    if name in ("ours_chunk", "ours_chunk_pytorch"):
+    if name in ("ours_chunk", "ours_chunk_pytorch", "ours_train", "ours_train_pytorch"):
         from transformers_k3.ops import cpu_kernel
         from transformers_k3.ops.kda import chunk_kda
 
-        fused = name == "ours_chunk"
+        fused = name in ("ours_chunk", "ours_train")
         if fused and cpu_kernel.library() is None:
             raise RuntimeError(f"the fused CPU kernel is unavailable: {cpu_kernel.load_error()}")
 
@@ -224,6 +239,58 @@ def _child_prefill(args) -> dict:
             "rss_growth": max(0, peak - rss_before)}  # fmt: skip
 
 
+def _child_train(args) -> dict:
+    """Forward + backward of one method on one shape (on a prefix if the time cap applies): best fwd+bwd time,
+    with that run's forward and backward parts."""
+    import psutil
+    import torch
+
+    fn = _load_method(args.method)
+    q, k, v, g, beta = _make_inputs(args.length, args.heads, args.dim)
+    gen = torch.Generator().manual_seed(2)
+    o_bar = torch.randn(v.shape, generator=gen)
+    s_bar = torch.randn(1, args.heads, args.dim, args.dim, generator=gen)
+
+    saved = {}
+
+    def pack(x):  # (what autograd keeps from the forward for the backward, each storage once)
+        saved[x.untyped_storage()._cdata] = x.untyped_storage().nbytes()
+        return x
+
+    def step(n, count_saved=False):
+        leaves = [x[:, :n].clone().requires_grad_() for x in (q, k, v, g, beta)]
+        saved.clear()
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x) if count_saved else contextlib.nullcontext()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        with hooks:
+            o, s = fn(*leaves, None)
+        middle = time.perf_counter()
+        torch.autograd.backward((o, s), (o_bar[:, :n], s_bar))
+        end = time.perf_counter()
+        return middle - start, end - middle, time.process_time() - start_cpu, leaves
+
+    probe = min(args.length, PROBE_TOKENS)
+    step(probe)  # warm-up
+    forward, backward, _, _ = step(probe)
+    tokens = choose_tokens(args.length, probe, forward + backward, args.max_seconds, args.max_gib * 2**30, 0)
+    estimate = (forward + backward) * tokens / probe
+    repeats = max(1, min(3, int(args.max_seconds // max(estimate, 1e-9))))
+    rss_before = psutil.Process().memory_info().rss
+    best = (math.inf,)
+    best_cpu = math.inf
+    for _ in range(repeats):
+        forward, backward, cpu, leaves = step(tokens)
+        if forward + backward < best[0]:
+            best = (forward + backward, forward, backward)
+        best_cpu = min(best_cpu, cpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.save(torch.cat([leaf.grad.flatten() for leaf in leaves]), args.save)
+    step(probe, count_saved=True)  # (untimed: the hook costs a Python call per saved tensor)
+    saved_per_token = sum(saved.values()) / probe
+    return {"seconds": best[0], "forward": best[1], "backward": best[2], "cpu_seconds": best_cpu, "tokens": tokens,
+            "repeats": repeats, "rss_growth": max(0, peak - rss_before), "saved": saved_per_token * tokens}  # fmt: skip
+
+
 def _child_decode(args) -> dict:
     """Single-token steps from a non-zero state, each feeding its state to the next; median step time."""
     import torch
@@ -278,6 +345,9 @@ def _child(args) -> None:
     elif args.child in DECODE_METHODS:
         args.method = args.child
         result = _child_decode(args)
+    elif args.child in TRAIN_METHODS:
+        args.method = args.child
+        result = _child_train(args)
     else:
         args.method = args.child
         result = _child_prefill(args)
@@ -315,9 +385,11 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=4.0, help="working-set cap per method and shape")
     parser.add_argument("--decode-steps", type=int, help="decode steps timed (default 200; --quick 32)")
     parser.add_argument("--gemm-sizes", type=_sizes, help="square matmul sizes for the roofline")
-    parser.add_argument("--methods", help=f"comma list, a subset of {', '.join([*METHODS, *DECODE_METHODS])} "
-                        "(default all; rows compare with ours_chunk / ours_decode, so keep those)")
-    parser.add_argument("--child", choices=[*METHODS, *DECODE_METHODS, "gemm"], help=argparse.SUPPRESS)
+    parser.add_argument("--methods", help="comma list, a subset of "
+                        f"{', '.join([*METHODS, *DECODE_METHODS, *TRAIN_METHODS])} (default all; rows compare with "
+                        "ours_chunk / ours_decode / ours_train, so keep those)")
+    parser.add_argument("--child", choices=[*METHODS, *DECODE_METHODS, *TRAIN_METHODS, "gemm"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--heads", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dim", type=int, help=argparse.SUPPRESS)
@@ -336,12 +408,13 @@ def main() -> None:
     lengths = args.lengths or ([256, 1024] if args.quick else [1024, 4096, 16384])
     configs = args.configs or CONFIGS
     decode_steps = args.decode_steps or (32 if args.quick else 200)
-    chosen = set(args.methods.split(",")) if args.methods else set(METHODS) | set(DECODE_METHODS)
-    unknown = chosen - set(METHODS) - set(DECODE_METHODS)
+    chosen = set(args.methods.split(",")) if args.methods else set(METHODS) | set(DECODE_METHODS) | set(TRAIN_METHODS)
+    unknown = chosen - set(METHODS) - set(DECODE_METHODS) - set(TRAIN_METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
     prefill = {m: label for m, label in METHODS.items() if m in chosen}
     decode = {m: label for m, label in DECODE_METHODS.items() if m in chosen}
+    train = {m: label for m, label in TRAIN_METHODS.items() if m in chosen}
     print(f"KDA core, fp32, batch 1, {args.threads} threads, torch {torch.__version__}; load average at start "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; caps {args.max_seconds:g} s and {args.max_gib:g} GiB "
           "per method and shape")
@@ -373,6 +446,22 @@ def main() -> None:
                     save = os.path.join(tmp, f"{method}.pt")
                     results[method] = _run(method, args, decode_steps, heads, dim, save)
                 _print_rows(decode, results, DECODE_BASELINE, "ours_decode", tmp, heads, dim, 1, roofline, decode=True)
+        if train:
+            train_header = (
+                f"{'H':>2} {'K=V':>4} {'T':>6}  {'method (forward + backward)':<44} {'timed on':>9} {'tokens/s':>10} "
+                f"{'vs PyTorch':>10} {'fwd ms':>9} {'bwd ms':>9} {'tokens/CPU-s':>12} {'peak RSS +':>10} "
+                f"{'saved':>9} {'max|grad - ours|':>16}"
+            )  # fmt: skip
+            print()
+            print(train_header)
+            print("-" * len(train_header))
+            for heads, dim in configs:
+                for length in lengths:
+                    results = {}
+                    for method in train:
+                        save = os.path.join(tmp, f"{method}.pt")
+                        results[method] = _run(method, args, length, heads, dim, save)
+                    prefixed |= _print_train_rows(train, results, tmp, heads, dim, length)
     end = _run("gemm", args)
     if "flops" in end:
         print(f"matmul roofline at end: {end['flops'] / 1e9:.1f} GFLOP/s (the rows use the start's "
@@ -385,6 +474,38 @@ def main() -> None:
         print("decode rows: median time of one step (T=1 from a non-zero state); 'timed on' = steps; roofline counts "
               "6 K V FLOPs per head and step; state traffic = reading and writing H K V fp32 values per step.")
     print(f"load average at end {os.getloadavg()[0]:.2f}")
+
+
+def _print_train_rows(methods, results, tmp, heads, dim, length) -> bool:
+    """Print one block of training rows; returns whether some method was timed on a prefix."""
+    import torch
+
+    ok = lambda name: name in results and "error" not in results[name]  # noqa: E731
+    reference = torch.load(os.path.join(tmp, "ours_train.pt")) if ok("ours_train") else None
+    base = results.get(TRAIN_BASELINE, {})
+    base_rate = base["tokens"] / base["seconds"] if ok(TRAIN_BASELINE) else None
+    prefixed = False
+    for method, label in methods.items():
+        res = results[method]
+        if "error" in res:
+            print(f"{heads:>2} {dim:>4} {length:>6}  {label:<44} failed: {res['error']}")
+            continue
+        tokens = res["tokens"]
+        rate = tokens / res["seconds"]
+        timed = "all" if tokens == length else f"{tokens} tok"
+        prefixed |= tokens != length
+        ratio = f"{rate / base_rate:.2f}x" if base_rate else "n/a"
+        diff = "n/a"
+        if reference is not None:
+            grads = torch.load(os.path.join(tmp, f"{method}.pt"))
+            if grads.shape == reference.shape:  # (prefixes of different lengths are not compared)
+                diff = f"{(grads - reference).abs().max().item():.1e}"
+        print(
+            f"{heads:>2} {dim:>4} {length:>6}  {label:<44} {timed:>9} {rate:>10,.0f} {ratio:>10} "
+            f"{res['forward'] * 1e3:>9,.1f} {res['backward'] * 1e3:>9,.1f} {tokens / res['cpu_seconds']:>12,.0f} "
+            f"{res['rss_growth'] / 2**20:>6,.0f} MiB {res['saved'] / 2**20:>5,.0f} MiB {diff:>16}"
+        )
+    return prefixed
 
 
 def _print_rows(methods, results, baseline, reference, tmp, heads, dim, length, roofline, decode=False) -> bool:
