@@ -11,8 +11,9 @@ What it prints:
    has none (measured with torch 2.13 / transformers 5.23). The one break there was, the KDA backend choice reading
    a ``ContextVar`` (``ops/kda.py::_select_backend``, 2 per KDA layer and step), is gone since that function is
    marked ``torch.compiler.assume_constant_result``: the backend is picked once, at trace time.
-2. A table: eager vs compiled decode, milliseconds per step (best of ``--reps``), the one-off compile time and
-   the largest relative logit difference against eager over all steps.
+2. A table: the decode step eager and compiled (``fullgraph=True``), each with the fused CPU kernels on (inside
+   the graph, as operators) and off, milliseconds per step (best of ``--reps``), the one-off compile time and the
+   largest relative logit difference against eager with the kernels over all steps.
 
 Notes. The prompt is prefilled eagerly and only the step is compiled, the way generate() uses a compiled forward.
 ``dynamic=True`` (default here) avoids the recompile that the growing cache length would otherwise trigger after
@@ -88,24 +89,35 @@ def main() -> int:
     model = build(0)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt + args.steps),
                         generator=torch.Generator().manual_seed(0))
+    from transformers_k3.ops import cpu_kernel
+
     with torch.no_grad():
         explain(model, ids, args.prompt)
         if args.explain_only:
             return 0
-        compiled = torch.compile(model, backend=args.backend, fullgraph=False, dynamic=not args.static)
-        start = time.perf_counter()
-        got, _ = decode(model, compiled, ids, args.prompt)  # includes compilation
-        compile_s = time.perf_counter() - start
         want, _ = decode(model, model, ids, args.prompt)
-        eager_ms = min(sum(decode(model, model, ids, args.prompt)[1]) for _ in range(args.reps)) / args.steps * 1e3
-        comp_ms = min(sum(decode(model, compiled, ids, args.prompt)[1]) for _ in range(args.reps)) / args.steps * 1e3
-    err = ((got - want).abs().max() / want.abs().max()).item()
+        rows, compile_s, errors = {}, {}, {}
+        for kernels in (True, False):
+            with cpu_kernel.use_cpu_kernel(kernels):
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend=args.backend, fullgraph=True, dynamic=not args.static)
+                start = time.perf_counter()
+                got, _ = decode(model, compiled, ids, args.prompt)  # includes compilation
+                compile_s[kernels] = time.perf_counter() - start
+                errors[kernels] = ((got - want).abs().max() / want.abs().max()).item()
+                for name, fn in ((f"eager, kernels {'on' if kernels else 'off'}", model),
+                                 (f"compiled, kernels {'on' if kernels else 'off'}", compiled)):
+                    rows[name] = min(sum(decode(model, fn, ids, args.prompt)[1])
+                                     for _ in range(args.reps)) / args.steps * 1e3
+    base = rows["eager, kernels on"]
     print(f"\ntiny config, batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps, "
-          f"{torch.get_num_threads()} thread(s), backend {args.backend}, dynamic={not args.static}")
-    print(f"{'':24}{'ms/step':>10}{'ratio':>8}")
-    print(f"{'eager':24}{eager_ms:10.2f}{1.0:8.2f}")
-    print(f"{'compiled':24}{comp_ms:10.2f}{eager_ms / comp_ms:8.2f}")
-    print(f"compile + first pass: {compile_s:.1f} s; max relative logit difference vs eager: {err:.1e}")
+          f"{torch.get_num_threads()} thread(s), backend {args.backend}, dynamic={not args.static}, fullgraph")
+    print(f"{'':26}{'ms/step':>10}{'eager-with-kernels / this':>28}")
+    for name, ms in rows.items():
+        print(f"{name:26}{ms:10.2f}{base / ms:28.2f}")
+    for kernels in (True, False):
+        print(f"kernels {'on' if kernels else 'off'}: compile + first pass {compile_s[kernels]:.1f} s; max relative "
+              f"logit difference vs eager with kernels {errors[kernels]:.1e}")
     return 0
 
 

@@ -69,6 +69,19 @@ def build(kind: str):
     reference = KimiLinearForCausalLM(kl_config).eval()
     if kind == "intree":
         return reference
+    if kind == "qwen3next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=256,
+            shared_expert_intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            num_key_value_heads=HEADS, head_dim=64, linear_num_key_heads=HEADS, linear_num_value_heads=HEADS,
+            linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8,
+            num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(LAYERS)],
+        )  # fmt: skip
+        config._attn_implementation = "sdpa"
+        return Qwen3NextForCausalLM(config).eval()
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -167,14 +180,30 @@ def release_free_memory():
         pass
 
 
+# Our model's modes: eager or torch.compile (inductor, fullgraph, dynamic shapes), the fused CPU kernels on or off.
+OUR_MODES = {"ours": (False, True), "ours-nokern": (False, False), "ours-compiled": (True, True),
+             "ours-compiled-nokern": (True, False)}
+
+
 def child_decode(kind: str, n: int, steps: int) -> dict:
     torch.set_num_threads(2)
+    compiled, kernels = OUR_MODES.get(kind, (False, True))
+    if kind in OUR_MODES:
+        from transformers_k3.ops import cpu_kernel
+
+        cpu_kernel.set_enabled(kernels)
+        kind = "ours"
     model = build(kind)
     cache = fill_cache(kind, model, n)
     token = torch.tensor([[7]])
     times, transients = [], []
+    step = torch.compile(model, fullgraph=True, dynamic=True) if compiled else model
     with torch.no_grad():
-        model(token, past_key_values=cache, use_cache=True)  # warm-up
+        start = time.perf_counter()
+        for _ in range(2 if compiled else 1):  # warm-up (compiled: the first step traces, the second too (the
+            step(token, past_key_values=cache, use_cache=True)  # cache length becomes dynamic))
+        warmup_s = time.perf_counter() - start
+        model = step
         for _ in range(steps):
             release_free_memory()
             with RssSampler() as sampler:
@@ -184,7 +213,7 @@ def child_decode(kind: str, n: int, steps: int) -> dict:
                 times.append(time.perf_counter() - start)
             transients.append(sampler.peak - before)
     result = {"decode_ms": 1e3 * statistics.median(times), "transient_mb": max(transients) / 2**20,
-              "cache_mb": cache_bytes(kind, cache) / 2**20}
+              "cache_mb": cache_bytes(kind, cache) / 2**20, "warmup_s": warmup_s}
     if kind == "ours":
         result["analytic_mb"] = analytic_cache_bytes(model.config, cache.get_seq_length()) / 2**20
     return result
@@ -253,7 +282,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--models", nargs="+", default=["ours", "intree", "llama"])
+    parser.add_argument("--models", nargs="+", default=["ours", "intree", "llama"],
+                        help="of ours, ours-nokern, ours-compiled, ours-compiled-nokern (torch.compile, the CPU "
+                             "kernels on / off), intree (Kimi Linear), qwen3next, llama")
     parser.add_argument("--context", type=int, help="million-token mode: real chunked prefill + 32 decode steps")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--synthetic-prefix", type=int, default=0,
@@ -289,18 +320,24 @@ def main():
         return
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode = median of {args.steps} steps")
-    header = f"{'context':>8} {'model':>8} {'cache MiB':>10} {'analytic':>9} {'decode ms':>10} {'step transient MiB':>19}"
+    header = (f"{'context':>8} {'model':>20} {'cache MiB':>10} {'analytic':>9} {'decode ms':>10} "
+              f"{'step transient MiB':>19} {'warm-up s':>10}")
     print(header)
     for n in args.contexts:
         rows = {}
         for kind in args.models:
             rows[kind] = r = run_child(["--child", kind, "--n", str(n), "--steps", str(args.steps)])
             if "error" in r:
-                print(f"{n:>8} {kind:>8}  failed: {r['error']}")
+                print(f"{n:>8} {kind:>20}  failed: {r['error']}")
                 continue
             analytic = f"{r['analytic_mb']:.2f}" if "analytic_mb" in r else "-"
-            print(f"{n:>8} {kind:>8} {r['cache_mb']:>10.2f} {analytic:>9} {r['decode_ms']:>10.1f} {r['transient_mb']:>19.1f}",
-                  flush=True)
+            print(f"{n:>8} {kind:>20} {r['cache_mb']:>10.2f} {analytic:>9} {r['decode_ms']:>10.1f} "
+                  f"{r['transient_mb']:>19.1f} {r['warmup_s']:>10.1f}", flush=True)
+        for mine in (m for m in OUR_MODES if "decode_ms" in rows.get(m, {})):
+            ratios = [f"{other} / {mine}: {rows[other]['decode_ms'] / rows[mine]['decode_ms']:.1f}x"
+                      for other in ("intree", "qwen3next") if "decode_ms" in rows.get(other, {})]
+            if ratios and mine != "ours":
+                print(f"{n:>8}  decode {', '.join(ratios)}")
         ours, intree = rows.get("ours", {}), rows.get("intree", {})
         if "decode_ms" in ours and "decode_ms" in intree:
             print(f"{n:>8}  in-tree / ours: decode {intree['decode_ms'] / ours['decode_ms']:.1f}x, step transient "
