@@ -403,6 +403,17 @@ def build_cases():
         case("tool_results_with_unresolvable_id_keep_order",
              history_with_calls + [tool("上海: 多云, 28°C", tool_call_id="call_sh"),
                                    tool("北京: 晴, 25°C", tool_call_id="call_unknown")]),
+        # A run with an unmatched id keeps its order, yet its matched results take their call's name (not the
+        # name of the call at their position, nor a stale name of their own).
+        case("tool_results_with_unresolvable_id_matched_one_takes_its_call_name",
+             [user("Time and weather?"),
+              assistant("", tool_calls=[call("t1", "get_time", {}), call("w1", "get_weather", {"city": "Oslo"})]),
+              tool("Oslo: -3°C", tool_call_id="w1"), tool("12:00", tool_call_id="t_unknown")]),
+        case("tool_results_with_unresolvable_id_stale_name_replaced",
+             [user("Time and weather?"),
+              assistant("", tool_calls=[call("t1", "get_time", {}), call("w1", "get_weather", {"city": "Oslo"})]),
+              tool("Oslo: -3°C", tool_call_id="w1", name="stale_name"),
+              tool("12:00", tool_call_id="t_unknown", name="clock")]),
         case("tool_result_with_name",
              [user("Time?"), assistant("", tool_calls=[call(None, "get_time", {})]),
               tool("12:00", name="get_time")]),
@@ -592,6 +603,12 @@ JINJA_REASONS = {
     "several_tool_calls_in_one_message": "third call's " + _JSON_STRING_ARGS,
     "tool_calls_flat_form": "second call's " + _JSON_STRING_ARGS,
     "long_agent_conversation": "read_file call's " + _JSON_STRING_ARGS,
+    "tool_results_with_unresolvable_id_matched_one_takes_its_call_name":
+        "in a run with an unmatched id the template drops the matched results' call names (the first result "
+        "takes the name of the call at its position, get_time); the reference keeps them (get_weather)",
+    "tool_results_with_unresolvable_id_stale_name_replaced":
+        "in a run with an unmatched id the template keeps a matched result's own stale name; the reference "
+        "replaces it with its call's name",
     "error_thinking_effort_medium": "the template accepts thinking_effort=medium and renders it; the reference "
                                     "raises ValueError",
     "error_tool_call_arguments_json_array_string": "the template renders the array string as a raw <json> "

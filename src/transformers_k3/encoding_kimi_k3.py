@@ -347,8 +347,9 @@ def _call_ids(message: Mapping) -> dict[str, tuple[int, Any]]:
 
 def order_tool_results(messages: Sequence[Mapping]) -> list[Mapping]:
     """Each run of consecutive ``tool`` messages in the preceding assistant's ``tool_calls`` order, matched by
-    ``tool_call_id`` (the matched call's name becomes the result's ``tool``); a run with any id that matches no call
-    is left as it is. The input is not modified."""
+    ``tool_call_id`` (the matched call's name becomes the result's ``tool``). A run with any id that matches no call
+    keeps its order, but its matched results still take their call's name, as the release's encoder does. The input
+    is not modified."""
     out: list[Mapping] = []
     ids: dict[str, tuple[int, Any]] = {}
     i = 0
@@ -368,7 +369,7 @@ def order_tool_results(messages: Sequence[Mapping]) -> list[Mapping]:
             target = ids.get(str(call_id)) if call_id is not None else None
             if target is None:
                 matched = False
-                run.append((0, result, result))
+                run.append((0, result))
             else:
                 position, name = target
                 resolved = dict(result)
@@ -376,12 +377,9 @@ def order_tool_results(messages: Sequence[Mapping]) -> list[Mapping]:
                     resolved["tool"] = name
                     if "name" in resolved:
                         resolved["name"] = name
-                run.append((position, result, resolved))
+                run.append((position, resolved))
             i += 1
-        if matched:
-            out.extend(resolved for _, _, resolved in sorted(run, key=lambda item: item[0]))
-        else:
-            out.extend(original for _, original, _ in run)
+        out.extend(resolved for _, resolved in (sorted(run, key=lambda item: item[0]) if matched else run))
     return out
 
 
