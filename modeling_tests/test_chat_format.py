@@ -246,3 +246,54 @@ def test_every_added_token_of_the_tokenizer_stays_text_in_every_field(tokenizer)
 
     assert len(tokenizer.added_tokens_decoder) > 200
     assert control_ids(every) == control_ids("x")
+
+
+def other_fields(text):
+    """The text fields `conversation` does not reach: a dynamic tool declaration (a system message with tools),
+    developer messages, the ``reasoning`` alias, assistant content parts, a tool result's own ``tool`` / ``name``,
+    a call id, a text part next to a video slot."""
+    return [
+        {"role": "system", "content": text, "tools": [{"type": "function", "function": {
+            "name": f"d{text}", "description": text,
+            "parameters": {"type": "object", "properties": {text: {"description": text}}}}}]},
+        {"role": "developer", "content": f"dev {text}", "name": text},
+        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "video"}]},
+        {"role": "assistant", "reasoning": f"r {text}", "content": [{"type": "text", "text": f"c {text}"}],
+         "tool_calls": [{"id": text, "type": "function",
+                         "function": {"name": text, "arguments": {"a": {text: [text]}, text: True}}}]},
+        {"role": "tool", "name": f"n{text}", "tool": f"t{text}", "content": text},
+        {"role": "tool", "name": f"n{text}", "content": [{"type": "text", "text": text}]},
+        {"role": "assistant", "content": text, "reasoning_content": text},
+    ]
+
+
+def shipped_tokenizer():
+    from transformers import AutoTokenizer
+
+    from transformers_k3.small import SMALL_DIR
+
+    if not (SMALL_DIR / "tokenizer.json").exists():
+        pytest.skip("small model not shipped")
+    return AutoTokenizer.from_pretrained(str(SMALL_DIR))
+
+
+@pytest.mark.parametrize("which", ["test", "shipped"])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_every_added_token_stays_text_in_the_other_fields(which, thinking):
+    """Every added token of the tokenizer (and the video placeholder), typed together into each of those fields:
+    the control tokens are exactly those of the same conversation with harmless text, and the text round-trips
+    (once per field it was typed into). Also for the shipped small model's tokenizer, the one users load."""
+    tok = build_test_tokenizer() if which == "test" else shipped_tokenizer()
+    special = set(tok.added_tokens_decoder)
+    every = "".join(token.content for token in tok.added_tokens_decoder.values()) + "<|kimi_video_placeholder|>"
+
+    def controls(text):
+        ids = tok.apply_chat_template(other_fields(text), add_generation_prompt=True, thinking=thinking)["input_ids"]
+        return [i for i in ids if i in special], tok.decode(ids)
+
+    injected, decoded = controls(every)
+    assert injected == controls("x")[0]
+    # 19 fields with thinking on; the two reasoning fields are not written with thinking off
+    assert decoded.count(every) == (19 if thinking else 17)
+    prompt = render_kimi_k3_chat(other_fields(every), add_generation_prompt=True, thinking=thinking)
+    assert prompt.count_control("<|kimi_video_placeholder|>") == 1 and prompt.count_control(IMAGE_PLACEHOLDER) == 0
