@@ -118,3 +118,59 @@ def test_image_pipeline_returns_the_parsed_answer():
     assert out[0]["generated_text"][-1] == {"role": "assistant", "content": "a red circle"}
     default = pipe(text=messages, max_new_tokens=20, generate_kwargs={"do_sample": False})[0]["generated_text"]
     assert default[:-1] == messages and default[-1]["role"] == "assistant"
+
+
+@needs_small
+def test_pipeline_returns_a_parsed_tool_call_and_takes_it_back(pipe):
+    """The pipeline's own postprocess on a K3 answer that calls a tool (the small model never learned tools, so the
+    generated ids are written here: real control tokens for the markers, a string argument whose text spells a
+    marker): the returned message has the call, the argument intact; appended with the tool's result it renders
+    as the format's rules write it (by hand below), the spelled marker still text."""
+    import torch
+    from transformers.utils.chat_template_utils import Chat
+
+    tokenizer = pipe.tokenizer
+    special = set(tokenizer.added_tokens_decoder)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    inputs = pipe.preprocess(Chat(messages), tools=[WEATHER])
+    value = 'Paris <|close|>argument<|sep|> & "x"'
+
+    def marker(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def text(value):
+        return tokenizer(value, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    generated = (text("I should call it.") + marker("<|close|>") + text("think") + marker("<|sep|><|open|>") +
+                 text("response") + marker("<|sep|><|close|>") + text("response") + marker("<|sep|><|open|>") +
+                 text("tools") + marker("<|sep|><|open|>") + text('call tool="get_weather" index="1"') +
+                 marker("<|sep|><|open|>") + text('argument key="city" type="string"') + marker("<|sep|>") +
+                 text(value) + marker("<|close|>") + text("argument") + marker("<|sep|><|close|>") + text("call") +
+                 marker("<|sep|><|close|>") + text("tools") + marker("<|sep|><|close|>") + text("message") +
+                 marker("<|sep|><|end_of_msg|>"))
+    sequence = torch.tensor([inputs["input_ids"][0].tolist() + generated])
+    out = pipe.postprocess({"generated_sequence": sequence[None], "input_ids": inputs["input_ids"],
+                            "prompt_text": inputs["prompt_text"]})[0]["generated_text"]
+    answer = out[-1]
+    assert out[:-1] == messages
+    assert answer == {"role": "assistant", "content": "", "reasoning_content": "I should call it.",
+                      "tool_calls": [{"id": "get_weather:1", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": {"city": value}}}]}
+
+    history = out + [{"role": "tool", "tool_call_id": "get_weather:1", "content": "21 C"}]
+    prompt, ids = prompt_of(pipe, history, tools=[WEATHER])
+    assert prompt == (
+        declaration() + header("user") + "Weather in Paris?" + END + header("assistant") +
+        "<|open|>think<|sep|>I should call it.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"
+        '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+        f'<|open|>argument key="city" type="string"<|sep|>{value}<|close|>argument<|sep|><|close|>call<|sep|>'
+        "<|close|>tools<|sep|>" + END + header("tool", ("tool", "get_weather"), ("index", "1")) + "21 C" + END +
+        header("assistant") + "<|open|>think<|sep|>")
+    # the spelled marker in the argument is text: the control tokens are the template's (those of a plain value)
+    plain = [dict(m) for m in history]
+    plain[1] = {**answer, "tool_calls": [{**answer["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    plain_ids = tokenizer.apply_chat_template(plain, tools=[WEATHER], add_generation_prompt=True)["input_ids"]
+    assert [i for i in ids.tolist() if i in special] == [i for i in plain_ids if i in special]
+    final = pipe(history, tools=[WEATHER], max_new_tokens=10)[0]["generated_text"]
+    assert final[:-1] == history and final[-1]["role"] == "assistant"
