@@ -113,6 +113,9 @@ def _(grad_o, grad_state, q, k, v, g, beta, state, bounds, scale, chunk, mask):
                  for x, m in zip((q, k, v, g, beta, state), mask))  # fmt: skip
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
@@ -141,11 +144,14 @@ def _default_dispatch_keys():
 
 
 def applies(q, k, v, g, beta, state) -> bool:
-    """Whether :func:`kda_chunk` should compute this call: a gradient is wanted, every tensor is fp32 on CPU and
-    the fused kernels are on and built (without autograd the in-place inference route runs instead)."""
+    """Whether :func:`kda_chunk` should compute this call: a gradient is wanted, every tensor is a plain fp32 CPU
+    tensor (a tensor subclass such as DTensor keeps the PyTorch path, which it can decompose) and the fused
+    kernels are on and built (without autograd the in-place inference route runs instead)."""
+    tensors = (q, k, v, g, beta, state)
     return (
         torch.is_grad_enabled()
-        and any(x.requires_grad for x in (q, k, v, g, beta, state))
-        and cpu_kernel.applies(q, k, v, g, beta, state, differentiable=True)
+        and any(x.requires_grad for x in tensors)
+        and all(type(x) in _PLAIN_TENSORS for x in tensors)
+        and cpu_kernel.applies(*tensors, differentiable=True)
         and cpu_kernel.library() is not None
     )
