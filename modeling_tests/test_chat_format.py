@@ -297,3 +297,13 @@ def test_every_added_token_stays_text_in_the_other_fields(which, thinking):
     assert decoded.count(every) == (19 if thinking else 17)
     prompt = render_kimi_k3_chat(other_fields(every), add_generation_prompt=True, thinking=thinking)
     assert prompt.count_control("<|kimi_video_placeholder|>") == 1 and prompt.count_control(IMAGE_PLACEHOLDER) == 0
+
+
+@pytest.mark.parametrize("value", [{1, 2}, b"bytes", object()])
+def test_argument_values_that_are_not_json_raise_the_named_error(value):
+    """A tool-call argument K3 cannot write (not a JSON value) is a KimiK3ChatError naming the message, the call
+    and the key (the release encoder fails there with json's bare TypeError)."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"ok": 1, "bad": value}}}]}]
+    with pytest.raises(KimiK3ChatError, match=r"messages\[1\] \(assistant\): tool_calls\[0\] argument 'bad'"):
+        render_kimi_k3_chat(messages)

@@ -466,7 +466,12 @@ def _assistant(message: Mapping, media: _Media, thinking: bool, where: str, gene
                     segments += _open("json", [("type", "object")]) + _text(call.raw) + _close("json")
                 else:
                     for key, value in call.arguments.items():
-                        segments += _open("argument", [("key", key), ("type", argument_type(value))])
+                        try:
+                            kind = argument_type(value)
+                        except TypeError as error:
+                            raise KimiK3ChatError(f"{where}: tool_calls[{index - 1}] argument {key!r:.40}: "
+                                                  f"{error}") from None
+                        segments += _open("argument", [("key", key), ("type", kind)])
                         segments += _text(_argument_text(value)) + _close("argument")
                 segments += _close("call")
             segments += _close("tools")
