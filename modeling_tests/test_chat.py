@@ -592,3 +592,35 @@ def test_budget_arguments():
     assert processor.forced_token(torch.tensor([7, 8, 4])) == 2
     assert processor.forced_token(torch.tensor([7, 8, 4, 2])) == 9
     assert processor.forced_token(torch.tensor([7, 8, 4, 2, 9])) is None
+
+
+# ---------------------------------------------------------------- the command line's streamer
+@pytest.mark.parametrize("thinking", [True, False])
+def test_channel_streamer_shows_reasoning_apart_and_no_markers(tokenizer, thinking):
+    """What ``generate --chat`` prints, fed one token at a time: reasoning on stderr after ``[thinking]``, the answer
+    alone on stdout, no template marker; text the model wrote that merely spells a marker (text ids) is shown as
+    the text it is."""
+    import io
+
+    from transformers_k3.generate_cli import ChannelStreamer
+
+    def text(value):
+        return tokenizer(value, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def marker(value):
+        return tokenizer(value, add_special_tokens=False)["input_ids"]
+
+    prompt = render_kimi_k3_chat([{"role": "user", "content": "hi"}], add_generation_prompt=True, thinking=thinking)
+    ids = (text("I ponder <|open|>.") + marker("<|close|>") + text("think") + marker("<|sep|><|open|>") +
+           text("response") + marker("<|sep|>") if thinking else [])
+    ids += (text("Hi <|close|>response<|sep|> there") + marker("<|close|>") + text("response") +
+            marker("<|sep|><|close|>") + text("message") + marker("<|sep|><|end_of_msg|>"))
+    out, err = io.StringIO(), io.StringIO()
+    streamer = ChannelStreamer(tokenizer, prompt, out=out, err=err)
+    streamer.put(torch.tensor([[7, 7, 7]]))  # generate() sends the prompt first
+    for i in ids:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert out.getvalue() == "Hi <|close|>response<|sep|> there\n"
+    assert err.getvalue() == ("[thinking] I ponder <|open|>.\n" if thinking else "")
+    assert streamer.parsed.finished and streamer.parsed.tool_calls == []
