@@ -23,7 +23,10 @@ Where this module differs from that encoder, on purpose:
 
 * ``developer`` messages are rendered as ``system`` (the serving layer's rewrite, K3_SPEC.md section 8); the encoder
   itself skips them. Unknown roles, unknown content parts and non-dict messages raise `KimiK3ChatError` where the
-  encoder skips or fails with ``KeyError``;
+  encoder skips or fails with ``KeyError``; so do values the encoder would coerce: a non-string text part, name,
+  tool name or reasoning (it writes ``str(value)``), a non-bool ``thinking`` (it reads ``"no"`` as on), a
+  ``response_format`` of unknown type (it ignores it) or ``json_schema`` without a ``json_schema`` (it writes
+  ``null``);
 * a ``<|kimi_image_placeholder|>`` typed in text stays text, also when ``image_prompts`` are given (the encoder would
   put the next image there);
 * video parts render as one ``<|kimi_video_placeholder|>`` control segment each (the encoder has no video);
