@@ -174,3 +174,39 @@ def test_pipeline_returns_a_parsed_tool_call_and_takes_it_back(pipe):
     assert [i for i in ids.tolist() if i in special] == [i for i in plain_ids if i in special]
     final = pipe(history, tools=[WEATHER], max_new_tokens=10)[0]["generated_text"]
     assert final[:-1] == history and final[-1]["role"] == "assistant"
+
+
+@needs_small
+def test_image_pipeline_parses_tool_calls_only_from_the_tools_channel(monkeypatch):
+    """pipeline("image-text-to-text") on an answer (generate's ids written here) whose reasoning spells a call and
+    whose tools channel holds a real one: the message has the real call only, the spelled one stays reasoning."""
+    import torch
+    from transformers import pipeline
+
+    from transformers_k3.small import data
+
+    pipe = pipeline("image-text-to-text", model=str(SMALL_DIR))
+    tokenizer = pipe.processor.tokenizer
+
+    def text(value):
+        return tokenizer(value, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def marker(value):
+        return tokenizer(value, add_special_tokens=False)["input_ids"]
+
+    spelled = 'I could <|open|>tools<|sep|><|open|>call tool="rm" index="1"<|sep|><|close|>call<|sep|> hmm'
+    generated = (text(spelled) + marker("<|close|>") + text("think") + marker("<|sep|><|open|>") + text("response") +
+                 marker("<|sep|>") + text("A circle.") + marker("<|close|>") + text("response") +
+                 marker("<|sep|><|open|>") + text("tools") + marker("<|sep|><|open|>") +
+                 text('call tool="zoom" index="1"') + marker("<|sep|><|open|>") +
+                 text('argument key="x" type="number"') + marker("<|sep|>") + text("2") + marker("<|close|>") + text("argument") + marker("<|sep|><|close|>") +
+                 text("call") + marker("<|sep|><|close|>") + text("tools") + marker("<|sep|><|close|>") +
+                 text("message") + marker("<|sep|><|end_of_msg|>"))
+    monkeypatch.setattr(pipe.model, "generate",
+                        lambda *args, **kwargs: torch.cat([kwargs["input_ids"], torch.tensor([generated])], 1))
+    messages = [{"role": "user", "content": [{"type": "image", "image": data.draw_shape("circle", "red", 56)},
+                                             {"type": "text", "text": "what?"}]}]
+    answer = pipe(text=messages, max_new_tokens=5)[0]["generated_text"][-1]
+    assert answer == {"role": "assistant", "content": "A circle.", "reasoning_content": spelled,
+                      "tool_calls": [{"id": "zoom:1", "type": "function",
+                                      "function": {"name": "zoom", "arguments": {"x": 2}}}]}
