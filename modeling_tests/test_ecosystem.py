@@ -705,4 +705,13 @@ def test_compiled_decode_step_equals_eager():
     torch.testing.assert_close(fused, want, atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
+    # The prefill compiles too (fullgraph: a break raises), kernels off: the PyTorch chunked KDA takes single-token
+    # sub-chunks in a graph (it cannot branch on the gate's values there), the same function up to fp32 rounding.
+    torch._dynamo.reset()
+    prompt = torch.randint(3, 512, (2, 80))  # (more than one 64-token chunk)
+    prefill = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad(), cpu_kernel.use_cpu_kernel(False):
+        want = model(prompt, past_key_values=KimiK3HybridCache(model.config), use_cache=True).logits
+        got = prefill(prompt, past_key_values=KimiK3HybridCache(model.config), use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()

@@ -565,7 +565,7 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = False
     _is_stateful = True
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # (prefill and decode through the hybrid cache, the CPU kernels in the graph)
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"rotary_emb\.(cos|sin)_cached"]
     # The release keeps these in fp32 (K3_SPEC.md 2.2): the KDA decay parameters, the KDA short convolutions' filters
     # (which the convolution applies in fp32, section 4.2) and the router's selection bias, whose small

@@ -893,8 +893,12 @@ def _chunked(q, k, v, g, beta, state, layout, scale):
         sub //= 2
     group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
     # A sub-chunk's decay span is at most sub * max|g|: when that fits, no group needs its own check (a host sync
-    # per group on a GPU; this is one per call)
-    span_checked = g.numel() == 0 or float(g.detach().abs().amax()) * sub <= _SPAN_LIMIT
+    # per group on a GPU; this is one per call). A traced graph cannot branch on a value: there the sub-chunks are
+    # single tokens, whose decays are exact whatever the gate (the sizes the checks would end at in the worst case).
+    if torch.compiler.is_compiling():
+        sub, span_checked = 1, True
+    else:
+        span_checked = g.numel() == 0 or float(g.detach().abs().amax()) * sub <= _SPAN_LIMIT
 
     if in_place:
         state = state.clone()  # never write into the caller's initial_state
