@@ -19,10 +19,13 @@ formula whose backward is itself an operator.
   pieces (``amx_tiles.h``) for an fp32 router's screened selection (``router_cpu.cpp``: approximate logits on the
   tile unit with an error bound, exact fp32 logits only for the experts the bound cannot rule out).
 
-Each computes the same algorithm as the PyTorch code it replaces, in fp32 (the KDA kernel for inference only,
-without autograd). The experts kernel also takes bf16 weights and activations (small-GEMM path: read exactly as
-fp32, computed in fp32, rounded once at the end). Other dtypes, KDA training and machines where the kernels
-cannot be built use the PyTorch path.
+Each computes the same algorithm as the PyTorch code it replaces, in fp32 (under autograd the KDA kernel computes
+the forward through ``transformers_k3::kda_chunk``, :mod:`transformers_k3.ops.kda_autograd`, whose backward is the
+PyTorch chunked path's gradient). The experts kernel also takes bf16 weights and activations (small-GEMM path:
+read exactly as fp32, computed in fp32, rounded once at the end). Other dtypes and machines where the kernels
+cannot be built use the PyTorch path. Under torch.compile the operators are traced through their fake
+implementations, so a compiled graph calls the same kernels as eager; the choices made from the machine (the
+library, its build features, the thread count) are constants of the graph.
 
 ``csrc/torch_ops.cpp`` defines the operators (``TORCH_LIBRARY``): each checks its tensors and calls a kernel's
 entry point (``csrc/kernels.h``); only that file includes torch headers. The sources are compiled once per
