@@ -476,14 +476,23 @@ def main() -> None:
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 
+def _reference_and_base_rate(results, tmp, reference, baseline, decode=False):
+    """The reference method's saved tensor (None if it failed) and the baseline's rate (tokens/s, or steps/s for
+    decode rows; None if it failed)."""
+    import torch
+
+    ok = lambda name: name in results and "error" not in results[name]  # noqa: E731
+    saved = torch.load(os.path.join(tmp, f"{reference}.pt")) if ok(reference) else None
+    base = results.get(baseline, {})
+    base_rate = (1 if decode else base["tokens"]) / base["seconds"] if ok(baseline) else None
+    return saved, base_rate
+
+
 def _print_train_rows(methods, results, tmp, heads, dim, length) -> bool:
     """Print one block of training rows; returns whether some method was timed on a prefix."""
     import torch
 
-    ok = lambda name: name in results and "error" not in results[name]  # noqa: E731
-    reference = torch.load(os.path.join(tmp, "ours_train.pt")) if ok("ours_train") else None
-    base = results.get(TRAIN_BASELINE, {})
-    base_rate = base["tokens"] / base["seconds"] if ok(TRAIN_BASELINE) else None
+    reference, base_rate = _reference_and_base_rate(results, tmp, "ours_train", TRAIN_BASELINE)
     prefixed = False
     for method, label in methods.items():
         res = results[method]
@@ -512,10 +521,7 @@ def _print_rows(methods, results, baseline, reference, tmp, heads, dim, length, 
     """Print one table block; returns whether some method was timed on a prefix."""
     import torch
 
-    ok = lambda name: name in results and "error" not in results[name]  # noqa: E731
-    reference_out = torch.load(os.path.join(tmp, f"{reference}.pt")) if ok(reference) else None
-    base = results.get(baseline, {})
-    base_rate = (1 if decode else base["tokens"]) / base["seconds"] if ok(baseline) else None
+    reference_out, base_rate = _reference_and_base_rate(results, tmp, reference, baseline, decode)
     prefixed = False
     shown = "1" if decode else f"{length}"
     for method, label in methods.items():

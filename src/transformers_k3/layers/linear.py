@@ -45,8 +45,19 @@ def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _nothing_around(layer: nn.Module) -> bool:
     """Calling ``layer`` would run its class's forward alone: no hooks of its own or global ones, and no forward
     set on the instance (accelerate's hooks wrap it that way)."""
-    return not (
-        layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks or layer._backward_pre_hooks
-        or "forward" in layer.__dict__ or _module._global_forward_hooks or _module._global_forward_pre_hooks
-        or _module._global_backward_hooks or _module._global_backward_pre_hooks
+    return not (_hooked(layer) or _any_global_hooks())
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Hooks of its own or a forward set on the instance (accelerate's offload); global hooks are checked apart."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or "forward" in module.__dict__
+    )  # fmt: skip
+
+
+def _any_global_hooks() -> bool:
+    return bool(
+        _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
     )  # fmt: skip

@@ -15,14 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import cpu_kernel
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
-from .linear import apply_linear
+from .linear import _any_global_hooks, _hooked, apply_linear
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
@@ -546,21 +545,6 @@ def _experts_implementation(experts: nn.Module) -> str | None:
 
 
 _UNSET = object()
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Hooks of its own or a forward set on the instance (accelerate's offload); global hooks are checked apart."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or "forward" in module.__dict__
-    )  # fmt: skip
-
-
-def _any_global_hooks() -> bool:
-    return bool(
-        _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
-        or _module._global_backward_pre_hooks
-    )  # fmt: skip
 
 
 def router_aux_loss(

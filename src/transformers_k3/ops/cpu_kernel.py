@@ -108,11 +108,10 @@ def enabled() -> bool:
 
 
 def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
-    """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU, not being traced
-    by torch.compile too (the operators are traced through their fake implementations, so a compiled graph runs
-    the same kernels as eager) and,
-    unless the kernel has a backward (``differentiable``), no autograd. The library is built on the first call
-    that qualifies."""
+    """Whether a fused kernel may compute a call on these tensors: enabled, all fp32 on CPU and, unless the kernel
+    has a backward (``differentiable``), no autograd. The same under torch.compile (the operators are traced
+    through their fake implementations, so a compiled graph runs the same kernels as eager). The library is built
+    on the first call that qualifies."""
     return (
         enabled()
         and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)

@@ -618,18 +618,16 @@ def _torch_kda(
         # 860 vs 3,808 us), so the recurrent entry points use it too (q is already scaled for those).
         fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale if block else 1.0,
                                          block or TORCH_CHUNK_SIZE, inplace=write)  # fmt: skip
-        if fused is not None:
-            o, final = fused
-            o = o.to(out_dtype)
-            if not output_final_state:
-                return o, None
-            return o, final.transpose(-1, -2).contiguous() if state_v_first else final
     elif kda_autograd.applies(q, k, v, g, beta, state):
         # Training: the same kernel forward, differentiable, its gradient the PyTorch chunked path's (recomputed in
         # the backward), so CPU training and inference compute one function. Everything above (l2norm, gate, beta
         # sigmoid, grouped values, state layout) stays ordinary autograd.
-        o, final = kda_autograd.kda_chunk(q, k, v, g, beta, state, bounds, scale if block else 1.0,
-                                          block or TORCH_CHUNK_SIZE)  # fmt: skip
+        fused = kda_autograd.kda_chunk(q, k, v, g, beta, state, bounds, scale if block else 1.0,
+                                       block or TORCH_CHUNK_SIZE)  # fmt: skip
+    else:
+        fused = None
+    if fused is not None:
+        o, final = fused
         o = o.to(out_dtype)
         if not output_final_state:
             return o, None

@@ -113,9 +113,6 @@ def _(grad_o, grad_state, q, k, v, g, beta, state, bounds, scale, chunk, mask):
                  for x, m in zip((q, k, v, g, beta, state), mask))  # fmt: skip
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
@@ -151,7 +148,7 @@ def applies(q, k, v, g, beta, state) -> bool:
     return (
         torch.is_grad_enabled()
         and any(x.requires_grad for x in tensors)
-        and all(type(x) in _PLAIN_TENSORS for x in tensors)
+        and all(type(x) in cpu_kernel._PLAIN_TENSORS for x in tensors)
         and cpu_kernel.applies(*tensors, differentiable=True)
         and cpu_kernel.library() is not None
     )
