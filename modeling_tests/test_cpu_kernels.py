@@ -1265,7 +1265,7 @@ def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(lin
     (within one bf16 rounding of the layer's own output); fp32 inputs and training are the layer's own call,
     bitwise, gradients included; a layer with a forward hook, a global module hook, a forward set on the instance
     (accelerate's hooks) or a PEFT LoRA wrapper is called as usual, so the hook or the adapter takes part."""
-    from transformers_k3.layers.linear import apply_linear
+    from transformers_k3.ops.linear import apply_linear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 24, bias=True)
@@ -1342,7 +1342,7 @@ def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
     there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, the
     kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); apply_linear takes it for a
     plain bf16 nn.Linear on a prefill without autograd."""
-    from transformers_k3.layers.linear import apply_linear
+    from transformers_k3.ops.linear import apply_linear
 
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     w = torch.randn(8, 32).bfloat16()

@@ -27,7 +27,7 @@ from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.casting import apply_keeping_fp32
 from .layers.kda import KimiK3DeltaAttention
-from .layers.linear import apply_linear
+from .ops.linear import apply_linear
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
 from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm

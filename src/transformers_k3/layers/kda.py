@@ -16,7 +16,7 @@ from torch import nn
 
 from ..ops.conv import causal_conv1d, causal_conv1d_update
 from ..ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda
-from .linear import apply_linear
+from ..ops.linear import apply_linear
 from .norm import KimiK3GatedRMSNorm
 
 # New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'

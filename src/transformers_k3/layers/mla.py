@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .linear import apply_linear
+from ..ops.linear import apply_linear, products_f32
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -61,27 +61,9 @@ def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
 
     A bf16 matmul would round every logit to bf16 (8 bits: ~0.03 at a logit of 10) before the fp32 softmax, which
     made decode steps ~3x less accurate than the prefill's attention (which keeps its logits in fp32), where K3's
-    decode kernels in SGLang keep them in fp32 too. Every product of two bf16 values is exact in fp32 and the
-    products are summed in fp32 here: on CPU by the kernels' bf16 -> fp32 GEMM, on CUDA by a bmm with an fp32
-    output; otherwise on fp32 copies of the latent, `CONTEXT_BLOCK` tokens at a time (so a long context is never
-    copied whole)."""
-    keys = q_cat.transpose(1, 2)
-    if latent.dtype == torch.float32 and q_cat.dtype == torch.float32:
-        return torch.matmul(latent, keys)
-    if latent.device.type == "cpu":
-        from ..ops import cpu_kernel
-
-        rows = [cpu_kernel.linear_bf16_f32(latent[b], q_cat[b]) for b in range(latent.shape[0])]
-        if all(r is not None for r in rows):
-            return torch.stack(rows)
-    elif latent.device.type == "cuda" and latent.dtype == q_cat.dtype:
-        try:
-            return torch.bmm(latent, keys, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # (a torch or dtype without fp32-output bmm: the blocks below)
-            pass
-    keys = keys.float()
-    return torch.cat([torch.matmul(latent[:, start:start + CONTEXT_BLOCK].float(), keys)
-                      for start in range(0, latent.shape[1], CONTEXT_BLOCK)], dim=1)
+    decode kernels in SGLang keep them in fp32 too: `products_f32` sums the exact products in fp32, `CONTEXT_BLOCK`
+    tokens at a time where it copies (so a long context is never copied whole)."""
+    return products_f32(latent, q_cat, CONTEXT_BLOCK)
 
 
 def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import cpu_kernel
+from ..ops.norm import rms_norm
 
 
 class KimiK3RMSNorm(nn.Module):
@@ -19,16 +19,7 @@ class KimiK3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # fp32 on CPU under autograd: the same two ops forward, one fused kernel pass per row backward
-        fused = cpu_kernel.rms_norm(hidden_states, self.weight, self.variance_epsilon)
-        if fused is not None:
-            return fused
-        # ``x * rsqrt(mean(x^2) + eps)`` in fp32 as one op (F.rms_norm without a weight: bitwise the three-op form
-        # ``x.pow(2).mean(-1)``, ``+ eps``, ``x * rsqrt(.)`` that transformers' norms write, tested; one call where
-        # those take five, which is most of a decode step's norm: 42 -> 23 us at [1, 1, 128])
-        input_dtype = hidden_states.dtype
-        normed = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],), eps=self.variance_epsilon)
-        return (normed * self.weight.to(torch.float32)).to(input_dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
