@@ -78,6 +78,7 @@ import time
 METHODS = {
     "ours_chunk": "ours chunk_kda (fused CPU kernel)",
     "ours_chunk_pytorch": "ours chunk_kda, PyTorch path",
+    "ours_chunk_compiled": "ours chunk_kda, torch.compile (kernel in graph)",
     "ours_recurrent": "ours fused_recurrent_kda (kernel, chunked)",
     "intree_chunk": "in-tree chunk_kimi_delta_attention",
     "intree_recurrent": "in-tree recurrent_kimi_delta_attention",
@@ -115,7 +116,7 @@ def chunked_kda_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chu
 
 def method_chunk(method: str) -> int | None:
     """Chunk size the method computes with (None: a token loop), for its FLOP count."""
-    if method in ("ours_chunk", "ours_chunk_pytorch", "ours_recurrent"):  # (ours_recurrent runs the chunked kernel)
+    if method in ("ours_chunk", "ours_chunk_pytorch", "ours_chunk_compiled", "ours_recurrent"):  # (ours_recurrent runs the chunked kernel)
         from transformers_k3.ops.kda import TORCH_CHUNK_SIZE
 
         return TORCH_CHUNK_SIZE
@@ -177,17 +178,25 @@ def _intree(name: str):
 
 def _load_method(name: str):
     """``fn(q, k, v, g, beta, state) -> (o, final_state)``; ``state`` is None for prefill."""
-    if name in ("ours_chunk", "ours_chunk_pytorch", "ours_train", "ours_train_pytorch"):
+    if name in ("ours_chunk", "ours_chunk_pytorch", "ours_chunk_compiled", "ours_train", "ours_train_pytorch"):
+        import torch
+
         from transformers_k3.ops import cpu_kernel
         from transformers_k3.ops.kda import chunk_kda
 
-        fused = name in ("ours_chunk", "ours_train")
+        fused = name in ("ours_chunk", "ours_chunk_compiled", "ours_train")
         if fused and cpu_kernel.library() is None:
             raise RuntimeError(f"the fused CPU kernel is unavailable: {cpu_kernel.load_error()}")
 
+        def core(q, k, v, g, b, s):
+            return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True, backend="torch")
+
+        if name == "ours_chunk_compiled":  # (one graph per shape: the timed shape is warmed up before timing)
+            core = torch.compile(core, fullgraph=True, dynamic=False)
+
         def run(q, k, v, g, b, s):
             with cpu_kernel.use_cpu_kernel(fused):
-                return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True, backend="torch")
+                return core(q, k, v, g, b, s)
 
         return run
     if name in ("ours_recurrent", "ours_decode"):
@@ -226,6 +235,8 @@ def _child_prefill(args) -> dict:
         estimate = probe_seconds * tokens / probe
         repeats = max(1, min(3, int(args.max_seconds // max(estimate, 1e-9))))
         x = inputs(tokens)
+        if args.method.endswith("_compiled") and tokens != probe:
+            fn(*x)  # (compiles the graph for this shape outside the timing)
         rss_before = psutil.Process().memory_info().rss
         best, best_cpu = math.inf, math.inf
         for _ in range(repeats):
