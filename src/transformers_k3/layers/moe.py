@@ -19,7 +19,7 @@ from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
-from ..ops import cpu_kernel
+from ..ops import moe as moe_ops
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .linear import _any_global_hooks, _hooked, apply_linear
 from .casting import apply_keeping_fp32
@@ -50,17 +50,12 @@ class KimiK3MLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = apply_linear(self.gate_proj, hidden_states), apply_linear(self.up_proj, hidden_states)
-        # SiTU on CPU: one kernel call (the routed experts' GLU) where torch runs ~9 element-wise ops (~15 in the
-        # backward); SiLU stays torch's own, bit for bit Kimi Linear's
-        act = cpu_kernel.glu(gate, up, self.glu) if self.glu[0] == "situ" else None
-        return apply_linear(self.down_proj, self.glu_fn(gate, up) if act is None else act)
+        return apply_linear(self.down_proj, moe_ops.glu(gate, up, self.glu, self.glu_fn))  # (SiTU: one CPU kernel)
 
 
-# The fp32 router screens its selection (`cpu_kernel.router_screened_topk`) from this many tokens: below, the fp32
-# GEMM of a few rows is cheaper than the screen's fixed costs, mostly rounding and packing the weight for the tile
-# unit on each call (2 threads, 896 experts, width 256: 1 token 143 vs 24 us, 128 tokens 306 vs 274, 256 tokens 448
-# vs 525, 2,048 tokens 2.35 vs 4.07 ms).
-SCREEN_MIN_TOKENS = 256
+# From this many tokens the fp32 router may screen its selection (decided in `moe_ops.router_select`); here under
+# the layer module's name for the tests and benches that read it.
+SCREEN_MIN_TOKENS = moe_ops.SCREEN_MIN_TOKENS
 
 
 class KimiK3Router(nn.Module):
@@ -72,7 +67,8 @@ class KimiK3Router(nn.Module):
     lower expert id): for sigmoid scores `cpu_kernel.router_sigmoid_topk` computes them from the logits (bitwise
     ``torch.sigmoid``'s), selects and returns the chosen ones without writing ``[N, E]`` scores, otherwise
     `cpu_kernel.router_topk` selects from torch's scores; the chosen sigmoid scores' backward touches only the
-    chosen logits (`cpu_kernel.selected_scores`). With the kernels off, ``torch.topk`` and dense autograd.
+    chosen logits (`cpu_kernel.selected_scores`). With the kernels off, ``torch.topk`` and dense autograd. Which
+    path runs is decided in `moe_ops.router_select`.
     """
 
     def __init__(self, config) -> None:
@@ -109,64 +105,14 @@ class KimiK3Router(nn.Module):
         observes this call's output (`logits_observed`: a forward hook, or transformers' ``output_router_logits``
         recording), an fp32 router on a CPU with the AMX tile unit, given at least `SCREEN_MIN_TOKENS` tokens,
         selects without the ``[N, E]`` fp32 GEMM
-        (`cpu_kernel.router_screened_topk`: the same selection and scores as from fp32 logits) and returns None in
-        place of the logits."""
+        (`moe_ops.router_select`: the same selection and scores as from fp32 logits) and returns None in place of
+        the logits."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
-        if (
-            not need_logits and hidden_states.shape[0] >= SCREEN_MIN_TOKENS and not self.use_softmax
-            and self.num_expert_group == 1 and not self.logits_observed()
-        ):  # fmt: skip
-            bias = self.e_score_correction_bias
-            chosen = cpu_kernel.router_screened_topk(hidden_states, self.weight, bias, self.top_k)
-            if chosen is not None:
-                topk_indices, selected = chosen
-                if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
-                    selected = cpu_kernel.selected_scores(hidden_states, self.weight, topk_indices, selected)
-                return None, self._final_weights(selected), topk_indices
-        # a bf16 model on CPU: the same fp32 logits from the bf16 operands in a kernel (exact products, fp32 sums;
-        # the AMX tile unit for prefill), where torch would run an fp32 GEMM on upcast copies of both, the
-        # weight's made anew each call
-        router_logits = cpu_kernel.linear_bf16_f32(hidden_states, self.weight)
-        if (
-            router_logits is None and hidden_states.device.type in ("cuda", "meta")
-            and hidden_states.dtype == self.weight.dtype and self.weight.dtype in (torch.bfloat16, torch.float16)
-            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad))
-        ):  # fmt: skip
-            # the same fp32 logits from the half-precision operands (fp32 accumulation) without an fp32 copy of
-            # the [E, H] weight at every call (meta: its shapes)
-            router_logits = torch.mm(hidden_states, self.weight.t(), out_dtype=torch.float32)
-        if router_logits is None:
-            router_logits = F.linear(hidden_states.float(), self.weight.float())
-        bias = self.e_score_correction_bias.float()
-        # CPU kernels (ungrouped routing): the top-k selection, and for sigmoid scores under autograd a backward
-        # through the N k chosen logits only (the dense logits keep their own graph for auxiliary losses)
-        fused = self.num_expert_group == 1 and cpu_kernel.applies(router_logits, bias, differentiable=True)
-        sparse_backward = fused and not self.use_softmax and router_logits.requires_grad
-        # sigmoid scores: the kernel computes them, selects and returns the chosen ones (no [N, E] scores)
-        chosen = None
-        if fused and not self.use_softmax:
-            chosen = cpu_kernel.router_sigmoid_topk(router_logits, bias, self.top_k)
-        if chosen is not None:
-            topk_indices, selected = chosen
-        else:
-            logits = router_logits.detach() if sparse_backward else router_logits
-            scores = logits.softmax(dim=-1) if self.use_softmax else logits.sigmoid()
-            topk_indices = cpu_kernel.router_topk(scores, bias, self.top_k) if fused else None  # (no gradient)
-            if topk_indices is None:
-                if sparse_backward:  # the kernel could not run after all: autograd through the dense scores
-                    scores, sparse_backward = router_logits.sigmoid(), False
-                scores_for_choice = scores + bias
-                if self.num_expert_group > 1:
-                    scores_for_choice = self._keep_best_groups(scores_for_choice)
-                topk_indices = torch.topk(scores_for_choice, self.top_k, dim=-1, sorted=False).indices
-            selected = scores.gather(1, topk_indices)  # unbiased scores
-
-        if sparse_backward:
-            h, weight = hidden_states.float(), self.weight.float()
-            topk_weights = cpu_kernel.selected_scores(h, weight, topk_indices, selected)
-        else:
-            topk_weights = selected
-        return router_logits, self._final_weights(topk_weights), topk_indices
+        router_logits, selected, topk_indices = moe_ops.router_select(
+            hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self.use_softmax,
+            self.num_expert_group, self._keep_best_groups, need_logits, self.logits_observed,
+        )  # fmt: skip
+        return router_logits, self._final_weights(selected), topk_indices
 
     def _final_weights(self, selected: torch.Tensor) -> torch.Tensor:
         """The chosen (unbiased) scores renormalized over the k and scaled."""
@@ -243,16 +189,20 @@ def k3_grouped_mm_experts_forward(
     """
     if self.has_bias or not self.has_gate or self.has_post_expert_norm:
         raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
-    num_tokens, top_k = top_k_index.shape
     expert_parallel = getattr(self, "_is_expert_parallel", False)
-    activation = getattr(self, "glu_activation", None)
-    if activation is not None and not expert_parallel and cpu_kernel.experts_applies(
-        hidden_states, top_k_weights, self.gate_up_proj, self.down_proj
-    ):
-        out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                     self.is_transposed, activation)  # fmt: skip
-        if out is not None:
-            return out
+    return moe_ops.experts(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.is_transposed,
+        getattr(self, "glu_activation", None), expert_parallel,
+        lambda: _torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, expert_parallel),
+    )  # fmt: skip
+
+
+def _torch_grouped_experts(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    expert_parallel: bool,
+) -> torch.Tensor:
+    """`k3_grouped_mm` in PyTorch: gathered weights for few assignments, else the sorted grouped GEMMs."""
+    num_tokens, top_k = top_k_index.shape
     per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
     if num_tokens * top_k * per_expert <= GATHER_MAX_ELEMENTS_PER_EXPERT * self.num_experts and not expert_parallel:
         return _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
@@ -452,11 +402,11 @@ class KimiK3SparseMoE(nn.Module):
         """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
-        if y.is_cpu and not torch.is_grad_enabled() and y.shape[0] <= cpu_kernel.moe_decode_max_tokens():
-            out = self._decode_step(y)  # a decode step on CPU: the whole layer in one kernel call
-            if out is not None:
-                return out.view(orig_shape)
+        # a decode step on CPU: the whole layer in one kernel call where it computes what the modules would
+        return moe_ops.sparse_moe(y, self._plain_modules, self._modules_forward).view(orig_shape)
 
+    def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer through its modules, ``y [N, H]`` -> ``[N, H]``."""
         _, topk_weights, topk_indices = self.gate(y, need_logits=False)  # decided on the full-width input
         z = apply_linear(self.routed_expert_down_proj, y) if self.is_latent else y
         routed = self.experts(z, topk_indices, topk_weights)
@@ -467,21 +417,18 @@ class KimiK3SparseMoE(nn.Module):
 
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(y)
-        return routed.view(orig_shape)
+        return routed
 
-    def _decode_step(self, y: torch.Tensor) -> torch.Tensor | None:
-        """The layer on a few tokens in one kernel call (`cpu_kernel.MoeDecode`: the modules' quantities, bf16
-        rounded where they round, the fp32 sums in another order; several times faster at decode, where the ~15
-        ops and calls of the modules cost nearly all of the time), where that is what calling the modules would
-        compute: each submodule of its exact class with no hooks of its own (the router's forward hooks aside,
-        when they do not read its logits: `KimiK3Router.logits_observed`) and no global ones, no replaced
-        ``forward`` (accelerate's offload), the experts under ``"k3_grouped_mm"``, an ungrouped sigmoid router,
-        linear layers without bias; otherwise None (then the modules run: LoRA, quantized or offloaded layers,
-        recorded router logits, another experts implementation, autocast). The submodules, their settings and
-        their weights are read on every call (nothing is kept between calls; under torch.compile these checks
-        are the graph's guards)."""
-        if _any_global_hooks() or torch.is_autocast_enabled("cpu"):
-            return None  # (under autocast the modules' linear layers compute in its dtype)
+    def _plain_modules(self) -> tuple | None:
+        """``(gate, experts, down, norm, up, shared)`` (None for an optional one that is not there) when nothing is
+        around them, so that `moe_ops.sparse_moe`'s one kernel call computes what calling them would: each of its
+        exact class with no hooks of its own (the router's forward hooks aside, when they do not read its logits:
+        `KimiK3Router.logits_observed`) and no global ones, no replaced ``forward`` (accelerate's offload), the
+        experts under ``"k3_grouped_mm"``, linear layers without bias; otherwise None (then the modules run: LoRA,
+        quantized or offloaded layers, recorded router logits, another experts implementation). Read on every
+        call, nothing kept."""
+        if _any_global_hooks():
+            return None
         if self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks:
             return None  # (hooks on this layer run around forward, which calls this: a hook that replaces the
             # input or output still sees it; a backward hook asks for the modules' graph, which no_grad has not)
@@ -509,31 +456,9 @@ class KimiK3SparseMoE(nn.Module):
         if (
             gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
             or gate.logits_observed() or _experts_implementation(experts) != K3_GROUPED_MM
-            or experts.is_transposed or (shared is not None and shared.glu != experts.glu_activation)
-            or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
-            or getattr(experts, "_is_expert_parallel", False) or experts.has_bias or not experts.has_gate
-            or experts.has_post_expert_norm
         ):  # fmt: skip
             return None  # (the experts and everything after the router: no hooks, no replaced forward)
-        # The weights as the modules hold them now (None for one that is not a registered parameter or buffer: a
-        # parametrized weight, FSDP's views of its flat parameter).
-        weights = [m._parameters.get("weight") for m in linears]
-        router, bias = gate._parameters.get("weight"), gate._buffers.get("e_score_correction_bias")
-        gate_up, down_w = experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj")
-        norm_w = None if norm is None else norm._parameters.get("weight")
-        if router is None or bias is None or gate_up is None or down_w is None or (norm is not None and norm_w is None):
-            return None
-        for w in weights:
-            if w is None:
-                return None
-        latent = down is not None
-        kernel = cpu_kernel.MoeDecode(
-            y.dtype, router, bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,
-            weights[0] if latent else None, norm_w, 0.0 if norm is None else norm.variance_epsilon,
-            weights[1] if latent else None, gate_up, down_w, experts.glu_activation,
-            tuple(weights[-3:]) if shared is not None else None,
-        )  # fmt: skip
-        return kernel(y) if kernel.usable else None
+        return gate, experts, down, norm, up, shared
 
 
 def _experts_implementation(experts: nn.Module) -> str | None:
