@@ -257,3 +257,29 @@ def test_compiled_graph_calls_the_kernel_without_a_graph_break(name):
         torch.testing.assert_close(g, r, atol=0, rtol=0)
     inductor = torch.compile(fn, fullgraph=True)  # the default backend too, forward and backward
     torch.testing.assert_close(inductor(x, y), fn(x, y), atol=1e-6, rtol=1e-6)
+
+
+def test_layers_do_not_reach_the_kernel_module():
+    """Whether a fused kernel runs is decided in ops/: no module of layers/ imports `ops.cpu_kernel` or names it
+    in code (docstrings may)."""
+    import ast
+    import pathlib
+
+    import transformers_k3.layers as layers
+
+    found = []
+    for path in sorted(pathlib.Path(layers.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            else:
+                continue
+            if any("cpu_kernel" in n or n == "ctypes" for n in names):
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []

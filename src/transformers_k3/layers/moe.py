@@ -21,7 +21,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import moe as moe_ops
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
-from .linear import _any_global_hooks, _hooked, apply_linear
+from ..ops.linear import _any_global_hooks, _hooked, apply_linear
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
