@@ -47,6 +47,7 @@ from torch import nn
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' own; ours also run K3_GROUPED_MM
 # `k3_grouped_mm` with the fused CPU kernels turned off: its PyTorch path (the one autograd always uses).
 K3_PYTORCH = "k3_gmm_torch"
+COMPILED = "K3 latent MoE (ours, compiled)"
 
 
 def implementations_for(name: str) -> tuple[str, ...]:
@@ -54,6 +55,8 @@ def implementations_for(name: str) -> tuple[str, ...]:
     (with the fused CPU kernels) and its PyTorch path alone (kernels off)."""
     from transformers_k3.layers.moe import K3_GROUPED_MM
 
+    if "compiled" in name:  # (torch.compile of our layer: the kernels traced into its graph)
+        return (K3_GROUPED_MM,)
     return IMPLEMENTATIONS + ((K3_GROUPED_MM, K3_PYTORCH) if "ours" in name else ())
 
 
@@ -236,6 +239,8 @@ def main():
           f"{args.tokens} tokens ({args.slow_tokens} for in-tree eager)\n")
 
     layers = build(args)
+    # one graph per input shape (dynamic=False): each row's warm-up call compiles it, outside the timing
+    layers[COMPILED] = torch.compile(layers["K3 latent MoE (ours)"], fullgraph=True, dynamic=False)
     E, k, D = args.experts, args.top_k, args.latent
     gen = torch.Generator().manual_seed(1)
     x_latent = torch.randn(args.tokens, D, generator=gen).to(args.dtype)
@@ -294,7 +299,8 @@ def main():
                "Qwen3_5MoeExperts": layers["Qwen3_5MoeSparseMoeBlock"].experts}
     run_table("experts only", experts, lambda name, n: experts_inputs(n), lambda name: "experts")
     if not args.skip_layers:
-        run_table("whole MoE layer", {name: layers[name] for name in ("K3 latent MoE (ours)", "DeepseekV3MoE")},
+        whole = ("K3 latent MoE (ours)", COMPILED, "DeepseekV3MoE")
+        run_table("whole MoE layer", {name: layers[name] for name in whole},
                   lambda name, n: layer_inputs(n, 2 * D if "ours" in name else D), lambda name: name)
 
     if args.decode_calls:
@@ -339,7 +345,7 @@ def decode_table(args, experts, layers, experts_inputs, layer_inputs):
     n = args.decode_tokens
     tables = [("experts only", experts, lambda name: experts_inputs(n))]
     if not args.skip_layers:
-        modules = {name: layers[name] for name in ("K3 latent MoE (ours)", "DeepseekV3MoE")}
+        modules = {name: layers[name] for name in ("K3 latent MoE (ours)", COMPILED, "DeepseekV3MoE")}
         tables.append(("whole MoE layer", modules, lambda name: layer_inputs(n, 2 * args.latent if "ours" in name else args.latent)))
     print(f"== decode step: one forward call on {n} token(s), median of {args.decode_calls} calls ==")
     for table, modules, inputs_for in tables:
