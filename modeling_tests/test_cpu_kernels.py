@@ -18,6 +18,7 @@ import torch
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops import kda as kda_ops
 from transformers_k3.layers import moe as moe_module
+from transformers_k3.ops import moe as moe_ops
 from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops.kda import chunk_kda
 
@@ -1111,7 +1112,7 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     layer = KimiK3SparseMoE(moe_config(num_experts=48, num_experts_per_tok=6, _experts_implementation=K3_GROUPED_MM))
     randomize(layer, seed=9)
     layer.gate.e_score_correction_bias.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
-    tokens = moe_module.SCREEN_MIN_TOKENS + 8
+    tokens = moe_ops.SCREEN_MIN_TOKENS + 8
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(10))
     calls = []
     original = cpu_kernel.router_screened_topk
@@ -1153,7 +1154,7 @@ def test_model_records_router_logits_with_the_screen_on(amx):
 
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, moe_module.SCREEN_MIN_TOKENS + 8))
+    ids = torch.randint(0, model.config.vocab_size, (1, moe_ops.SCREEN_MIN_TOKENS + 8))
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
         with cpu_kernel.use_cpu_kernel(False):

@@ -20,8 +20,8 @@ from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import moe as moe_ops
-from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from ..ops.linear import _any_global_hooks, _hooked, apply_linear
+from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
@@ -51,11 +51,6 @@ class KimiK3MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = apply_linear(self.gate_proj, hidden_states), apply_linear(self.up_proj, hidden_states)
         return apply_linear(self.down_proj, moe_ops.glu(gate, up, self.glu, self.glu_fn))  # (SiTU: one CPU kernel)
-
-
-# From this many tokens the fp32 router may screen its selection (decided in `moe_ops.router_select`); here under
-# the layer module's name for the tests and benches that read it.
-SCREEN_MIN_TOKENS = moe_ops.SCREEN_MIN_TOKENS
 
 
 class KimiK3Router(nn.Module):
@@ -103,7 +98,7 @@ class KimiK3Router(nn.Module):
 
         ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so where nothing else
         observes this call's output (`logits_observed`: a forward hook, or transformers' ``output_router_logits``
-        recording), an fp32 router on a CPU with the AMX tile unit, given at least `SCREEN_MIN_TOKENS` tokens,
+        recording), an fp32 router on a CPU with the AMX tile unit, given at least `moe_ops.SCREEN_MIN_TOKENS` tokens,
         selects without the ``[N, E]`` fp32 GEMM
         (`moe_ops.router_select`: the same selection and scores as from fp32 logits) and returns None in place of
         the logits."""
@@ -420,7 +415,8 @@ class KimiK3SparseMoE(nn.Module):
         return routed
 
     def _plain_modules(self) -> tuple | None:
-        """``(gate, experts, down, norm, up, shared)`` (None for an optional one that is not there) when nothing is
+        """``(gate, experts, down, norm, up, shared, linears)`` (None for an optional one that is not there;
+        ``linears``: the latent down / up and the shared expert's projections that are there) when nothing is
         around them, so that `moe_ops.sparse_moe`'s one kernel call computes what calling them would: each of its
         exact class with no hooks of its own (the router's forward hooks aside, when they do not read its logits:
         `KimiK3Router.logits_observed`) and no global ones, no replaced ``forward`` (accelerate's offload), the
@@ -458,7 +454,7 @@ class KimiK3SparseMoE(nn.Module):
             or gate.logits_observed() or _experts_implementation(experts) != K3_GROUPED_MM
         ):  # fmt: skip
             return None  # (the experts and everything after the router: no hooks, no replaced forward)
-        return gate, experts, down, norm, up, shared
+        return gate, experts, down, norm, up, shared, linears
 
 
 def _experts_implementation(experts: nn.Module) -> str | None:

@@ -130,9 +130,9 @@ def sparse_moe(
     tokens, in one kernel call (`cpu_kernel.MoeDecode`, `_decode_step`) where that is what the modules would
     compute; otherwise ``modules_forward(y)``.
 
-    ``plain_modules()``: the layer's ``(gate, experts, down, norm, up, shared)`` when nothing is around them (the
-    layer's own checks: exact classes, no hooks, no replaced ``forward``, the experts under ``"k3_grouped_mm"``,
-    unread router logits), else None; called only where the kernel could run."""
+    ``plain_modules()``: the layer's ``(gate, experts, down, norm, up, shared, linears)`` when nothing is around
+    them (the layer's own checks: exact classes, no hooks, no replaced ``forward``, the experts under
+    ``"k3_grouped_mm"``, unread router logits), else None; called only where the kernel could run."""
     if y.is_cpu and not torch.is_grad_enabled() and y.shape[0] <= cpu_kernel.moe_decode_max_tokens():
         out = _decode_step(y, plain_modules)  # a decode step on CPU: the whole layer in one kernel call
         if out is not None:
@@ -154,7 +154,7 @@ def _decode_step(y: torch.Tensor, plain_modules: Callable[[], tuple | None]) -> 
     modules = plain_modules()
     if modules is None:
         return None
-    gate, experts, down, norm, up, shared = modules
+    gate, experts, down, norm, up, shared, linears = modules
     if (
         experts.is_transposed or (shared is not None and shared.glu != experts.glu_activation)
         or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
@@ -162,9 +162,6 @@ def _decode_step(y: torch.Tensor, plain_modules: Callable[[], tuple | None]) -> 
         or experts.has_post_expert_norm
     ):  # fmt: skip
         return None
-    linears = [m for m in (down, up) if m is not None]
-    if shared is not None:
-        linears += [shared._modules.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
     # The weights as the modules hold them now (None for one that is not a registered parameter or buffer).
     weights = [m._parameters.get("weight") for m in linears]
     router, bias = gate._parameters.get("weight"), gate._buffers.get("e_score_correction_bias")
