@@ -147,12 +147,13 @@ def weights_fingerprint(model: nn.Module) -> str | None:
 class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
     """Conv window and recurrent state of one KDA layer."""
 
-    is_compileable = False
     is_sliding = False
 
-    def __init__(self, conv_width: int, max_rollback: int = 64):
+    def __init__(self, conv_width: int, max_rollback: int = 64, static: bool = False):
         super().__init__(number_of_states=1)
         self.conv_width = conv_width  # K - 1 raw inputs per channel
+        # static: the states are written in place once allocated, so their addresses never change (CUDA graphs)
+        self.static = static
         # Rollback support (assisted / prompt-lookup decoding): while `record_past` is on, the layer keeps the
         # recurrent state after each of the last `max_rollback` tokens and the raw conv inputs covering them.
         self.max_rollback = max_rollback
@@ -176,6 +177,11 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
     def batch_size(self) -> int:
         return self.conv_states[0].shape[0]
 
+    @property
+    def is_compileable(self) -> bool:
+        # (past recording keeps a growing history: assisted decoding runs eager)
+        return self.static and not self.record_past
+
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
         if conv_states is not None:
             self.device, self.dtype = conv_states.device, conv_states.dtype
@@ -186,12 +192,24 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
             self.recurrent_states[0] = recurrent_states
             self.is_recurrent_states_initialized[0] = True
 
+    def _store(self, states: dict, new: torch.Tensor) -> None:
+        held = states[0]
+        if self.static and held is not new and held.shape == new.shape and held.dtype == new.dtype \
+                and held.device == new.device:
+            held.copy_(new)  # the same buffer: a captured graph keeps reading and writing it
+        else:
+            states[0] = new
+            if self.static and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(new)
+
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Store a new conv window ``[B, 3P, K-1]`` (replaces; decode paths update it in place)."""
         if not self.is_conv_states_initialized[0]:
             self.lazy_initialization(conv_states=conv_states)
+            if self.static and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(conv_states)
         else:
-            self.conv_states[0] = conv_states
+            self._store(self.conv_states, conv_states)
         self._mark()
         return self.conv_states[0]
 
@@ -200,8 +218,10 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
         recurrent_states = recurrent_states.to(torch.float32)
         if not self.is_recurrent_states_initialized[0]:
             self.lazy_initialization(recurrent_states=recurrent_states)
+            if self.static and not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(recurrent_states)
         else:
-            self.recurrent_states[0] = recurrent_states
+            self._store(self.recurrent_states, recurrent_states)
         self._mark()
         return self.recurrent_states[0]
 
@@ -221,7 +241,7 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
 
     def reset(self) -> None:
         recording = self.record_past  # (a reset cache keeps recording for assisted decoding if it was)
-        self.__init__(self.conv_width, self.max_rollback)
+        self.__init__(self.conv_width, self.max_rollback, self.static)
         self.record_past = recording
 
     def rollback_window(self, seq_len: int) -> int:
@@ -407,6 +427,112 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         return 0 if not self.is_initialized else self.length * self.latent.shape[0] * self.latent.shape[2] * self.latent.element_size()
 
 
+class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
+    """An MLA latent of fixed capacity, for compiled decode steps (``torch.compile``, CUDA graphs): allocated once
+    (zeros), written in place at a position kept as a tensor (`position`), and returned whole, so that every decode
+    step sees the same shapes and addresses. The attention masks the rows past the position (`holds` and the mask
+    `KimiK3MLA` builds from `position`). Inside a compiled step the Python-side length is not touched: it is read back
+    from `position` (one host read) the next time someone asks for it outside a graph."""
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int, storage_dtype: torch.dtype | None = None):
+        self.position = torch.zeros((), dtype=torch.long)
+        self._length, self._length_stale = 0, False
+        self.holds = False  # whether any token was written (a Python flag a graph may guard on: stable while decoding)
+        super().__init__(max_cache_len, storage_device=None, storage_dtype=storage_dtype)
+        self.max_cache_len = max_cache_len
+
+    @property
+    def length(self) -> int:
+        if self._length_stale:
+            self._length, self._length_stale = int(self.position), False
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length, self._length_stale = value, False
+        self.holds = value > 0
+        self.position.fill_(value)
+
+    def allocate(self, batch: int, dim: int, device: torch.device | None, dtype: torch.dtype | None = None) -> None:
+        dtype = self.storage_dtype or dtype or torch.get_default_dtype()
+        # zeros, not empty: a masked row still meets the probabilities (0 x NaN would be NaN)
+        self.latent = torch.zeros(batch, self.initial_capacity, dim, dtype=dtype, device=device)
+        self.position = self.position.to(self.latent.device)
+        self.length = 0
+        self.is_initialized = True
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.latent)
+            torch._dynamo.mark_static_address(self.position)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
+        """Write ``latent_states`` ``[B, T, D]`` at `position`; return the whole buffer ``[B, max_cache_len, D]``."""
+        latent_states = key_states
+        if not self.is_initialized:
+            self.lazy_initialization(latent_states)
+        elif self.device is None:  # reserved (`batch_size=`): the first step tells where compute happens
+            if tuple(latent_states.shape[::2]) != (self.latent.shape[0], self.latent.shape[2]):
+                raise ValueError(
+                    f"This cache was preallocated for batch {self.latent.shape[0]} and latent width "
+                    f"{self.latent.shape[2]}, got [batch {latent_states.shape[0]}, width {latent_states.shape[2]}]. "
+                    "Build it with the batch size you generate with (`batch_size=`) and the model's config."
+                )
+            self.dtype, self.device = latent_states.dtype, latent_states.device
+            if (self.latent.device != latent_states.device
+                    or (self.storage_dtype is None and self.latent.dtype != latent_states.dtype)):
+                # reserved elsewhere or in the default dtype: reallocated with the activations, still empty
+                dtype = self.storage_dtype or latent_states.dtype
+                self.allocate(self.latent.shape[0], self.latent.shape[2], latent_states.device, dtype)
+        count = latent_states.shape[1]
+        self.check_room(count)
+        positions = torch.arange(count, device=self.latent.device) + self.position
+        self.latent.index_copy_(1, positions, latent_states.to(self.latent.dtype))
+        self.position.add_(count)
+        if torch.compiler.is_compiling():
+            self._length_stale, self.holds = True, True
+        else:
+            self._length, self.holds = self._length + count, True
+        return self.latent, None
+
+    def check_room(self, count: int) -> None:
+        """`KimiK3CacheError` if `count` more tokens do not fit (checked outside graphs: inside one, the length is
+        on the device, and an index past the buffer fails in ``index_copy_``)."""
+        if not torch.compiler.is_compiling() and self.length + count > self.max_cache_len:
+            raise KimiK3CacheError(
+                f"this static KimiK3HybridCache holds {self.max_cache_len} tokens per MLA layer: {self.length} are "
+                f"used and {count} more do not fit. Build it with a larger max_cache_len (prompt + new tokens), or "
+                "use the growing cache (static=False)")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:  # the buffer stays (its address too), emptied
+            self.latent.zero_()
+        self.length = 0
+
+    def _apply(self, fn) -> None:
+        if self.is_initialized:
+            kept = fn(self.latent)
+            self.latent = kept.contiguous()
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.latent)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self.latent.copy_(self.latent.index_select(0, beam_idx.to(self.latent.device)))
+
+    def offload(self):  # (a static buffer stays where it is: moving it would change its address)
+        pass
+
+    def prefetch(self):
+        pass
+
+
 class KimiK3HybridCache(Cache):
     """Decoding state of a K3 text model: one `KimiK3KDACacheLayer` per KDA layer and one
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
@@ -419,7 +545,7 @@ class KimiK3HybridCache(Cache):
     def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_cache_len: int | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, offload_latents_to: str | torch.device | None = None,
-                 max_rollback: int = 64, **kwargs):
+                 max_rollback: int = 64, static: bool = False, **kwargs):
         """
         Args:
             config: the model's (text or composite) config.
@@ -436,6 +562,12 @@ class KimiK3HybridCache(Cache):
             offload_latents_to: keep the MLA latents on this device between steps (e.g. ``"cpu"`` for a long
                 context on a small GPU); each step copies them to the compute device.
             max_rollback: tokens of KDA history kept while past recording is on (assisted/prompt-lookup decoding).
+            static: fixed shapes for compiled decoding (``torch.compile``, CUDA graphs; what
+                ``generate(cache_implementation="static")`` builds): every MLA latent holds exactly ``max_cache_len``
+                tokens (required), allocated at once and written in place, and every state keeps its address.
+                A step past ``max_cache_len`` raises `KimiK3CacheError`. A prefill with a mask materialises it at
+                ``[tokens, max_cache_len]``: size the cache to the generation, not to the longest context you might
+                reach (for those, the default growing cache).
         """
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         self.config = text_config
@@ -444,9 +576,17 @@ class KimiK3HybridCache(Cache):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive number of sequences (or None: allocate on the first "
                              f"forward), got {batch_size}")
+        if static and max_cache_len is None:
+            raise ValueError("a static KimiK3HybridCache needs `max_cache_len`: the tokens it holds (prompt + new "
+                             "tokens), allocated at once")
+        if static and offload_latents_to is not None:
+            raise ValueError("a static KimiK3HybridCache keeps its latents where they are computed (their addresses "
+                             "must not change); pass offload_latents_to=None or static=False")
+        self.static = static
         layers = [
-            KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback)
+            KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback, static=static)
             if kind == "linear_attention" else
+            KimiK3StaticMLACacheLayer(max_cache_len, storage_dtype=dtype) if static else
             KimiK3MLACacheLayer(max_cache_len or 256, storage_device=offload_latents_to, storage_dtype=dtype)
             for kind in text_config.layer_types
         ]
@@ -468,8 +608,33 @@ class KimiK3HybridCache(Cache):
         return self.layers[layer_idx]
 
     def update_latent(self, latent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Append an MLA layer's new latent ``[B, T, kv_lora_rank + rope]``; return the whole latent."""
+        """Append an MLA layer's new latent ``[B, T, kv_lora_rank + rope]``; return the whole latent (a static
+        cache: its whole buffer, ``max_cache_len`` rows, of which the first `get_seq_length` hold tokens)."""
         return self.layers[layer_idx].update(latent_states)[0]
+
+    def holds_tokens(self, layer_idx: int | None = None) -> bool:
+        """Whether the cache (or MLA layer `layer_idx`) holds any token, without reading a length from the device
+        (a static cache's compiled steps leave their length there)."""
+        layers = self.layers if layer_idx is None else [self.layers[layer_idx]]
+        for layer in layers:
+            if isinstance(layer, KimiK3StaticMLACacheLayer):
+                if layer.holds:
+                    return True
+            elif isinstance(layer, KimiK3MLACacheLayer):
+                if layer.length > 0:
+                    return True
+        return False
+
+    def _first_latent_layer(self) -> KimiK3MLACacheLayer | None:
+        return next((layer for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer)), None)
+
+    def get_query_offset(self, layer_idx: int = 0):
+        """The position of the next token; a static cache gives it as its device tensor (no host read, so that
+        generate()'s masks for compiled steps are built without a sync, as transformers' StaticCache does)."""
+        layer = self._first_latent_layer()
+        if self.static and layer is not None:
+            return layer.position
+        return super().get_query_offset(layer_idx)
 
     @property
     def is_croppable(self) -> bool:
@@ -488,6 +653,9 @@ class KimiK3HybridCache(Cache):
         """The record cut or extended (with unknown ids) to the layers' length: crops shorten both, and a layer
         driven directly (not through the model's forward) adds tokens the record never saw."""
         length = self.get_seq_length()
+        if self.static:  # the record is written at the latents' position, unknown ids where none were given
+            self._token_count = length
+            return length
         if self._token_count != length:
             if length > self._token_count:
                 rows = self._tokens.shape[0] if self._tokens is not None else self.batch_size
@@ -498,6 +666,16 @@ class KimiK3HybridCache(Cache):
         return self._token_count
 
     def _append_tokens(self, ids: torch.Tensor) -> None:
+        if self.static:
+            layer = self._first_latent_layer()
+            layer.check_room(ids.shape[1])
+            if self._tokens is None:
+                self._tokens = ids.new_full((ids.shape[0], layer.max_cache_len), UNKNOWN_TOKEN)
+            elif self._tokens.device != ids.device:
+                self._tokens = self._tokens.to(ids.device)
+            # (before the layers' updates: their position is where these tokens go)
+            self._tokens.index_copy_(1, torch.arange(ids.shape[1], device=ids.device) + layer.position, ids)
+            return
         if self._tokens is None:
             self._tokens = ids.new_empty(ids.shape[0], max(self._token_capacity, ids.shape[1]))
         elif self._tokens.device != ids.device:
@@ -516,7 +694,8 @@ class KimiK3HybridCache(Cache):
         ``inputs_embeds.shape[1]`` positions it is about to consume (None: unknown), with masked positions as
         padding, and which model wrote them (`save` fingerprints its weights)."""
         batch, length = inputs_embeds.shape[:2]
-        held = self._synced_token_count()
+        # (inside a compiled step of a static cache the length stays on the device: the batch was checked eagerly)
+        held = 0 if self.static and torch.compiler.is_compiling() else self._synced_token_count()
         if held and self._tokens.shape[0] != batch:
             raise KimiK3CacheError(
                 f"this KimiK3HybridCache holds {self._tokens.shape[0]} sequence(s) but the input has {batch} rows: a "
@@ -778,6 +957,8 @@ class KimiK3HybridCache(Cache):
         tokens = loaded.get("tokens")
 
         cache = cls(text_config, **kwargs)
+        if held:  # (before the latents: a static cache writes the ids at its layers' position)
+            cache._append_tokens(tokens)
         for idx, layer in enumerate(cache.layers):
             if isinstance(layer, KimiK3MLACacheLayer):
                 if f"layers.{idx}.latent" in loaded:
@@ -785,8 +966,6 @@ class KimiK3HybridCache(Cache):
             elif f"layers.{idx}.conv_state" in loaded:
                 layer.update_conv_state(loaded[f"layers.{idx}.conv_state"])
                 layer.update_recurrent_state(loaded[f"layers.{idx}.recurrent_state"])
-        if held:
-            cache._append_tokens(tokens)
         return cache
 
     @staticmethod

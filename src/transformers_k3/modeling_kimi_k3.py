@@ -521,13 +521,17 @@ class KimiK3GenerationMixin:
         state continued under another prompt gives an answer that differs from a fresh run. A first step fed as
         ``inputs_embeds`` has no ids to compare and is not checked."""
         if past_key_values is not None and input_ids is not None:
-            cached = past_key_values.get_seq_length()
-            first = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_expected_continuation()
+            hybrid = isinstance(past_key_values, KimiK3HybridCache)
+            # (whether it holds tokens without reading a length: a static cache's is on the device after compiled steps)
+            holds = past_key_values.holds_tokens() if hybrid else past_key_values.get_seq_length() > 0
+            first = hybrid and past_key_values.take_expected_continuation()
+            # (a decode step of generate()'s own loop needs no count)
+            cached = past_key_values.get_seq_length() if holds and (first or next_sequence_length != 1) else 0
             embedded = kwargs.get("inputs_embeds") is not None and kwargs.get("is_first_iteration")
             mask = kwargs.get("attention_mask")
-            if isinstance(past_key_values, KimiK3HybridCache):
+            if hybrid:
                 # (the decode loop asks for one token; a first step or a continuation's is checked in full)
-                past_key_values.mark_generated_step(next_sequence_length == 1 and cached > 0 and not first
+                past_key_values.mark_generated_step(next_sequence_length == 1 and holds and not first
                                                     and not kwargs.get("is_first_iteration"))
             if first and cached and not embedded:
                 from .cache import KimiK3CacheError
@@ -633,16 +637,20 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         if generation_config.use_cache is False:
             return
         # transformers' cache_implementation names map onto the hybrid cache: it is always sized for the whole
-        # generation ("static"), and "offloaded" keeps the MLA latents in CPU memory between steps
+        # generation, "static" fixes its shapes and addresses (what compiled decode steps and CUDA graphs need; with
+        # it generate() compiles the steps where transformers compiles them) and "offloaded" keeps the MLA latents
+        # in CPU memory between steps
         implementation = getattr(generation_config, "cache_implementation", None)
         if implementation not in _CACHE_IMPLEMENTATIONS:
             raise ValueError(f"cache_implementation={implementation!r} is not available for K3: its hybrid cache (KDA "
                              f"states + MLA latents) takes {sorted(k for k in _CACHE_IMPLEMENTATIONS if k)} (or none); "
                              "for other layouts build a KimiK3HybridCache and pass it as past_key_values")
         # Latent buffers sized for the whole generation at once (prompt + new tokens): no regrowth copies.
-        cache = KimiK3HybridCache(self.config.get_text_config(),
-                                  max_cache_len=max_cache_length if max_cache_length and max_cache_length > 0 else None,
-                                  offload_latents_to=_CACHE_IMPLEMENTATIONS[implementation])
+        sized = max_cache_length if max_cache_length and max_cache_length > 0 else None
+        static = implementation == "static" and not generation_config.is_assistant
+        cache = KimiK3HybridCache(self.config.get_text_config(), max_cache_len=sized or (
+                                      generation_config.max_length if static else None),
+                                  offload_latents_to=_CACHE_IMPLEMENTATIONS[implementation], static=static)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back after verification
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache
@@ -680,6 +688,11 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 **kwargs) -> KimiK3ModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
+        prepared = None
+        if isinstance(attention_mask, dict):
+            # generate() with a static cache prepares the masks per layer kind (transformers'
+            # create_masks_for_generate): MLA's 4-D mask over the cache, KDA's 2-D padding mask over this step
+            prepared, attention_mask = attention_mask, attention_mask.get("linear_attention")
         # generate() feeds its decode steps its own tokens under a checked mask; off the CPU a cached step's ids are
         # left to the embedding's device-side bounds check: the value checks left are read in one host sync
         if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
@@ -707,13 +720,16 @@ class KimiK3Model(KimiK3PreTrainedModel):
         cache_ids = kwargs.pop("cache_token_ids", input_ids)  # the multimodal model's ids behind its inputs_embeds
         if past_key_values is not None:  # the cache learns what it holds: generate() refuses a prompt not extending it
             past_key_values.record_tokens(cache_ids, inputs_embeds, attention_mask, model=self)
-        if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(past_seen, past_seen + inputs_embeds.shape[1], device=inputs_embeds.device)
+        if position_ids is None and prepared is None:
+            # (a static cache gives its offset as a tensor: no length is read inside a compiled step)
+            past_seen = past_key_values.get_query_offset() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
 
         # The text model is position-free (NoPE MLA, no RoPE in KDA): positions only shape the MLA mask.
-        if (cu_seqlens is None and inputs_embeds.shape[1] > 1 and past_key_values is not None
+        if prepared is not None:
+            mla_mask = prepared.get("full_attention")
+        elif (cu_seqlens is None and inputs_embeds.shape[1] > 1 and past_key_values is not None
                 and past_key_values.get_seq_length() > 0 and not kwargs.get("output_attentions")
                 and uses_blockwise_attention(self.config, inputs_embeds)
                 and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())))):

@@ -46,14 +46,23 @@ def end_aligned_causal(q_len: int, seq: int, device) -> torch.Tensor:
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``scores [B, n, T, S]`` masked by a 4-D mask (boolean or additive, causality included) or by the 2-D
     ``[B, S]`` padding mask (1 = a token) that transformers builds for the flash-attention implementations, which
-    leave causality to the kernel: here it is added, aligned to the end (the new tokens are the last ``T``)."""
-    mask = mask[..., -scores.shape[-1]:]
+    leave causality to the kernel: here it is added, aligned to the end (the new tokens are the last ``T``). A 4-D
+    mask wider than the keys (a static cache's, ``max_cache_len`` wide) covers them from its first column, as
+    transformers' SDPA reads it."""
+    mask = mask[..., -scores.shape[-1]:] if mask.dim() == 2 else mask[..., :scores.shape[-1]]
     if mask.dim() == 2:
         mask = mask.to(device=scores.device, dtype=torch.bool)[:, None, None, :] & end_aligned_causal(
             *scores.shape[-2:], scores.device)
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return scores + mask
+
+
+def static_slots_mask(position: torch.Tensor, q_len: int, capacity: int) -> torch.Tensor:
+    """``[q_len, capacity]`` boolean: the slots of a static latent (`KimiK3StaticMLACacheLayer`) each of the last
+    ``q_len`` written tokens may attend to, ``position`` (a tensor: no host read) being the count after them."""
+    limit = position - q_len + 1 + torch.arange(q_len, device=position.device)
+    return torch.arange(capacity, device=position.device)[None, :] < limit[:, None]
 
 
 def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
@@ -156,9 +165,10 @@ class KimiK3MLA(nn.Module):
         return torch.cat([k_nope, k_pe], dim=-1), value
 
     def _absorbed_attention(self, query: torch.Tensor, latent: torch.Tensor,
-                            attention_mask: torch.Tensor | None) -> torch.Tensor:
+                            attention_mask: torch.Tensor | None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Attention computed against the latent: ``q_nope . (W_kc c) = (W_kc^T q_nope) . c`` and the output
-        ``W_vc (sum p c)``. Returns ``[B, T, n, dv]``."""
+        ``W_vc (sum p c)``. Returns ``[B, T, n, dv]``. ``slots``: a static latent's `static_slots_mask` (its rows
+        past the tokens are masked here; a padding mask still applies, causality is in ``slots``)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_kc, w_vc = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [n, dn, r], [n, dv, r]
         q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -170,7 +180,15 @@ class KimiK3MLA(nn.Module):
         q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
         scores = latent_scores(latent, q_cat) * self.scaling  # [B, S, n*T], fp32
         scores = scores.transpose(1, 2).reshape(batch, heads, q_len, seq)  # a view: [B, n, T, S]
-        if attention_mask is not None:
+        if slots is not None:
+            scores = scores.masked_fill(~slots, torch.finfo(scores.dtype).min)
+            if attention_mask is not None and attention_mask.dim() == 2:  # padding only: [B, L], L <= S
+                padding = F.pad(attention_mask.to(device=scores.device, dtype=torch.bool),
+                                (0, seq - attention_mask.shape[-1]))
+                scores = scores.masked_fill(~padding[:, None, None, :], torch.finfo(scores.dtype).min)
+            elif attention_mask is not None:
+                scores = _apply_mask(scores, attention_mask)
+        elif attention_mask is not None:
             scores = _apply_mask(scores, attention_mask)
         elif q_len > 1:
             scores = scores.masked_fill(~end_aligned_causal(q_len, seq, scores.device), torch.finfo(scores.dtype).min)
@@ -211,19 +229,29 @@ class KimiK3MLA(nn.Module):
         batch, q_len, _ = hidden_states.shape
         query = self._queries(hidden_states)
         latent = self._latent(hidden_states)
-        past_len = 0
+        past_len, has_past, static = 0, False, None
         if past_key_values is not None:
-            past_len = past_key_values.get_seq_length(self.layer_idx)
+            cache_layer = past_key_values.layers[self.layer_idx]
+            static = getattr(cache_layer, "position", None)  # a static latent's token count, as a tensor
+            has_past = past_key_values.holds_tokens(self.layer_idx)
+            # (a compiled decode step of a static cache reads no length: the absorbed path masks by `position`)
+            past_len = past_key_values.get_seq_length(self.layer_idx) if static is None else 0
             latent = past_key_values.update_latent(latent, self.layer_idx)
 
         if absorb is None:
             # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
             # or a quantized layer (bitsandbytes) computes something else, which the expanded path gets by calling it.
-            absorb = (past_len > 0 and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
+            absorb = (has_past and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
                       and type(self.kv_b_proj) is nn.Linear)
         attn_weights = None
+        if static is not None and not absorb:  # the rows past a static latent's tokens are cut (eager steps)
+            past_len = past_key_values.get_seq_length(self.layer_idx) - q_len
+            latent = latent[:, : past_len + q_len]
+            if attention_mask is not None and attention_mask.dim() == 4:
+                attention_mask = attention_mask[..., : past_len + q_len]
         if absorb:
-            attn_output = self._absorbed_attention(query, latent, attention_mask)
+            slots = None if static is None else static_slots_mask(static, q_len, latent.shape[1])
+            attn_output = self._absorbed_attention(query, latent, attention_mask, slots)
         elif attention_mask is None and past_len > 0 and q_len > 1 and uses_blockwise_attention(self.config,
                                                                                               hidden_states):
             # The model passes no mask here only when every row is unpadded: causal over past + step.
