@@ -639,8 +639,9 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
     * a hybrid cache saved after the prefill and loaded without ``device=``: decoding from it equals decoding on;
     * host syncs in one B=1 decode step and one padded-batch step (torch's sync debug mode; our files must not
       sync in the B=1 step, at most once in the padded one);
-    * ``torch.compile`` of the decode step (default mode): equal logits when it compiles (an error is reported
-      as SKIPPED with its reason: compiled decode is not supported yet).
+    * ``torch.compile`` of the decode step (default mode): equal logits;
+    * ``generate()`` on the static cache with its decode steps compiled in ``mode="reduce-overhead"`` (CUDA
+      graphs) on a left-padded batch: the eager tokens, one graph, no break, and the time against eager.
     """
     import tempfile
 
@@ -804,8 +805,39 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
             ok, detail = compare(want.float(), got.float(), tolerance("model", torch.float32))
             report.add("paths", "PASS" if ok else "FAIL", name, detail)
         except Exception:  # noqa: BLE001
-            report.add("paths", "SKIPPED", name, "does not compile yet: "
-                       + traceback.format_exc().strip().splitlines()[-1][:200])
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
+
+    name = "generate() on the static cache, decode steps compiled with mode='reduce-overhead' (CUDA graphs)"
+    if dry:
+        report.add("paths", "SKIPPED", name, "dry run (compiling on the CPU takes minutes)")
+    elif not over(name):
+        try:
+            from torch._dynamo.utils import counters
+            from transformers import CompileConfig
+
+            padded = torch.cat([prompt, prompt.roll(3, dims=1)])
+            pad_mask = torch.cat([torch.ones_like(prompt),
+                                  torch.ones_like(prompt).index_fill(1, torch.arange(3, device=device), 0)])
+            config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+            config._compile_all_devices = True
+            kwargs = dict(attention_mask=pad_mask, max_new_tokens=steps + 8, min_new_tokens=steps + 8,
+                          do_sample=False)
+            with torch.no_grad():
+                want = model.generate(padded, **kwargs)
+                torch._dynamo.reset()
+                counters.clear()
+                got = model.generate(padded, cache_implementation="static", compile_config=config, **kwargs)
+                eager_s = best_time(lambda: model.generate(padded, **kwargs), device, 2)
+                graph_s = best_time(lambda: model.generate(padded, cache_implementation="static",
+                                                           compile_config=config, **kwargs), device, 2)
+            graphs = dict(counters["stats"]).get("unique_graphs", 0)
+            breaks = sum(counters["graph_break"].values())
+            ok = torch.equal(got, want) and graphs == 1 and breaks == 0
+            report.add("paths", "PASS" if ok else "FAIL", name,
+                       f"tokens equal: {torch.equal(got, want)}; {graphs} graph(s), {breaks} break(s); "
+                       f"{kwargs['max_new_tokens']} tokens: eager {eager_s * 1e3:.1f} ms, compiled {graph_s * 1e3:.1f} ms")
+        except Exception:  # noqa: BLE001
+            report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
 
 
 def section_parallel(report: Report, device, dry: bool, deadline: float) -> None:
