@@ -1261,55 +1261,69 @@ def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16, monkeyp
         assert cpu_kernel.linear_bf16(x, w) is None
 
 
-def test_apply_linear_uses_the_kernel_only_where_the_call_is_plain_nn_linear(linear_bf16, monkeypatch):
-    """apply_linear(layer, x): a plain nn.Linear on a bf16 decode step without autograd goes through linear_bf16
-    (within one bf16 rounding of the layer's own output); fp32 inputs and training are the layer's own call,
-    bitwise, gradients included; a layer with a forward hook, a global module hook, a forward set on the instance
-    (accelerate's hooks) or a PEFT LoRA wrapper is called as usual, so the hook or the adapter takes part."""
-    from transformers_k3.ops.linear import apply_linear
+def test_linear_forward_runs_the_kernel_inside_a_plain_nn_linear(linear_bf16, monkeypatch):
+    """`use_linear_forward` gives a plain nn.Linear (still exactly that type, which transformers' quantizers look for)
+    the forward that runs linear_bf16 on a bf16 decode step without autograd (within one bf16 rounding of
+    F.linear); fp32 inputs and training are F.linear, bitwise, gradients included. Hooks of its own and global ones
+    run around it as around any module, and the kernel still computes it; a forward already set on the instance
+    (accelerate's hooks) is left as it is; a PEFT LoRA layer calls it as its base layer, with the adapter taking
+    part; a deep copy or a pickled model calls its own weights."""
+    import copy
+    import pickle
+
+    from transformers_k3.ops.linear import use_linear_forward
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 24, bias=True)
+    model = torch.nn.Sequential()
+    model.add_module("proj", layer)
+    use_linear_forward(model)
+    assert type(layer) is torch.nn.Linear
     calls = []
     original = cpu_kernel.linear_bf16
     monkeypatch.setattr(cpu_kernel, "linear_bf16", lambda *a: calls.append(original(*a)) or calls[-1])
     x = torch.randn(3, 48, requires_grad=True)
-    y = apply_linear(layer, x)
-    assert torch.equal(y, layer(x)) and calls == []
+    y = layer(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias)) and calls == []
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones(3, 24) @ layer.weight)
     layer.bfloat16()
     xb = x.detach().bfloat16()
+    plain = torch.nn.functional.linear(xb, layer.weight, layer.bias)
     with torch.no_grad():
-        out = apply_linear(layer, xb)
+        out = layer(xb)
         assert len(calls) == 1 and calls[0] is out
-        torch.testing.assert_close(out, layer(xb), atol=0, rtol=2**-7)  # (one bf16 rounding apart at most)
+        torch.testing.assert_close(out, plain, atol=0, rtol=2**-7)  # (one bf16 rounding apart at most)
     xg = xb.clone().requires_grad_()
-    assert torch.equal(apply_linear(layer, xg), layer(xg)) and calls[-1] is None  # autograd: the layer's own
+    assert torch.equal(layer(xg), torch.nn.functional.linear(xg, layer.weight, layer.bias)) and calls[-1] is None
     calls.clear()
     seen = []
     with torch.no_grad():
-        handle = layer.register_forward_hook(lambda module, args, output: seen.append("hook"))
-        apply_linear(layer, xb)
+        handle = layer.register_forward_hook(lambda module, args, output: seen.append(("hook", output)))
+        hooked = layer(xb)
         handle.remove()
         handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: seen.append("global"))
-        apply_linear(layer, xb)
+        layer(xb)
         handle.remove()
-        layer.forward = lambda inp: seen.append("instance") or torch.nn.functional.linear(inp, layer.weight)
-        apply_linear(layer, xb)
-        del layer.forward
-        assert seen == ["hook", "global", "instance"] and calls == []
-        apply_linear(layer, xb)
-        assert len(calls) == 1
+        assert seen[0][0] == "hook" and seen[0][1] is hooked and seen[1] == "global" and len(calls) == 2
+        other = torch.nn.Linear(48, 24).bfloat16()
+        other.forward = lambda inp: seen.append("instance") or torch.nn.functional.linear(inp, other.weight)
+        use_linear_forward(other)
+        other(xb)
+        assert seen[-1] == "instance" and len(calls) == 2
+        twin = copy.deepcopy(model)
+        twin.proj.weight.zero_(), twin.proj.bias.zero_()
+        assert not twin(xb).any() and torch.equal(model(xb), out)
+        revived = pickle.loads(pickle.dumps(model))
+        assert torch.equal(revived(xb), out)
     peft = pytest.importorskip("peft")
-    model = torch.nn.Sequential()
-    model.add_module("proj", layer)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False))
     wrapped = lora.base_model.model.proj
     assert wrapped.base_layer is layer and type(wrapped) is not torch.nn.Linear
+    calls.clear()
     with torch.no_grad():
-        adapted = apply_linear(wrapped, xb)
-        assert torch.equal(adapted, wrapped(xb))
+        adapted = wrapped(xb)
+    assert len(calls) == 1  # (the base layer's product in the kernel)
     assert not torch.allclose(adapted.float(), out.float(), atol=1e-2)  # the adapter took part
 
 
@@ -1341,9 +1355,9 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
 def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
     """None (then F.linear) for: up to 15 rows, and up to 47 where linear_bf16's kernel runs (it is the faster
     there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, the
-    kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); apply_linear takes it for a
+    kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); `linear_forward` takes it for a
     plain bf16 nn.Linear on a prefill without autograd."""
-    from transformers_k3.ops.linear import apply_linear
+    from transformers_k3.ops.linear import linear_forward
 
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     w = torch.randn(8, 32).bfloat16()
@@ -1366,13 +1380,13 @@ def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
     original = cpu_kernel.linear_bf16_upcast
     monkeypatch.setattr(cpu_kernel, "linear_bf16_upcast", lambda *a: calls.append(original(*a)) or calls[-1])
     with torch.no_grad():
-        out = apply_linear(layer, x)
+        out = linear_forward(layer, x)
         assert len(calls) == 1 and calls[0] is out
         torch.testing.assert_close(out, layer(x), atol=0, rtol=2**-7)
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [True])
     assert original(x, w) is None
     with torch.no_grad():
-        assert torch.equal(apply_linear(layer, x), layer(x))
+        assert torch.equal(linear_forward(layer, x), layer(x))
 
 
 @pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 2.5, None), ("silu",)])

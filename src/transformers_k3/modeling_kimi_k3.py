@@ -27,7 +27,7 @@ from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.casting import apply_keeping_fp32
 from .layers.kda import KimiK3DeltaAttention
-from .ops.linear import apply_linear
+from .ops.linear import use_linear_forward
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
 from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
@@ -587,6 +587,10 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         "attn_res_weights": OutputRecorder(KimiK3AttnResRead, index=1),
     }
 
+    def post_init(self):
+        super().post_init()
+        use_linear_forward(self)  # (the linear layers' forward with the bf16 CPU kernels; still plain nn.Linear)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -816,7 +820,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, KimiK3GenerationMixin, Generation
             **({"output_router_logits": True, **kwargs} if aux_coef else kwargs),
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = apply_linear(self.lm_head, hidden_states)
+        logits = self.lm_head(hidden_states)
         if self.config.logit_scale != 1.0:
             logits = logits * self.config.logit_scale
         loss = None

@@ -16,7 +16,6 @@ from torch import nn
 
 from ..ops.conv import causal_conv1d, causal_conv1d_update
 from ..ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda
-from ..ops.linear import apply_linear
 from .norm import KimiK3GatedRMSNorm
 
 # New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'
@@ -83,8 +82,8 @@ class KimiK3DeltaAttention(nn.Module):
 
     def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_full_rank_gate:
-            return apply_linear(self.g_proj, x)
-        return apply_linear(self.g_b_proj, apply_linear(self.g_a_proj, x))
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
 
     def _decode_conv_weight(self, convs) -> torch.Tensor:
         """The three filters as one ``[3P, K]`` weight. Without autograd it is kept between decode steps, remade when
@@ -167,15 +166,15 @@ class KimiK3DeltaAttention(nn.Module):
             cache_layer.follow(hidden_states.device)
         recorded = cache_layer.rollback_window(seq_len) if cache_layer is not None else 0
 
-        projections = tuple(apply_linear(proj, hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        projections = tuple(proj(hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if recorded:
             raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2)
             window_before = cache_layer.conv_state.clone() if cache_layer.has_state else None
         q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim)
                    for t in self._short_convs(projections, cache_layer, cu_seqlens))
-        f = apply_linear(self.f_b_proj, apply_linear(self.f_a_proj, hidden_states))
+        f = self.f_b_proj(self.f_a_proj(hidden_states))
         g = kda_forget_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
-        beta = torch.sigmoid(apply_linear(self.b_proj, hidden_states).float())
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
 
         state = cache_layer.recurrent_state if cache_layer is not None and cache_layer.has_state else None
         if recorded:
@@ -199,7 +198,7 @@ class KimiK3DeltaAttention(nn.Module):
 
         gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
         out = self.o_norm(core, gate).reshape(batch, seq_len, self.proj_dim)
-        return apply_linear(self.o_proj, out.to(hidden_states.dtype))
+        return self.o_proj(out.to(hidden_states.dtype))
 
 
 __all__ = ["KimiK3DeltaAttention", "kda_forget_gate"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.linear import apply_linear, products_f32
+from ..ops.linear import products_f32
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -143,14 +143,14 @@ class KimiK3MLA(nn.Module):
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:
-            q = apply_linear(self.q_proj, x)
+            q = self.q_proj(x)
         else:
-            q = apply_linear(self.q_b_proj, self.q_a_layernorm(apply_linear(self.q_a_proj, x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, n, T, dn+dr]
 
     def _latent(self, x: torch.Tensor) -> torch.Tensor:
         """``[ĉ (normed c_kv), k_pe]`` per token, ``[B, T, kv_lora_rank + rope]``: what the cache stores."""
-        kv = apply_linear(self.kv_a_proj_with_mqa, x)
+        kv = self.kv_a_proj_with_mqa(x)
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
@@ -158,7 +158,7 @@ class KimiK3MLA(nn.Module):
         """Per-head keys ``[B, n, S, dn+dr]`` and values ``[B, n, S, dv]`` from the latent."""
         batch, seq, _ = latent.shape
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = apply_linear(self.kv_b_proj, c_kv)
+        kv = self.kv_b_proj(c_kv)
         kv = kv.view(batch, seq, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k_pe = k_pe[:, None].expand(batch, self.num_heads, seq, self.qk_rope_head_dim)
@@ -278,8 +278,8 @@ class KimiK3MLA(nn.Module):
 
         attn_output = attn_output.reshape(batch, q_len, self.num_heads * self.v_head_dim)
         if self.config.mla_use_output_gate:
-            attn_output = attn_output * torch.sigmoid(apply_linear(self.g_proj, hidden_states))
-        return apply_linear(self.o_proj, attn_output), attn_weights
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(attn_output), attn_weights
 
 
 __all__ = ["KimiK3MLA", "attention_with_lse", "eager_attention_forward", "uses_blockwise_attention"]

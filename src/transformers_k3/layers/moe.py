@@ -20,7 +20,7 @@ from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import moe as moe_ops
-from ..ops.linear import _any_global_hooks, _hooked, apply_linear
+from ..ops.linear import _any_global_hooks, _hooked
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
@@ -49,8 +49,8 @@ class KimiK3MLP(nn.Module):
         self.glu = glu_spec(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = apply_linear(self.gate_proj, hidden_states), apply_linear(self.up_proj, hidden_states)
-        return apply_linear(self.down_proj, moe_ops.glu(gate, up, self.glu, self.glu_fn))  # (SiTU: one CPU kernel)
+        gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
+        return self.down_proj(moe_ops.glu(gate, up, self.glu, self.glu_fn))  # (SiTU: one CPU kernel)
 
 
 class KimiK3Router(nn.Module):
@@ -403,12 +403,12 @@ class KimiK3SparseMoE(nn.Module):
     def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
         """The layer through its modules, ``y [N, H]`` -> ``[N, H]``."""
         _, topk_weights, topk_indices = self.gate(y, need_logits=False)  # decided on the full-width input
-        z = apply_linear(self.routed_expert_down_proj, y) if self.is_latent else y
+        z = self.routed_expert_down_proj(y) if self.is_latent else y
         routed = self.experts(z, topk_indices, topk_weights)
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)  # on the fully summed latent
         if self.is_latent:
-            routed = apply_linear(self.routed_expert_up_proj, routed)
+            routed = self.routed_expert_up_proj(routed)
 
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(y)

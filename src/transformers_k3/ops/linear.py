@@ -1,5 +1,5 @@
-"""`apply_linear(module, x)`: ``module(x)`` for the model's linear layers, with a bf16 decode step on CPU computed
-in a kernel; `products_f32`: a bf16 batched product with exact products and fp32 sums.
+"""`linear_forward`: the forward K3's linear layers run (``nn.Linear``'s, with a bf16 decode step on CPU computed in
+a kernel); `products_f32`: a bf16 batched product with exact products and fp32 sums.
 
 torch's CPU matmul in bf16 costs ~35 us per call on a 2-core Sapphire Rapids whatever the size (~5 us in fp32),
 so a bf16 model's decode step, dozens of one-row products, ran slower than the same model in fp32, and a bf16
@@ -11,48 +11,55 @@ Lake), where torch's bf16 matmul runs at a small fraction of its fp32 rate, more
 go through `cpu_kernel.linear_bf16_upcast`: the fp32 GEMM on fp32 copies of the bf16 values, rounded once (the
 same quantity; a bf16 MoE layer's forward at 2,048 tokens on a 2-core Zen 3: 73 -> 27 ms).
 
-The layers stay plain `nn.Linear` modules (transformers' bitsandbytes, fp8 and GGUF integrations replace only
-modules whose type is exactly `nn.Linear`), and the kernel runs only where calling the module would run
-`nn.Linear.forward` and nothing else: a module of that exact type with no hooks of its own, no global module
-hooks and no replaced ``forward`` (accelerate's offload hooks). A PEFT LoRA layer, a quantized layer, a hooked
-or offloaded one is called as usual.
+The layers stay plain `nn.Linear` modules, called as modules (``self.q_proj(x)``): `use_linear_forward` sets this
+forward on the instance, so its type stays exactly `nn.Linear` (transformers' bitsandbytes, fp8 and GGUF
+integrations replace only that type, and the replacement runs its own forward), and hooks (accelerate's offload,
+tensor parallelism's) run around it as around any module. A PEFT LoRA layer calls it as its base layer.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
 from . import cpu_kernel
 
 
-def apply_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; for a plain `nn.Linear` (see the module docstring) on bf16 ``x`` that `cpu_kernel.linear_bf16`
-    takes (CPU, a few rows, no autograd, kernels on), or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without
-    bf16 instructions), its result."""
-    if x.dtype is torch.bfloat16 and type(layer) is nn.Linear and (
-        _nothing_around(layer)
-    ):
+def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, layer.weight, layer.bias)``; on bf16 ``x`` that `cpu_kernel.linear_bf16` takes (CPU, a few rows,
+    no autograd, plain tensors, kernels on), or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without bf16
+    instructions), their result: the same quantity."""
+    if x.dtype is torch.bfloat16:
         out = cpu_kernel.linear_bf16(x, layer.weight, layer.bias)
         if out is None:
             out = cpu_kernel.linear_bf16_upcast(x, layer.weight, layer.bias)
         if out is not None:
             return out
-    return layer(x)
+    return F.linear(x, layer.weight, layer.bias)
 
 
-def _nothing_around(layer: nn.Module) -> bool:
-    """Calling ``layer`` would run its class's forward alone: no hooks of its own or global ones, and no forward
-    set on the instance (accelerate's hooks wrap it that way)."""
-    return not (_hooked(layer) or _any_global_hooks())
+def use_linear_forward(model: nn.Module) -> None:
+    """Give every plain `nn.Linear` in ``model`` (exactly that type, its class's forward) `linear_forward`."""
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            module.forward = functools.partial(linear_forward, module)
+
+
+def _replaced_forward(module: nn.Module) -> bool:
+    """A forward set on the instance other than `linear_forward` (accelerate's hooks wrap it that way)."""
+    forward = module.__dict__.get("forward")
+    return forward is not None and not (type(forward) is functools.partial and forward.func is linear_forward)
 
 
 def _hooked(module: nn.Module) -> bool:
-    """Hooks of its own or a forward set on the instance (accelerate's offload); global hooks are checked apart."""
+    """Hooks of its own or a replaced forward (accelerate's offload); global hooks are checked apart."""
     return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or "forward" in module.__dict__
+        or _replaced_forward(module)
     )  # fmt: skip
 
 
