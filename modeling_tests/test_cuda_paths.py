@@ -407,6 +407,12 @@ def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(mod
             torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
             layer.k_conv1d.weight = torch.nn.Parameter(layer.k_conv1d.weight.detach() * 0.5)  # replaced
             torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
+            # cast there and back (module._apply replaces each parameter's data), changed in between
+            model.double()
+            layer.v_conv1d.weight.data.mul_(0.5)
+            model.float()
+            torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
+            layer.v_conv1d.weight.data.mul_(2.0)
     finally:
         with torch.no_grad():
             layer.q_conv1d.weight.copy_(original)

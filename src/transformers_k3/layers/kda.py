@@ -87,13 +87,14 @@ class KimiK3DeltaAttention(nn.Module):
 
     def _decode_conv_weight(self, convs) -> torch.Tensor:
         """The three filters as one ``[3P, K]`` weight. Without autograd it is kept between decode steps, remade when
-        a filter is replaced, moved or changed in place (its version counter: optimizer steps, ``load_state_dict``,
-        ``copy_``; a write through ``.data`` bypasses it, so such code must replace the parameter instead)."""
+        a filter is replaced, moved or cast (`_apply`: ``.to``, ``.cuda``, ``.half``) or changed in place (its
+        version counter: optimizer steps, ``load_state_dict``, ``copy_``; a write through ``.data`` bypasses it, so
+        such code must replace the parameter instead)."""
         weights = [conv.weight for conv in convs]
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return torch.cat([w.squeeze(1) for w in weights])
         try:
-            key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+            key = tuple((w._version, w.dtype, w.device) for w in weights)
         except RuntimeError:  # inference tensors keep no version counter: nothing tells a change, so no keeping
             return torch.cat([w.squeeze(1) for w in weights])
         kept = _KEPT_CONV_WEIGHTS.get(self)
@@ -102,6 +103,10 @@ class KimiK3DeltaAttention(nn.Module):
             kept = (key, [weakref.ref(w) for w in weights], torch.cat([w.detach().squeeze(1) for w in weights]))
             _KEPT_CONV_WEIGHTS[self] = kept
         return kept[2]
+
+    def _apply(self, fn, recurse=True):
+        _KEPT_CONV_WEIGHTS.pop(self, None)  # (moved or cast filters may keep their version counters)
+        return super()._apply(fn, recurse)
 
     def _short_convs(self, projections, cache_layer, cu_seqlens) -> list[torch.Tensor]:
         """q, k, v after their causal convolutions and SiLU, reading/writing the conv window in the cache."""
