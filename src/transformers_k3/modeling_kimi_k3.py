@@ -74,6 +74,13 @@ def packed_sequence_boundaries(position_ids, cu_seq_lens_q, attention_mask, past
     if position_ids is None:
         return None
     positions = position_ids.reshape(-1)
+    if torch.compiler.is_compiling():
+        # A graph cannot branch on whether the row is packed: it always takes the starts (position 0, and token 0),
+        # their count an unbacked size; a single sequence gives [0, T], which computes what None does.
+        first = torch.arange(positions.numel(), device=positions.device) == 0
+        starts = ((positions == 0) | first).nonzero().flatten()
+        torch._check(starts.numel() >= 1)  # (token 0 starts a sequence: the size's bound, for the checks downstream)
+        return torch.cat([starts, starts.new_full((1,), positions.numel())])
     starts = (positions == 0).nonzero().flatten()
     if starts.numel() <= 1 and positions[0] == 0:
         return None

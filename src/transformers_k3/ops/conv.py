@@ -93,8 +93,8 @@ def causal_conv1d(
                 f"cu_seqlens packs sequences along T and needs x with batch size 1, got B = {batch}; "
                 "flatten the batch to [1, total_tokens, D] first"
             )
-        bounds = _check_cu_seqlens(cu_seqlens, length)
-        n_seq = len(bounds) - 1
+        edges = _check_cu_seqlens(cu_seqlens, length, x.device)
+        n_seq = edges.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (n_seq, channels, history):
         raise ValueError(
             f"initial_state must have shape [N, D, W - 1] = {(n_seq, channels, history)}, got "
@@ -110,42 +110,46 @@ def causal_conv1d(
         y = F.conv1d(padded, kernel, groups=channels) if length else xt
         final = padded[..., padded.shape[-1] - history :] if output_final_state else None
     else:
-        y, final = _conv_varlen(xt[0], kernel, bounds, initial_state, history, output_final_state)
+        y, final = _conv_varlen(xt[0], kernel, edges, initial_state, history, output_final_state)
     y = _activate(y, activation).transpose(1, 2).to(x.dtype)
     # contiguous(): a bare slice would keep the whole padded prompt alive for as long as the cache lives
     return y, (final.to(x.dtype).contiguous() if final is not None else None)
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> list[int]:
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` checked, as int64 on ``device``. Under torch.compile its values are not checked: reading them
+    on the host would break the graph (the computation uses them as a tensor only)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1] with N >= 1, got {cu_seqlens!r}")
+    if torch.compiler.is_compiling():
+        return cu_seqlens.to(device=device, dtype=torch.long)
     bounds = [int(b) for b in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != length or any(b > e for b, e in zip(bounds, bounds[1:])):
         raise ValueError(
             f"cu_seqlens must start at 0, be non-decreasing and end at T = {length}, got {bounds}"
         )
-    return bounds
+    return torch.tensor(bounds, device=device)
 
 
 def _conv_varlen(
     xt: torch.Tensor,
     kernel: torch.Tensor,
-    bounds: list[int],
+    edges: torch.Tensor,
     initial_state: torch.Tensor | None,
     history: int,
     output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One convolution over all packed sequences: each sequence gets its own ``W - 1`` history columns
     (zeros or its initial state) in front of it, so no window straddles two sequences and no sequence
-    is padded to the longest."""
+    is padded to the longest. ``edges`` is the int64 ``cu_seqlens`` on ``xt``'s device; only tensor ops read it, so
+    a traced graph (where the number of sequences may be an unbacked size) holds the same computation."""
     channels, length = xt.shape
-    n_seq = len(bounds) - 1
+    n_seq = edges.numel() - 1
     device = xt.device
-    lengths = torch.tensor([e - b for b, e in zip(bounds, bounds[1:])], device=device)
+    starts, ends = edges[:-1], edges[1:]
+    lengths = ends - starts
     seq_of_token = torch.repeat_interleave(torch.arange(n_seq, device=device), lengths, output_size=length)
     token_col = torch.arange(length, device=device) + (seq_of_token + 1) * history
-    starts = torch.tensor(bounds[:-1], device=device)
-    ends = torch.tensor(bounds[1:], device=device)
     offsets = torch.arange(history, device=device)
     # History column j of sequence i sits at starts[i] + i * history + j.
     history_col = (starts + torch.arange(n_seq, device=device) * history)[:, None] + offsets
