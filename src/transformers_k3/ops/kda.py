@@ -699,7 +699,7 @@ def _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale, chunk, zero_start
     g = torch.where(starts[None, :, None, None], torch.tensor(_RESET_LOG_DECAY, dtype=g.dtype, device=g.device), g)
     zero = state.new_zeros(1, *state.shape[1:])
     layout = _Layout(1, length, None, chunk, q.device)
-    return _chunked(q, k, v, g, beta[..., None], zero, layout, scale), None
+    return _chunked(q, k, v, g, beta[..., None], zero, layout, scale)[0], None
 
 
 @torch.library.custom_op("transformers_k3::kda_chunk_varlen", mutates_args=(), device_types="cpu")
