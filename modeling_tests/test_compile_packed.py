@@ -126,10 +126,23 @@ def test_compiled_packed_row_equals_separate_sequences():
     torch.testing.assert_close(logits.detach(), want.detach(), rtol=0, atol=5e-5 * want.abs().max().item())
     for name, p in model.named_parameters():
         torch.testing.assert_close(got_grads[name], p.grad, rtol=0, atol=5e-5 * p.grad.abs().max().item(), msg=name)
-    # and the packed row differs from the same tokens as one sequence (the boundaries are really applied)
+    torch._dynamo.reset()
+
+
+def test_compiled_single_sequence_with_position_ids_equals_eager():
+    """position_ids 0 .. T - 1 in a graph: it cannot tell that the row is not packed, so it takes one packed sequence,
+    cu_seqlens [0, T]; that is bitwise eager's unpacked computation. The same tokens packed differ (the boundaries are
+    really applied)."""
+    _needs_kernels()
+    batch, _ = packed_batch(False)
+    ids = batch["input_ids"]
+    model = tiny_model(1).eval()
+    compiled = compile_fullgraph(model)
     with torch.no_grad():
-        leaked = compiled(input_ids=batch["input_ids"]).logits[0]
-    assert (leaked - want).abs().max() > 1e-3
+        got = compiled(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert torch.equal(got, model(input_ids=ids).logits)
+        assert (got - model(input_ids=ids, position_ids=batch["position_ids"]).logits).abs().max() > 1e-3
     torch._dynamo.reset()
 
 
@@ -248,3 +261,18 @@ def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-5 * b.abs().max().item())
     torch._dynamo.reset()
+
+
+def test_varlen_operators_pass_opcheck():
+    """``kda_chunk_varlen`` and its backward: schema, fake implementation, autograd registration and AOT dispatch
+    agree with the real implementation (torch.library.opcheck)."""
+    _needs_kernels()
+    q, k, v, g, beta, _ = make_inputs(1, 40, 2, 8, 8, "k3", seed=8)
+    h0 = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(9))
+    cu = torch.tensor([0, 15, 40])
+    tensors = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    torch.library.opcheck(torch.ops.transformers_k3.kda_chunk_varlen.default, (*tensors, cu, 8**-0.5, 32))
+    grads = (torch.randn(1, 40, 2, 8), torch.randn(2, 2, 8, 8))
+    plain = [x.detach() for x in tensors]
+    torch.library.opcheck(torch.ops.transformers_k3.kda_chunk_varlen_backward.default,
+                          (*grads, *plain, cu, 8**-0.5, 32, [True] * 6))  # fmt: skip
