@@ -36,6 +36,11 @@ autograd the same kernel computes the forward through the differentiable operato
 PyTorch chunked path and takes its gradient: CPU training and inference compute the same function. The PyTorch
 code stays the path for other compute dtypes and machines without a C++ compiler.
 
+Under torch.compile, packed batches stay in the graph without reading ``cu_seqlens`` on the host: where the fused
+kernel runs, the operator ``transformers_k3::kda_chunk_varlen`` takes it as a tensor and reads it when it runs (the
+eager kernel calls, so the same results); on the PyTorch path, from a zero state, the row becomes one sequence whose
+decay is reset to 0 at each sequence start (:func:`_traced_packed`).
+
 The backend can be forced per call (``backend=``), for a block of code (:func:`kda_backend`) or for the
 process (environment variable ``TRANSFORMERS_K3_KDA_BACKEND``), in that order of precedence.
 """
