@@ -178,3 +178,31 @@ def test_multimodal_generate_takes_the_static_cache():
         want = vl.generate(ids, max_new_tokens=6, do_sample=False)
         got = vl.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("decode_attn", ["sdpa", "eager", "flash_attention_2"])
+def test_static_cache_under_each_attention_implementations_mask(model, decode_attn):
+    """A left-padded batch prefilled with SDPA and continued by steps of one and two tokens with another
+    implementation's mask (flash attention's is the 2-D padding mask; the absorbed path never calls flash-attn, so
+    it runs here): the static cache gives the growing cache's logits and those of one forward without a cache."""
+    ids = torch.randint(3, 512, (2, 14), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    results, installed = {}, model.config._attn_implementation
+    try:
+        with torch.no_grad():
+            for static in (False, True):
+                model.config._attn_implementation = "sdpa"
+                cache = KimiK3HybridCache(model.config, max_cache_len=20, static=static)
+                outs = [model(ids[:, :10], attention_mask=mask[:, :10], past_key_values=cache, use_cache=True).logits]
+                model.config._attn_implementation = decode_attn
+                for start, size in ((10, 1), (11, 2), (13, 1)):
+                    outs.append(model(ids[:, start:start + size], attention_mask=mask[:, :start + size],
+                                      past_key_values=cache, use_cache=True).logits)
+                results[static] = torch.cat(outs, 1)
+            model.config._attn_implementation = "sdpa"
+            reference = model(ids, attention_mask=mask, use_cache=False).logits
+    finally:
+        model.config._attn_implementation = installed
+    torch.testing.assert_close(results[True], results[False], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][:, 10:], reference[:, 10:], atol=2e-5, rtol=1e-4)
