@@ -72,6 +72,9 @@ def test_static_cache_refuses_what_it_cannot_hold(model):
         KimiK3HybridCache(model.config, static=True)
     with pytest.raises(ValueError, match="offload_latents_to=None or static=False"):
         KimiK3HybridCache(model.config, max_cache_len=8, static=True, offload_latents_to="cpu")
+    reserved = KimiK3HybridCache(model.config, max_cache_len=8, batch_size=3, static=True)
+    with pytest.raises(ValueError, match="preallocated for batch 3"), torch.no_grad():
+        model(torch.randint(3, 512, (2, 4)), past_key_values=reserved, use_cache=True)
     cache = KimiK3HybridCache(model.config, max_cache_len=8, static=True)
     ids = torch.randint(3, 512, (1, 9))
     with torch.no_grad():

@@ -338,6 +338,14 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self.length = 0
         self.is_initialized = True
 
+    def _check_reserved_shape(self, latent_states: torch.Tensor) -> None:
+        if tuple(latent_states.shape[::2]) != (self.latent.shape[0], self.latent.shape[2]):
+            raise ValueError(
+                f"This cache was preallocated for batch {self.latent.shape[0]} and latent width "
+                f"{self.latent.shape[2]}, got [batch {latent_states.shape[0]}, width {latent_states.shape[2]}]. "
+                "Build it with the batch size you generate with (`batch_size=`) and the model's config."
+            )
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         batch, _, dim = key_states.shape
         self.allocate(batch, dim, key_states.device, key_states.dtype)
@@ -349,12 +357,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(latent_states)
         elif self.device is None:  # preallocated: the first step tells where compute happens
-            if tuple(latent_states.shape[::2]) != (self.latent.shape[0], self.latent.shape[2]):
-                raise ValueError(
-                    f"This cache was preallocated for batch {self.latent.shape[0]} and latent width "
-                    f"{self.latent.shape[2]}, got [batch {latent_states.shape[0]}, width {latent_states.shape[2]}]. "
-                    "Build it with the batch size you generate with (`batch_size=`) and the model's config."
-                )
+            self._check_reserved_shape(latent_states)
             self.dtype, self.device = latent_states.dtype, latent_states.device
             if self.storage_dtype is None and self.length == 0 and self.latent.dtype != latent_states.dtype:
                 # reserved before the activations' dtype was known (the default dtype): store in theirs, as the
@@ -472,12 +475,7 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
         if not self.is_initialized:
             self.lazy_initialization(latent_states)
         elif self.device is None:  # reserved (`batch_size=`): the first step tells where compute happens
-            if tuple(latent_states.shape[::2]) != (self.latent.shape[0], self.latent.shape[2]):
-                raise ValueError(
-                    f"This cache was preallocated for batch {self.latent.shape[0]} and latent width "
-                    f"{self.latent.shape[2]}, got [batch {latent_states.shape[0]}, width {latent_states.shape[2]}]. "
-                    "Build it with the batch size you generate with (`batch_size=`) and the model's config."
-                )
+            self._check_reserved_shape(latent_states)
             self.dtype, self.device = latent_states.dtype, latent_states.device
             if (self.latent.device != latent_states.device
                     or (self.storage_dtype is None and self.latent.dtype != latent_states.dtype)):
