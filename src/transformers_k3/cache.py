@@ -144,6 +144,13 @@ def weights_fingerprint(model: nn.Module) -> str | None:
     return digest.hexdigest()
 
 
+def _keep_address(*tensors: torch.Tensor) -> None:
+    """Tell torch.compile these buffers keep their address (CUDA graphs read them in place); outside graphs only."""
+    if not torch.compiler.is_compiling():
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor)
+
+
 class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
     """Conv window and recurrent state of one KDA layer."""
 
@@ -199,15 +206,15 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
             held.copy_(new)  # the same buffer: a captured graph keeps reading and writing it
         else:
             states[0] = new
-            if self.static and not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(new)
+            if self.static:
+                _keep_address(new)
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Store a new conv window ``[B, 3P, K-1]`` (replaces; decode paths update it in place)."""
         if not self.is_conv_states_initialized[0]:
             self.lazy_initialization(conv_states=conv_states)
-            if self.static and not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(conv_states)
+            if self.static:
+                _keep_address(conv_states)
         else:
             self._store(self.conv_states, conv_states)
         self._mark()
@@ -218,8 +225,8 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
         recurrent_states = recurrent_states.to(torch.float32)
         if not self.is_recurrent_states_initialized[0]:
             self.lazy_initialization(recurrent_states=recurrent_states)
-            if self.static and not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(recurrent_states)
+            if self.static:
+                _keep_address(recurrent_states)
         else:
             self._store(self.recurrent_states, recurrent_states)
         self._mark()
@@ -329,6 +336,11 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     @property
     def batch_size(self) -> int:
         return self.latent.shape[0]
+
+    @property
+    def holds(self) -> bool:
+        """Whether any token is held."""
+        return self.length > 0
 
     def allocate(self, batch: int, dim: int, device: torch.device | None, dtype: torch.dtype | None = None) -> None:
         """Reserve ``[batch, initial_capacity, dim]`` now (a preallocated cache fails at construction, not hours
@@ -442,7 +454,7 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
     def __init__(self, max_cache_len: int, storage_dtype: torch.dtype | None = None):
         self.position = torch.zeros((), dtype=torch.long)
         self._length, self._length_stale = 0, False
-        self.holds = False  # whether any token was written (a Python flag a graph may guard on: stable while decoding)
+        self._holds = False  # (a Python flag a graph may guard on, stable while decoding: no length read)
         super().__init__(max_cache_len, storage_device=None, storage_dtype=storage_dtype)
         self.max_cache_len = max_cache_len
 
@@ -455,7 +467,7 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
     @length.setter
     def length(self, value: int) -> None:
         self._length, self._length_stale = value, False
-        self.holds = value > 0
+        self._holds = value > 0
         self.position.fill_(value)
 
     def allocate(self, batch: int, dim: int, device: torch.device | None, dtype: torch.dtype | None = None) -> None:
@@ -465,9 +477,7 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
         self.position = self.position.to(self.latent.device)
         self.length = 0
         self.is_initialized = True
-        if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(self.latent)
-            torch._dynamo.mark_static_address(self.position)
+        _keep_address(self.latent, self.position)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
         """Write ``latent_states`` ``[B, T, D]`` at `position`; return the whole buffer ``[B, max_cache_len, D]``."""
@@ -488,9 +498,9 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
         self.latent.index_copy_(1, positions, latent_states.to(self.latent.dtype))
         self.position.add_(count)
         if torch.compiler.is_compiling():
-            self._length_stale, self.holds = True, True
+            self._length_stale, self._holds = True, True
         else:
-            self._length, self.holds = self._length + count, True
+            self._length, self._holds = self._length + count, True
         return self.latent, None
 
     def check_room(self, count: int) -> None:
@@ -501,6 +511,10 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
                 f"this static KimiK3HybridCache holds {self.max_cache_len} tokens per MLA layer: {self.length} are "
                 f"used and {count} more do not fit. Build it with a larger max_cache_len (prompt + new tokens), or "
                 "use the growing cache (static=False)")
+
+    @property
+    def holds(self) -> bool:
+        return self._holds
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -517,8 +531,7 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
         if self.is_initialized:
             kept = fn(self.latent)
             self.latent = kept.contiguous()
-            if not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(self.latent)
+            _keep_address(self.latent)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -614,14 +627,7 @@ class KimiK3HybridCache(Cache):
         """Whether the cache (or MLA layer `layer_idx`) holds any token, without reading a length from the device
         (a static cache's compiled steps leave their length there)."""
         layers = self.layers if layer_idx is None else [self.layers[layer_idx]]
-        for layer in layers:
-            if isinstance(layer, KimiK3StaticMLACacheLayer):
-                if layer.holds:
-                    return True
-            elif isinstance(layer, KimiK3MLACacheLayer):
-                if layer.length > 0:
-                    return True
-        return False
+        return any(layer.holds for layer in layers if isinstance(layer, KimiK3MLACacheLayer))
 
     def _first_latent_layer(self) -> KimiK3MLACacheLayer | None:
         return next((layer for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer)), None)
