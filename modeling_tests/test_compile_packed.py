@@ -82,7 +82,7 @@ def training_step(model, fn, batch) -> tuple[torch.Tensor, dict[str, torch.Tenso
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_compiled_packed_training_step_equals_eager_bitwise(flash_kwargs):
     """The compiled forward and backward run the eager step's operators (the fused KDA kernel and its recomputed
-    gradient inside ``kda_chunk_varlen``, the conv's packed layout built from the same bounds as tensors), so the
+    gradient inside ``kda_chunk``, which reads the bounds when it runs; the conv's packed layout built from the same bounds as tensors), so the
     loss and every gradient are bitwise eager's."""
     _needs_kernels()
     batch, _ = packed_batch(flash_kwargs)
@@ -92,8 +92,8 @@ def test_compiled_packed_training_step_equals_eager_bitwise(flash_kwargs):
     compiled = compile_fullgraph(model, recorder.backend)
     got_loss, got_grads = training_step(model, compiled, batch)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert "kda_chunk_varlen" in recorder.ops["forward"], recorder.ops
-    assert "kda_chunk_varlen_backward" in recorder.ops["backward"], recorder.ops
+    assert "kda_chunk" in recorder.ops["forward"], recorder.ops
+    assert "kda_chunk_backward" in recorder.ops["backward"], recorder.ops
     assert torch.equal(got_loss, want_loss), (got_loss, want_loss)
     assert got_grads.keys() == want_grads.keys() and len(got_grads) == len(list(model.parameters()))
     unequal = [name for name in want_grads if not torch.equal(got_grads[name], want_grads[name])]
@@ -197,18 +197,26 @@ def test_compiled_packed_conv_equals_eager_bitwise():
                              cu_seqlens=cu)  # fmt: skip
 
     want = run(conv)
-    got = run(compile_fullgraph(conv))
+    compiled = compile_fullgraph(conv)
+    got = run(compiled)
     assert not counters["graph_break"], dict(counters["graph_break"])
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    for bad in ([0, 50, 23, 73], [1, 23, 68, 73], [0, 23, 68, 72]):  # (decreasing, not from 0, not to T)
+        with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, be non-decreasing and end at T"):
+            x, weight, initial = _conv_inputs()
+            compiled(x, weight, initial[:3], torch.tensor(bad))
     torch._dynamo.reset()
 
 
-def test_compiled_packed_chunk_kda_equals_eager_bitwise():
-    """chunk_kda on packed sequences with initial and final states in a graph calls ``kda_chunk_varlen``, which
-    makes eager's kernel calls: outputs, final states and all gradients bitwise eager's; a bad cu_seqlens raises
-    eager's error when the graph runs."""
-    _needs_kernels()
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_compiled_packed_chunk_kda_equals_eager_bitwise(kernel):
+    """chunk_kda on packed sequences with initial and final states in a graph calls ``kda_chunk`` with the bounds as
+    a tensor, which makes eager's calls (the kernel's forward, or with the kernels off the PyTorch path on the host
+    bounds): outputs, final states and all gradients bitwise eager's; a bad cu_seqlens raises eager's error when the
+    graph runs."""
+    if kernel:
+        _needs_kernels()
     cu = torch.tensor([0, 23, 68, 73])
 
     def run(fn, bounds=cu):
@@ -222,23 +230,24 @@ def test_compiled_packed_chunk_kda_equals_eager_bitwise():
     def kda(q, k, v, g, beta, h0, cu):
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
 
-    want = run(kda)
-    recorder = Recorder()
-    compiled = compile_fullgraph(kda, recorder.backend)
-    got = run(compiled)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert recorder.ops == {"forward": {"kda_chunk_varlen"}, "backward": {"kda_chunk_varlen_backward"}}, recorder.ops
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="cu_seqlens must start at 0, be non-decreasing and end at T = 73"):
-        run(compiled, torch.tensor([0, 50, 23, 73]))
+    with cpu_kernel.use_cpu_kernel(kernel):
+        want = run(kda)
+        recorder = Recorder()
+        compiled = compile_fullgraph(kda, recorder.backend)
+        got = run(compiled)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert recorder.ops == {"forward": {"kda_chunk"}, "backward": {"kda_chunk_backward"}}, recorder.ops
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0, be non-decreasing and end at T = 73"):
+            run(compiled, torch.tensor([0, 50, 23, 73]))
     torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
 def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry):
     """The PyTorch path's packed form in a graph (kernels off): decay reset at every sequence start, one sequence
-    from a zero state. Its outputs and gradients equal each sequence run on its own in eager, at K3's strongest gates
+    from a zero state; the graph checks cu_seqlens itself. Its outputs and gradients equal each sequence run on its own in eager, at K3's strongest gates
     (cumulative decays to -160 per chunk), to 5e-5 of each tensor's largest entry (fp32 rounding; measured 3e-7 on
     the outputs, 6e-6 on the gate's gradient, whose chunked sums are reordered most)."""
     fn = {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda}[entry]
@@ -250,8 +259,12 @@ def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry):
 
     with cpu_kernel.use_cpu_kernel(False):
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        out = compile_fullgraph(packed)(*leaves, cu)
+        compiled = compile_fullgraph(packed)
+        out = compiled(*leaves, cu)
         assert not counters["graph_break"], dict(counters["graph_break"])
+        for bad in ([0, 50, 23, 73], [1, 23, 68, 73], [0, 23, 68, 72]):  # (decreasing, not from 0, not to T)
+            with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, be non-decreasing and end at T"):
+                compiled(q, k, v, g, beta, torch.tensor(bad))
         out.square().sum().backward()
         got = (out.detach(), *(x.grad for x in leaves))
 
@@ -262,18 +275,3 @@ def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-5 * b.abs().max().item())
     torch._dynamo.reset()
-
-
-def test_varlen_operators_pass_opcheck():
-    """``kda_chunk_varlen`` and its backward: schema, fake implementation, autograd registration and AOT dispatch
-    agree with the real implementation (torch.library.opcheck)."""
-    _needs_kernels()
-    q, k, v, g, beta, _ = make_inputs(1, 40, 2, 8, 8, "k3", seed=8)
-    h0 = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(9))
-    cu = torch.tensor([0, 15, 40])
-    tensors = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
-    torch.library.opcheck(torch.ops.transformers_k3.kda_chunk_varlen.default, (*tensors, cu, 8**-0.5, 32))
-    grads = (torch.randn(1, 40, 2, 8), torch.randn(2, 2, 8, 8))
-    plain = [x.detach() for x in tensors]
-    torch.library.opcheck(torch.ops.transformers_k3.kda_chunk_varlen_backward.default,
-                          (*grads, *plain, cu, 8**-0.5, 32, [True] * 6))  # fmt: skip

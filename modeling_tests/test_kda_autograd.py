@@ -64,19 +64,20 @@ def test_opcheck():
     torch.library.opcheck(ops.kda_chunk.default, (*args, None, 0.25, 32))
     packed = [x[:1].detach().clone().requires_grad_() for x in (q, k, v, g, beta)]
     states = torch.randn(4, 2, 16, 16, generator=torch.Generator().manual_seed(4))
-    torch.library.opcheck(ops.kda_chunk.default, (*packed, states, [0, 30, 30, 64, 70], 0.25, 16))  # (no state grad)
+    torch.library.opcheck(ops.kda_chunk.default, (*packed, states, torch.tensor([0, 30, 30, 64, 70]), 0.25,
+                                                   16))  # (no state grad)
     o_bar, s_bar = cotangents_for((2, 70, 2, 16), (2, 2, 16, 16))
     mask = [True, False, True, True, True, True]
     torch.library.opcheck(ops.kda_chunk_backward.default, (o_bar, s_bar, q, k, v, g, beta, h0, None, 0.25, 32, mask))
     torch.library.opcheck(ops.kda_chunk_backward.default,  # (the final state unused)
-                          (o_bar[:1], None, q[:1], k[:1], v[:1], g[:1], beta[:1], states[:3], [0, 30, 30, 70], 0.25, 16,
-                           [True] * 6))  # fmt: skip
+                          (o_bar[:1], None, q[:1], k[:1], v[:1], g[:1], beta[:1], states[:3],
+                           torch.tensor([0, 30, 30, 70]), 0.25, 16, [True] * 6))  # fmt: skip
 
 
-def test_registered_with_fake_and_autograd():
+def test_registered_with_fake_and_autograd_on_every_device():
     for op in (ops.kda_chunk.default, ops.kda_chunk_backward.default):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
+        for key in ("CPU", "Meta", "CUDA", "XPU", "MPS"):  # (elsewhere than on CPU the PyTorch path computes it)
+            assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), key), (op, key)
     assert torch._C._dispatch_has_kernel_for_dispatch_key(ops.kda_chunk.default.name(), "Autograd")
 
 

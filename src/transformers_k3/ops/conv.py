@@ -117,18 +117,28 @@ def causal_conv1d(
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, length: int, device: torch.device) -> torch.Tensor:
-    """``cu_seqlens`` checked, as int64 on ``device``. Under torch.compile its values are not checked: reading them
-    on the host would break the graph (the computation uses them as a tensor only)."""
+    """``cu_seqlens`` checked, as int64 on ``device``. Under torch.compile its values are checked by the graph
+    itself (:func:`assert_cu_seqlens`): reading them on the host would break it."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1] with N >= 1, got {cu_seqlens!r}")
     if torch.compiler.is_compiling():
-        return cu_seqlens.to(device=device, dtype=torch.long)
+        return assert_cu_seqlens(cu_seqlens.to(device=device, dtype=torch.long), length)
     bounds = [int(b) for b in cu_seqlens.tolist()]
     if bounds[0] != 0 or bounds[-1] != length or any(b > e for b, e in zip(bounds, bounds[1:])):
         raise ValueError(
             f"cu_seqlens must start at 0, be non-decreasing and end at T = {length}, got {bounds}"
         )
     return torch.tensor(bounds, device=device)
+
+
+def assert_cu_seqlens(edges: torch.Tensor, length) -> torch.Tensor:
+    """``edges`` (packed bounds, a tensor), after a check inside the computation that they start at 0, do not
+    decrease and end at ``length``: a RuntimeError when it runs (no host read, so a compiled graph keeps it; on
+    CUDA it does not wait for the device)."""
+    ok = (edges[0] == 0) & (edges[-1] == length) & (edges[1:] >= edges[:-1]).all()
+    torch._assert_async(ok, "cu_seqlens must start at 0, be non-decreasing and end at T, the packed row's length; "
+                            "build it from the batch's sequence lengths")  # fmt: skip
+    return edges
 
 
 def _conv_varlen(

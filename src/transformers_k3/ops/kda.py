@@ -36,10 +36,10 @@ autograd the same kernel computes the forward through the differentiable operato
 PyTorch chunked path and takes its gradient: CPU training and inference compute the same function. The PyTorch
 code stays the path for other compute dtypes and machines without a C++ compiler.
 
-Under torch.compile, packed batches stay in the graph without reading ``cu_seqlens`` on the host: where the fused
-kernel runs, the operator ``transformers_k3::kda_chunk_varlen`` takes it as a tensor and reads it when it runs (the
-eager kernel calls, so the same results); on the PyTorch path, from a zero state, the row becomes one sequence whose
-decay is reset to 0 at each sequence start (:func:`_traced_packed`).
+Under torch.compile, packed batches stay in the graph without reading ``cu_seqlens`` on the host: on the PyTorch
+path from a zero state, the row becomes one sequence whose decay is reset to 0 at each sequence start; otherwise the
+operator ``transformers_k3::kda_chunk`` takes it as a tensor and reads it when it runs (eager's computation, so the
+same results; :func:`_traced_packed`).
 
 The backend can be forced per call (``backend=``), for a block of code (:func:`kda_backend`) or for the
 process (environment variable ``TRANSFORMERS_K3_KDA_BACKEND``), in that order of precedence.
@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel, kda_autograd
+from .conv import assert_cu_seqlens
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -619,15 +620,12 @@ def _torch_kda(
     # The final state may be written into the caller's (the single-token path and the kernel do so).
     write = inplace and state is initial_state and not state_v_first and state.is_contiguous()
     if cu_seqlens is not None and torch.compiler.is_compiling():
-        traced = _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale if block else 1.0,
-                                block or TORCH_CHUNK_SIZE, initial_state is None and not output_final_state)
-        if traced is not None:
-            o, final = traced
-            o = o.to(out_dtype)
-            if not output_final_state:
-                return o, None
-            return o, final.transpose(-1, -2).contiguous() if state_v_first else final
-        # (the PyTorch path with an initial state or final states per sequence needs host bounds: a graph break)
+        o, final = _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale if block else 1.0,
+                                  block or TORCH_CHUNK_SIZE, initial_state is None and not output_final_state)
+        o = o.to(out_dtype)
+        if not output_final_state:
+            return o, None
+        return o, final.transpose(-1, -2).contiguous() if state_v_first else final
     bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
     if cpu_kernel.applies(q, k, v, g, beta, state):
         # The fused kernel computes the chunked form for any length: measured faster than the token loop from
@@ -639,7 +637,7 @@ def _torch_kda(
         # Training: the same kernel forward, differentiable, its gradient the PyTorch chunked path's (recomputed in
         # the backward), so CPU training and inference compute one function. Everything above (l2norm, gate, beta
         # sigmoid, grouped values, state layout) stays ordinary autograd.
-        fused = kda_autograd.kda_chunk(q, k, v, g, beta, state, bounds, scale if block else 1.0,
+        fused = kda_autograd.kda_chunk(q, k, v, g, beta, state, cu_seqlens, scale if block else 1.0,
                                        block or TORCH_CHUNK_SIZE)  # fmt: skip
     else:
         fused = None
@@ -683,80 +681,27 @@ _RESET_LOG_DECAY = -1e4
 
 def _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale, chunk, zero_start):
     """Packed sequences under torch.compile, where ``cu_seqlens`` cannot be read on the host: ``(o, final)`` as the
-    eager code computes them, or None when only that code can (then the caller's host read breaks the graph).
+    eager code computes them.
 
-    Where the fused kernel runs in eager (fp32 CPU, library built), the operator ``transformers_k3::kda_chunk_varlen``
-    takes ``cu_seqlens`` as a tensor and makes the eager calls itself (the same kernel forward, the same recomputed
-    gradient), so the graph computes what eager does. Otherwise, from a zero state and without final states
-    (``zero_start``: the model's packed training), the row is one sequence in which the decay at every sequence
-    start is e^{-1e4} = 0: the delta rule then restarts from a zero state there, which is exactly what running each
-    sequence separately does (the first token's own decay multiplies a zero state, so its gradient is 0 either way).
+    From a zero state and without final states (``zero_start``: the model's packed training) on the PyTorch path,
+    the row is one sequence in which the decay at every sequence start is e^{-1e4} = 0: the delta rule then
+    restarts from a zero state there, which is exactly what running each sequence separately does (the first
+    token's own decay multiplies a zero state, so its gradient is 0 either way), and the graph keeps plain torch
+    ops. Otherwise the operator ``transformers_k3::kda_chunk`` (:mod:`kda_autograd`) takes ``cu_seqlens`` as a
+    tensor and reads it when it runs: the fused kernel's forward where eager runs it, else the PyTorch path on the
+    host bounds, and in both cases the PyTorch path's recomputed gradient.
     """
-    if cpu_kernel.library() is not None and (cpu_kernel.applies(q, k, v, g, beta, state)
-                                             or kda_autograd.applies(q, k, v, g, beta, state)):  # fmt: skip
-        return torch.ops.transformers_k3.kda_chunk_varlen(q, k, v, g, beta, state, cu_seqlens, scale, chunk)
-    if not zero_start:
-        return None
+    kernel = cpu_kernel.applies(q, k, v, g, beta, state) or kda_autograd.applies(q, k, v, g, beta, state)
+    if not zero_start or (kernel and cpu_kernel.library() is not None):
+        return kda_autograd.kda_chunk(q, k, v, g, beta, state, cu_seqlens, scale, chunk)
     length = q.shape[1]
-    edges = cu_seqlens.to(device=q.device, dtype=torch.long)
+    edges = assert_cu_seqlens(cu_seqlens.to(device=q.device, dtype=torch.long), length)
     # (a start at T belongs to an empty last sequence; slot T is dropped)
     starts = torch.zeros(length + 1, dtype=torch.bool, device=q.device).index_fill(0, edges, True)[:length]
     g = torch.where(starts[None, :, None, None], torch.tensor(_RESET_LOG_DECAY, dtype=g.dtype, device=g.device), g)
     zero = state.new_zeros(1, *state.shape[1:])
     layout = _Layout(1, length, None, chunk, q.device)
     return _chunked(q, k, v, g, beta[..., None], zero, layout, scale)[0], None
-
-
-@torch.library.custom_op("transformers_k3::kda_chunk_varlen", mutates_args=(), device_types="cpu")
-def _kda_chunk_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                      chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``transformers_k3::kda_chunk`` (:mod:`kda_autograd`) with the packed bounds as a tensor, read (and checked,
-    with eager's error) when the operator runs: ``(o, final_state)``, differentiable in every tensor but
-    ``cu_seqlens``."""
-    bounds = _host_bounds(cu_seqlens, q.shape[1])
-    o, final = kda_autograd.kda_chunk(q, k, v, g, beta, state, bounds, scale, chunk)
-    return o, final
-
-
-@_kda_chunk_varlen.register_fake
-def _(q, k, v, g, beta, state, cu_seqlens, scale, chunk):
-    return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(state, memory_format=torch.contiguous_format)
-
-
-def _varlen_setup(ctx, inputs, output):
-    q, k, v, g, beta, state, cu_seqlens, ctx.scale, ctx.chunk = inputs
-    ctx.save_for_backward(q, k, v, g, beta, state, cu_seqlens)
-    ctx.set_materialize_grads(False)
-
-
-def _varlen_backward(ctx, grad_o, grad_state):
-    mask = list(ctx.needs_input_grad[:6])
-    grads = torch.ops.transformers_k3.kda_chunk_varlen_backward.default(
-        grad_o, grad_state, *ctx.saved_tensors, ctx.scale, ctx.chunk, mask
-    )
-    return (*(x if m else None for x, m in zip(grads, mask)), None, None, None)
-
-
-_kda_chunk_varlen.register_autograd(_varlen_backward, setup_context=_varlen_setup)
-
-
-@torch.library.custom_op("transformers_k3::kda_chunk_varlen_backward", mutates_args=(), device_types="cpu")
-def _kda_chunk_varlen_backward(grad_o: torch.Tensor | None, grad_state: torch.Tensor | None, q: torch.Tensor,
-                               k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                               state: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, chunk: int,
-                               mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                          torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``transformers_k3::kda_chunk_backward`` with the bounds read from ``cu_seqlens``."""
-    bounds = _host_bounds(cu_seqlens, q.shape[1])
-    return torch.ops.transformers_k3.kda_chunk_backward.default(grad_o, grad_state, q, k, v, g, beta, state, bounds,
-                                                                scale, chunk, mask)  # fmt: skip
-
-
-@_kda_chunk_varlen_backward.register_fake
-def _(grad_o, grad_state, q, k, v, g, beta, state, cu_seqlens, scale, chunk, mask):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) if m else x.new_empty(0)
-                 for x, m in zip((q, k, v, g, beta, state), mask))  # fmt: skip
 
 
 class _Layout:

@@ -13,9 +13,13 @@ PyTorch path reads host values (the gate's largest magnitude, the sequence layou
 
 Both take the tensors as :func:`transformers_k3.ops.kda._torch_kda` hands them to the kernel: ``q, k, g``
 ``[B, T, H, K]`` (``q`` not yet scaled), ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, ``state`` ``[N, H, K, V]`` in
-sequence order, all fp32 on CPU, ``bounds`` the host ``cu_seqlens`` (then ``B == 1``) or None, ``scale`` the query
-scale and ``chunk`` the chunk size. L2 normalisation, grouped-value repetition, the in-kernel gate and the beta
-sigmoid happen before, in ordinary differentiable PyTorch.
+sequence order, ``cu_seqlens`` the packed bounds as a tensor (then ``B == 1``; read and checked when the operator
+runs, so a compiled graph holds it without a host read) or None, ``scale`` the query scale and ``chunk`` the chunk
+size. L2 normalisation, grouped-value repetition, the in-kernel gate and the beta sigmoid happen before, in ordinary
+differentiable PyTorch.
+
+Both run on any device: the fused kernel where it applies (fp32 CPU tensors, kernels on and built), the PyTorch
+chunked path (the same function) everywhere else, so a graph holding them also runs where the kernels do not.
 """
 
 from __future__ import annotations
@@ -30,10 +34,17 @@ import torch
 from . import cpu_kernel
 
 
-def _reference(q, k, v, g, beta, state, bounds, scale, chunk):
-    """The PyTorch chunked path on the operator's arguments: ``(o [B, T, H, V], final [N, H, K, V])``, sequence
-    order. Differentiable when its inputs require grad (then it runs the autograd-friendly, out-of-place code)."""
+def _bounds(cu_seqlens: torch.Tensor | None, length: int) -> list[int] | None:
     from . import kda as _kda  # (kda imports this module)
+
+    return None if cu_seqlens is None else _kda._host_bounds(cu_seqlens, length)
+
+
+def _reference(q, k, v, g, beta, state, bounds, scale, chunk):
+    """The PyTorch chunked path on the operator's arguments (``bounds`` read from the host): ``(o [B, T, H, V],
+    final [N, H, K, V])``, sequence order. Differentiable when its inputs require grad (then it runs the
+    autograd-friendly, out-of-place code)."""
+    from . import kda as _kda
 
     batch, length = q.shape[:2]
     layout = _kda._Layout(batch, length, bounds, chunk, q.device)
@@ -41,12 +52,16 @@ def _reference(q, k, v, g, beta, state, bounds, scale, chunk):
     return o, layout.unsort_states(final)
 
 
-@torch.library.custom_op("transformers_k3::kda_chunk", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("transformers_k3::kda_chunk", mutates_args=())
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor, bounds: list[int] | None, scale: float,
+              state: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
               chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(o, final_state)`` of chunked KDA, computed by the fused kernel; differentiable in every tensor argument."""
-    fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, chunk, inplace=False)
+    """``(o, final_state)`` of chunked KDA, computed by the fused kernel where it applies; differentiable in every
+    tensor argument but ``cu_seqlens``."""
+    bounds = _bounds(cu_seqlens, q.shape[1])
+    fused = None
+    if cpu_kernel.applies(q, k, v, g, beta, state, differentiable=True):
+        fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, chunk, inplace=False)
     if fused is None:  # (kernels unavailable or out of memory: the PyTorch path, same function)
         o, final = _reference(q, k, v, g, beta, state, bounds, scale, chunk)
         return o.contiguous(), final.contiguous()
@@ -54,20 +69,20 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 @kda_chunk.register_fake
-def _(q, k, v, g, beta, state, bounds, scale, chunk):
+def _(q, k, v, g, beta, state, cu_seqlens, scale, chunk):
     return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(state, memory_format=torch.contiguous_format)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, g, beta, state, ctx.bounds, ctx.scale, ctx.chunk = inputs
-    ctx.save_for_backward(q, k, v, g, beta, state)
+    q, k, v, g, beta, state, cu_seqlens, ctx.scale, ctx.chunk = inputs
+    ctx.save_for_backward(q, k, v, g, beta, state, cu_seqlens)
     ctx.set_materialize_grads(False)  # (an unused output, e.g. the final state, gets None: no vjp through it)
 
 
 def _backward(ctx, grad_o, grad_state):
     mask = list(ctx.needs_input_grad[:6])
     grads = torch.ops.transformers_k3.kda_chunk_backward.default(
-        grad_o, grad_state, *ctx.saved_tensors, ctx.bounds, ctx.scale, ctx.chunk, mask
+        grad_o, grad_state, *ctx.saved_tensors, ctx.scale, ctx.chunk, mask
     )
     return (*(x if m else None for x, m in zip(grads, mask)), None, None, None)
 
@@ -75,16 +90,17 @@ def _backward(ctx, grad_o, grad_state):
 kda_chunk.register_autograd(_backward, setup_context=_setup)
 
 
-@torch.library.custom_op("transformers_k3::kda_chunk_backward", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("transformers_k3::kda_chunk_backward", mutates_args=())
 def kda_chunk_backward(grad_o: torch.Tensor | None, grad_state: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-                       bounds: list[int] | None, scale: float, chunk: int,
+                       cu_seqlens: torch.Tensor | None, scale: float, chunk: int,
                        mask: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of ``(o, final_state)`` with respect to ``q, k, v, g, beta, state`` for the cotangents ``grad_o``,
     ``grad_state`` (None: that output was not used): the vjp of the PyTorch chunked path, recomputed on these
     inputs. ``mask`` says which of the six are wanted; the others come back as empty tensors."""
     inputs = (q, k, v, g, beta, state)
+    bounds = _bounds(cu_seqlens, q.shape[1])
     with _autograd_inside_operator(), torch.enable_grad():
         leaves = [x.detach().requires_grad_(m) for x, m in zip(inputs, mask)]
         o, final = _reference(*leaves, bounds, scale, chunk)
@@ -108,7 +124,7 @@ def kda_chunk_backward(grad_o: torch.Tensor | None, grad_state: torch.Tensor | N
 
 
 @kda_chunk_backward.register_fake
-def _(grad_o, grad_state, q, k, v, g, beta, state, bounds, scale, chunk, mask):
+def _(grad_o, grad_state, q, k, v, g, beta, state, cu_seqlens, scale, chunk, mask):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) if m else x.new_empty(0)
                  for x, m in zip((q, k, v, g, beta, state), mask))  # fmt: skip
 
