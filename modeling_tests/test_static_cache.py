@@ -209,3 +209,33 @@ def test_static_cache_under_each_attention_implementations_mask(model, decode_at
         model.config._attn_implementation = installed
     torch.testing.assert_close(results[True], results[False], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results[True][:, 10:], reference[:, 10:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_compiled_generate_with_an_adapter_on_the_latent_projection(attn):
+    """A LoRA adapter on ``kv_b_proj`` (or a quantized one) keeps MLA off the absorbed path, which reads the layer's
+    weight: the expanded path then reads no length in a compiled step (every row of the static latent, those past
+    its tokens masked). generate() compiles the decode steps into one graph with no break and gives eager's tokens,
+    on a left-padded batch, with SDPA's boolean mask and the eager implementation's additive one."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = KimiK3TextConfig.tiny()
+    config._attn_implementation = attn
+    base = randomize_(KimiK3ForCausalLM(config).eval())
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["kv_b_proj"], init_lora_weights=False))
+    model.eval()
+    ids, mask = padded_prompt()
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True)
+    compile_config._compile_all_devices = True
+    with torch.no_grad():
+        eager = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                  cache_implementation="static", compile_config=compile_config)
+        reference = teacher_forced_logits(model, compiled, mask, ids.shape[1])
+    assert torch.equal(compiled, eager)
+    assert torch.equal(compiled[:, ids.shape[1]:], reference.argmax(-1))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

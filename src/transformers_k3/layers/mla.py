@@ -65,6 +65,23 @@ def static_slots_mask(position: torch.Tensor, q_len: int, capacity: int) -> torc
     return torch.arange(capacity, device=position.device)[None, :] < limit[:, None]
 
 
+def static_attention_mask(slots: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """A 4-D mask over every slot of a static latent: ``slots`` (`static_slots_mask`, causality included) and the
+    model's mask, either the 2-D ``[B, L]`` padding mask (``L`` <= the capacity) or a 4-D one (boolean or additive,
+    at least the capacity wide)."""
+    capacity = slots.shape[-1]
+    if attention_mask is None:
+        return slots[None, None]
+    if attention_mask.dim() == 2:
+        padding = F.pad(attention_mask.to(device=slots.device, dtype=torch.bool),
+                        (0, capacity - attention_mask.shape[-1]))  # fmt: skip
+        return slots[None, None] & padding[:, None, None, :]
+    attention_mask = attention_mask[..., :capacity]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & slots
+    return attention_mask.masked_fill(~slots, torch.finfo(attention_mask.dtype).min)
+
+
 def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
     """``latent [B, S, r] @ q_cat[B, M, r]^T`` as fp32 ``[B, S, M]``: the absorbed decode's attention logits.
 
@@ -181,14 +198,8 @@ class KimiK3MLA(nn.Module):
         scores = latent_scores(latent, q_cat) * self.scaling  # [B, S, n*T], fp32
         scores = scores.transpose(1, 2).reshape(batch, heads, q_len, seq)  # a view: [B, n, T, S]
         if slots is not None:
-            scores = scores.masked_fill(~slots, torch.finfo(scores.dtype).min)
-            if attention_mask is not None and attention_mask.dim() == 2:  # padding only: [B, L], L <= S
-                padding = F.pad(attention_mask.to(device=scores.device, dtype=torch.bool),
-                                (0, seq - attention_mask.shape[-1]))
-                scores = scores.masked_fill(~padding[:, None, None, :], torch.finfo(scores.dtype).min)
-            elif attention_mask is not None:
-                scores = _apply_mask(scores, attention_mask)
-        elif attention_mask is not None:
+            attention_mask = static_attention_mask(slots, attention_mask)
+        if attention_mask is not None:
             scores = _apply_mask(scores, attention_mask)
         elif q_len > 1:
             scores = scores.masked_fill(~end_aligned_causal(q_len, seq, scores.device), torch.finfo(scores.dtype).min)
@@ -244,7 +255,12 @@ class KimiK3MLA(nn.Module):
             absorb = (has_past and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
                       and type(self.kv_b_proj) is nn.Linear)
         attn_weights = None
-        if static is not None and not absorb:  # the rows past a static latent's tokens are cut (eager steps)
+        implementation = self.config._attn_implementation
+        flash = str(implementation).startswith(("flash_attention", "kernels-community/flash"))
+        if static is not None and not absorb and torch.compiler.is_compiling() and not flash:
+            # a graph reads no length: every row of the static latent, those past its tokens masked
+            attention_mask = static_attention_mask(static_slots_mask(static, q_len, latent.shape[1]), attention_mask)
+        elif static is not None and not absorb:  # the rows past a static latent's tokens are cut (eager steps)
             past_len = past_key_values.get_seq_length(self.layer_idx) - q_len
             latent = latent[:, : past_len + q_len]
             if attention_mask is not None and attention_mask.dim() == 4:
@@ -258,10 +274,8 @@ class KimiK3MLA(nn.Module):
             attn_output = self._blockwise_attention(query, latent, past_len)
         else:
             key, value = self._expand(latent)
-            implementation = self.config._attn_implementation
             interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            if (attention_mask is None and past_len > 0 and q_len > 1
-                    and not str(implementation).startswith(("flash_attention", "kernels-community/flash"))):
+            if attention_mask is None and past_len > 0 and q_len > 1 and not flash:
                 # No mask because the model expected the blockwise path (decided on another device than this
                 # layer's): SDPA's is_causal would align the diagonal top-left, not to the cached context's end.
                 attention_mask = end_aligned_causal(q_len, past_len + q_len, query.device)[None, None]
