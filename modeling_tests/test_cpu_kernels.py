@@ -1510,3 +1510,32 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
     assert cpu_kernel.rms_norm(x.bfloat16().requires_grad_(), norm.weight, 1e-6) is None
     with cpu_kernel.use_cpu_kernel(False):
         assert cpu_kernel.rms_norm(x.requires_grad_(), norm.weight, 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_forward_reads_a_parametrized_weight_and_bias(dtype):
+    """`linear_forward` reads plain parameters from the module's dict, and a parametrized weight or bias (not in that
+    dict: torch.nn.utils.parametrize moves it) the usual way, so it computes F.linear of the parametrized values."""
+    from torch.nn.utils import parametrize
+
+    from transformers_k3.ops.linear import linear_forward
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 16).to(dtype)
+    for names in (["weight"], ["bias"], ["weight", "bias"]):
+        layer = torch.nn.Linear(16, 8).to(dtype)
+        plain_weight, plain_bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+        for name in names:
+            parametrize.register_parametrization(layer, name, Double())
+        want = torch.nn.functional.linear(
+            x, plain_weight * (2 if "weight" in names else 1), plain_bias * (2 if "bias" in names else 1)
+        )
+        with torch.no_grad():
+            torch.testing.assert_close(linear_forward(layer, x), want, atol=0, rtol=2**-7)
+    no_bias = torch.nn.Linear(16, 8, bias=False).to(dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_forward(no_bias, x), torch.nn.functional.linear(x, no_bias.weight))

@@ -33,13 +33,24 @@ def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, layer.weight, layer.bias)``; on bf16 ``x`` that `cpu_kernel.linear_bf16` takes (CPU, a few rows,
     no autograd, plain tensors, kernels on), or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without bf16
     instructions), their result: the same quantity."""
+    # (from the parameters' dict: `layer.weight` goes through Module.__getattr__, ~2-4 us a read on these CPUs; a
+    # weight or bias that is not a plain parameter there, e.g. a parametrization's, is read the usual way)
+    params = layer._parameters
+    weight, bias = params.get("weight"), params.get("bias", _MISSING)
+    if weight is None:
+        weight = layer.weight
+    if bias is _MISSING:
+        bias = layer.bias
     if x.dtype is torch.bfloat16:
-        out = cpu_kernel.linear_bf16(x, layer.weight, layer.bias)
+        out = cpu_kernel.linear_bf16(x, weight, bias)
         if out is None:
-            out = cpu_kernel.linear_bf16_upcast(x, layer.weight, layer.bias)
+            out = cpu_kernel.linear_bf16_upcast(x, weight, bias)
         if out is not None:
             return out
-    return F.linear(x, layer.weight, layer.bias)
+    return F.linear(x, weight, bias)
+
+
+_MISSING = object()
 
 
 def use_linear_forward(model: nn.Module) -> None:
