@@ -444,7 +444,8 @@ class KimiK3SparseMoE(nn.Module):
         if shared is not None:
             linears += [shared._modules.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
         for m in linears:  # (loops, not any(): this runs on every decode step of every MoE layer)
-            if type(m) is not nn.Linear or m.bias is not None or _hooked(m):
+            # (the bias from the parameters' dict: `m.bias` goes through Module.__getattr__, ~4 us a read here)
+            if type(m) is not nn.Linear or m._parameters.get("bias", m) is not None or _hooked(m):
                 return None
         for m in (experts, norm, shared):
             if m is not None and _hooked(m):
