@@ -28,7 +28,8 @@ implementations, so a compiled graph calls the same kernels as eager; the choice
 library, its build features, the thread count) are constants of the graph.
 
 ``csrc/torch_ops.cpp`` defines the operators (``TORCH_LIBRARY``): each checks its tensors and calls a kernel's
-entry point (``csrc/kernels.h``); only that file includes torch headers. The sources are compiled once per
+entry point (``csrc/kernels.h``); only that file includes torch headers. On every other device an operator computes
+its result in PyTorch (:mod:`transformers_k3.ops.reference`), so a graph holding them runs there too. The sources are compiled once per
 machine by ``torch.utils.cpp_extension`` (ninja, the system C++ compiler: ``$CXX``, else ``c++``; ~25 s on 2
 cores), in a child process, into ``$TRANSFORMERS_K3_CACHE`` (default ``~/.cache/transformers_k3``), under a name
 that hashes the source, the compiler and flags, torch's version and location and this CPU's model and feature
@@ -705,7 +706,8 @@ def _rms_norm_backward(ctx, grad):
 
 def _register_python_parts() -> None:
     """What the operators need besides their CPU kernels (csrc/torch_ops.cpp): fake implementations (shapes and
-    dtypes, for FakeTensor, torch.compile and export) and, for the differentiable ones, their autograd formulas."""
+    dtypes, for FakeTensor, torch.compile and export), for the differentiable ones their autograd formulas, and
+    for every other device their PyTorch implementations (`reference`)."""
     ns, fake, autograd = "transformers_k3::", torch.library.register_fake, torch.library.register_autograd
     contiguous = torch.contiguous_format
     f32, i64 = torch.float32, torch.int64
@@ -767,6 +769,9 @@ def _register_python_parts() -> None:
     autograd(ns + "gemm_bf16_f32", _gemm_backward, setup_context=_gemm_setup)
     autograd(ns + "selected_scores", _selected_backward, setup_context=_selected_setup)
     autograd(ns + "moe_experts", _experts_backward, setup_context=_experts_setup)
+    from . import reference
+
+    reference.register()  # (every other device: the operators in PyTorch)
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:
