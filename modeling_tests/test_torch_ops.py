@@ -227,6 +227,43 @@ def test_moe_decode(dtype, monkeypatch):
         ops.moe_decode(y, kernel.args[0], kernel.args[1][:-1], *kernel.args[2:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_decode_declines_weights_it_does_not_take(dtype):
+    """`MoeDecode` is usable on the layer's plain weights (an fp32 router in a bf16 layer included) and declines,
+    so that the modules run, a weight in another dtype, a bf16 selection bias, a non-contiguous or meta weight and a
+    tensor subclass."""
+    if cpu_kernel.moe_decode_max_tokens() == 0:
+        pytest.skip("the fused decode step needs AVX-512 or AVX2")
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    moe = moe.to(dtype)
+    gate, experts, down, norm, up, shared, linears = moe._plain_modules()
+    weights = {"router": gate.weight, "bias": gate.e_score_correction_bias, "down_latent": down.weight,
+               "norm": norm.weight, "up_latent": up.weight, "gate_up": experts.gate_up_proj, "down": experts.down_proj,
+               "shared_gate": shared.gate_proj.weight}  # fmt: skip
+
+    def usable(**replaced):
+        w = {name: replaced.get(name, t).detach() for name, t in weights.items()}
+        shared_weights = (w["shared_gate"], shared.up_proj.weight.detach(), shared.down_proj.weight.detach())
+        return cpu_kernel.MoeDecode(dtype, w["router"], w["bias"], gate.top_k, gate.renormalize,
+                                    gate.routed_scaling_factor, w["down_latent"], w["norm"], norm.variance_epsilon,
+                                    w["up_latent"], w["gate_up"], w["down"], experts.glu_activation,
+                                    shared_weights).usable  # fmt: skip
+
+    class Marked(torch.Tensor):
+        pass
+
+    assert usable()
+    assert usable(router=gate.weight.float())
+    other = torch.float16 if dtype is torch.bfloat16 else torch.bfloat16
+    for name in ("down_latent", "norm", "up_latent", "gate_up", "down", "shared_gate"):
+        assert not usable(**{name: weights[name].to(other)}), name
+        assert not usable(**{name: weights[name].to("meta")}), name
+        assert not usable(**{name: weights[name].detach().as_subclass(Marked)}), name
+    assert not usable(bias=weights["bias"].bfloat16())
+    assert not usable(router=weights["router"].to(other))
+    assert not usable(gate_up=weights["gate_up"].transpose(1, 2).contiguous().transpose(1, 2))
+
+
 @pytest.mark.parametrize("name", ["rms_norm", "glu"])
 def test_compiled_graph_calls_the_kernel_without_a_graph_break(name):
     """torch.compile(fullgraph=True) over an operator: traced through its fake implementation, the kernel runs

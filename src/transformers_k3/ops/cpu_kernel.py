@@ -819,22 +819,18 @@ class MoeDecode:
                  up_latent: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor, activation: tuple,
                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
         self.dtype, self.usable = dtype, False
-        weights = [gate_up, down]
-        if down_latent is not None:
-            weights += [down_latent, up_latent] + ([norm] if norm is not None else [])
-        if shared is not None:
-            weights += list(shared)
-        self.tensors = (router, bias, *weights)
         f32 = torch.float32
         if (dtype is not f32 and dtype is not torch.bfloat16) or (router.dtype is not dtype and router.dtype is not f32):
             return
         if bias.dtype is not f32:
             return
-        for t in self.tensors:  # (a loop, not any(): this runs on every decode step of every MoE layer)
+        # (one pass over the tensors, not any() or several loops: this runs on every decode step of every MoE layer)
+        for t in (router, bias, gate_up, down, down_latent, up_latent, norm, *(shared or ())):
+            if t is None:
+                continue
             if type(t) not in _PLAIN_TENSORS or not t.is_cpu or not t.is_contiguous():
                 return
-        for w in weights:
-            if w.dtype is not dtype:
+            if t.dtype is not dtype and t is not router and t is not bias:
                 return
         # The sizes the dispatch decision needs; the operator checks every shape against them and names a misfit
         # (the modules' own products would fail on it too).
