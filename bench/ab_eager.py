@@ -5,11 +5,16 @@ Each (row, tree) is measured in a fresh process (``PYTHONPATH=TREE/src``, one th
 the trees alternating, ``--alternations`` times; a row reports the best time per tree and head / base. Thread CPU
 time (``time.thread_time``) is what the row's thread computed, so another process on the other core moves it far
 less than wall time. Every worker uses only the public entry points both trees have.
+
+``--same-process`` loads both trees into one process instead (the base's package copied under another name) and
+times one call of each in turn, ``--rounds`` times per row: the pair sees the same machine from one moment to the
+next, so the median of the rounds' ratios is far steadier than bests taken minutes apart on a noisy machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -59,59 +64,59 @@ def _kda_inputs(length, heads, dim):
     return q, k, v, g, beta
 
 
-def _moe_layer(dtype):
+def _moe_layer(pkg, dtype):
     import torch
     from torch import nn
 
-    from transformers_k3 import KimiK3TextConfig
-    from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3SparseMoE
-
+    KimiK3TextConfig = importlib.import_module(pkg).KimiK3TextConfig
+    moe = importlib.import_module(pkg + ".layers.moe")
     config = KimiK3TextConfig.tiny(hidden_size=256, num_experts=896, num_experts_per_token=16, moe_intermediate_size=32,
                                    routed_expert_hidden_size=128, num_shared_experts=1)  # fmt: skip
-    layer = KimiK3SparseMoE(config)
+    layer = moe.KimiK3SparseMoE(config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             p.fill_(1.0) if "norm" in name else p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
     for sub in layer.modules():
         if getattr(sub, "config", None) is not None and hasattr(sub, "gate_up_proj"):
-            sub.config._experts_implementation = K3_GROUPED_MM
+            sub.config._experts_implementation = moe.K3_GROUPED_MM
     assert isinstance(layer, nn.Module)
     return layer.to(dtype)
 
 
-def worker(row: str, reps: int) -> float:
-    """Seconds (thread CPU) of one call of ``row``, best of ``reps``."""
+def make_row(row: str, pkg: str = "transformers_k3"):
+    """``(unit, setup, per)`` for ``row`` on the package ``pkg``: ``unit(*setup())`` is one timed call, standing for
+    ``per`` of the row's operations (its time is divided by ``per``); ``setup`` is None or runs untimed before it.
+    Runs without autograd where the row has none (``unit`` enters no_grad itself)."""
     import torch
 
-    torch.set_num_threads(1)
-    from transformers_k3.ops import cpu_kernel
-
+    cpu_kernel = importlib.import_module(pkg + ".ops.cpu_kernel")
     if cpu_kernel.library() is None:
         raise RuntimeError(f"the fused CPU kernels are unavailable: {cpu_kernel.load_error()}")
+
+    def no_grad(fn):
+        def run(*args):
+            with torch.no_grad():
+                return fn(*args)
+        return run
+
+    kda = importlib.import_module(pkg + ".ops.kda")
     if row.startswith("kda_prefill"):
-        from transformers_k3.ops.kda import chunk_kda
-
-        heads = 4 if row.endswith("h4") else 32
-        inputs = _kda_inputs(1024, heads, 128)
-        with torch.no_grad():
-            return _best(lambda: chunk_kda(*inputs, output_final_state=True, backend="torch"), reps)
+        inputs = _kda_inputs(1024, 4 if row.endswith("h4") else 32, 128)
+        return no_grad(lambda: kda.chunk_kda(*inputs, output_final_state=True, backend="torch")), None, 1
     if row == "kda_decode_h4":
-        from transformers_k3.ops.kda import fused_recurrent_kda
-
         q, k, v, g, beta = _kda_inputs(1, 4, 128)
         state = 0.1 * torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(1))
         calls = 200
 
         def steps():
             for _ in range(calls):
-                fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True, backend="torch",
-                                    inplace_final_state=True)  # fmt: skip
-        with torch.no_grad():
-            return _best(steps, reps) / calls
+                kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                        backend="torch", inplace_final_state=True)  # fmt: skip
+        return no_grad(steps), None, calls
     if row.startswith(("experts", "layer")):
         dtype = torch.bfloat16 if row.endswith("bf16") else torch.float32
-        layer = _moe_layer(dtype)
+        layer = _moe_layer(pkg, dtype)
         gen = torch.Generator().manual_seed(1)
         if row.startswith("experts"):
             module = layer.experts
@@ -131,31 +136,94 @@ def worker(row: str, reps: int) -> float:
             def steps():
                 for _ in range(calls):
                     module(*make(False))
-            with torch.no_grad():
-                return _best(steps, reps) / calls
+            return no_grad(steps), None, calls
         if row.endswith("fwd"):
-            with torch.no_grad():
-                return _best(lambda: module(*make(False)), reps)
-        probe = torch.randn(module(*make(False)).shape, generator=gen).to(dtype)
+            return no_grad(lambda: module(*make(False))), None, 1
+        with torch.no_grad():
+            probe = torch.randn(module(*make(False)).shape, generator=gen).to(dtype)
 
         def setup():
             module.zero_grad(set_to_none=True)
             return make(True)
-        return _best(lambda *a: (module(*a) * probe).sum().backward(), reps, setup)
+        return (lambda *a: (module(*a) * probe).sum().backward()), setup, 1
     if row.startswith("small_decode"):
-        from transformers_k3.small import load_small
-
+        small = importlib.import_module(pkg + ".small")
         dtype = torch.bfloat16 if row.endswith("bf16") else torch.float32
-        model, processor = load_small(dtype=dtype)
+        model, processor = small.load_small(dtype=dtype)
         ids = processor.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
         new = 17
 
         def run(n):
             return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        with torch.no_grad():
-            # (the first token is the prefill's: its cost is taken off)
-            return (_best(lambda: run(new), reps) - _best(lambda: run(1), reps)) / (new - 1)
+        # (the first token is the prefill's: its time is taken off with a one-token call's, timed right after)
+        def unit():
+            start = time.thread_time()
+            run(1)
+            one = time.thread_time() - start
+            start = time.thread_time()
+            run(new)
+            return time.thread_time() - start - one
+        return no_grad(unit), None, new - 1
     raise ValueError(row)
+
+
+def _time(unit, setup) -> float:
+    """Thread CPU seconds of one ``unit`` call (what the unit returns when it times itself: a float)."""
+    args = setup() if setup else ()
+    start = time.thread_time()
+    result = unit(*args)
+    elapsed = time.thread_time() - start
+    return result if isinstance(result, float) else elapsed
+
+
+def worker(row: str, reps: int) -> float:
+    """Seconds (thread CPU) of one of ``row``'s operations, best of ``reps`` calls after a warm-up."""
+    import torch
+
+    torch.set_num_threads(1)
+    unit, setup, per = make_row(row)
+    _time(unit, setup)
+    return min(_time(unit, setup) for _ in range(reps)) / per
+
+
+def same_process(base: str, head: str, rows: list[str], rounds: int) -> None:
+    """Both trees in this process: ``base``'s package copied under another name (``k3_ab_base``), ``head``'s
+    imported as itself; per row, ``rounds`` rounds of one call of each (the order alternating), so the two see the
+    same machine from one moment to the next. Reports each tree's best and the median of the rounds' ratios."""
+    import shutil
+    import statistics
+    import tempfile
+
+    import torch
+
+    torch.set_num_threads(1)
+    copy = os.path.join(tempfile.gettempdir(), "k3_ab_base_package")  # (one place: its kernel build stays cached)
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(os.path.join(base, "src", "transformers_k3"), os.path.join(copy, "k3_ab_base"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))  # fmt: skip
+    sys.path[:0] = [copy, os.path.join(head, "src")]
+    packages = {"base": "k3_ab_base", "head": "transformers_k3"}
+    for tree, pkg in packages.items():  # (each tree's kernels from its own cache, read at the first build)
+        os.environ["TRANSFORMERS_K3_CACHE"] = f"/tmp/k3cache_ab_{tree}"
+        importlib.import_module(pkg + ".ops.cpu_kernel").library()
+    assert importlib.import_module("transformers_k3").__file__.startswith(os.path.join(head, "src"))
+    print("| row | base | head | head / base (bests) | median of the rounds' head / base | rounds |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        units = {tree: make_row(row, pkg) for tree, pkg in packages.items()}
+        for tree, (unit, setup, _) in units.items():
+            _time(unit, setup)  # (warm-up)
+        times = {tree: [] for tree in units}
+        for r in range(rounds):
+            for tree in (("base", "head") if r % 2 == 0 else ("head", "base")):
+                unit, setup, per = units[tree]
+                times[tree].append(_time(unit, setup) / per)
+        scale = 1e6 if "(us)" in ROWS[row] else 1e3
+        best = {tree: min(t) for tree, t in times.items()}
+        paired = statistics.median(h / b for b, h in zip(times["base"], times["head"]))
+        print(f"| {ROWS[row]} | {best['base'] * scale:,.1f} | {best['head'] * scale:,.1f} | "
+              f"{best['head'] / best['base']:.3f} | {paired:.3f} | {rounds} |", flush=True)
+        del units
 
 
 def main() -> None:
@@ -165,8 +233,14 @@ def main() -> None:
     parser.add_argument("--alternations", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5, help="calls per worker (best of)")
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--same-process", action="store_true",
+                        help="both trees in one process, one call of each in turn (--rounds rounds per row)")
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--worker", choices=list(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.same_process:
+        same_process(os.path.abspath(args.base), os.path.abspath(args.head), args.rows, args.rounds)
+        return
     if args.worker:
         print(json.dumps({"seconds": worker(args.worker, args.reps)}))
         return

@@ -20,7 +20,7 @@ from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import moe as moe_ops
-from ..ops.linear import _any_global_hooks, _hooked
+from ..ops.linear import _any_global_hooks, plain_linears, unhooked
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
@@ -423,16 +423,16 @@ class KimiK3SparseMoE(nn.Module):
         experts under ``"k3_grouped_mm"``, linear layers without bias; otherwise None (then the modules run: LoRA,
         quantized or offloaded layers, recorded router logits, another experts implementation). Read on every
         call, nothing kept."""
-        if _any_global_hooks():
-            return None
-        if self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks:
+        if (
+            _any_global_hooks()
+            or self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
+        ):  # fmt: skip
             return None  # (hooks on this layer run around forward, which calls this: a hook that replaces the
             # input or output still sees it; a backward hook asks for the modules' graph, which no_grad has not)
         modules = self._modules  # (an optional submodule set to None is not there)
-        gate, experts = modules["gate"], modules["experts"]
-        down, norm, up = (modules.get(name) for name in
-                          ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj"))
-        shared = modules.get("shared_experts")
+        gate, experts, shared = modules["gate"], modules["experts"], modules.get("shared_experts")
+        down, norm = modules.get("routed_expert_down_proj"), modules.get("routed_expert_norm")
+        up = modules.get("routed_expert_up_proj")
         if (
             type(gate) is not KimiK3Router or type(experts) is not KimiK3Experts
             or (norm is not None and type(norm) is not KimiK3RMSNorm)
@@ -440,16 +440,12 @@ class KimiK3SparseMoE(nn.Module):
             or (down is None) != (up is None) or (norm is not None and down is None)
         ):  # fmt: skip
             return None
-        linears = [m for m in (down, up) if m is not None]
+        linears = () if down is None else (down, up)
         if shared is not None:
-            linears += [shared._modules.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
-        for m in linears:  # (loops, not any(): this runs on every decode step of every MoE layer)
-            # (the bias from the parameters' dict: `m.bias` goes through Module.__getattr__, ~4 us a read here)
-            if type(m) is not nn.Linear or m._parameters.get("bias", m) is not None or _hooked(m):
-                return None
-        for m in (experts, norm, shared):
-            if m is not None and _hooked(m):
-                return None
+            inner = shared._modules
+            linears += (inner.get("gate_proj"), inner.get("up_proj"), inner.get("down_proj"))
+        if not plain_linears(linears) or not unhooked((experts, norm, shared)):
+            return None
         if (
             gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
             or gate.logits_observed() or _experts_implementation(experts) != K3_GROUPED_MM
@@ -462,6 +458,8 @@ def _experts_implementation(experts: nn.Module) -> str | None:
     """``experts.config._experts_implementation``, read from the instance (the property through transformers'
     config attribute machinery costs ~4 us, on every decode step of every MoE layer)."""
     config = experts.config
+    if torch.compiler.is_compiling():  # (a graph reads it once, as a guard; dynamo does not trace the read below)
+        return getattr(config, "_experts_implementation", None)
     # (its __dict__ past the config class's own __getattribute__, which costs ~1.5 us a read)
     value = object.__getattribute__(config, "__dict__").get("_experts_implementation_internal", _UNSET)
     return getattr(config, "_experts_implementation", None) if value is _UNSET else value

@@ -60,18 +60,34 @@ def use_linear_forward(model: nn.Module) -> None:
             module.forward = functools.partial(linear_forward, module)
 
 
-def _replaced_forward(module: nn.Module) -> bool:
-    """A forward set on the instance other than `linear_forward` (accelerate's hooks wrap it that way)."""
-    forward = module.__dict__.get("forward")
-    return forward is not None and not (type(forward) is functools.partial and forward.func is linear_forward)
+def plain_linears(modules) -> bool:
+    """Whether each of ``modules`` is exactly an `nn.Linear` without bias, with no hooks of its own and no forward
+    set on the instance other than `linear_forward`, so that `linear_forward` computes what calling it would.
+    (One loop with the checks inline: this runs on every decode step of every MoE layer.)"""
+    for m in modules:
+        if (
+            type(m) is not nn.Linear or m._parameters.get("bias", m) is not None
+            or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        ):  # fmt: skip
+            return False
+        forward = m.__dict__.get("forward")
+        if forward is not None and (type(forward) is not functools.partial or forward.func is not linear_forward):
+            return False
+    return True
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Hooks of its own or a replaced forward (accelerate's offload); global hooks are checked apart."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or _replaced_forward(module)
-    )  # fmt: skip
+def unhooked(modules) -> bool:
+    """Whether none of ``modules`` (None entries skipped) has hooks of its own or a forward set on the instance
+    other than `linear_forward` (accelerate's offload wraps it that way); global hooks are checked apart."""
+    for m in modules:
+        if m is None:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+        forward = m.__dict__.get("forward")
+        if forward is not None and (type(forward) is not functools.partial or forward.func is not linear_forward):
+            return False
+    return True
 
 
 def _any_global_hooks() -> bool:
