@@ -9,6 +9,8 @@ less than wall time. Every worker uses only the public entry points both trees h
 ``--same-process`` loads both trees into one process instead (the base's package copied under another name) and
 times one call of each in turn, ``--rounds`` times per row: the pair sees the same machine from one moment to the
 next, so the median of the rounds' ratios is far steadier than bests taken minutes apart on a noisy machine.
+Only a base from before the kernels became operators can share a process with the head: two builds cannot both
+register the ``transformers_k3`` operator namespace (the process aborts).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import os
 import subprocess
 import sys
 import time
+
+from bench_kda import _make_inputs  # (the K3-like KDA inputs of bench_kda's rows; bench/ is this script's path)
 
 ROWS = {
     "kda_prefill_h4": "KDA prefill, chunk_kda, H=4, K=V=128, T=1024 (ms)",
@@ -36,32 +40,6 @@ ROWS = {
     "small_decode_fp32": "shipped small model, greedy decode, fp32 (ms/token)",
     "small_decode_bf16": "same in bf16 (ms/token)",
 }
-
-
-def _best(fn, reps: int, setup=None) -> float:
-    """Best thread CPU seconds of ``fn()`` over ``reps`` calls after one warm-up (``setup()`` untimed before each)."""
-    best = math.inf
-    for rep in range(reps + 1):
-        args = setup() if setup else ()
-        start = time.thread_time()
-        fn(*args)
-        elapsed = time.thread_time() - start
-        if rep:
-            best = min(best, elapsed)
-    return best
-
-
-def _kda_inputs(length, heads, dim):
-    import torch
-    import torch.nn.functional as F
-
-    gen = torch.Generator().manual_seed(0)
-    q = F.normalize(torch.randn(1, length, heads, dim, generator=gen), dim=-1)
-    k = F.normalize(torch.randn(1, length, heads, dim, generator=gen), dim=-1)
-    v = torch.randn(1, length, heads, dim, generator=gen)
-    g = -5.0 * torch.sigmoid(torch.randn(1, length, heads, dim, generator=gen))
-    beta = torch.rand(1, length, heads, generator=gen)
-    return q, k, v, g, beta
 
 
 def _moe_layer(pkg, dtype):
@@ -102,10 +80,10 @@ def make_row(row: str, pkg: str = "transformers_k3"):
 
     kda = importlib.import_module(pkg + ".ops.kda")
     if row.startswith("kda_prefill"):
-        inputs = _kda_inputs(1024, 4 if row.endswith("h4") else 32, 128)
+        inputs = _make_inputs(1024, 4 if row.endswith("h4") else 32, 128)
         return no_grad(lambda: kda.chunk_kda(*inputs, output_final_state=True, backend="torch")), None, 1
     if row == "kda_decode_h4":
-        q, k, v, g, beta = _kda_inputs(1, 4, 128)
+        q, k, v, g, beta = _make_inputs(1, 4, 128)
         state = 0.1 * torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(1))
         calls = 200
 
