@@ -29,11 +29,11 @@ library, its build features, the thread count) are constants of the graph.
 
 ``csrc/torch_ops.cpp`` defines the operators (``TORCH_LIBRARY``): each checks its tensors and calls a kernel's
 entry point (``csrc/kernels.h``); only that file includes torch headers. On every other device an operator computes
-its result in PyTorch (:mod:`transformers_k3.ops.reference`), so a graph holding them runs there too. The sources are compiled once per
-machine by ``torch.utils.cpp_extension`` (ninja, the system C++ compiler: ``$CXX``, else ``c++``; ~25 s on 2
-cores), in a child process, into ``$TRANSFORMERS_K3_CACHE`` (default ``~/.cache/transformers_k3``), under a name
-that hashes the source, the compiler and flags, torch's version and location and this CPU's model and feature
-flags (it is built with ``-march=native``, so a cache shared between different machines never hands one the
+its result in PyTorch (:mod:`transformers_k3.ops.reference`), so a graph holding them runs there too. The sources
+are compiled once per machine by ``torch.utils.cpp_extension`` (ninja, the system C++ compiler: ``$CXX``, else
+``c++``; ~25 s on 2 cores), in a child process, into ``$TRANSFORMERS_K3_CACHE`` (default
+``~/.cache/transformers_k3``), under a name that hashes the source, the compiler and flags, torch's version and
+location and this CPU's model and feature flags (it is built with ``-march=native``, so a cache shared between different machines never hands one the
 other's binary). The library and its checksum are fsynced and renamed into place, so a concurrent or interrupted
 build never leaves a partial library behind, and a cached file that fails its checksum is rebuilt, not loaded.
 If no compiler is found or the build fails, the reason is logged once and the PyTorch path is used.

@@ -61,19 +61,12 @@ def use_linear_forward(model: nn.Module) -> None:
 
 
 def plain_linears(modules) -> bool:
-    """Whether each of ``modules`` is exactly an `nn.Linear` without bias, with no hooks of its own and no forward
-    set on the instance other than `linear_forward`, so that `linear_forward` computes what calling it would.
-    (One loop with the checks inline: this runs on every decode step of every MoE layer.)"""
+    """Whether each of ``modules`` is exactly an `nn.Linear` without bias and `unhooked`, so that `linear_forward`
+    computes what calling it would. (Loops, not any(): this runs on every decode step of every MoE layer.)"""
     for m in modules:
-        if (
-            type(m) is not nn.Linear or m._parameters.get("bias", m) is not None
-            or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        ):  # fmt: skip
+        if type(m) is not nn.Linear or m._parameters.get("bias", m) is not None:
             return False
-        forward = m.__dict__.get("forward")
-        if forward is not None and (type(forward) is not functools.partial or forward.func is not linear_forward):
-            return False
-    return True
+    return unhooked(modules)
 
 
 def unhooked(modules) -> bool:
