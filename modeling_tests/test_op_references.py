@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers_k3.layers.activations import situ_glu
 from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3SparseMoE
 from transformers_k3.ops import cpu_kernel, reference
+from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kda_naive import naive_recurrent_kda
 
 from test_moe import make_config, randomize
@@ -204,7 +205,7 @@ def test_moe_decode_is_the_layer_as_its_modules_compute_it(dtype, variant):
     cfg = make_config(num_experts=16, num_experts_per_tok=4, _experts_implementation=K3_GROUPED_MM, **variant)
     layer = randomize(KimiK3SparseMoE(cfg), seed=40).to(dtype)
     y = torch.randn(3, cfg.hidden_size, generator=gen(41)).to(dtype)
-    gate, experts, down, norm, up, shared, linears = layer._plain_modules()
+    gate, experts, down, norm, up, shared, linears = moe_ops.plain_modules(layer)
     weights = [m.weight for m in linears]
     decode = cpu_kernel.MoeDecode(
         dtype, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,

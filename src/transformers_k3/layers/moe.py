@@ -20,15 +20,9 @@ from transformers.integrations import use_experts_implementation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import moe as moe_ops
-from ..ops.linear import _any_global_hooks, plain_linears, unhooked
 from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
-
-try:  # transformers' output recording (`output_router_logits`): which outputs the running forward collects
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # (then any hook on a router counts as reading its logits)
-    _active_collector = None
 
 
 class KimiK3MLP(nn.Module):
@@ -97,15 +91,14 @@ class KimiK3Router(nn.Module):
         topk_indices [N, k] int64)`` with ``N`` the number of tokens.
 
         ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so where nothing else
-        observes this call's output (`logits_observed`: a forward hook, or transformers' ``output_router_logits``
-        recording), an fp32 router on a CPU with the AMX tile unit, given at least `moe_ops.SCREEN_MIN_TOKENS` tokens,
-        selects without the ``[N, E]`` fp32 GEMM
-        (`moe_ops.router_select`: the same selection and scores as from fp32 logits) and returns None in place of
-        the logits."""
+        observes this call's output (`moe_ops.logits_observed`: a forward hook, or transformers'
+        ``output_router_logits`` recording), an fp32 router on a CPU with the AMX tile unit, given at least
+        `moe_ops.SCREEN_MIN_TOKENS` tokens, selects without the ``[N, E]`` fp32 GEMM (`moe_ops.router_select`: the
+        same selection and scores as from fp32 logits) and returns None in place of the logits."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
         router_logits, selected, topk_indices = moe_ops.router_select(
             hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self.use_softmax,
-            self.num_expert_group, self._keep_best_groups, need_logits, self.logits_observed,
+            self.num_expert_group, self._keep_best_groups, need_logits, self,
         )  # fmt: skip
         return router_logits, self._final_weights(selected), topk_indices
 
@@ -114,21 +107,6 @@ class KimiK3Router(nn.Module):
         if self.renormalize:
             selected = selected / (selected.sum(dim=-1, keepdim=True) + 1e-20)
         return selected * self.routed_scaling_factor
-
-    def logits_observed(self) -> bool:
-        """Whether something other than the MoE layer reads this call's logits: a forward hook on the router
-        (Quantile Balancing's `RouterBalancer`, a user's), or transformers' output recording asked for
-        ``router_logits`` (its hooks stay installed but are inactive otherwise)."""
-        hooks = (*self._forward_hooks.values(), *getattr(nn.modules.module, "_global_forward_hooks", {}).values())
-        recording = False
-        for hook in hooks:
-            if _active_collector is None or getattr(hook, "__name__", None) != "output_capturing_hook":
-                return True
-            recording = True
-        if recording:
-            collected = _active_collector.get()
-            return collected is not None and "router_logits" in collected
-        return False
 
     def _keep_best_groups(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
         """Group-limited routing: rank groups by the sum of their two best (biased) scores, keep the
@@ -398,7 +376,8 @@ class KimiK3SparseMoE(nn.Module):
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
         # a decode step on CPU: the whole layer in one kernel call where it computes what the modules would
-        return moe_ops.sparse_moe(y, self._plain_modules, self._modules_forward).view(orig_shape)
+        out = moe_ops.sparse_moe(self, y, self._modules_forward)
+        return out.view(*orig_shape)  # (unpacked: a torch.Size argument costs ~1 us more to parse, every step)
 
     def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
         """The layer through its modules, ``y [N, H]`` -> ``[N, H]``."""
@@ -413,59 +392,6 @@ class KimiK3SparseMoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(y)
         return routed
-
-    def _plain_modules(self) -> tuple | None:
-        """``(gate, experts, down, norm, up, shared, linears)`` (None for an optional one that is not there;
-        ``linears``: the latent down / up and the shared expert's projections that are there) when nothing is
-        around them, so that `moe_ops.sparse_moe`'s one kernel call computes what calling them would: each of its
-        exact class with no hooks of its own (the router's forward hooks aside, when they do not read its logits:
-        `KimiK3Router.logits_observed`) and no global ones, no replaced ``forward`` (accelerate's offload), the
-        experts under ``"k3_grouped_mm"``, linear layers without bias; otherwise None (then the modules run: LoRA,
-        quantized or offloaded layers, recorded router logits, another experts implementation). Read on every
-        call, nothing kept."""
-        if (
-            _any_global_hooks()
-            or self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
-        ):  # fmt: skip
-            return None  # (hooks on this layer run around forward, which calls this: a hook that replaces the
-            # input or output still sees it; a backward hook asks for the modules' graph, which no_grad has not)
-        modules = self._modules  # (an optional submodule set to None is not there)
-        gate, experts, shared = modules["gate"], modules["experts"], modules.get("shared_experts")
-        down, norm = modules.get("routed_expert_down_proj"), modules.get("routed_expert_norm")
-        up = modules.get("routed_expert_up_proj")
-        if (
-            type(gate) is not KimiK3Router or type(experts) is not KimiK3Experts
-            or (norm is not None and type(norm) is not KimiK3RMSNorm)
-            or (shared is not None and type(shared) is not KimiK3MLP)
-            or (down is None) != (up is None) or (norm is not None and down is None)
-        ):  # fmt: skip
-            return None
-        linears = () if down is None else (down, up)
-        if shared is not None:
-            inner = shared._modules
-            linears += (inner.get("gate_proj"), inner.get("up_proj"), inner.get("down_proj"))
-        if not plain_linears(linears) or not unhooked((experts, norm, shared)):
-            return None
-        if (
-            gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks or "forward" in gate.__dict__
-            or gate.logits_observed() or _experts_implementation(experts) != K3_GROUPED_MM
-        ):  # fmt: skip
-            return None  # (the experts and everything after the router: no hooks, no replaced forward)
-        return gate, experts, down, norm, up, shared, linears
-
-
-def _experts_implementation(experts: nn.Module) -> str | None:
-    """``experts.config._experts_implementation``, read from the instance (the property through transformers'
-    config attribute machinery costs ~4 us, on every decode step of every MoE layer)."""
-    config = experts.config
-    if torch.compiler.is_compiling():  # (a graph reads it once, as a guard; dynamo does not trace the read below)
-        return getattr(config, "_experts_implementation", None)
-    # (its __dict__ past the config class's own __getattribute__, which costs ~1.5 us a read)
-    value = object.__getattribute__(config, "__dict__").get("_experts_implementation_internal", _UNSET)
-    return getattr(config, "_experts_implementation", None) if value is _UNSET else value
-
-
-_UNSET = object()
 
 
 def router_aux_loss(
