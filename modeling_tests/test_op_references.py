@@ -140,6 +140,10 @@ def test_bf16_products():
     assert got.dtype is torch.float32
     torch.testing.assert_close(got, exact.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got, OPS.gemm_bf16_f32.default(x, w), atol=1e-5, rtol=1e-5)
+    # the CPU kernel on every CPU (without the AMX tile unit: fp32 GEMMs 16,384 rows at a time), past a block edge
+    long = torch.randn(16384 + 70, 64, generator=gen(17)).bfloat16()
+    torch.testing.assert_close(OPS.gemm_bf16_f32.default(long, w), F.linear(long.double(), w.double()).float(),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
     for bias in (b, None):
         got = on_gpu(OPS.linear_bf16.default, x, w, bias)
         want = (exact + (0 if bias is None else bias.double())).bfloat16()

@@ -505,6 +505,21 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
 
 
+def products_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x [N, K] @ weight [E, K]^T`` in fp32 for bf16 operands on CPU without autograd, on any CPU the kernels
+    run on: the tile unit where there is one (`linear_bf16_f32`'s computation), else fp32 GEMMs on fp32 copies of
+    16,384 rows of ``x`` at a time (the same quantity, the sums in another order), inside the operator, so a
+    compiled graph holds one call whatever ``N``. None where it cannot run (other dtypes or devices, autograd,
+    kernels off)."""
+    if not (
+        x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and enabled()
+        and library() is not None
+    ):  # fmt: skip
+        return None
+    return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
+
+
 def _gemm_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 

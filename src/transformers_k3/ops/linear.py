@@ -92,13 +92,14 @@ def _any_global_hooks() -> bool:
 
 def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
     """``a [B, S, r] @ b [B, M, r]^T`` as fp32 ``[B, S, M]`` with every product exact and the sums in fp32 (products
-    of two bf16 values are exact in fp32): on CPU by the kernels' bf16 -> fp32 GEMM, on CUDA by a bmm with an fp32
-    output; otherwise on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never copied whole)."""
+    of two bf16 values are exact in fp32): on CPU by the kernels' bf16 -> fp32 GEMM (`products_bf16_f32`), on CUDA
+    by a bmm with an fp32 output; otherwise on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never
+    copied whole; inside a compiled graph, which cannot loop over an unknown length, all at once)."""
     keys = b.transpose(1, 2)
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.matmul(a, keys)
     if a.device.type == "cpu":
-        rows = [cpu_kernel.linear_bf16_f32(a[i], b[i]) for i in range(a.shape[0])]
+        rows = [cpu_kernel.products_bf16_f32(a[i], b[i]) for i in range(a.shape[0])]
         if all(r is not None for r in rows):
             return torch.stack(rows)
     elif a.device.type == "cuda" and a.dtype == b.dtype:
@@ -107,5 +108,7 @@ def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
         except (RuntimeError, TypeError):  # (a torch or dtype without fp32-output bmm: the blocks below)
             pass
     keys = keys.float()
+    if torch.compiler.is_compiling():  # (a graph cannot loop over a length it does not know: one product)
+        return torch.matmul(a.float(), keys)
     return torch.cat([torch.matmul(a[:, start:start + block].float(), keys)
                       for start in range(0, a.shape[1], block)], dim=1)

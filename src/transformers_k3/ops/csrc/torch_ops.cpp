@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/rms_norm.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -182,6 +183,8 @@ std::tuple<Tensor, Tensor> router_screened_topk(const Tensor& x, const Tensor& w
   return {index, selected};
 }
 
+constexpr int64_t kGemmFallbackRows = 16384;
+
 Tensor gemm_bf16_f32(const Tensor& x, const Tensor& weight) {
   const char* op = "gemm_bf16_f32";
   check_tensor(x, op, "x", at::kBFloat16, 2);
@@ -189,6 +192,17 @@ Tensor gemm_bf16_f32(const Tensor& x, const Tensor& weight) {
   check_shape(weight, op, "weight", {weight.size(0), x.size(1)});
   const Tensor a = x.contiguous(), b = weight.contiguous();
   Tensor out = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kFloat));
+  if (!k3_amx_available()) {
+    // No tile unit: fp32 GEMMs on fp32 copies (bf16 -> fp32 is exact), kGemmFallbackRows rows of x at a time so
+    // that a long x (an MLA latent) is never copied whole.
+    const Tensor bt = b.to(at::kFloat).t();
+    for (int64_t start = 0; start < a.size(0); start += kGemmFallbackRows) {
+      const int64_t rows = std::min(kGemmFallbackRows, a.size(0) - start);
+      Tensor block = out.narrow(0, start, rows);
+      at::mm_out(block, a.narrow(0, start, rows).to(at::kFloat), bt);
+    }
+    return out;
+  }
   check_status(k3_gemm_bf16_f32(bf16(a), bf16(b), a.size(0), b.size(0), as_int(a.size(1), op, "K"), f32_out(out),
                                 threads()),
                op);
