@@ -4,8 +4,9 @@ One run, same weights: a small model with the K3-only features off (so `KimiLine
 same weights through the in-tree key map), the ANCHORS.md shape (hidden 256, 8 layers at 3 KDA : 1 MLA, 4 heads,
 MLA kv_lora 128 / rope 32 / nope 64 / v 64, 8 experts top-2, vocab 4096). For each context N it prints, per
 model: cache bytes (ours also against the analytic value), the per-token decode latency (median of several
-steps) and the transient memory of one decode step (peak RSS during the step minus RSS before it, sampled every
-0.2 ms after returning freed memory to the OS). Each (model, context) runs in its own process.
+steps, timed with nothing else running) and the transient memory of a decode step (two more steps: peak RSS
+during the step minus RSS before it, sampled every 0.2 ms by a thread, after returning freed memory to the OS).
+Each (model, context) runs in its own process.
 
 Decode cost does not depend on what the context says, so the caches are filled to N tokens directly (random
 latents / keys / values after an 8-token real prefill that initialises every layer) instead of prefilling N
@@ -204,13 +205,15 @@ def child_decode(kind: str, n: int, steps: int) -> dict:
             step(token, past_key_values=cache, use_cache=True)  # cache length becomes dynamic))
         warmup_s = time.perf_counter() - start
         model = step
-        for _ in range(steps):
+        for _ in range(steps):  # timed with nothing else running (the sampler's thread takes a core and the GIL)
+            start = time.perf_counter()
+            model(token, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+        for _ in range(2):  # then the memory of a step, sampled
             release_free_memory()
             with RssSampler() as sampler:
                 before = sampler.rss()
-                start = time.perf_counter()
                 model(token, past_key_values=cache, use_cache=True)
-                times.append(time.perf_counter() - start)
             transients.append(sampler.peak - before)
     result = {"decode_ms": 1e3 * statistics.median(times), "transient_mb": max(transients) / 2**20,
               "cache_mb": cache_bytes(kind, cache) / 2**20, "warmup_s": warmup_s}
