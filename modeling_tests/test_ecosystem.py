@@ -672,6 +672,34 @@ def test_compiled_model_runs_the_kernels_in_its_graph(dtype):
 
 
 @pytest.mark.slow
+def test_compiled_chunked_prefill_compiles_once_for_every_later_chunk():
+    """A prefill in chunks of more than 16 tokens after cached ones (MLA's blockwise attention over the cached
+    context) under torch.compile(fullgraph=True, dynamic=True): the same logits as eager, one graph for the first
+    chunk and one for every chunk after it (the context blocks' loop is guarded on its count, not the length)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    ids = torch.randint(3, 512, (1, 100))
+
+    def run(fn) -> torch.Tensor:
+        cache = KimiK3HybridCache(model.config)
+        return torch.cat([fn(ids[:, s:s + 20].clone(), past_key_values=cache, use_cache=True).logits
+                          for s in range(0, ids.shape[1], 20)], dim=1)  # fmt: skip
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        want = run(model)
+        got = run(compiled)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_compiled_decode_step_equals_eager():
     """torch.compile (fullgraph=False, dynamic shapes, the aot_eager backend: dynamo capture plus AOTAutograd's
     functionalization of the in-place cache updates, without inductor's minutes of C++ codegen on a loaded CPU)

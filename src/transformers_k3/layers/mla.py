@@ -228,8 +228,10 @@ class KimiK3MLA(nn.Module):
             return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
 
         out, lse = attend(latent[:, past_len:], causal=True)
-        for start in range(0, past_len, CONTEXT_BLOCK):
-            block_out, block_lse = attend(latent[:, start:min(start + CONTEXT_BLOCK, past_len)], causal=False)
+        blocks = (past_len + CONTEXT_BLOCK - 1) // CONTEXT_BLOCK  # (a graph guards on this count, not the length)
+        for i in range(blocks):
+            end = past_len if i == blocks - 1 else (i + 1) * CONTEXT_BLOCK
+            block_out, block_lse = attend(latent[:, i * CONTEXT_BLOCK:end], causal=False)
             merged = torch.logaddexp(lse, block_lse)
             out = out * (lse - merged).exp().unsqueeze(-1) + block_out * (block_lse - merged).exp().unsqueeze(-1)
             lse = merged
