@@ -144,6 +144,12 @@ def test_bf16_products():
     long = torch.randn(16384 + 70, 64, generator=gen(17)).bfloat16()
     torch.testing.assert_close(OPS.gemm_bf16_f32.default(long, w), F.linear(long.double(), w.double()).float(),
                                atol=1e-5, rtol=1e-5)  # fmt: skip
+    for latent, queries in ((long.view(2, -1, 64), x.view(2, 3, 64)),
+                            (long.float().view(2, -1, 64), x.float().view(2, 3, 64))):  # (bf16, fp32)
+        want = (queries.double() @ latent.double().transpose(1, 2)).float()
+        for scores in (on_gpu(OPS.latent_scores.default, latent, queries), OPS.latent_scores.default(latent, queries)):
+            assert scores.shape == want.shape and scores.is_contiguous()
+            torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
     for bias in (b, None):
         got = on_gpu(OPS.linear_bf16.default, x, w, bias)
         want = (exact + (0 if bias is None else bias.double())).bfloat16()

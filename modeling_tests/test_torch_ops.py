@@ -41,8 +41,9 @@ def rand(*shape, seed=0, dtype=torch.float32, grad=False):
 
 def test_every_operator_is_registered_with_a_fake_implementation():
     expected = {"kda_chunk_forward", "router_topk", "router_sigmoid_topk", "router_screened_topk", "sigmoid",
-                "selected_scores", "router_backward", "gemm_bf16_f32", "linear_bf16", "glu", "glu_backward",
-                "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode"}  # fmt: skip
+                "selected_scores", "router_backward", "gemm_bf16_f32", "latent_scores", "linear_bf16", "glu",
+                "glu_backward", "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward",
+                "moe_decode"}  # fmt: skip
     for name in expected:
         op = getattr(ops, name).default
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"), name
@@ -128,10 +129,24 @@ def test_router_screened_topk():
 
 
 def test_gemm_bf16_f32():
-    need("amx_available")
+    """On every CPU: the tile unit's GEMM where there is one, fp32 GEMMs on fp32 copies elsewhere."""
     x, w = rand(20, 64, dtype=torch.bfloat16, grad=True), rand(24, 64, seed=1, dtype=torch.bfloat16, grad=True)
     opcheck(ops.gemm_bf16_f32.default, (x, w))
     torch.testing.assert_close(ops.gemm_bf16_f32(x, w), F.linear(x.float(), w.float()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_scores(dtype):
+    """``queries @ latent^T`` as contiguous fp32 ``[B, M, S]``: the sums of the exact products in fp32 (float64's
+    within fp32 rounding), for fp32 and bf16 operands; a misfit named."""
+    latent, queries = rand(2, 37, 48, dtype=dtype), rand(2, 5, 48, seed=1, dtype=dtype)
+    opcheck(ops.latent_scores.default, (latent, queries))
+    got = ops.latent_scores(latent, queries)
+    want = queries.double() @ latent.double().transpose(1, 2)
+    assert got.dtype is torch.float32 and got.shape == (2, 5, 37) and got.is_contiguous()
+    assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
+    with pytest.raises(RuntimeError, match="queries"):
+        ops.latent_scores(latent, queries[..., :-1])
 
 
 @pytest.mark.parametrize("rows", [1, 4, 15, 31])

@@ -83,7 +83,7 @@ def static_attention_mask(slots: torch.Tensor, attention_mask: torch.Tensor | No
 
 
 def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
-    """``latent [B, S, r] @ q_cat[B, M, r]^T`` as fp32 ``[B, S, M]``: the absorbed decode's attention logits.
+    """``q_cat [B, M, r] @ latent [B, S, r]^T`` as fp32 ``[B, M, S]``: the absorbed decode's attention logits.
 
     A bf16 matmul would round every logit to bf16 (8 bits: ~0.03 at a logit of 10) before the fp32 softmax, which
     made decode steps ~3x less accurate than the prefill's attention (which keeps its logits in fp32), where K3's
@@ -192,11 +192,11 @@ class KimiK3MLA(nn.Module):
         q_latent = torch.matmul(q_nope, w_kc)  # [B, n, T, r]
         batch, heads, q_len, _ = q_nope.shape
         seq = latent.shape[1]
-        # Scores as latent @ queries^T: the (long) latent stays the row-major left operand, so no step ever copies
-        # or transposes the cache; one matmul covers [c_kv | k_pe] against [q_latent | q_pe].
+        # One product covers [c_kv | k_pe] against [q_latent | q_pe]; the (long) latent stays its row-major
+        # operand, so no step ever copies or transposes the cache.
         q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
-        scores = latent_scores(latent, q_cat) * self.scaling  # [B, S, n*T], fp32
-        scores = scores.transpose(1, 2).reshape(batch, heads, q_len, seq)  # a view: [B, n, T, S]
+        scores = latent_scores(latent, q_cat) * self.scaling  # [B, n*T, S], fp32
+        scores = scores.reshape(batch, heads, q_len, seq)  # [B, n, T, S]
         if slots is not None:
             attention_mask = static_attention_mask(slots, attention_mask)
         if attention_mask is not None:

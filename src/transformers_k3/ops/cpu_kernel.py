@@ -505,19 +505,20 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
         return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
 
 
-def products_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x [N, K] @ weight [E, K]^T`` in fp32 for bf16 operands on CPU without autograd, on any CPU the kernels
-    run on: the tile unit where there is one (`linear_bf16_f32`'s computation), else fp32 GEMMs on fp32 copies of
-    16,384 rows of ``x`` at a time (the same quantity, the sums in another order), inside the operator, so a
-    compiled graph holds one call whatever ``N``. None where it cannot run (other dtypes or devices, autograd,
-    kernels off)."""
+def latent_scores(latent: torch.Tensor, queries: torch.Tensor) -> torch.Tensor | None:
+    """``queries [B, M, r] @ latent [B, S, r]^T`` as contiguous fp32 ``[B, M, S]`` for fp32 or bf16 operands (both
+    the same) on CPU without autograd: every product exact and the sums in fp32 (bf16: the bf16 -> fp32 GEMM of
+    `linear_bf16_f32` where the CPU has the AMX tile unit, else fp32 GEMMs on fp32 copies of 16,384 latent rows at
+    a time; fp32: torch's), the long latent the product's row-major operand. None where it cannot run (other
+    dtypes or devices, autograd, kernels off)."""
     if not (
-        x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) and enabled()
+        latent.dtype == queries.dtype and latent.dtype in (torch.float32, torch.bfloat16) and latent.dim() == 3
+        and queries.dim() == 3 and latent.device.type == queries.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (latent.requires_grad or queries.requires_grad)) and enabled()
         and library() is not None
     ):  # fmt: skip
         return None
-    return torch.ops.transformers_k3.gemm_bf16_f32.default(x, weight)
+    return torch.ops.transformers_k3.latent_scores.default(latent, queries)
 
 
 def _gemm_setup(ctx, inputs, output):
@@ -757,6 +758,7 @@ def _register_python_parts() -> None:
         return empty_as(h) if need_hidden else none(h), empty_as(w) if need_weight else none(w)
 
     fake(ns + "gemm_bf16_f32")(lambda x, w: x.new_empty((x.shape[0], w.shape[0]), dtype=f32))
+    fake(ns + "latent_scores")(lambda lat, q: lat.new_empty((lat.shape[0], q.shape[1], lat.shape[1]), dtype=f32))
     fake(ns + "linear_bf16")(lambda x, w, bias: x.new_empty((*x.shape[:-1], w.shape[0])))
     fake(ns + "glu")(lambda gate, up, kind, beta, linear_beta: empty_as(gate))
     fake(ns + "glu_backward")(lambda grad, gate, up, kind, beta, linear_beta: (empty_as(gate), empty_as(gate)))

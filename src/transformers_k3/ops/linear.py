@@ -91,24 +91,25 @@ def _any_global_hooks() -> bool:
 
 
 def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
-    """``a [B, S, r] @ b [B, M, r]^T`` as fp32 ``[B, S, M]`` with every product exact and the sums in fp32 (products
-    of two bf16 values are exact in fp32): on CPU by the kernels' bf16 -> fp32 GEMM (`products_bf16_f32`), on CUDA
-    by a bmm with an fp32 output; otherwise on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never
-    copied whole; inside a compiled graph, which cannot loop over an unknown length, all at once)."""
+    """``b [B, M, r] @ a [B, S, r]^T`` as fp32 ``[B, M, S]`` with every product exact and the sums in fp32 (products
+    of two bf16 values are exact in fp32), ``a`` (long: an MLA latent) the row-major operand of the product: on
+    CPU by the kernels' `cpu_kernel.latent_scores` (contiguous), on CUDA by a bmm with an fp32 output; otherwise
+    on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never copied whole; inside a compiled graph,
+    which cannot loop over an unknown length, all at once), a transposed view."""
+    if a.device.type == "cpu":
+        scores = cpu_kernel.latent_scores(a, b)
+        if scores is not None:
+            return scores
     keys = b.transpose(1, 2)
     if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return torch.matmul(a, keys)
-    if a.device.type == "cpu":
-        rows = [cpu_kernel.products_bf16_f32(a[i], b[i]) for i in range(a.shape[0])]
-        if all(r is not None for r in rows):
-            return torch.stack(rows)
-    elif a.device.type == "cuda" and a.dtype == b.dtype:
+        return torch.matmul(a, keys).transpose(1, 2)
+    if a.device.type == "cuda" and a.dtype == b.dtype:
         try:
-            return torch.bmm(a, keys, out_dtype=torch.float32)
+            return torch.bmm(a, keys, out_dtype=torch.float32).transpose(1, 2)
         except (RuntimeError, TypeError):  # (a torch or dtype without fp32-output bmm: the blocks below)
             pass
     keys = keys.float()
     if torch.compiler.is_compiling():  # (a graph cannot loop over a length it does not know: one product)
-        return torch.matmul(a.float(), keys)
+        return torch.matmul(a.float(), keys).transpose(1, 2)
     return torch.cat([torch.matmul(a[:, start:start + block].float(), keys)
-                      for start in range(0, a.shape[1], block)], dim=1)
+                      for start in range(0, a.shape[1], block)], dim=1).transpose(1, 2)

@@ -219,10 +219,15 @@ def moe_decode(y, router, bias, top_k: int, renormalize: bool, scale: float, dow
     return routed
 
 
+def latent_scores(latent, queries):
+    """``queries @ latent^T`` ``[B, M, S]`` in fp32 (bf16 products are exact in fp32)."""
+    return torch.matmul(queries.float(), latent.float().transpose(1, 2)).contiguous()
+
+
 OPERATORS = (
     "kda_chunk_forward", "router_topk", "router_sigmoid_topk", "sigmoid", "selected_scores", "router_backward",
-    "router_screened_topk", "gemm_bf16_f32", "linear_bf16", "glu", "glu_backward", "rms_norm", "rms_norm_backward",
-    "moe_experts", "moe_experts_backward", "moe_decode",
+    "router_screened_topk", "gemm_bf16_f32", "latent_scores", "linear_bf16", "glu", "glu_backward", "rms_norm",
+    "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode",
 )  # fmt: skip
 
 

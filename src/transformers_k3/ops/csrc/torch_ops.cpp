@@ -5,6 +5,7 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/rms_norm.h>
@@ -207,6 +208,25 @@ Tensor gemm_bf16_f32(const Tensor& x, const Tensor& weight) {
                                 threads()),
                op);
   return out;
+}
+
+Tensor latent_scores(const Tensor& latent, const Tensor& queries) {
+  const char* op = "latent_scores";
+  TORCH_CHECK(latent.scalar_type() == at::kFloat || latent.scalar_type() == at::kBFloat16, op,
+              ": latent must be fp32 or bf16, got ", latent.scalar_type());
+  check_tensor(latent, op, "latent", latent.scalar_type(), 3);
+  check_tensor(queries, op, "queries", latent.scalar_type(), 3);
+  check_shape(queries, op, "queries", {latent.size(0), queries.size(1), latent.size(2)});
+  // [B, S, M] as the long latent's row-major product (no copy of it), then laid out [B, M, S]: the softmax over
+  // S reads contiguous rows (a compiled graph fuses a transposed view into a strided, several times slower loop)
+  Tensor scores;
+  if (latent.scalar_type() == at::kFloat) {
+    scores = at::bmm(latent, queries.transpose(1, 2));
+  } else {
+    scores = at::empty({latent.size(0), latent.size(1), queries.size(1)}, latent.options().dtype(at::kFloat));
+    for (int64_t b = 0; b < latent.size(0); ++b) scores[b].copy_(gemm_bf16_f32(latent[b], queries[b]));
+  }
+  return scores.transpose(1, 2).contiguous();
 }
 
 Tensor linear_bf16(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
@@ -497,6 +517,7 @@ TORCH_LIBRARY(transformers_k3, m) {
   m.def("router_screened_topk(Tensor hidden_states, Tensor weight, Tensor bias, int top_k, bool screen) -> "
         "(Tensor, Tensor)");
   m.def("gemm_bf16_f32(Tensor x, Tensor weight) -> Tensor");
+  m.def("latent_scores(Tensor latent, Tensor queries) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("glu(Tensor gate, Tensor up, int kind, float beta, float linear_beta) -> Tensor");
   m.def("glu_backward(Tensor grad, Tensor gate, Tensor up, int kind, float beta, float linear_beta) -> "
@@ -523,6 +544,7 @@ TORCH_LIBRARY_IMPL(transformers_k3, CPU, m) {
   m.impl("router_backward", &router_backward);
   m.impl("router_screened_topk", &router_screened_topk);
   m.impl("gemm_bf16_f32", &gemm_bf16_f32);
+  m.impl("latent_scores", &latent_scores);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("glu", &glu);
   m.impl("glu_backward", &glu_backward);
