@@ -22,6 +22,7 @@ run at the full depth N.
     python bench/bench_long_context.py                       # 4K, 32K, 128K
     python bench/bench_long_context.py --contexts 4096 16384 # quicker
     python bench/bench_long_context.py --context 262144      # million-token mode (our model only)
+    python bench/bench_long_context.py --contexts 16384 --paired 15   # eager/compiled/in-tree in one process
     python bench/bench_long_context.py --context 1048576 --synthetic-prefix 1040384   # decode at 1M
 """
 
@@ -222,6 +223,35 @@ def child_decode(kind: str, n: int, steps: int) -> dict:
     return result
 
 
+def child_paired(n: int, rounds: int) -> dict:
+    """Ours eager, ours compiled (kernels on; the same model and cache), in-tree Kimi Linear and Qwen3-Next, all in
+    this process at context ``n``, one decode step of each per round: per-model medians and, per other model, the
+    median over rounds of its step / the compiled step (the host's drift cancels within a round)."""
+    torch.set_num_threads(2)
+    ours = build("ours")
+    ours_cache = fill_cache("ours", ours, n)
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True)
+    models = {"ours": (ours, ours_cache), "ours-compiled": (compiled, ours_cache)}
+    for kind in ("intree", "qwen3next"):
+        model = build(kind)
+        models[kind] = (model, fill_cache(kind, model, n))
+    token = torch.tensor([[7]])
+    times: dict[str, list[float]] = {kind: [] for kind in models}
+    with torch.no_grad():
+        for model, cache in models.values():  # warm-up (the compiled model traces twice: the length turns dynamic)
+            for _ in range(2):
+                model(token, past_key_values=cache, use_cache=True)
+        for _ in range(rounds):
+            for kind, (model, cache) in models.items():
+                start = time.perf_counter()
+                model(token, past_key_values=cache, use_cache=True)
+                times[kind].append(time.perf_counter() - start)
+    result = {kind: 1e3 * statistics.median(t) for kind, t in times.items()}
+    for kind in ("ours", "intree", "qwen3next"):
+        result[f"{kind} / compiled"] = statistics.median(a / b for a, b in zip(times[kind], times["ours-compiled"]))
+    return result
+
+
 def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None, synthetic: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -295,10 +325,27 @@ def main():
                              "a real prefill (decode figures at a depth whose real prefill takes hours)")
     parser.add_argument("--model", help="a saved K3 directory for --context (default: the shipped small model; "
                                         "'bench' for the decode table's model)")
+    parser.add_argument("--paired", type=int, metavar="ROUNDS",
+                        help="instead: ours eager and compiled, in-tree Kimi Linear and Qwen3-Next in one process per "
+                             "context, one step of each per round, ROUNDS rounds (ratios per round)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.child == "paired":
+        print(json.dumps(child_paired(args.n, args.steps)))
+        return
+    if args.paired:
+        print(f"torch {torch.__version__}, 2 threads; {args.paired} rounds of one decode step per model, one process")
+        for n in args.contexts:
+            r = run_child(["--child", "paired", "--n", str(n), "--steps", str(args.paired)])
+            if "error" in r:
+                print(f"{n:>8}  failed: {r['error']}")
+                continue
+            medians = ", ".join(f"{k} {r[k]:.1f}" for k in ("ours", "ours-compiled", "intree", "qwen3next"))
+            ratios = ", ".join(f"{k} {r[k]:.2f}x" for k in r if "/" in k)
+            print(f"{n:>8}  ms: {medians} | median per-round ratio: {ratios}", flush=True)
+        return
     if args.child == "context":
         print(json.dumps(child_context(args.n, args.chunk, 32, args.model, args.synthetic_prefix)))
         return
