@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.linear import products_f32
+from ..ops.linear import blocks, products_f32
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -228,10 +228,8 @@ class KimiK3MLA(nn.Module):
             return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
 
         out, lse = attend(latent[:, past_len:], causal=True)
-        blocks = (past_len + CONTEXT_BLOCK - 1) // CONTEXT_BLOCK  # (a graph guards on this count, not the length)
-        for i in range(blocks):
-            end = past_len if i == blocks - 1 else (i + 1) * CONTEXT_BLOCK
-            block_out, block_lse = attend(latent[:, i * CONTEXT_BLOCK:end], causal=False)
+        for start, end in blocks(past_len, CONTEXT_BLOCK):  # (a graph guards on their count, not the length)
+            block_out, block_lse = attend(latent[:, start:end], causal=False)
             merged = torch.logaddexp(lse, block_lse)
             out = out * (lse - merged).exp().unsqueeze(-1) + block_out * (block_lse - merged).exp().unsqueeze(-1)
             lse = merged

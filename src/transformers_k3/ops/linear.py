@@ -1,5 +1,5 @@
 """`linear_forward`: the forward K3's linear layers run (``nn.Linear``'s, with a bf16 decode step on CPU computed in
-a kernel); `products_f32`: a bf16 batched product with exact products and fp32 sums.
+a kernel); `products_f32`: a bf16 batched product with exact products and fp32 sums; `blocks`: a length's blocks.
 
 torch's CPU matmul in bf16 costs ~35 us per call on a 2-core Sapphire Rapids whatever the size (~5 us in fp32),
 so a bf16 model's decode step, dozens of one-row products, ran slower than the same model in fp32, and a bf16
@@ -94,8 +94,7 @@ def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
     """``b [B, M, r] @ a [B, S, r]^T`` as fp32 ``[B, M, S]`` with every product exact and the sums in fp32 (products
     of two bf16 values are exact in fp32), ``a`` (long: an MLA latent) the row-major operand of the product: on
     CPU by the kernels' `cpu_kernel.latent_scores` (contiguous), on CUDA by a bmm with an fp32 output; otherwise
-    on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never copied whole; inside a compiled graph,
-    which cannot loop over an unknown length, all at once), a transposed view."""
+    on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never copied whole), a transposed view."""
     if a.device.type == "cpu":
         scores = cpu_kernel.latent_scores(a, b)
         if scores is not None:
@@ -109,7 +108,13 @@ def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
         except (RuntimeError, TypeError):  # (a torch or dtype without fp32-output bmm: the blocks below)
             pass
     keys = keys.float()
-    if torch.compiler.is_compiling():  # (a graph cannot loop over a length it does not know: one product)
-        return torch.matmul(a.float(), keys).transpose(1, 2)
-    return torch.cat([torch.matmul(a[:, start:start + block].float(), keys)
-                      for start in range(0, a.shape[1], block)], dim=1).transpose(1, 2)
+    return torch.cat([torch.matmul(a[:, start:end].float(), keys)
+                      for start, end in blocks(a.shape[1], block)], dim=1).transpose(1, 2)
+
+
+def blocks(length: int, size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of ``length`` in blocks of ``size``, the last one possibly shorter. Under torch.compile with a
+    dynamic ``length`` a graph guards on the block count only (``range(0, length, size)`` with a clamped end
+    guarded on the exact length: a recompilation per step or chunk)."""
+    count = (length + size - 1) // size
+    return [(i * size, length if i == count - 1 else (i + 1) * size) for i in range(count)]

@@ -219,14 +219,10 @@ Tensor latent_scores(const Tensor& latent, const Tensor& queries) {
   check_shape(queries, op, "queries", {latent.size(0), queries.size(1), latent.size(2)});
   // [B, S, M] as the long latent's row-major product (no copy of it), then laid out [B, M, S]: the softmax over
   // S reads contiguous rows (a compiled graph fuses a transposed view into a strided, several times slower loop)
-  Tensor scores;
-  if (latent.scalar_type() == at::kFloat) {
-    scores = at::bmm(latent, queries.transpose(1, 2));
-  } else {
-    scores = at::empty({latent.size(0), latent.size(1), queries.size(1)}, latent.options().dtype(at::kFloat));
-    for (int64_t b = 0; b < latent.size(0); ++b) scores[b].copy_(gemm_bf16_f32(latent[b], queries[b]));
-  }
-  return scores.transpose(1, 2).contiguous();
+  if (latent.scalar_type() == at::kFloat) return at::bmm(latent, queries.transpose(1, 2)).transpose(1, 2).contiguous();
+  Tensor scores = at::empty({latent.size(0), queries.size(1), latent.size(1)}, latent.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < latent.size(0); ++b) scores[b].copy_(gemm_bf16_f32(latent[b], queries[b]).t());
+  return scores;
 }
 
 Tensor linear_bf16(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
