@@ -700,6 +700,36 @@ def test_compiled_chunked_prefill_compiles_once_for_every_later_chunk():
 
 
 @pytest.mark.slow
+def test_compiled_short_prefill_with_the_kernels_off():
+    """A prefill shorter than one KDA chunk (10 tokens: the chunk is padded to a size the graph holds as a symbol)
+    compiled with fullgraph=True, dynamic=True and the CPU kernels off: it traces (the sub-chunk rows of the PyTorch
+    chunked KDA are re-laid out where a view cannot express them) and gives eager's logits and cached state up to
+    fp32 rounding (the graph takes single-token sub-chunks)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    ids = torch.randint(3, 512, (2, 10))
+
+    def prefill(fn):
+        cache = KimiK3HybridCache(model.config)
+        return fn(ids, past_key_values=cache, use_cache=True).logits, cache
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad(), cpu_kernel.use_cpu_kernel(False):
+        want, want_cache = prefill(model)
+        got, got_cache = prefill(compiled)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    kda_layer = model.config.layer_types.index("linear_attention")
+    torch.testing.assert_close(got_cache.layers[kda_layer].recurrent_state,
+                               want_cache.layers[kda_layer].recurrent_state, rtol=0, atol=1e-5)  # fmt: skip
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
 def test_compiled_decode_step_equals_eager():
     """torch.compile (fullgraph=False, dynamic shapes, the aot_eager backend: dynamo capture plus AOTAutograd's
     functionalization of the in-place cache updates, without inductor's minutes of C++ codegen on a loaded CPU)

@@ -1041,7 +1041,7 @@ def _intra_body(q, k, v, beta, local):
     # scores[:, 0] = k_r . (e^{G_r - G_s} k_s) and scores[:, 1] = q_r . (...), both [n, C, C] in blocks.
     scores = k.new_zeros(n, 2, n_sub, sub, chunk)
     up = (local - local[:, :, (sub - 1) // 2, None]).exp()  # e^{G_r - G_m}
-    rows = torch.stack([k_sub * up, q_sub * up], 2).view(n * n_sub, 2 * sub, key_dim)  # k then q rows of a
+    rows = torch.stack([k_sub * up, q_sub * up], 2).reshape(n * n_sub, 2 * sub, key_dim)  # k then q rows of a
     cols = (k_sub * up.reciprocal()).reshape(n * n_sub, sub, key_dim)
     diagonal = torch.bmm(rows, cols.transpose(1, 2)).view(n, n_sub, 2, sub, sub)
     blocks = scores.view(n, 2, n_sub, sub, n_sub, sub).diagonal(dim1=2, dim2=4)  # [n, 2, sub, sub, a]
