@@ -660,7 +660,7 @@ def test_compiled_model_runs_the_kernels_in_its_graph(dtype):
         want = run(model)
         got = run(compiled)
     assert torch.equal(got, want)
-    expected = {"kda_chunk_forward", "moe_decode", "moe_experts", "router_sigmoid_topk"}
+    expected = {"kda_chunk_forward", "moe_decode", "moe_experts", "router_sigmoid_topk", "latent_attention"}
     if cpu_kernel._feature("small_gemm_available"):
         expected.add("glu")
     if dtype is torch.bfloat16 and cpu_kernel._feature("linear_bf16_available"):

@@ -150,6 +150,13 @@ def test_bf16_products():
         for scores in (on_gpu(OPS.latent_scores.default, latent, queries), OPS.latent_scores.default(latent, queries)):
             assert scores.shape == want.shape and scores.is_contiguous()
             torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
+        # the absorbed attention: the reference through the CUDA key against the kernel (one pass, per-thread parts)
+        attention = (on_gpu(OPS.latent_attention.default, latent, queries, 0.2, 48, 1),
+                     OPS.latent_attention.default(latent, queries, 0.2, 48, 1))  # fmt: skip
+        probs = torch.softmax(0.2 * (queries.double() @ latent.double().transpose(1, 2)), dim=-1)
+        want = (probs @ latent[..., :48].double()).float()
+        for out in attention:
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     for bias in (b, None):
         got = on_gpu(OPS.linear_bf16.default, x, w, bias)
         want = (exact + (0 if bias is None else bias.double())).bfloat16()

@@ -41,9 +41,9 @@ def rand(*shape, seed=0, dtype=torch.float32, grad=False):
 
 def test_every_operator_is_registered_with_a_fake_implementation():
     expected = {"kda_chunk_forward", "router_topk", "router_sigmoid_topk", "router_screened_topk", "sigmoid",
-                "selected_scores", "router_backward", "gemm_bf16_f32", "latent_scores", "linear_bf16", "glu",
-                "glu_backward", "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward",
-                "moe_decode"}  # fmt: skip
+                "selected_scores", "router_backward", "gemm_bf16_f32", "latent_scores", "latent_attention",
+                "linear_bf16", "glu", "glu_backward", "rms_norm", "rms_norm_backward", "moe_experts",
+                "moe_experts_backward", "moe_decode"}  # fmt: skip
     for name in expected:
         op = getattr(ops, name).default
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"), name
@@ -147,6 +147,53 @@ def test_latent_scores(dtype):
     assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
     with pytest.raises(RuntimeError, match="queries"):
         ops.latent_scores(latent, queries[..., :-1])
+
+
+def attention_float64(latent, queries, scale, value_dim, new_tokens):
+    """The absorbed attention from its definition, in float64: softmax over the visible latent rows (query row
+    ``m`` is new token ``m % new_tokens`` of the latent's last ``new_tokens``), weights times their value columns."""
+    latent, queries = latent.double(), queries.double()
+    seq = latent.shape[1]
+    out = torch.empty(*queries.shape[:2], value_dim, dtype=torch.float64)
+    for b in range(queries.shape[0]):
+        for m in range(queries.shape[1]):
+            last = seq - new_tokens + m % new_tokens
+            weights = torch.softmax(scale * (latent[b, : last + 1] @ queries[b, m]), dim=0)
+            out[b, m] = weights @ latent[b, : last + 1, :value_dim]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "batch, seq, rows, dim, value_dim, new_tokens",
+    [(1, 1, 4, 48, 32, 1), (2, 37, 6, 48, 32, 2), (1, 1500, 5, 37, 20, 1), (3, 600, 12, 96, 64, 3)],
+)  # fmt: skip
+def test_latent_attention(dtype, batch, seq, rows, dim, value_dim, new_tokens):
+    """softmax(scale q c^T) c[:, :value_dim] in one pass: float64's within fp32 rounding, for fp32 and bf16 latents,
+    widths that are no multiple of the vector width, query rows no multiple of the kernel's block, end-aligned
+    causality over several new tokens, a latent long enough to be split between threads (whose partial sums are
+    merged), and a latent that is a prefix of a longer buffer (as a cache's is, read without a copy)."""
+    buffer = rand(batch, seq + 9, dim, dtype=dtype)
+    latent, queries = buffer[:, :seq], rand(batch, rows, dim, seed=1, dtype=dtype)
+    opcheck(ops.latent_attention.default, (latent, queries, 0.3, value_dim, new_tokens))
+    got = ops.latent_attention(latent, queries, 0.3, value_dim, new_tokens)
+    want = attention_float64(latent, queries, 0.3, value_dim, new_tokens)
+    assert got.dtype is torch.float32 and got.shape == want.shape
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    contiguous = ops.latent_attention(latent.contiguous(), queries, 0.3, value_dim, new_tokens)
+    assert torch.equal(got, contiguous)
+
+
+def test_latent_attention_names_a_misfit():
+    latent, queries = rand(2, 10, 48), rand(2, 6, 48, seed=1)
+    with pytest.raises(RuntimeError, match="queries"):
+        ops.latent_attention(latent, queries[..., :-1], 0.3, 32, 1)
+    with pytest.raises(RuntimeError, match="value_dim"):
+        ops.latent_attention(latent, queries, 0.3, 49, 1)
+    with pytest.raises(RuntimeError, match="new_tokens"):
+        ops.latent_attention(latent, queries, 0.3, 32, 4)  # (6 rows are not whole heads of 4 new tokens)
+    with pytest.raises(RuntimeError, match="new_tokens"):
+        ops.latent_attention(latent[:, :1], queries, 0.3, 32, 2)  # (more new tokens than latent rows)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 15, 31])

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.linear import blocks, products_f32
+from ..ops.linear import blocks, latent_attention, products_f32
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -195,17 +195,16 @@ class KimiK3MLA(nn.Module):
         # One product covers [c_kv | k_pe] against [q_latent | q_pe]; the (long) latent stays its row-major
         # operand, so no step ever copies or transposes the cache.
         q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
-        scores = latent_scores(latent, q_cat) * self.scaling  # [B, n*T, S], fp32
-        scores = scores.reshape(batch, heads, q_len, seq)  # [B, n, T, S]
         if slots is not None:
             attention_mask = static_attention_mask(slots, attention_mask)
-        if attention_mask is not None:
-            scores = _apply_mask(scores, attention_mask)
-        elif q_len > 1:
-            scores = scores.masked_fill(~end_aligned_causal(q_len, seq, scores.device), torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        # probs @ [c_kv | k_pe] keeps the latent contiguous too; the k_pe columns of the result are dropped.
-        o_latent = torch.matmul(probs.reshape(batch, heads * q_len, seq), latent)[..., : self.kv_lora_rank]
+        if attention_mask is None:  # (causal over the new tokens alone: the softmax and the sum in one operation)
+            o_latent = latent_attention(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK)
+        else:
+            scores = latent_scores(latent, q_cat) * self.scaling  # [B, n*T, S], fp32
+            scores = _apply_mask(scores.reshape(batch, heads, q_len, seq), attention_mask)  # [B, n, T, S]
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            # probs @ [c_kv | k_pe] keeps the latent contiguous too; the k_pe columns of the result are dropped.
+            o_latent = torch.matmul(probs.reshape(batch, heads * q_len, seq), latent)[..., : self.kv_lora_rank]
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 

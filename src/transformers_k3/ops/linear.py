@@ -112,6 +112,28 @@ def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
                       for start, end in blocks(a.shape[1], block)], dim=1).transpose(1, 2)
 
 
+def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, value_dim: int, new_tokens: int,
+                     block: int) -> torch.Tensor:
+    """``softmax(scale queries latent^T) latent[..., :value_dim]`` ``[B, M, value_dim]`` in ``queries``' dtype, for
+    ``queries [B, M, D]`` head-major over the ``new_tokens`` new tokens, the latent's last (end-aligned causality):
+    MLA's absorbed attention with no other mask. On CPU in one pass over the latent (the kernels'
+    `cpu_kernel.latent_attention`: the logits, softmax and sums in fp32, rounded once); otherwise the logits by
+    `products_f32` (``block`` latent rows at a time where it copies), an fp32 softmax and the probabilities, in
+    ``queries``' dtype, times the latent."""
+    if latent.device.type == "cpu":
+        out = cpu_kernel.latent_attention(latent, queries, scale, value_dim, new_tokens)
+        if out is not None:
+            return out.to(queries.dtype)
+    batch, rows, seq = queries.shape[0], queries.shape[1], latent.shape[1]
+    scores = products_f32(latent, queries, block) * scale  # [B, M, S], fp32
+    if new_tokens > 1:
+        visible = torch.ones(new_tokens, seq, dtype=torch.bool, device=scores.device).tril(seq - new_tokens)
+        scores = scores.view(batch, rows // new_tokens, new_tokens, seq).masked_fill(
+            ~visible, torch.finfo(scores.dtype).min).view(batch, rows, seq)  # fmt: skip
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(probs, latent)[..., :value_dim]
+
+
 def blocks(length: int, size: int) -> list[tuple[int, int]]:
     """``(start, end)`` of ``length`` in blocks of ``size``, the last one possibly shorter. Under torch.compile with a
     dynamic ``length`` a graph guards on the block count only (``range(0, length, size)`` with a clamped end

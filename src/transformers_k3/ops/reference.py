@@ -224,10 +224,21 @@ def latent_scores(latent, queries):
     return torch.matmul(queries.float(), latent.float().transpose(1, 2)).contiguous()
 
 
+def latent_attention(latent, queries, scale, value_dim, new_tokens):
+    """``softmax(scale queries latent^T) latent[..., :value_dim]`` in fp32, the query rows head-major over the
+    ``new_tokens`` last tokens of the latent (each sees the rows up to its own)."""
+    batch, rows, seq = queries.shape[0], queries.shape[1], latent.shape[1]
+    scores = torch.matmul(queries.float(), latent.float().transpose(1, 2)) * scale
+    visible = torch.ones(new_tokens, seq, dtype=torch.bool, device=latent.device).tril(seq - new_tokens)
+    scores = scores.view(batch, rows // new_tokens, new_tokens, seq).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.view(batch, rows, seq), dim=-1)
+    return torch.matmul(probs, latent[..., :value_dim].float())
+
+
 OPERATORS = (
     "kda_chunk_forward", "router_topk", "router_sigmoid_topk", "sigmoid", "selected_scores", "router_backward",
-    "router_screened_topk", "gemm_bf16_f32", "latent_scores", "linear_bf16", "glu", "glu_backward", "rms_norm",
-    "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode",
+    "router_screened_topk", "gemm_bf16_f32", "latent_scores", "latent_attention", "linear_bf16", "glu",
+    "glu_backward", "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode",
 )  # fmt: skip
 
 

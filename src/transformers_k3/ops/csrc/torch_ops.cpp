@@ -225,6 +225,34 @@ Tensor latent_scores(const Tensor& latent, const Tensor& queries) {
   return scores;
 }
 
+Tensor latent_attention(const Tensor& latent, const Tensor& queries, double scale, int64_t value_dim,
+                        int64_t new_tokens) {
+  const char* op = "latent_attention";
+  TORCH_CHECK(latent.scalar_type() == at::kFloat || latent.scalar_type() == at::kBFloat16, op,
+              ": latent must be fp32 or bf16, got ", latent.scalar_type());
+  check_tensor(latent, op, "latent", latent.scalar_type(), 3);
+  check_tensor(queries, op, "queries", latent.scalar_type(), 3);
+  const int64_t batch = latent.size(0), seq = latent.size(1), dim = latent.size(2), rows = queries.size(1);
+  check_shape(queries, op, "queries", {batch, rows, dim});
+  TORCH_CHECK(value_dim >= 1 && value_dim <= dim, op, ": value_dim must be in [1, ", dim, "], got ", value_dim);
+  TORCH_CHECK(new_tokens >= 1 && new_tokens <= seq && rows % new_tokens == 0, op,
+              ": new_tokens must divide the query rows and be at most the latent's length, got ", new_tokens,
+              " for ", rows, " rows and ", seq, " latent rows");
+  // the rows of each batch contiguous (a cache's latent: a prefix of its reserved buffer, no copy)
+  const bool rows_apart = latent.stride(2) == 1 && (latent.stride(1) == dim || seq <= 1) &&
+                         (batch <= 1 || latent.stride(0) >= seq * dim);
+  const Tensor lat = rows_apart ? latent : latent.contiguous();
+  const int64_t batch_stride = batch <= 1 ? seq * dim : lat.stride(0);
+  const Tensor q = queries.to(at::kFloat).contiguous();
+  Tensor out = at::empty({batch, rows, value_dim}, latent.options().dtype(at::kFloat));
+  if (batch == 0 || rows == 0) return out;
+  check_status(k3_latent_attention(lat.const_data_ptr(), lat.scalar_type() == at::kBFloat16 ? 1 : 0, batch_stride,
+                                   f32(q), batch, seq, rows, as_int(dim, op, "dim"), as_int(value_dim, op, "value_dim"),
+                                   as_int(new_tokens, op, "new_tokens"), (float)scale, f32_out(out), threads()),
+               op);
+  return out;
+}
+
 Tensor linear_bf16(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
   const char* op = "linear_bf16";
   check_tensor(x, op, "x", at::kBFloat16, -1);
@@ -514,6 +542,7 @@ TORCH_LIBRARY(transformers_k3, m) {
         "(Tensor, Tensor)");
   m.def("gemm_bf16_f32(Tensor x, Tensor weight) -> Tensor");
   m.def("latent_scores(Tensor latent, Tensor queries) -> Tensor");
+  m.def("latent_attention(Tensor latent, Tensor queries, float scale, int value_dim, int new_tokens) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("glu(Tensor gate, Tensor up, int kind, float beta, float linear_beta) -> Tensor");
   m.def("glu_backward(Tensor grad, Tensor gate, Tensor up, int kind, float beta, float linear_beta) -> "
@@ -541,6 +570,7 @@ TORCH_LIBRARY_IMPL(transformers_k3, CPU, m) {
   m.impl("router_screened_topk", &router_screened_topk);
   m.impl("gemm_bf16_f32", &gemm_bf16_f32);
   m.impl("latent_scores", &latent_scores);
+  m.impl("latent_attention", &latent_attention);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("glu", &glu);
   m.impl("glu_backward", &glu_backward);
