@@ -147,6 +147,19 @@ def test_bench_moe_runs_at_a_tiny_size():
         assert label in stdout, output
 
 
+def test_bench_latent_attention_runs_at_a_tiny_size():
+    from transformers_k3.ops import cpu_kernel
+
+    if cpu_kernel.library() is None:
+        pytest.skip("the CPU kernels are not built here")
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_latent_attention.py", "--contexts", "100", "1100", "--reps", "2",
+        "--bandwidth-gib", "0.0625", timeout=300,
+    )  # fmt: skip
+    assert code == 0, output  # (it also checks the two computations agree)
+    assert "| float32 | 1,100 |" in stdout and "| bfloat16 | 100 |" in stdout, output
+
+
 def test_memory_layouts_arithmetic_matches_the_model_and_its_cache():
     """bench/memory_layouts.py's counts against what the model and the hybrid cache hold: its parameter classes
     add up to the model's parameters (the full config on the meta device: the release's 2.8T), and its cache
