@@ -18,6 +18,9 @@ formula whose backward is itself an operator.
   the spec; torch's CPU matmul has no fp32 result from bf16 operands, so the PyTorch path upcasts both), and its
   pieces (``amx_tiles.h``) for an fp32 router's screened selection (``router_cpu.cpp``: approximate logits on the
   tile unit with an error bound, exact fp32 logits only for the experts the bound cannot rule out).
+* ``attention_cpu.cpp``: MLA's absorbed decode attention in one pass over the cached latent (logits, online softmax
+  and weighted sums per tile of rows, the threads' parts merged by their maxima), where the PyTorch path reads the
+  latent twice in skinny products that run far below the memory bandwidth.
 
 Each computes the same algorithm as the PyTorch code it replaces, in fp32 (under autograd the KDA kernel computes
 the forward through ``transformers_k3::kda_chunk``, :mod:`transformers_k3.ops.kda_autograd`, whose backward is the

@@ -1,5 +1,7 @@
 """`linear_forward`: the forward K3's linear layers run (``nn.Linear``'s, with a bf16 decode step on CPU computed in
-a kernel); `products_f32`: a bf16 batched product with exact products and fp32 sums; `blocks`: a length's blocks.
+a kernel); `products_f32`: a bf16 batched product with exact products and fp32 sums; `latent_attention`: the
+softmax-weighted sum over an MLA latent that those products' logits feed (one pass on CPU); `blocks`: a length's
+blocks.
 
 torch's CPU matmul in bf16 costs ~35 us per call on a 2-core Sapphire Rapids whatever the size (~5 us in fp32),
 so a bf16 model's decode step, dozens of one-row products, ran slower than the same model in fp32, and a bf16
