@@ -253,16 +253,15 @@ def test_absorbed_decode_logits_are_fp32_sums_of_the_bf16_products(monkeypatch, 
     """The absorbed decode's logits from a bf16 latent and queries are the fp32 sums of their (exact) products:
     within fp32 rounding of float64's, where a bf16 matmul rounds each to 8 bits. With the kernels (the bf16 ->
     fp32 GEMM) and without (fp32 copies, a few context blocks at a time)."""
-    import transformers_k3.layers.mla as mla_module
     from transformers_k3.ops import cpu_kernel
+    from transformers_k3.ops.linear import products_f32
 
-    monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", 7)
     gen = torch.Generator().manual_seed(0)
     for batch, seq, m in ((1, 3, 4), (2, 40, 6), (2, 1, 1)):
         latent = torch.randn(batch, seq, 96, generator=gen).bfloat16()
         q_cat = (3 * torch.randn(batch, m, 96, generator=gen)).bfloat16()
         with cpu_kernel.use_cpu_kernel(kernels):
-            got = mla_module.latent_scores(latent, q_cat)
+            got = products_f32(latent, q_cat, 7)  # (the absorbed decode's logits; 7 latent rows a block)
         want = q_cat.double() @ latent.double().transpose(1, 2)
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max()
@@ -281,7 +280,7 @@ def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model, monkeypatch):
     import transformers_k3.layers.mla as mla_module
     from transformers_k3.ops import cpu_kernel
 
-    def bf16_logits(latent, queries, scale, value_dim, new_tokens, block):
+    def bf16_logits(latent, queries, scale, value_dim, new_tokens, block, mask=None):
         probs = F.softmax(torch.matmul(queries, latent.transpose(1, 2)) * scale, dim=-1, dtype=torch.float32)
         return torch.matmul(probs.to(queries.dtype), latent)[..., :value_dim]
 

@@ -157,6 +157,17 @@ def test_bf16_products():
         want = (probs @ latent[..., :48].double()).float()
         for out in attention:
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        # with a boolean mask (per batch; a query row of batch 1 sees nothing: the mean of the rows)
+        mask = torch.rand(2, 1, 1, latent.shape[1], generator=gen(18)) < 0.5
+        mask[1] = False
+        masked = (on_gpu(OPS.latent_attention.default, latent, queries, 0.2, 48, 1, mask),
+                  OPS.latent_attention.default(latent, queries, 0.2, 48, 1, mask))  # fmt: skip
+        scores = (0.2 * (queries.double() @ latent.double().transpose(1, 2))).masked_fill(~mask[:, 0], float("-inf"))
+        want = (torch.softmax(scores[:1], dim=-1) @ latent[:1, :, :48].double()).float()
+        mean = latent[1, :, :48].double().mean(0).float().expand(3, 48)
+        for out in masked:
+            torch.testing.assert_close(out[:1], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[1], mean, atol=1e-5, rtol=1e-5)
     for bias in (b, None):
         got = on_gpu(OPS.linear_bf16.default, x, w, bias)
         want = (exact + (0 if bias is None else bias.double())).bfloat16()

@@ -184,6 +184,42 @@ def test_latent_attention(dtype, batch, seq, rows, dim, value_dim, new_tokens):
     assert torch.equal(got, contiguous)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["per batch", "per head", "broadcast", "static slots"])
+def test_latent_attention_with_a_boolean_mask(dtype, layout):
+    """With a boolean mask the mask alone says which rows each query sees (no end alignment): float64's from the
+    definition within fp32 rounding, for a mask per batch, per head, or broadcast over both, and a static cache's
+    slots (the rows past the tokens unseen by every query: tiles the kernel skips, with a latent long enough to be
+    split between threads); a query the mask leaves no row gets the mean of all rows, as the masked softmax of the
+    two passes gives (their masked logits all the lowest fp32), not a NaN."""
+    batch, seq, heads, new_tokens, dim, value_dim = 2, 1300, 3, 2, 40, 24
+    latent = rand(batch, seq, dim, dtype=dtype)
+    queries = rand(batch, heads * new_tokens, dim, seed=1, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    shape = {"per batch": (batch, 1), "per head": (batch, heads), "broadcast": (1, 1), "static slots": (1, 1)}[layout]
+    if layout == "static slots":  # 700 tokens held, the 2 new ones the last of them
+        limit = 700 - new_tokens + 1 + torch.arange(new_tokens)
+        mask = (torch.arange(seq)[None, :] < limit[:, None]).expand(*shape, new_tokens, seq)
+    else:
+        mask = torch.rand(*shape, new_tokens, seq, generator=gen) < 0.3
+        mask[0, 0, 1] = False  # (query rows 1, 3, 5 of batch 0 (per head: row 1) see nothing)
+    opcheck(ops.latent_attention.default, (latent, queries, 0.3, value_dim, new_tokens, mask))
+    got = ops.latent_attention(latent, queries, 0.3, value_dim, new_tokens, mask)
+    full = mask.expand(batch, heads, new_tokens, seq).reshape(batch, heads * new_tokens, seq)
+    lat, q = latent.double(), queries.double()
+    want = torch.empty(batch, heads * new_tokens, value_dim, dtype=torch.float64)
+    for b in range(batch):
+        for m in range(heads * new_tokens):
+            seen = full[b, m]
+            if not seen.any():
+                want[b, m] = lat[b, :, :value_dim].mean(0)
+                continue
+            weights = torch.softmax(0.3 * (lat[b, seen] @ q[b, m]), dim=0)
+            want[b, m] = weights @ lat[b, seen, :value_dim]
+    assert not got.isnan().any()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_latent_attention_names_a_misfit():
     latent, queries = rand(2, 10, 48), rand(2, 6, 48, seed=1)
     with pytest.raises(RuntimeError, match="queries"):
@@ -194,6 +230,10 @@ def test_latent_attention_names_a_misfit():
         ops.latent_attention(latent, queries, 0.3, 32, 4)  # (6 rows are not whole heads of 4 new tokens)
     with pytest.raises(RuntimeError, match="new_tokens"):
         ops.latent_attention(latent[:, :1], queries, 0.3, 32, 2)  # (more new tokens than latent rows)
+    with pytest.raises(RuntimeError, match="mask"):
+        ops.latent_attention(latent, queries, 0.3, 32, 1, torch.ones(2, 1, 1, 9, dtype=torch.bool))  # (9 rows, not 10)
+    with pytest.raises(RuntimeError, match="mask"):
+        ops.latent_attention(latent, queries, 0.3, 32, 1, torch.ones(2, 1, 1, 10))  # (an additive mask)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 15, 31])

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.linear import blocks, latent_attention, products_f32
+from ..ops.linear import blocks, latent_attention
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -49,13 +49,18 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     leave causality to the kernel: here it is added, aligned to the end (the new tokens are the last ``T``). A 4-D
     mask wider than the keys (a static cache's, ``max_cache_len`` wide) covers them from its first column, as
     transformers' SDPA reads it."""
-    mask = mask[..., -scores.shape[-1]:] if mask.dim() == 2 else mask[..., :scores.shape[-1]]
-    if mask.dim() == 2:
-        mask = mask.to(device=scores.device, dtype=torch.bool)[:, None, None, :] & end_aligned_causal(
-            *scores.shape[-2:], scores.device)
+    mask = _keys_mask(mask, *scores.shape[-2:], scores.device)
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return scores + mask
+
+
+def _keys_mask(mask: torch.Tensor, q_len: int, seq: int, device) -> torch.Tensor:
+    """`_apply_mask`'s mask as a 4-D one over exactly ``seq`` keys (a 2-D padding mask with end-aligned causality)."""
+    mask = mask[..., -seq:] if mask.dim() == 2 else mask[..., :seq]
+    if mask.dim() == 2:
+        mask = mask.to(device=device, dtype=torch.bool)[:, None, None, :] & end_aligned_causal(q_len, seq, device)
+    return mask
 
 
 def static_slots_mask(position: torch.Tensor, q_len: int, capacity: int) -> torch.Tensor:
@@ -80,16 +85,6 @@ def static_attention_mask(slots: torch.Tensor, attention_mask: torch.Tensor | No
     if attention_mask.dtype == torch.bool:
         return attention_mask & slots
     return attention_mask.masked_fill(~slots, torch.finfo(attention_mask.dtype).min)
-
-
-def latent_scores(latent: torch.Tensor, q_cat: torch.Tensor) -> torch.Tensor:
-    """``q_cat [B, M, r] @ latent [B, S, r]^T`` as fp32 ``[B, M, S]``: the absorbed decode's attention logits.
-
-    A bf16 matmul would round every logit to bf16 (8 bits: ~0.03 at a logit of 10) before the fp32 softmax, which
-    made decode steps ~3x less accurate than the prefill's attention (which keeps its logits in fp32), where K3's
-    decode kernels in SGLang keep them in fp32 too: `products_f32` sums the exact products in fp32, `CONTEXT_BLOCK`
-    tokens at a time where it copies (so a long context is never copied whole)."""
-    return products_f32(latent, q_cat, CONTEXT_BLOCK)
 
 
 def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
@@ -197,14 +192,13 @@ class KimiK3MLA(nn.Module):
         q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
         if slots is not None:
             attention_mask = static_attention_mask(slots, attention_mask)
-        if attention_mask is None:  # (causal over the new tokens alone: the softmax and the sum in one operation)
-            o_latent = latent_attention(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK)
-        else:
-            scores = latent_scores(latent, q_cat) * self.scaling  # [B, n*T, S], fp32
-            scores = _apply_mask(scores.reshape(batch, heads, q_len, seq), attention_mask)  # [B, n, T, S]
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            # probs @ [c_kv | k_pe] keeps the latent contiguous too; the k_pe columns of the result are dropped.
-            o_latent = torch.matmul(probs.reshape(batch, heads * q_len, seq), latent)[..., : self.kv_lora_rank]
+        if attention_mask is not None:
+            attention_mask = _keys_mask(attention_mask, q_len, seq, latent.device)
+        # The logits, the mask (causality over the new tokens without one), the softmax and the weighted sum. The
+        # logits stay fp32: a bf16 matmul would round each to 8 bits (~0.03 at a logit of 10) before the softmax, a
+        # decode step ~3x less accurate than the prefill's attention (SGLang's K3 decode kernels keep them in fp32).
+        o_latent = latent_attention(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK,
+                                    attention_mask)  # [B, n*T, r]
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 

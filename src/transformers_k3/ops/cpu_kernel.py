@@ -524,20 +524,22 @@ def latent_scores(latent: torch.Tensor, queries: torch.Tensor) -> torch.Tensor |
     return torch.ops.transformers_k3.latent_scores.default(latent, queries)
 
 
-def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, value_dim: int,
-                     new_tokens: int) -> torch.Tensor | None:
+def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, value_dim: int, new_tokens: int,
+                     mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """``softmax(scale queries latent^T) latent[..., :value_dim]`` as fp32 ``[B, M, value_dim]`` in one pass over
     the latent (``csrc/attention_cpu.cpp``): ``queries [B, M, D]`` head-major over the ``new_tokens`` new tokens,
-    the latent's last (end-aligned causality), fp32 or bf16 operands (both the same), the logits, softmax and sums
-    in fp32. None where it cannot run (other dtypes or devices, autograd, kernels off)."""
+    the rows each sees given by a boolean ``mask`` ``[B or 1, heads or 1, new_tokens, S]`` or, without one, by
+    end-aligned causality (the new tokens the latent's last); fp32 or bf16 operands (both the same), the logits,
+    softmax and sums in fp32. None where it cannot run (other dtypes or devices, autograd, kernels off)."""
     if not (
         latent.dtype == queries.dtype and latent.dtype in (torch.float32, torch.bfloat16) and latent.dim() == 3
         and queries.dim() == 3 and latent.device.type == queries.device.type == "cpu"
+        and (mask is None or (mask.dtype == torch.bool and mask.device.type == "cpu"))
         and not (torch.is_grad_enabled() and (latent.requires_grad or queries.requires_grad)) and enabled()
         and library() is not None
     ):  # fmt: skip
         return None
-    return torch.ops.transformers_k3.latent_attention.default(latent, queries, scale, value_dim, new_tokens)
+    return torch.ops.transformers_k3.latent_attention.default(latent, queries, scale, value_dim, new_tokens, mask)
 
 
 def _gemm_setup(ctx, inputs, output):
@@ -778,7 +780,7 @@ def _register_python_parts() -> None:
 
     fake(ns + "gemm_bf16_f32")(lambda x, w: x.new_empty((x.shape[0], w.shape[0]), dtype=f32))
     fake(ns + "latent_scores")(lambda lat, q: lat.new_empty((lat.shape[0], q.shape[1], lat.shape[1]), dtype=f32))
-    fake(ns + "latent_attention")(lambda lat, q, scale, value_dim, new_tokens: lat.new_empty(
+    fake(ns + "latent_attention")(lambda lat, q, scale, value_dim, new_tokens, mask=None: lat.new_empty(
         (lat.shape[0], q.shape[1], value_dim), dtype=f32))
     fake(ns + "linear_bf16")(lambda x, w, bias: x.new_empty((*x.shape[:-1], w.shape[0])))
     fake(ns + "glu")(lambda gate, up, kind, beta, linear_beta: empty_as(gate))

@@ -115,23 +115,34 @@ def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, value_dim: int, new_tokens: int,
-                     block: int) -> torch.Tensor:
+                     block: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(scale queries latent^T) latent[..., :value_dim]`` ``[B, M, value_dim]`` in ``queries``' dtype, for
-    ``queries [B, M, D]`` head-major over the ``new_tokens`` new tokens, the latent's last (end-aligned causality):
-    MLA's absorbed attention with no other mask. On CPU in one pass over the latent (the kernels'
-    `cpu_kernel.latent_attention`: the logits, softmax and sums in fp32, rounded once); otherwise the logits by
-    `products_f32` (``block`` latent rows at a time where it copies), an fp32 softmax and the probabilities, in
-    ``queries``' dtype, times the latent."""
-    if latent.device.type == "cpu":
-        out = cpu_kernel.latent_attention(latent, queries, scale, value_dim, new_tokens)
+    ``queries [B, M, D]`` head-major over the ``new_tokens`` new tokens: MLA's absorbed attention. ``mask``: a 4-D
+    boolean or additive mask over the latent's rows (``[B or 1, heads or 1, new_tokens or 1, S]``), else end-aligned
+    causality (the new tokens the latent's last). On CPU, with no mask or a boolean one, in one pass over the latent
+    (the kernels' `cpu_kernel.latent_attention`: the logits, softmax and sums in fp32, rounded once); otherwise the
+    logits by `products_f32` (``block`` latent rows at a time where it copies), masked (the lowest fp32 where a
+    boolean mask is False, as transformers' eager attention), an fp32 softmax and the probabilities, in ``queries``'
+    dtype, times the latent."""
+    batch, rows, seq = queries.shape[0], queries.shape[1], latent.shape[1]
+    heads = rows // new_tokens
+    if latent.device.type == "cpu" and (mask is None or (
+            mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, batch)
+            and mask.shape[1] in (1, heads) and mask.shape[2] in (1, new_tokens) and mask.shape[3] == seq)):
+        fused = None if mask is None else mask.expand(-1, -1, new_tokens, -1)
+        out = cpu_kernel.latent_attention(latent, queries, scale, value_dim, new_tokens, fused)
         if out is not None:
             return out.to(queries.dtype)
-    batch, rows, seq = queries.shape[0], queries.shape[1], latent.shape[1]
     scores = products_f32(latent, queries, block) * scale  # [B, M, S], fp32
-    if new_tokens > 1:
-        visible = torch.ones(new_tokens, seq, dtype=torch.bool, device=scores.device).tril(seq - new_tokens)
-        scores = scores.view(batch, rows // new_tokens, new_tokens, seq).masked_fill(
-            ~visible, torch.finfo(scores.dtype).min).view(batch, rows, seq)  # fmt: skip
+    if mask is None and new_tokens > 1:
+        mask = torch.ones(new_tokens, seq, dtype=torch.bool, device=scores.device).tril(seq - new_tokens)
+    if mask is not None:
+        scores = scores.view(batch, heads, new_tokens, seq)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+        scores = scores.view(batch, rows, seq)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
     return torch.matmul(probs, latent)[..., :value_dim]
 

@@ -224,13 +224,16 @@ def latent_scores(latent, queries):
     return torch.matmul(queries.float(), latent.float().transpose(1, 2)).contiguous()
 
 
-def latent_attention(latent, queries, scale, value_dim, new_tokens):
+def latent_attention(latent, queries, scale, value_dim, new_tokens, mask=None):
     """``softmax(scale queries latent^T) latent[..., :value_dim]`` in fp32, the query rows head-major over the
-    ``new_tokens`` last tokens of the latent (each sees the rows up to its own)."""
+    ``new_tokens`` new tokens; the rows each sees: a boolean ``mask`` ``[B or 1, heads or 1, T, S]``, else those up
+    to its own, the new tokens the latent's last. The others' logits are the lowest fp32 (a query that sees no row
+    gets the mean of all of them, as a masked softmax does)."""
     batch, rows, seq = queries.shape[0], queries.shape[1], latent.shape[1]
     scores = torch.matmul(queries.float(), latent.float().transpose(1, 2)) * scale
-    visible = torch.ones(new_tokens, seq, dtype=torch.bool, device=latent.device).tril(seq - new_tokens)
-    scores = scores.view(batch, rows // new_tokens, new_tokens, seq).masked_fill(~visible, float("-inf"))
+    if mask is None:
+        mask = torch.ones(new_tokens, seq, dtype=torch.bool, device=latent.device).tril(seq - new_tokens)
+    scores = scores.view(batch, rows // new_tokens, new_tokens, seq).masked_fill(~mask, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores.view(batch, rows, seq), dim=-1)
     return torch.matmul(probs, latent[..., :value_dim].float())
 

@@ -7,7 +7,8 @@
 // bandwidth: this reads each latent row once, kTile rows at a time, and keeps them in cache for both the logits and
 // the weighted sum. Each thread takes a part of the rows with its own running maximum, sum and accumulator (the
 // online softmax); the parts are merged at the end by their maxima. fp32 throughout (bf16 latents are read
-// exactly as fp32); the exponentials are fast_exp's (~1 ulp).
+// exactly as fp32); the exponentials are fast_exp's (~1 ulp). With a boolean mask ([B, heads, T, S], broadcast
+// where a stride is 0) the mask alone says which rows each query sees, and a tile of rows no query sees is skipped.
 
 #include <omp.h>
 
@@ -109,36 +110,57 @@ void block_values(const T* rows, int n, int dim, int value_dim, const float* p, 
 #endif
 }
 
+// A boolean mask over the latent rows, [B, heads, T, S] by strides (0 for a broadcast dimension; the rows' stride
+// 1), or none (end-aligned causality over the new tokens).
+struct Mask {
+  const uint8_t* data = nullptr;
+  int64_t batch = 0, head = 0, token = 0;
+};
+
 // Rows [first, first + count) of one batch's latent against its padded query rows: running maxima, sums and
-// accumulators ([m_pad], [m_pad], [m_pad, value_dim]) of the online softmax.
+// accumulators ([m_pad], [m_pad], [m_pad, value_dim]) of the online softmax. `mask`: that batch's (or null).
 template <typename T>
 void attend_part(const T* latent, int64_t first, int64_t count, int64_t seq, const float* q, int64_t m_rows,
-                 int64_t m_pad, int dim, int value_dim, int new_tokens, float scale, float* mx, float* sum,
-                 float* acc, float* scores) {
+                 int64_t m_pad, int dim, int value_dim, int new_tokens, const Mask& mask, float scale, float* mx,
+                 float* sum, float* acc, float* scores) {
   std::fill(mx, mx + m_pad, kNegInf);
   std::fill(sum, sum + m_pad, 0.0f);
   std::fill(acc, acc + m_pad * value_dim, 0.0f);
+  auto mask_row = [&](int64_t j) {  // query row j's mask over the latent rows
+    return mask.data + (j / new_tokens) * mask.head + (j % new_tokens) * mask.token;
+  };
   for (int64_t t0 = 0; t0 < count; t0 += kTile) {
     const int n = (int)std::min<int64_t>(kTile, count - t0);
     const int64_t s0 = first + t0;
+    if (mask.data) {  // a tile no query sees is not read (a static cache's slots past its tokens)
+      bool seen = false;
+      for (int64_t j = 0; j < m_rows && !seen; ++j) {
+        const uint8_t* row = mask_row(j) + s0;
+        for (int i = 0; i < n; ++i) seen |= row[i] != 0;
+      }
+      if (!seen) continue;
+    }
     const T* rows = latent + s0 * dim;
     for (int64_t j = 0; j < m_pad; j += kBlock) block_logits(rows, n, dim, q + j * dim, scores + j * kTile);
     for (int64_t j = 0; j < m_rows; ++j) {
       float* sc = scores + j * kTile;
-      // the last row this query sees (end-aligned causality over the new tokens)
-      const int64_t last = seq - new_tokens + j % new_tokens;
-      const int visible = (int)std::max<int64_t>(0, std::min<int64_t>(n, last - s0 + 1));
-      float tile_max = kNegInf;
-      for (int i = 0; i < visible; ++i) {
-        sc[i] *= scale;
-        tile_max = std::max(tile_max, sc[i]);
+      int visible = n;
+      if (mask.data) {
+        const uint8_t* row = mask_row(j) + s0;
+        for (int i = 0; i < n; ++i) sc[i] = row[i] ? sc[i] * scale : kNegInf;
+      } else {
+        // the last row this query sees (end-aligned causality over the new tokens)
+        const int64_t last = seq - new_tokens + j % new_tokens;
+        visible = (int)std::max<int64_t>(0, std::min<int64_t>(n, last - s0 + 1));
+        for (int i = 0; i < visible; ++i) sc[i] *= scale;
       }
-      if (visible == 0) {
+      float tile_max = kNegInf;  // (a NaN sticks: it reaches the sum and the output, as in torch)
+      for (int i = 0; i < visible; ++i) tile_max = sc[i] > tile_max || std::isnan(sc[i]) ? sc[i] : tile_max;
+      if (visible == 0 || tile_max == kNegInf) {  // (nothing seen in this tile)
         std::fill(sc, sc + kTile, 0.0f);
         continue;
       }
-      // (a NaN logit is no maximum, but its exponential is NaN: it reaches the sum and the output, as in torch)
-      const float new_max = std::max(mx[j], tile_max);
+      const float new_max = std::isnan(tile_max) ? mx[j] : std::max(mx[j], tile_max);
       if (new_max > mx[j]) {
         const float alpha = mx[j] == kNegInf ? 0.0f : k3::fast_exp(mx[j] - new_max);
         sum[j] *= alpha;
@@ -146,6 +168,7 @@ void attend_part(const T* latent, int64_t first, int64_t count, int64_t seq, con
         for (int d = 0; d < value_dim; ++d) a[d] *= alpha;
         mx[j] = new_max;
       }
+      // (a masked logit is -inf: its exponential, below fast_exp's range, is exactly 0)
       for (int i = 0; i < visible; ++i) sc[i] = k3::fast_exp(sc[i] - new_max);
       float total = 0.0f;
       for (int i = 0; i < visible; ++i) total += sc[i];
@@ -160,7 +183,8 @@ void attend_part(const T* latent, int64_t first, int64_t count, int64_t seq, con
 
 template <typename T>
 int latent_attention(const T* latent, int64_t batch_stride, const float* queries, int64_t batch, int64_t seq,
-                     int64_t m_rows, int dim, int value_dim, int new_tokens, float scale, float* out, int n_threads) {
+                     int64_t m_rows, int dim, int value_dim, int new_tokens, const Mask& mask, float scale,
+                     float* out, int n_threads) {
   const int64_t m_pad = (m_rows + kBlock - 1) / kBlock * kBlock;
   const int64_t by_threads = (n_threads + batch - 1) / batch;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(by_threads, seq / kMinPart));
@@ -189,8 +213,10 @@ int latent_attention(const T* latent, int64_t batch_stride, const float* queries
       status = 2;
       continue;
     }
+    Mask batch_mask = mask;
+    if (mask.data) batch_mask.data = mask.data + b * mask.batch;
     attend_part(latent + b * batch_stride, first, count, seq, q_pad.data() + b * m_pad * dim, m_rows, m_pad, dim,
-                value_dim, new_tokens, scale, st, st + m_pad, st + 2 * m_pad, scores.data());
+                value_dim, new_tokens, batch_mask, scale, st, st + m_pad, st + 2 * m_pad, scores.data());
   }
   if (status) return status;
   for (int64_t b = 0; b < batch; ++b)
@@ -199,6 +225,15 @@ int latent_attention(const T* latent, int64_t batch_stride, const float* queries
       for (int64_t part = 0; part < parts; ++part) top = std::max(top, states[(b * parts + part) * state + j]);
       float* o = out + (b * m_rows + j) * value_dim;
       std::fill(o, o + value_dim, 0.0f);
+      if (top == kNegInf) {
+        // A query the mask leaves no row: the mean of every row, as the two passes give (their masked logits are
+        // the dtype's lowest, all equal: a uniform softmax), not a NaN.
+        const T* rows = latent + b * batch_stride;
+        for (int64_t s = 0; s < seq; ++s)
+          for (int d = 0; d < value_dim; ++d) o[d] += to_f32(rows[s * dim + d]);
+        for (int d = 0; d < value_dim; ++d) o[d] /= (float)seq;
+        continue;
+      }
       float total = 0.0f;
       for (int64_t part = 0; part < parts; ++part) {
         const float* st = states.data() + (b * parts + part) * state;
@@ -218,14 +253,18 @@ int latent_attention(const T* latent, int64_t batch_stride, const float* queries
 
 extern "C" int k3_latent_attention(const void* latent, int latent_bf16, int64_t batch_stride, const float* queries,
                                    int64_t batch, int64_t seq, int64_t m_rows, int dim, int value_dim,
-                                   int new_tokens, float scale, float* out, int n_threads) {
+                                   int new_tokens, const uint8_t* mask, const int64_t* mask_strides, float scale,
+                                   float* out, int n_threads) {
   if (batch < 0 || seq < 1 || m_rows < 1 || dim < 1 || value_dim < 1 || value_dim > dim || new_tokens < 1 ||
-      new_tokens > seq || m_rows % new_tokens != 0 || batch_stride < seq * dim || n_threads < 1)
+      new_tokens > seq || m_rows % new_tokens != 0 || batch_stride < seq * dim || n_threads < 1 ||
+      (mask && !mask_strides))
     return 1;
   if (batch == 0) return 0;
+  Mask m;
+  if (mask) m = Mask{mask, mask_strides[0], mask_strides[1], mask_strides[2]};
   if (latent_bf16)
     return latent_attention(static_cast<const uint16_t*>(latent), batch_stride, queries, batch, seq, m_rows, dim,
-                            value_dim, new_tokens, scale, out, n_threads);
+                            value_dim, new_tokens, m, scale, out, n_threads);
   return latent_attention(static_cast<const float*>(latent), batch_stride, queries, batch, seq, m_rows, dim,
-                          value_dim, new_tokens, scale, out, n_threads);
+                          value_dim, new_tokens, m, scale, out, n_threads);
 }

@@ -47,7 +47,7 @@ int k3_gemm_bf16_f32(const uint16_t* a, const uint16_t* b, int64_t m, int64_t n,
 
 int k3_latent_attention(const void* latent, int latent_bf16, int64_t batch_stride, const float* queries,
                         int64_t batch, int64_t seq, int64_t m_rows, int dim, int value_dim, int new_tokens,
-                        float scale, float* out, int n_threads);
+                        const uint8_t* mask, const int64_t* mask_strides, float scale, float* out, int n_threads);
 
 int k3_linear_bf16_available();
 int k3_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m, int64_t n, int k,

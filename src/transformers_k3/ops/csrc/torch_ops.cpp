@@ -226,7 +226,7 @@ Tensor latent_scores(const Tensor& latent, const Tensor& queries) {
 }
 
 Tensor latent_attention(const Tensor& latent, const Tensor& queries, double scale, int64_t value_dim,
-                        int64_t new_tokens) {
+                        int64_t new_tokens, const std::optional<Tensor>& mask) {
   const char* op = "latent_attention";
   TORCH_CHECK(latent.scalar_type() == at::kFloat || latent.scalar_type() == at::kBFloat16, op,
               ": latent must be fp32 or bf16, got ", latent.scalar_type());
@@ -238,6 +238,20 @@ Tensor latent_attention(const Tensor& latent, const Tensor& queries, double scal
   TORCH_CHECK(new_tokens >= 1 && new_tokens <= seq && rows % new_tokens == 0, op,
               ": new_tokens must divide the query rows and be at most the latent's length, got ", new_tokens,
               " for ", rows, " rows and ", seq, " latent rows");
+  // the mask broadcast to [B, heads, T, S] (strides of 0, no copy), its rows contiguous
+  Tensor m;
+  std::array<int64_t, 3> mask_strides{0, 0, 0};
+  if (mask.has_value()) {
+    check_tensor(*mask, op, "mask", at::kBool, 4);
+    const int64_t heads = rows / new_tokens;
+    const auto& size = mask->sizes();
+    TORCH_CHECK((size[0] == 1 || size[0] == batch) && (size[1] == 1 || size[1] == heads) &&
+                    size[2] == new_tokens && size[3] == seq,
+                op, ": mask must be [1 or ", batch, ", 1 or ", heads, ", ", new_tokens, ", ", seq, "], got ", size);
+    m = mask->stride(3) == 1 || seq == 1 ? *mask : mask->contiguous();
+    m = m.expand({batch, heads, new_tokens, seq});
+    mask_strides = {m.stride(0), m.stride(1), m.stride(2)};
+  }
   // the rows of each batch contiguous (a cache's latent: a prefix of its reserved buffer, no copy)
   const bool rows_apart = latent.stride(2) == 1 && (latent.stride(1) == dim || seq <= 1) &&
                          (batch <= 1 || latent.stride(0) >= seq * dim);
@@ -248,7 +262,9 @@ Tensor latent_attention(const Tensor& latent, const Tensor& queries, double scal
   if (batch == 0 || rows == 0) return out;
   check_status(k3_latent_attention(lat.const_data_ptr(), lat.scalar_type() == at::kBFloat16 ? 1 : 0, batch_stride,
                                    f32(q), batch, seq, rows, as_int(dim, op, "dim"), as_int(value_dim, op, "value_dim"),
-                                   as_int(new_tokens, op, "new_tokens"), (float)scale, f32_out(out), threads()),
+                                   as_int(new_tokens, op, "new_tokens"),
+                                   m.defined() ? static_cast<const uint8_t*>(m.const_data_ptr()) : nullptr,
+                                   mask_strides.data(), (float)scale, f32_out(out), threads()),
                op);
   return out;
 }
@@ -542,7 +558,8 @@ TORCH_LIBRARY(transformers_k3, m) {
         "(Tensor, Tensor)");
   m.def("gemm_bf16_f32(Tensor x, Tensor weight) -> Tensor");
   m.def("latent_scores(Tensor latent, Tensor queries) -> Tensor");
-  m.def("latent_attention(Tensor latent, Tensor queries, float scale, int value_dim, int new_tokens) -> Tensor");
+  m.def("latent_attention(Tensor latent, Tensor queries, float scale, int value_dim, int new_tokens, "
+        "Tensor? mask=None) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("glu(Tensor gate, Tensor up, int kind, float beta, float linear_beta) -> Tensor");
   m.def("glu_backward(Tensor grad, Tensor gate, Tensor up, int kind, float beta, float linear_beta) -> "
