@@ -220,6 +220,25 @@ def test_latent_attention_with_a_boolean_mask(dtype, layout):
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_latent_attention_propagates_a_nan():
+    """A NaN in a query or in a seen latent row, or logits that are all -inf, give NaN as torch's softmax does,
+    never a finite answer (the mean the mask's empty rows get), also when the row falls in one thread's part."""
+    nan, inf = float("nan"), float("inf")
+    latent, queries = rand(1, 10, 24), rand(1, 2, 24, seed=1)
+    queries[0, 0, 0] = nan
+    out = ops.latent_attention(latent, queries, 0.1, 20, 1)
+    assert out[0, 0].isnan().all() and not out[0, 1].isnan().any()
+    latent, queries = rand(1, 1024, 24), rand(1, 2, 24, seed=1)  # (two parts on two threads)
+    latent[0, 3, 0] = nan
+    mask = torch.zeros(1, 1, 1, 1024, dtype=torch.bool)
+    mask[..., :10] = mask[..., 600:700] = True
+    assert ops.latent_attention(latent, queries, 0.1, 20, 1, mask).isnan().all()
+    latent, queries = rand(1, 10, 24).abs() + 0.1, rand(1, 2, 24, seed=1)
+    queries[0, 0, 0] = -inf  # (every logit of query 0 is -inf)
+    out = ops.latent_attention(latent, queries, 0.1, 20, 1)
+    assert out[0, 0].isnan().all() and not out[0, 1].isnan().any()
+
+
 def test_latent_attention_names_a_misfit():
     latent, queries = rand(2, 10, 48), rand(2, 6, 48, seed=1)
     with pytest.raises(RuntimeError, match="queries"):

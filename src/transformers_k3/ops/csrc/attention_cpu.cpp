@@ -118,12 +118,15 @@ struct Mask {
 };
 
 // Rows [first, first + count) of one batch's latent against its padded query rows: running maxima, sums and
-// accumulators ([m_pad], [m_pad], [m_pad, value_dim]) of the online softmax. `mask`: that batch's (or null).
+// accumulators ([m_pad], [m_pad], [m_pad, value_dim]) of the online softmax, and whether each query saw a row
+// ([m_pad], 0 or 1: a query whose logits are all -inf saw rows, one the mask leaves none did not). `mask`: that
+// batch's (or null).
 template <typename T>
 void attend_part(const T* latent, int64_t first, int64_t count, int64_t seq, const float* q, int64_t m_rows,
                  int64_t m_pad, int dim, int value_dim, int new_tokens, const Mask& mask, float scale, float* mx,
-                 float* sum, float* acc, float* scores) {
+                 float* sum, float* acc, float* saw, float* scores) {
   std::fill(mx, mx + m_pad, kNegInf);
+  std::fill(saw, saw + m_pad, 0.0f);
   std::fill(sum, sum + m_pad, 0.0f);
   std::fill(acc, acc + m_pad * value_dim, 0.0f);
   auto mask_row = [&](int64_t j) {  // query row j's mask over the latent rows
@@ -147,7 +150,12 @@ void attend_part(const T* latent, int64_t first, int64_t count, int64_t seq, con
       int visible = n;
       if (mask.data) {
         const uint8_t* row = mask_row(j) + s0;
-        for (int i = 0; i < n; ++i) sc[i] = row[i] ? sc[i] * scale : kNegInf;
+        bool any = false;
+        for (int i = 0; i < n; ++i) {
+          sc[i] = row[i] ? sc[i] * scale : kNegInf;
+          any |= row[i] != 0;
+        }
+        if (!any) visible = 0;
       } else {
         // the last row this query sees (end-aligned causality over the new tokens)
         const int64_t last = seq - new_tokens + j % new_tokens;
@@ -156,11 +164,13 @@ void attend_part(const T* latent, int64_t first, int64_t count, int64_t seq, con
       }
       float tile_max = kNegInf;  // (a NaN sticks: it reaches the sum and the output, as in torch)
       for (int i = 0; i < visible; ++i) tile_max = sc[i] > tile_max || std::isnan(sc[i]) ? sc[i] : tile_max;
-      if (visible == 0 || tile_max == kNegInf) {  // (nothing seen in this tile)
+      if (visible > 0) saw[j] = 1.0f;
+      if (visible == 0 || tile_max == kNegInf) {  // (nothing seen in this tile, or weights of 0 only)
         std::fill(sc, sc + kTile, 0.0f);
         continue;
       }
-      const float new_max = std::isnan(tile_max) ? mx[j] : std::max(mx[j], tile_max);
+      // (a NaN tile keeps a finite maximum, so that the merge takes this part's NaN sum)
+      const float new_max = std::isnan(tile_max) ? (mx[j] == kNegInf ? 0.0f : mx[j]) : std::max(mx[j], tile_max);
       if (new_max > mx[j]) {
         const float alpha = mx[j] == kNegInf ? 0.0f : k3::fast_exp(mx[j] - new_max);
         sum[j] *= alpha;
@@ -189,7 +199,7 @@ int latent_attention(const T* latent, int64_t batch_stride, const float* queries
   const int64_t by_threads = (n_threads + batch - 1) / batch;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(by_threads, seq / kMinPart));
   const int64_t part_rows = (seq + parts - 1) / parts;
-  const int64_t state = m_pad * (2 + value_dim);  // a part's maxima, sums and accumulators
+  const int64_t state = m_pad * (3 + value_dim);  // a part's maxima, sums, accumulators and rows-seen flags
   std::vector<float> q_pad, states;
   try {
     q_pad.assign(batch * m_pad * dim, 0.0f);
@@ -216,16 +226,26 @@ int latent_attention(const T* latent, int64_t batch_stride, const float* queries
     Mask batch_mask = mask;
     if (mask.data) batch_mask.data = mask.data + b * mask.batch;
     attend_part(latent + b * batch_stride, first, count, seq, q_pad.data() + b * m_pad * dim, m_rows, m_pad, dim,
-                value_dim, new_tokens, batch_mask, scale, st, st + m_pad, st + 2 * m_pad, scores.data());
+                value_dim, new_tokens, batch_mask, scale, st, st + m_pad, st + 2 * m_pad,
+                st + (2 + value_dim) * m_pad, scores.data());
   }
   if (status) return status;
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t j = 0; j < m_rows; ++j) {
       float top = kNegInf;
-      for (int64_t part = 0; part < parts; ++part) top = std::max(top, states[(b * parts + part) * state + j]);
+      bool saw = false;
+      for (int64_t part = 0; part < parts; ++part) {
+        const float* st = states.data() + (b * parts + part) * state;
+        top = std::max(top, st[j]);
+        saw |= st[(2 + value_dim) * m_pad + j] != 0.0f;
+      }
       float* o = out + (b * m_rows + j) * value_dim;
       std::fill(o, o + value_dim, 0.0f);
-      if (top == kNegInf) {
+      if (saw && top == kNegInf) {  // rows seen, every logit -inf: NaN, as torch's softmax gives
+        std::fill(o, o + value_dim, NAN);
+        continue;
+      }
+      if (!saw) {
         // A query the mask leaves no row: the mean of every row, as the two passes give (their masked logits are
         // the dtype's lowest, all equal: a uniform softmax), not a NaN.
         const T* rows = latent + b * batch_stride;
