@@ -31,14 +31,6 @@ constexpr int kBlock = 4;          // query rows per pass over a latent row (the
 constexpr int64_t kMinPart = 512;  // latent rows per thread's part at least
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {
-  const uint32_t bits = (uint32_t)x << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 // scores[j * kTile + i] = q_j . rows[i] for the kBlock query rows at q (row stride dim), n latent rows
 template <typename T>
 void block_logits(const T* rows, int n, int dim, const float* q, float* scores) {
@@ -73,7 +65,7 @@ void block_logits(const T* rows, int n, int dim, const float* q, float* scores) 
     for (int i = 0; i < n; ++i) {
       const T* row = rows + (int64_t)i * dim;
       float s = 0.0f;
-      for (int d = 0; d < dim; ++d) s += q[(int64_t)j * dim + d] * to_f32(row[d]);
+      for (int d = 0; d < dim; ++d) s += q[(int64_t)j * dim + d] * k3::to_float(row[d]);
       scores[j * kTile + i] = s;
     }
 #endif
@@ -105,7 +97,7 @@ void block_values(const T* rows, int n, int dim, int value_dim, const float* p, 
     for (int i = 0; i < n; ++i) {
       const float w = p[j * kTile + i];
       const T* row = rows + (int64_t)i * dim;
-      for (int d = 0; d < value_dim; ++d) acc[(int64_t)j * value_dim + d] += w * to_f32(row[d]);
+      for (int d = 0; d < value_dim; ++d) acc[(int64_t)j * value_dim + d] += w * k3::to_float(row[d]);
     }
 #endif
 }
@@ -250,7 +242,7 @@ int latent_attention(const T* latent, int64_t batch_stride, const float* queries
         // the dtype's lowest, all equal: a uniform softmax), not a NaN.
         const T* rows = latent + b * batch_stride;
         for (int64_t s = 0; s < seq; ++s)
-          for (int d = 0; d < value_dim; ++d) o[d] += to_f32(rows[s * dim + d]);
+          for (int d = 0; d < value_dim; ++d) o[d] += k3::to_float(rows[s * dim + d]);
         for (int d = 0; d < value_dim; ++d) o[d] /= (float)seq;
         continue;
       }

@@ -36,6 +36,15 @@ inline void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, c
   sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
+// bf16 values (stored as their raw 16 bits) read as fp32, exactly: the 16 bits are the top half of the float.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
 // The first min(left, 16) of a 16-lane vector's lanes (none for left <= 0): the mask of a row's last, partial
 // vector in the AVX-512 loops.
 inline uint16_t lane_mask(int64_t left) {

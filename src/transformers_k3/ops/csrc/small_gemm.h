@@ -206,15 +206,6 @@ inline void small_gemm(int m, int n, int k, const float* a, int64_t sam, int64_t
     small_gemm_blocks<false>(m, n, k, a, sam, sap, b, ldb, c, ldc, rows, accumulate, prefetch, a_rows, nullptr);
 }
 
-// bf16 weights (stored as their raw 16 bits) read as fp32, exactly: the 16 bits are the top half of the float.
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t b) {
-  const uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
 // out[o] = sum_p x[p] w[o, p] for o < n: w [n, k] as stored (fp32, or bf16 bits read exactly as fp32), x fp32
 // (a matrix-vector product with no transposed copy, for a few rows: a decode step); four rows of w per pass over
 // x, each summed in 16 lanes, the lanes added by simd::reduce_add.
