@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.linear import blocks, latent_attention
+from ..ops.linear import blocks, end_aligned_causal, latent_attention
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -36,11 +36,6 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     probs = F.dropout(probs, p=dropout, training=module.training)
     out = torch.matmul(probs, value).transpose(1, 2).contiguous()
     return out, probs
-
-
-def end_aligned_causal(q_len: int, seq: int, device) -> torch.Tensor:
-    """``[q_len, seq]`` boolean causal mask for the last ``q_len`` of ``seq`` tokens (new tokens after a cache)."""
-    return torch.ones(q_len, seq, dtype=torch.bool, device=device).tril(seq - q_len)
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

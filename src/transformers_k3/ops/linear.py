@@ -114,6 +114,11 @@ def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
                       for start, end in blocks(a.shape[1], block)], dim=1).transpose(1, 2)
 
 
+def end_aligned_causal(q_len: int, seq: int, device) -> torch.Tensor:
+    """``[q_len, seq]`` boolean causal mask for the last ``q_len`` of ``seq`` tokens (new tokens after a cache)."""
+    return torch.ones(q_len, seq, dtype=torch.bool, device=device).tril(seq - q_len)
+
+
 def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, value_dim: int, new_tokens: int,
                      block: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(scale queries latent^T) latent[..., :value_dim]`` ``[B, M, value_dim]`` in ``queries``' dtype, for
@@ -135,7 +140,7 @@ def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, 
             return out.to(queries.dtype)
     scores = products_f32(latent, queries, block) * scale  # [B, M, S], fp32
     if mask is None and new_tokens > 1:
-        mask = torch.ones(new_tokens, seq, dtype=torch.bool, device=scores.device).tril(seq - new_tokens)
+        mask = end_aligned_causal(new_tokens, seq, scores.device)
     if mask is not None:
         scores = scores.view(batch, heads, new_tokens, seq)
         if mask.dtype == torch.bool:
