@@ -45,6 +45,10 @@ def main() -> None:
         losses.append((mean / world).item())
     if rank == 0:
         print("RESULT " + json.dumps({"losses": losses, "held_fraction": held}), flush=True)
+    # an interpreter exit with the engine and the gloo group alive can abort in their threads' destructors
+    engine.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
