@@ -22,7 +22,7 @@ from transformers_k3.ops.conv import causal_conv1d
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
 from conftest import randomize_
-from test_ops_kda import make_inputs
+from test_ops_kda import fla_naive, make_inputs  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,11 +148,11 @@ def test_compiled_single_sequence_with_position_ids_equals_eager():
 
 def test_compiled_packed_training_step_on_the_pytorch_path():
     """With the fused kernels off, KDA runs the PyTorch chunked code: in a graph the packed row becomes one sequence
-    whose decay is reset to 0 at every sequence start (eager splits the row into sequences), and single-token
-    sub-chunks replace eager's checked 16-token ones. The same function: loss and gradients equal eager's to 5e-5 of
+    whose decay is reset to 0 at every sequence start (eager splits the row into sequences), and the decays inside
+    each 16-token sub-chunk are taken whole (eager factors them after checking their span). The same function: loss and gradients equal eager's to 5e-5 of
     each gradient's largest entry (fp32 rounding of differently ordered sums; measured 0 on the loss, 4e-6 on the
     gradients, 1.2e-5 with 6 layers; eager's kernel and PyTorch paths differ by 3e-6). Three layers (two KDA, one
-    MLA): the single-token sub-chunks unroll into a large graph, ~45 s to trace with the 6-layer model's four.
+    MLA), to keep the trace short.
     position_ids only: the sequence count is an unbacked size here (cu_seq_lens: the operator tests' case)."""
     batch, _ = packed_batch(False)
     torch.manual_seed(2)
@@ -244,14 +244,17 @@ def test_compiled_packed_chunk_kda_equals_eager_bitwise(kernel):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("decay", ["k3", "weak"])
 @pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
-def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry):
+def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry, decay):
     """The PyTorch path's packed form in a graph (kernels off): decay reset at every sequence start, one sequence
-    from a zero state; the graph checks cu_seqlens itself. Its outputs and gradients equal each sequence run on its own in eager, at K3's strongest gates
-    (cumulative decays to -160 per chunk), to 5e-5 of each tensor's largest entry (fp32 rounding; measured 3e-7 on
-    the outputs, 6e-6 on the gate's gradient, whose chunked sums are reordered most)."""
+    from a zero state; the graph checks cu_seqlens itself. Its outputs and gradients equal each sequence run on its
+    own in eager, at K3's strongest gates (cumulative decays to -160 per chunk) and at near-zero ones (where a decay
+    computed as a difference of sums holding the reset would be off by ~1e-3), to 5e-5 of each tensor's largest
+    entry (fp32 rounding; measured 3e-7 on the outputs, 6e-6 on the gate's gradient, whose chunked sums are
+    reordered most)."""
     fn = {"chunk_kda": chunk_kda, "fused_recurrent_kda": fused_recurrent_kda}[entry]
-    q, k, v, g, beta, _ = make_inputs(1, sum(LENGTHS), 2, 16, 16, "k3", seed=7)
+    q, k, v, g, beta, _ = make_inputs(1, sum(LENGTHS), 2, 16, 16, decay, seed=7)
     cu = torch.tensor([0, 23, 68, 73])
 
     def packed(q, k, v, g, beta, cu):
@@ -274,4 +277,30 @@ def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry):
         want = (out.detach(), *(x.grad for x in leaves))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-5 * b.abs().max().item())
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("safe_gate", [True, False], ids=["safe_gate", "any_gate"])
+def test_compiled_chunk_kda_pytorch_path_equals_fla_naive(fla_naive, safe_gate):
+    """chunk_kda in a graph with the kernels off, at K3's strongest gates (cumulative decays to -160 per chunk): with
+    safe_gate=True (the K3 layer's call; gates promised in [-5, 0)) the graph factors each sub-chunk's decays as eager
+    does, without it each is taken whole (also past what factoring survives: spans of ~1,600 in a sub-chunk); both
+    give fla's recurrence. A gate below the promise fails when the graph runs, instead of overflowing."""
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 16, 16, "k3", seed=3)
+    if not safe_gate:
+        g[:, 30:70] *= 20.0
+    want = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    def kda(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=safe_gate)
+
+    with cpu_kernel.use_cpu_kernel(False):
+        compiled = compile_fullgraph(kda)
+        got = compiled(q, k, v, g, beta, h0)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        if safe_gate:
+            with pytest.raises(RuntimeError, match=r"safe_gate=True\) was given gates below -5"):
+                compiled(q, k, v, g * 3, beta, h0)
     torch._dynamo.reset()

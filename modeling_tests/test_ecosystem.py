@@ -704,7 +704,8 @@ def test_compiled_short_prefill_with_the_kernels_off():
     """A prefill shorter than one KDA chunk (10 tokens: the chunk is padded to a size the graph holds as a symbol)
     compiled with fullgraph=True, dynamic=True and the CPU kernels off: it traces (the sub-chunk rows of the PyTorch
     chunked KDA are re-laid out where a view cannot express them) and gives eager's logits and cached state up to
-    fp32 rounding (the graph takes single-token sub-chunks)."""
+    fp32 rounding (the graph factors the sub-chunks' decays on the K3 layer's promise that its gates lie in [-5, 0),
+    where eager checks their span)."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -763,8 +764,8 @@ def test_compiled_decode_step_equals_eager():
     torch.testing.assert_close(fused, want, atol=1e-5, rtol=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
-    # The prefill compiles too (fullgraph: a break raises), kernels off: the PyTorch chunked KDA takes single-token
-    # sub-chunks in a graph (it cannot branch on the gate's values there), the same function up to fp32 rounding.
+    # The prefill compiles too (fullgraph: a break raises), kernels off: the PyTorch chunked KDA in a graph cannot
+    # check the gate's span, it takes the layer's bound on the gate instead; the same function up to fp32 rounding.
     torch._dynamo.reset()
     prompt = torch.randint(3, 512, (2, 80))  # (more than one 64-token chunk)
     prefill = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)

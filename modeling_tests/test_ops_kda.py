@@ -159,6 +159,19 @@ def test_decays_beyond_the_gate_bound(fla_naive, decay):
         assert_close(s, ref_s)
 
 
+@pytest.mark.parametrize("decay", ["k3", "weak"])
+def test_whole_decays_inside_sub_chunks(fla_naive, monkeypatch, decay):
+    """Each decay inside a sub-chunk taken whole, the exponential of its own segment's sum (what a graph takes when
+    the caller gives no bound on the gate; eager where a sub-chunk's span is too wide to factor): fla's recurrence."""
+    monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)
+    q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 16, decay, seed=9)
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn in (chunk_kda, chunk_kda_64):
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
 def test_grouped_values_and_options(fla_naive):
     """GVA (HV = 2H), state_v_first, beta sigmoid in kernel, a chunk of three 16-token sub-chunks."""
     q, k, v, g, beta, h0 = make_inputs(2, 90, 2, 16, 8, "k3", seed=3, v_heads=4)
@@ -320,10 +333,14 @@ def test_gradients_match_naive_autograd(fla_naive, fn):
         assert diff <= 1e-4, f"grad {name}: max abs diff {diff:.2e}"
 
 
-def test_gradcheck_float64(monkeypatch):
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "whole"])
+def test_gradcheck_float64(monkeypatch, factored):
     """Tiny float64 case with four 2-token sub-chunks per chunk, so the sub-chunk links, the solve,
-    padding, varlen and the state hand-off are all differentiated."""
+    padding, varlen and the state hand-off are all differentiated; the decays inside a sub-chunk factored around
+    its middle, or each taken whole (what a graph without a bound on the gate computes)."""
     monkeypatch.setattr(kda_ops, "_SUB_CHUNK", 2)
+    if not factored:
+        monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape):

@@ -20,8 +20,9 @@ differentiable, and written to be fast on a small CPU:
 Decays are handled without overflow: a cumulative log-decay reaches about -160 over a 32-token chunk
 at K3's gate bound (-5 per step), so the textbook factorisation ``(q e^{G}) (k e^{-G})^T`` would
 evaluate ``e^{160}``. Here the chunk is cut into 16-token sub-chunks: inside one, exponents are taken
-relative to its middle token and are bounded by its decay span (which is checked); between two, the
-decay is split at sub-chunk boundaries into factors that are all <= 1. See :func:`_intra_chunk`.
+relative to its middle token where its decay span allows (checked; a graph takes the caller's bound on the
+gate), else each decay is taken whole; between two, the decay is split at sub-chunk boundaries into
+factors that are all <= 1. See :func:`_intra_chunk`.
 
 On x86 CPUs subnormal floats (below ~1e-38) are ~100x slower, and strong decays produce them in bulk;
 values that small are dropped (set to 0) where they arise, which changes results by far less than fp32
@@ -90,6 +91,8 @@ RECURRENT_MAX_TOKENS = 16
 TORCH_CHUNK_SIZE = 32
 _FLA_CHUNK_SIZE = 64
 
+# fla's safe_gate: precomputed gates in [-5, 0), i.e. |g| <= 5 per token (a 16-token sub-chunk spans <= 80).
+_SAFE_GATE_BOUND = 5.0
 # Largest sub-chunk; exponents inside a sub-chunk are bounded by its decay span, which must stay below
 # _SPAN_LIMIT so that e^{span} (and products of two such factors' masked-out partners) fit in fp32
 # (max ~e^88). K3's gate is > -5 per step, so 16 tokens span < 80 and the fast path always applies.
@@ -334,7 +337,16 @@ def chunk_kda(
         cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, n_seq, state_v_first,
         use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
         block=TORCH_CHUNK_SIZE if chunk_size is None else chunk_size,
+        gate_bound=_gate_bound(safe_gate, use_gate_in_kernel, lower_bound),
     )  # fmt: skip
+
+
+def _gate_bound(safe_gate: bool, use_gate_in_kernel: bool, lower_bound: float | None) -> float | None:
+    """The largest per-token |g| the call guarantees, or None: an in-kernel gate ``lower_bound * sigmoid(.)`` lies
+    in ``(lower_bound, 0)``; fla's ``safe_gate`` promises precomputed gates in ``[-5, 0)``."""
+    if use_gate_in_kernel and lower_bound is not None:
+        return -float(lower_bound)
+    return _SAFE_GATE_BOUND if safe_gate else None
 
 
 def fused_recurrent_kda(
@@ -583,11 +595,11 @@ def _host_bounds(cu_seqlens: torch.Tensor, length: int) -> list[int]:
 def _torch_kda(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
     state_v_first, use_gate_in_kernel, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-    block, inplace: bool = False,
+    block, inplace: bool = False, gate_bound: float | None = None,
 ):  # fmt: skip
     """Shared front and back end of both PyTorch forms; ``block`` is the chunk size, None for the token loop.
     ``inplace``: the final state may be written into ``initial_state`` (the single-token path does so when the
-    layouts allow; the caller copies otherwise)."""
+    layouts allow; the caller copies otherwise). ``gate_bound``: see :func:`_gate_bound`."""
     batch, length, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     dtype = torch.float32
@@ -664,7 +676,8 @@ def _torch_kda(
         out, final = _recurrent(*packed, state, layout)
         o = layout.unpack(out).to(out_dtype)
     else:
-        o, final = _chunked(q, k, v, g, beta[..., None], state, layout, scale)
+        trusted = gate_bound if use_gate_in_kernel else None  # (a promise about precomputed gates is checked)
+        o, final = _chunked(q, k, v, g, beta[..., None], state, layout, scale, gate_bound, trusted)
         o = o.to(out_dtype)
     if not output_final_state:
         return o, None
@@ -908,10 +921,11 @@ def _recurrent(q, k, v, g, beta, state, layout):
     return out.view(n_slots, heads, 1, value_dim), torch.cat([state, *reversed(finished)])
 
 
-def _chunked(q, k, v, g, beta, state, layout, scale):
+def _chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None, trusted_bound=None):
     """WY/UT-transform chunked KDA over ``[B, T, H, D]`` inputs (``q`` not yet scaled, ``beta`` ``[B, T, H, 1]``)
     from the rank-ordered states ``[N, H, K, V]``; returns ``[B, T, H, V]`` outputs and the rank-ordered final
-    states.
+    states. ``gate_bound``: a bound on ``|g|`` the caller guarantees (:func:`_gate_bound`), which a traced graph
+    uses to size its sub-chunks; checked inside the graph unless it is ``trusted_bound`` (true by construction).
 
     Per chunk, with ``G_r`` the cumulative log-decay from the chunk start to token ``r`` (inclusive) and
     ``S0`` the state entering the chunk, the corrected values ``n_r = beta_r (v_r - k_r^T S_{r-1}')``
@@ -935,13 +949,16 @@ def _chunked(q, k, v, g, beta, state, layout, scale):
     while chunk % sub:
         sub //= 2
     group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
-    # A sub-chunk's decay span is at most sub * max|g|: when that fits, no group needs its own check (a host sync
-    # per group on a GPU; this is one per call). A traced graph cannot branch on a value: there the sub-chunks are
-    # single tokens, whose decays are exact whatever the gate (the sizes the checks would end at in the worst case).
+    # A sub-chunk's decay span is at most sub * max|g|: when that fits, every diagonal block may be factored and no
+    # group needs its own check (a host sync per group on a GPU; this is one per call). A traced graph cannot branch
+    # on a value: there the caller's bound on |g| decides, and without one the diagonal blocks are taken whole.
     if torch.compiler.is_compiling():
-        sub, span_checked = 1, True
+        factored = gate_bound is not None and 0 <= gate_bound * sub <= _SPAN_LIMIT
+        if factored and gate_bound != trusted_bound:  # (NaN passes, as in eager; only a gate past the bound fails)
+            torch._assert_async(~(g < -gate_bound).any(), "chunk_kda(safe_gate=True) was given gates below -5: "
+                                "pass safe_gate=False, or gates in [-5, 0)")
     else:
-        span_checked = g.numel() == 0 or float(g.detach().abs().amax()) * sub <= _SPAN_LIMIT
+        factored = g.numel() == 0 or float(g.detach().abs().amax()) * sub <= _SPAN_LIMIT or None
 
     if in_place:
         state = state.clone()  # never write into the caller's initial_state
@@ -956,7 +973,7 @@ def _chunked(q, k, v, g, beta, state, layout, scale):
             rows += layout.active[stop] * heads
             stop += 1
         q_g, k_g, v_g, g_g, b_g = (layout.rows(x, start, stop) for x in sources)
-        w, u, qg, kdec, decay, aqk = _intra_chunk(q_g * scale, k_g, v_g, g_g, b_g.squeeze(-1), sub, span_checked)
+        w, u, qg, kdec, decay, aqk = _intra_chunk(q_g * scale, k_g, v_g, g_g, b_g.squeeze(-1), sub, factored)
         kdec, decay = kdec.transpose(1, 2), decay[:, :, None]
         sizes = [layout.active[step] * heads for step in range(start, stop)]
         parts = (x.split(sizes) for x in (w, u, qg, kdec, decay, aqk))
@@ -988,7 +1005,7 @@ def _chunked(q, k, v, g, beta, state, layout, scale):
     return layout.unpack(packed), final
 
 
-def _intra_chunk(q, k, v, g, beta, sub, span_checked: bool = False):
+def _intra_chunk(q, k, v, g, beta, sub, factored: bool | None = None):
     """Everything about a chunk that does not depend on the incoming state, for ``[n, C, D]`` rows.
 
     Returns ``w, u`` (the WY factors), ``q e^{G}``, ``k e^{G_C - G}``, the chunk decay ``e^{G_C}`` and
@@ -997,10 +1014,11 @@ def _intra_chunk(q, k, v, g, beta, sub, span_checked: bool = False):
     The pairwise decays ``e^{G_r - G_s}`` (s <= r) are never formed as ``e^{G_r} e^{-G_s}``, which
     overflows. The chunk is split into sub-chunks of ``sub`` tokens:
 
-    * within sub-chunk ``a``, ``e^{G_r - G_s} = e^{G_r - G_m} e^{G_m - G_s}`` around a token ``m`` in
-      its middle. Both factors are bounded by ``e^{span}`` of the sub-chunk, which is checked against
-      ``_SPAN_LIMIT`` (the sub-chunk is halved, down to single tokens, until it fits), so neither can
-      overflow or underflow and any decay is exact;
+    * within sub-chunk ``a``, ``e^{G_r - G_s}``: with ``factored``, as ``e^{G_r - G_m} e^{G_m - G_s}``
+      around a token ``m`` in its middle, two matrix products; both factors are bounded by ``e^{span}`` of the
+      sub-chunk, so this needs the span below ``_SPAN_LIMIT`` (None: checked here). Otherwise each decay is
+      the exponential of its own segment's sum, ``<= 1`` whatever the span (``[n, C, sub, K]`` temporaries,
+      elementwise);
     * for ``s`` in an earlier sub-chunk ``b``, the decay splits at the sub-chunk boundaries into
       ``e^{G_r - G_start(a)} e^{G_start(a) - G_end(b)} e^{G_end(b) - G_s}``: three factors <= 1, each
       >= the product, so one that is negligible makes the product negligible.
@@ -1010,26 +1028,22 @@ def _intra_chunk(q, k, v, g, beta, sub, span_checked: bool = False):
     strongly decaying chunk keep full fp32 accuracy.
     """
     n, chunk, key_dim = k.shape
-    value_dim = v.shape[-1]
-    while True:
-        n_sub = chunk // sub
-        local = g.view(n, n_sub, sub, key_dim).cumsum(2)  # G_r - G_start(a), inclusive of r
-        if sub == 1 or not n or span_checked:
-            break
+    local = g.view(n, chunk // sub, sub, key_dim).cumsum(2)  # G_r - G_start(a), inclusive of r
+    if factored is None:
         low, high = torch.aminmax(local.detach(), dim=2)
-        if float((high.clamp(min=0) - low.clamp(max=0)).max()) <= _SPAN_LIMIT:
-            break
-        sub //= 2
-    return _intra_body(q, k, v, beta, local)
+        factored = not n or float((high.clamp(min=0) - low.clamp(max=0)).max()) <= _SPAN_LIMIT
+    return _intra_body(q, k, v, beta, g, local, factored)
 
 
-def _intra_body(q, k, v, beta, local):
+def _intra_body(q, k, v, beta, g, local, factored: bool = True):
     """:func:`_intra_chunk` once the sub-chunk size is fixed: ``local`` ``[n, n_sub, sub, K]`` holds the
-    log-decays summed from each sub-chunk's start."""
+    log-decays ``g`` summed from each sub-chunk's start."""
     n, n_sub, sub, key_dim = local.shape
-    chunk, value_dim = n_sub * sub, v.shape[-1]
+    chunk = n_sub * sub
     total = local[:, :, -1]  # [n, n_sub, K]
-    tail = total[:, :, None] - local  # G_end(b) - G_s
+    g_sub = g.view(n, n_sub, sub, key_dim)
+    # G_end(b) - G_s, summed over its own tokens (not total - local: a packed row's reset decay would cancel)
+    tail = torch.cat([g_sub[:, :, 1:].flip(2).cumsum(2).flip(2), total.new_zeros(n, n_sub, 1, key_dim)], 2)
     zero = total.new_zeros(n, 1, key_dim)
     before = torch.cat([zero, total[:, :-1].cumsum(1)], 1)  # sub-chunks before a
     after = torch.cat([total[:, 1:].flip(1).cumsum(1).flip(1), zero], 1)  # sub-chunks after b
@@ -1040,10 +1054,20 @@ def _intra_body(q, k, v, beta, local):
     q_sub = q.view(n, n_sub, sub, key_dim)
     # scores[:, 0] = k_r . (e^{G_r - G_s} k_s) and scores[:, 1] = q_r . (...), both [n, C, C] in blocks.
     scores = k.new_zeros(n, 2, n_sub, sub, chunk)
-    up = (local - local[:, :, (sub - 1) // 2, None]).exp()  # e^{G_r - G_m}
-    rows = torch.stack([k_sub * up, q_sub * up], 2).reshape(n * n_sub, 2 * sub, key_dim)  # k then q rows of a
-    cols = (k_sub * up.reciprocal()).reshape(n * n_sub, sub, key_dim)
-    diagonal = torch.bmm(rows, cols.transpose(1, 2)).view(n, n_sub, 2, sub, sub)
+    if factored:
+        up = (local - local[:, :, (sub - 1) // 2, None]).exp()  # e^{G_r - G_m}
+        rows = torch.stack([k_sub * up, q_sub * up], 2).reshape(n * n_sub, 2 * sub, key_dim)  # k then q rows of a
+        cols = (k_sub * up.reciprocal()).reshape(n * n_sub, sub, key_dim)
+        diagonal = torch.bmm(rows, cols.transpose(1, 2)).view(n, n_sub, 2, sub, sub)
+    else:
+        pos = torch.arange(sub, device=local.device)
+        later = (pos[:, None] > pos[None, :])[:, :, None]  # t > s
+        # G_r - G_s = g_{s+1} + ... + g_r: a sum over r of the gates masked to t > s, [n, a, r, s, K]
+        segment = torch.where(later, g_sub[:, :, :, None], 0).cumsum(2)
+        within = torch.where(later | (pos[:, None] == pos[None, :])[:, :, None], _exp_cut(segment), 0)  # s <= r
+        decayed = within * k_sub[:, :, None]  # e^{G_r - G_s} k_s
+        diagonal = torch.stack([(decayed * k_sub[:, :, :, None]).sum(-1), (decayed * q_sub[:, :, :, None]).sum(-1)],
+                               2)  # fmt: skip
     blocks = scores.view(n, 2, n_sub, sub, n_sub, sub).diagonal(dim1=2, dim2=4)  # [n, 2, sub, sub, a]
     blocks.copy_(diagonal.permute(0, 2, 3, 4, 1))
     if n_sub > 1:
@@ -1059,7 +1083,13 @@ def _intra_body(q, k, v, beta, local):
                 linked = linked * link[:, :, None]
             part = torch.bmm(rows[:, a - 1], linked.reshape(n, a * sub, key_dim).transpose(1, 2))
             scores[:, :, a, :, : a * sub] = part.view(n, 2, sub, a * sub)
-    scores = scores.view(n, 2, chunk, chunk)
+    return _intra_factors(q, k, v, beta, scores.view(n, 2, chunk, chunk), prefix, suffix)
+
+
+def _intra_factors(q, k, v, beta, scores, prefix, suffix):
+    """The chunk's factors (:func:`_intra_chunk`'s results) from its ``[n, 2, C, C]`` key and query scores (on and
+    below the diagonal) and the log-decays ``G_r`` and ``G_C - G_s``."""
+    n, _, chunk, _ = scores.shape
     # Entries below _FLUSH only ever scale O(1) values; zeroing them keeps subnormal floats (~100x
     # slower on x86) out of the products that follow.
     aqk = F.hardshrink(scores[:, 1], _FLUSH).tril()
