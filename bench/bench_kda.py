@@ -79,11 +79,15 @@ METHODS = {
     "ours_chunk": "ours chunk_kda (fused CPU kernel)",
     "ours_chunk_pytorch": "ours chunk_kda, PyTorch path",
     "ours_chunk_compiled": "ours chunk_kda, torch.compile (kernel in graph)",
+    "ours_chunk_pytorch_compiled": "ours chunk_kda, PyTorch path, torch.compile, safe_gate (the K3 layer's call)",
+    "ours_chunk_pytorch_compiled_any_gate": "ours chunk_kda, PyTorch path, torch.compile, no bound on the gate",
     "ours_recurrent": "ours fused_recurrent_kda (kernel, chunked)",
     "intree_chunk": "in-tree chunk_kimi_delta_attention",
     "intree_recurrent": "in-tree recurrent_kimi_delta_attention",
     "fla_naive_chunk": "fla naive_chunk_kda",
 }
+# Rows that run only when --methods names them (each compiles the PyTorch path's graph, ~30 s a shape).
+NAMED_ONLY = {"ours_chunk_pytorch_compiled", "ours_chunk_pytorch_compiled_any_gate"}
 DECODE_METHODS = {
     "ours_decode": "ours fused_recurrent_kda, T=1",
     "intree_decode": "in-tree recurrent_kimi_delta_attention, T=1",
@@ -116,7 +120,7 @@ def chunked_kda_flops(tokens: int, heads: int, key_dim: int, value_dim: int, chu
 
 def method_chunk(method: str) -> int | None:
     """Chunk size the method computes with (None: a token loop), for its FLOP count."""
-    if method in ("ours_chunk", "ours_chunk_pytorch", "ours_chunk_compiled", "ours_recurrent"):  # (ours_recurrent runs the chunked kernel)
+    if method.startswith("ours_chunk") or method == "ours_recurrent":  # (ours_recurrent runs the chunked kernel)
         from transformers_k3.ops.kda import TORCH_CHUNK_SIZE
 
         return TORCH_CHUNK_SIZE
@@ -178,7 +182,7 @@ def _intree(name: str):
 
 def _load_method(name: str):
     """``fn(q, k, v, g, beta, state) -> (o, final_state)``; ``state`` is None for prefill."""
-    if name in ("ours_chunk", "ours_chunk_pytorch", "ours_chunk_compiled", "ours_train", "ours_train_pytorch"):
+    if name.startswith("ours_chunk") or name in ("ours_train", "ours_train_pytorch"):
         import torch
 
         from transformers_k3.ops import cpu_kernel
@@ -188,10 +192,13 @@ def _load_method(name: str):
         if fused and cpu_kernel.library() is None:
             raise RuntimeError(f"the fused CPU kernel is unavailable: {cpu_kernel.load_error()}")
 
-        def core(q, k, v, g, b, s):
-            return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True, backend="torch")
+        safe_gate = name == "ours_chunk_pytorch_compiled"  # (the PyTorch path reads it only inside a graph)
 
-        if name == "ours_chunk_compiled":  # (one graph per shape: the timed shape is warmed up before timing)
+        def core(q, k, v, g, b, s):
+            return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True, backend="torch",
+                             safe_gate=safe_gate)
+
+        if "_compiled" in name:  # (one graph per shape: the timed shape is warmed up before timing)
             core = torch.compile(core, fullgraph=True, dynamic=False)
 
         def run(q, k, v, g, b, s):
@@ -397,8 +404,9 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, help="decode steps timed (default 200; --quick 32)")
     parser.add_argument("--gemm-sizes", type=_sizes, help="square matmul sizes for the roofline")
     parser.add_argument("--methods", help="comma list, a subset of "
-                        f"{', '.join([*METHODS, *DECODE_METHODS, *TRAIN_METHODS])} (default all; rows compare with "
-                        "ours_chunk / ours_decode / ours_train, so keep those)")
+                        f"{', '.join([*METHODS, *DECODE_METHODS, *TRAIN_METHODS])} (default all but "
+                        f"{', '.join(sorted(NAMED_ONLY))}; rows compare with ours_chunk / ours_decode / ours_train, "
+                        "so keep those)")
     parser.add_argument("--child", choices=[*METHODS, *DECODE_METHODS, *TRAIN_METHODS, "gemm"],
                         help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -419,7 +427,8 @@ def main() -> None:
     lengths = args.lengths or ([256, 1024] if args.quick else [1024, 4096, 16384])
     configs = args.configs or CONFIGS
     decode_steps = args.decode_steps or (32 if args.quick else 200)
-    chosen = set(args.methods.split(",")) if args.methods else set(METHODS) | set(DECODE_METHODS) | set(TRAIN_METHODS)
+    every = set(METHODS) | set(DECODE_METHODS) | set(TRAIN_METHODS)
+    chosen = set(args.methods.split(",")) if args.methods else every - NAMED_ONLY
     unknown = chosen - set(METHODS) - set(DECODE_METHODS) - set(TRAIN_METHODS)
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}")
