@@ -149,10 +149,10 @@ def test_compiled_single_sequence_with_position_ids_equals_eager():
 def test_compiled_packed_training_step_on_the_pytorch_path():
     """With the fused kernels off, KDA runs the PyTorch chunked code: in a graph the packed row becomes one sequence
     whose decay is reset to 0 at every sequence start (eager splits the row into sequences), and the decays inside
-    each 16-token sub-chunk are taken whole (eager factors them after checking their span). The same function: loss and gradients equal eager's to 5e-5 of
-    each gradient's largest entry (fp32 rounding of differently ordered sums; measured 0 on the loss, 4e-6 on the
-    gradients, 1.2e-5 with 6 layers; eager's kernel and PyTorch paths differ by 3e-6). Three layers (two KDA, one
-    MLA), to keep the trace short.
+    each 16-token sub-chunk are taken whole (eager factors them after checking their span). The same function: loss
+    and gradients equal eager's to 5e-5 of each gradient's largest entry (fp32 rounding of differently ordered sums;
+    measured 0 on the loss, 4e-6 on the gradients, 1.2e-5 with 6 layers; eager's kernel and PyTorch paths differ by
+    3e-6). Three layers (two KDA, one MLA), to keep the trace short.
     position_ids only: the sequence count is an unbacked size here (cu_seq_lens: the operator tests' case)."""
     batch, _ = packed_batch(False)
     torch.manual_seed(2)

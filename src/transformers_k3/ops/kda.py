@@ -676,8 +676,11 @@ def _torch_kda(
         out, final = _recurrent(*packed, state, layout)
         o = layout.unpack(out).to(out_dtype)
     else:
-        trusted = gate_bound if use_gate_in_kernel else None  # (a promise about precomputed gates is checked)
-        o, final = _chunked(q, k, v, g, beta[..., None], state, layout, scale, gate_bound, trusted)
+        if gate_bound is not None and not use_gate_in_kernel and torch.compiler.is_compiling():
+            # (a graph relies on safe_gate's promise about precomputed gates: checked when it runs; NaN passes)
+            torch._assert_async(~(g < -gate_bound).any(), "chunk_kda(safe_gate=True) was given gates below -5: "
+                                "pass safe_gate=False, or gates in [-5, 0)")
+        o, final = _chunked(q, k, v, g, beta[..., None], state, layout, scale, gate_bound)
         o = o.to(out_dtype)
     if not output_final_state:
         return o, None
@@ -921,11 +924,11 @@ def _recurrent(q, k, v, g, beta, state, layout):
     return out.view(n_slots, heads, 1, value_dim), torch.cat([state, *reversed(finished)])
 
 
-def _chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None, trusted_bound=None):
+def _chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None):
     """WY/UT-transform chunked KDA over ``[B, T, H, D]`` inputs (``q`` not yet scaled, ``beta`` ``[B, T, H, 1]``)
     from the rank-ordered states ``[N, H, K, V]``; returns ``[B, T, H, V]`` outputs and the rank-ordered final
     states. ``gate_bound``: a bound on ``|g|`` the caller guarantees (:func:`_gate_bound`), which a traced graph
-    uses to size its sub-chunks; checked inside the graph unless it is ``trusted_bound`` (true by construction).
+    uses to decide whether to factor its sub-chunks' decays.
 
     Per chunk, with ``G_r`` the cumulative log-decay from the chunk start to token ``r`` (inclusive) and
     ``S0`` the state entering the chunk, the corrected values ``n_r = beta_r (v_r - k_r^T S_{r-1}')``
@@ -954,11 +957,8 @@ def _chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None, trusted_bo
     # on a value: there the caller's bound on |g| decides, and without one the diagonal blocks are taken whole.
     if torch.compiler.is_compiling():
         factored = gate_bound is not None and 0 <= gate_bound * sub <= _SPAN_LIMIT
-        if factored and gate_bound != trusted_bound:  # (NaN passes, as in eager; only a gate past the bound fails)
-            torch._assert_async(~(g < -gate_bound).any(), "chunk_kda(safe_gate=True) was given gates below -5: "
-                                "pass safe_gate=False, or gates in [-5, 0)")
-    else:
-        factored = g.numel() == 0 or float(g.detach().abs().amax()) * sub <= _SPAN_LIMIT or None
+    else:  # (None: each group checks its own sub-chunks)
+        factored = True if g.numel() == 0 or float(g.detach().abs().amax()) * sub <= _SPAN_LIMIT else None
 
     if in_place:
         state = state.clone()  # never write into the caller's initial_state
@@ -1064,7 +1064,7 @@ def _intra_body(q, k, v, beta, g, local, factored: bool = True):
         later = (pos[:, None] > pos[None, :])[:, :, None]  # t > s
         # G_r - G_s = g_{s+1} + ... + g_r: a sum over r of the gates masked to t > s, [n, a, r, s, K]
         segment = torch.where(later, g_sub[:, :, :, None], 0).cumsum(2)
-        within = torch.where(later | (pos[:, None] == pos[None, :])[:, :, None], _exp_cut(segment), 0)  # s <= r
+        within = torch.where((pos[:, None] >= pos[None, :])[:, :, None], _exp_cut(segment), 0)  # s <= r
         decayed = within * k_sub[:, :, None]  # e^{G_r - G_s} k_s
         diagonal = torch.stack([(decayed * k_sub[:, :, :, None]).sum(-1), (decayed * q_sub[:, :, :, None]).sum(-1)],
                                2)  # fmt: skip
@@ -1083,13 +1083,7 @@ def _intra_body(q, k, v, beta, g, local, factored: bool = True):
                 linked = linked * link[:, :, None]
             part = torch.bmm(rows[:, a - 1], linked.reshape(n, a * sub, key_dim).transpose(1, 2))
             scores[:, :, a, :, : a * sub] = part.view(n, 2, sub, a * sub)
-    return _intra_factors(q, k, v, beta, scores.view(n, 2, chunk, chunk), prefix, suffix)
-
-
-def _intra_factors(q, k, v, beta, scores, prefix, suffix):
-    """The chunk's factors (:func:`_intra_chunk`'s results) from its ``[n, 2, C, C]`` key and query scores (on and
-    below the diagonal) and the log-decays ``G_r`` and ``G_C - G_s``."""
-    n, _, chunk, _ = scores.shape
+    scores = scores.view(n, 2, chunk, chunk)
     # Entries below _FLUSH only ever scale O(1) values; zeroing them keeps subnormal floats (~100x
     # slower on x86) out of the products that follow.
     aqk = F.hardshrink(scores[:, 1], _FLUSH).tril()
