@@ -1,116 +1,103 @@
 """Kimi K3 for Hugging Face transformers.
 
-``import transformers_k3`` registers the K3 configs and models with the Auto classes (this is the only
-place that does), so a saved directory loads with ``AutoModelForCausalLM.from_pretrained`` and no
-``trust_remote_code``.
+``import transformers_k3`` registers the K3 configs, models, tokenizer and processors with the Auto classes
+(`auto.register`), so a saved directory loads with ``AutoModelForCausalLM.from_pretrained`` and no
+``trust_remote_code``. Public names are imported on first use, as transformers' own ``__init__`` does.
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoProcessor,
-    AutoTokenizer,
-)
-from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
-from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
+from __future__ import annotations
 
-from .balancing import RouterBalancer, load_router_biases, save_router_biases
-from .cache import KimiK3CacheError, KimiK3HybridCache
-from .chat import (
-    KIMI_K3_RESPONSE_TEMPLATE,
-    KimiK3ParseError,
-    KimiK3Response,
-    KimiK3ToolCall,
-    ThinkingBudgetLogitsProcessor,
-    format_kimi_k3_tool_calls,
-    parse_kimi_k3_response,
-)
-from .configuration_kimi_k3 import (
-    KimiK3Config,
-    KimiK3ConfigError,
-    KimiK3TextConfig,
-    KimiK3VisionConfig,
-    _route_kimi_linear_configs,
-)
-from .conversion import register_conversion_mappings
-from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3InputError, KimiK3Model, KimiK3PreTrainedModel
-from .image_processing_kimi_k3 import KimiK3ImageProcessor
-from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
-from .processing_kimi_k3 import KimiK3Processor
-from .small import load_small
-from .encoding_kimi_k3 import KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
-from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KimiK3Tokenizer, build_test_tokenizer
-from .video_processing_kimi_k3 import KimiK3VideoProcessor
+import importlib
+import sys
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-AutoConfig.register(KimiK3TextConfig.model_type, KimiK3TextConfig, exist_ok=True)
-AutoConfig.register(KimiK3VisionConfig.model_type, KimiK3VisionConfig, exist_ok=True)
-AutoConfig.register(KimiK3Config.model_type, KimiK3Config, exist_ok=True)
-AutoModel.register(KimiK3TextConfig, KimiK3Model, exist_ok=True)
-AutoModelForCausalLM.register(KimiK3TextConfig, KimiK3ForCausalLM, exist_ok=True)
-# Text-only use of a full (multimodal) K3 checkpoint: `KimiK3ForCausalLM` accepts the composite config and
-# uses its `text_config`. `register()` insists on `model.config_class is config`, so go to the mapping itself.
-AutoModelForCausalLM._model_mapping.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
-_route_kimi_linear_configs()
-# Official checkpoints load directly (fused experts, MXFP4 dequantised, name aliases): transformers' conversion
-# mappings for our model types; see `conversion/hf_mapping.py` for what loading and saving then do.
-register_conversion_mappings()
-# Vision: image-text-to-text model, image/video processors, processor (pipeline("image-text-to-text") works).
-AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
-# AutoImageProcessor requires Pillow and AutoVideoProcessor torchvision (the base install has neither: Pillow is
-# needed only when an image is processed), and their `register` is guarded by that, so register through the mappings.
-IMAGE_PROCESSOR_MAPPING.register(KimiK3Config, {"pil": KimiK3ImageProcessor}, exist_ok=True)
-VIDEO_PROCESSOR_MAPPING.register(
-    KimiK3Config, {"pil": KimiK3VideoProcessor, "torchvision": KimiK3VideoProcessor}, exist_ok=True
-)
-AutoProcessor.register(KimiK3Config, KimiK3Processor, exist_ok=True)
-# K3's tokenizer (Python chat rendering): found by name from tokenizer_config.json's tokenizer_class.
-for _config in (KimiK3Config, KimiK3TextConfig):
-    AutoTokenizer.register(_config, tokenizer_class=KimiK3Tokenizer, exist_ok=True)
+# public name -> the module that defines it (imported on first access)
+_EXPORTS = {
+    "register": "auto",
+    "load_small": "small",
+    "KIMI_K3_RESPONSE_TEMPLATE": "chat",
+    "KimiK3ParseError": "chat",
+    "KimiK3Response": "chat",
+    "KimiK3ToolCall": "chat",
+    "ThinkingBudgetLogitsProcessor": "chat",
+    "format_kimi_k3_tool_calls": "chat",
+    "parse_kimi_k3_response": "chat",
+    "QuantileBalancingCallback": "balancing",
+    "load_router_biases": "balancing",
+    "save_router_biases": "balancing",
+    "RouterBalancer": "balancing",
+    "KimiK3Config": "configuration_kimi_k3",
+    "KimiK3ConfigError": "configuration_kimi_k3",
+    "KimiK3TextConfig": "configuration_kimi_k3",
+    "KimiK3VisionConfig": "configuration_kimi_k3",
+    "KimiK3InputError": "modeling_kimi_k3",
+    "KimiK3ForCausalLM": "modeling_kimi_k3",
+    "KimiK3Model": "modeling_kimi_k3",
+    "KimiK3PreTrainedModel": "modeling_kimi_k3",
+    "KimiK3ForConditionalGeneration": "modeling_kimi_k3_vl",
+    "KimiK3VLPreTrainedModel": "modeling_kimi_k3_vl",
+    "KimiK3ImageProcessor": "image_processing_kimi_k3",
+    "KimiK3Processor": "processing_kimi_k3",
+    "KimiK3VideoProcessor": "video_processing_kimi_k3",
+    "KIMI_K3_CHAT_TEMPLATE": "tokenization_kimi_k3",
+    "KimiK3Tokenizer": "tokenization_kimi_k3",
+    "build_test_tokenizer": "tokenization_kimi_k3",
+    "KimiK3ChatError": "encoding_kimi_k3",
+    "KimiK3Prompt": "encoding_kimi_k3",
+    "render_kimi_k3_chat": "encoding_kimi_k3",
+    "KimiK3CacheError": "cache",
+    "KimiK3HybridCache": "cache",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .auto import register
+    from .balancing import QuantileBalancingCallback, RouterBalancer, load_router_biases, save_router_biases
+    from .cache import KimiK3CacheError, KimiK3HybridCache
+    from .chat import (
+        KIMI_K3_RESPONSE_TEMPLATE,
+        KimiK3ParseError,
+        KimiK3Response,
+        KimiK3ToolCall,
+        ThinkingBudgetLogitsProcessor,
+        format_kimi_k3_tool_calls,
+        parse_kimi_k3_response,
+    )
+    from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig, KimiK3VisionConfig
+    from .encoding_kimi_k3 import KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
+    from .image_processing_kimi_k3 import KimiK3ImageProcessor
+    from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3InputError, KimiK3Model, KimiK3PreTrainedModel
+    from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
+    from .processing_kimi_k3 import KimiK3Processor
+    from .small import load_small
+    from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KimiK3Tokenizer, build_test_tokenizer
+    from .video_processing_kimi_k3 import KimiK3VideoProcessor
+
 
 def __getattr__(name: str):
-    if name == "QuantileBalancingCallback":  # (made on first use: see balancing.__getattr__)
-        from . import balancing
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
-        return balancing.QuantileBalancingCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = [
-    "load_small",
-    "KIMI_K3_RESPONSE_TEMPLATE",
-    "KimiK3ParseError",
-    "KimiK3Response",
-    "KimiK3ToolCall",
-    "ThinkingBudgetLogitsProcessor",
-    "format_kimi_k3_tool_calls",
-    "parse_kimi_k3_response",
-    "QuantileBalancingCallback",
-    "load_router_biases",
-    "save_router_biases",
-    "RouterBalancer",
-    "KimiK3Config",
-    "KimiK3ConfigError",
-    "KimiK3InputError",
-    "KimiK3ForCausalLM",
-    "KimiK3ForConditionalGeneration",
-    "KimiK3ImageProcessor",
-    "KimiK3Processor",
-    "KimiK3VideoProcessor",
-    "KimiK3VLPreTrainedModel",
-    "KIMI_K3_CHAT_TEMPLATE",
-    "build_test_tokenizer",
-    "KimiK3ChatError",
-    "KimiK3Prompt",
-    "KimiK3Tokenizer",
-    "render_kimi_k3_chat",
-    "KimiK3CacheError",
-    "KimiK3HybridCache",
-    "KimiK3Model",
-    "KimiK3PreTrainedModel",
-    "KimiK3TextConfig",
-    "KimiK3VisionConfig",
-]
+def _started_as_cli() -> bool:
+    """True while Python imports this package to run ``python -m transformers_k3``: the CLI parses its arguments
+    before torch loads and registers when a command needs a model."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and "-m" in argv[:-1] and argv[argv.index("-m") + 1] == __name__
+
+
+if not _started_as_cli():
+    from .auto import register as _register
+
+    _register()
