@@ -60,6 +60,12 @@ def _shown(value: Any) -> str:
 _FP32_MAX = 3.4028234663852886e38
 _FP32_TINY = 2.0**-126
 
+# Sizes no K3 model comes near, refused before anything is built from them (a layer list is a Python list per layer,
+# a weight a tensor per dimension product): the release has 93 layers, widths below 2^18 and about 2.8e12 parameters.
+MAX_LAYERS = 4096
+MAX_DIMENSION = 2**31 - 1
+MAX_PARAMETERS = 10**14
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -84,9 +90,38 @@ class _Spec:
         _check(ok, field, f"must be {self.allowed}, got {_shown(value)}")
 
 
-def _integer(minimum: int, nullable: bool = False, multiple_of: int = 1, why: str | None = None) -> _Spec:
-    allowed = f"an integer >= {minimum}" + (f" and a multiple of {multiple_of}" if multiple_of > 1 else "")
-    return _Spec(allowed, lambda v: _is_int(v) and v >= minimum and v % multiple_of == 0, nullable, why)
+def _integer(minimum: int, nullable: bool = False, multiple_of: int = 1, why: str | None = None,
+             maximum: int | None = None) -> _Spec:
+    allowed = (f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+               + (f" and a multiple of {multiple_of}" if multiple_of > 1 else ""))
+    return _Spec(allowed, lambda v: _is_int(v) and v >= minimum and (maximum is None or v <= maximum)
+                 and v % multiple_of == 0, nullable, why)
+
+
+def _size(minimum: int = 1, nullable: bool = False, multiple_of: int = 1, why: str | None = None) -> _Spec:
+    """A width, count or id that sizes a weight: bounded, so that no product of them is built unchecked."""
+    return _integer(minimum, nullable, multiple_of, why, maximum=MAX_DIMENSION)
+
+
+def _layers() -> _Spec:
+    return _integer(1, maximum=MAX_LAYERS, why="the layer lists and modules are built from it")
+
+
+def _normal_fp32(v: Any) -> bool:
+    """Neither 0 nor subnormal nor beyond the range in float32 (where the network multiplies or divides by it)."""
+    return _is_real(v) and abs(v) >= _FP32_TINY
+
+
+def _factor(high_open_zero: bool = False, zero_ok: bool = False, nullable: bool = False,
+            why: str | None = None) -> _Spec:
+    """A float the network multiplies or divides by: positive (negative with ``high_open_zero``), and a normal float32
+    number, since a subnormal one (1e-320) is 0 or loses its digits there."""
+    sign = (lambda v: v < 0) if high_open_zero else (lambda v: v > 0)
+    where = "< 0" if high_open_zero else "> 0"
+    allowed = (f"a finite number {where} whose magnitude is a normal float32 (>= 2**-126 ~ 1.18e-38, <= ~3.4e38)"
+               + (", or 0" if zero_ok else ""))
+    return _Spec(allowed, lambda v: (zero_ok and _is_real(v) and v == 0) or (_normal_fp32(v) and sign(v)),
+                 nullable, why)
 
 
 def _real(low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False,
@@ -122,6 +157,48 @@ def _list_of(allowed: str, item_ok, nullable: bool = False) -> _Spec:
 # more swamps the mean square it is added to and scales every output toward zero).
 def _eps(nullable: bool = False, why: str | None = None) -> _Spec:
     return _real(_FP32_TINY, 1.0, high_open=True, nullable=nullable, why=why)
+
+
+def _largest_size_field(config) -> str:
+    """The size field furthest above its default (the release's value): the likeliest culprit of an absurd size."""
+    ratios = {}
+    for name, spec in type(config)._FIELD_SPECS.items():
+        value, default = getattr(config, name, None), getattr(type(config), name, None)
+        if "<=" in spec.allowed and _is_int(value) and _is_int(default) and default > 0:
+            ratios[name] = value / default
+    return max(ratios, key=ratios.get) if ratios else "sizes"
+
+
+def _check_parameter_count(config, count: int | None = None, field: str | None = None) -> None:
+    count = config.parameter_count() if count is None else count
+    _check(count <= MAX_PARAMETERS, field or _largest_size_field(config),
+           f"the config describes a model of about {count:.3g} parameters, more than the limit of {MAX_PARAMETERS:.0e} "
+           f"(the K3 release has about 2.8e12); fix the size fields")
+
+
+# Fields the network multiplies its activations by in the model's own dtype (the others are applied in float32,
+# which the field checks cover): each must stay a normal, finite number in that dtype.
+_FACTORS_IN_MODEL_DTYPE = ("logit_scale", "routed_scaling_factor")
+
+
+def check_config_for_dtype(config, dtype) -> None:
+    """Raises `KimiK3ConfigError` naming the field when a factor the network applies in ``dtype`` (the dtype the model
+    is built in) becomes 0, subnormal or infinite there (``logit_scale=1e-6`` in float16 rounds every logit away)."""
+    import torch
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return
+    info = torch.finfo(dtype)
+    for name in _FACTORS_IN_MODEL_DTYPE:
+        value = getattr(text, name, None)
+        if value is None:
+            continue
+        rounded = float(torch.tensor(float(value), dtype=dtype))
+        _check(math.isfinite(rounded) and abs(rounded) >= info.tiny, name,
+               f"{value!r} becomes {rounded!r} in {str(dtype).replace('torch.', '')}, the dtype the model is built in "
+               f"(normal numbers there have magnitudes in [{info.tiny:.3g}, {info.max:.3g}]); choose a value in that "
+               f"range or load the model in float32")
 
 
 class _FieldChecks:
@@ -225,15 +302,15 @@ _LAYER_IDS = _list_of("a list of 1-based integer layer ids", _is_int)
 # docstring) or where the field is not read in some configurations (the MoE sizes of a dense model,
 # `intermediate_size` of an all-MoE one); `validate_k3` requires them where they are read.
 _TEXT_SPECS: dict[str, _Spec] = {
-    "vocab_size": _integer(1),
-    "hidden_size": _integer(1),
-    "intermediate_size": _integer(1, nullable=True),
-    "num_hidden_layers": _integer(1),
-    "num_attention_heads": _integer(1),
+    "vocab_size": _size(),
+    "hidden_size": _size(),
+    "intermediate_size": _size(nullable=True),
+    "num_hidden_layers": _layers(),
+    "num_attention_heads": _size(),
     "num_key_value_heads": _integer(1, nullable=True),
     "hidden_act": _choice(*_ALLOWED_ACTS),
-    "activation_situ_beta": _real(0, low_open=True, nullable=True, why="null: the SiTU default cap"),
-    "activation_situ_linear_beta": _real(0, low_open=True, nullable=True, why="null: the up half is not capped"),
+    "activation_situ_beta": _factor(nullable=True, why="null: the SiTU default cap"),
+    "activation_situ_linear_beta": _factor(nullable=True, why="null: the up half is not capped"),
     "rms_norm_eps": _eps(),
     "initializer_range": _real(0, 1, why="the std of the normal initialisation; K3: 0.02"),
     "tie_word_embeddings": _flag(),
@@ -245,40 +322,40 @@ _TEXT_SPECS: dict[str, _Spec] = {
         isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 0 for i in v)), nullable=True),
     "rope_theta": _real(0, low_open=True, nullable=True, why="not read: the text model has no RoPE"),
     "rope_scaling": _Spec("a dict", lambda v: isinstance(v, dict), nullable=True),
-    "q_lora_rank": _integer(1, nullable=True, why="null: a full-rank q_proj"),
-    "kv_lora_rank": _integer(1),
-    "qk_nope_head_dim": _integer(1),
-    "qk_rope_head_dim": _integer(0),
-    "v_head_dim": _integer(1),
+    "q_lora_rank": _size(nullable=True, why="null: a full-rank q_proj"),
+    "kv_lora_rank": _size(),
+    "qk_nope_head_dim": _size(),
+    "qk_rope_head_dim": _size(0),
+    "v_head_dim": _size(),
     "mla_use_nope": _choice(True, why="K3's MLA has no positional encoding and this implementation applies no RoPE"),
     "mla_use_output_gate": _flag(),
     "attention_dropout": _real(0, 1, high_open=True),
-    "num_experts": _integer(1, nullable=True, why="null: every layer dense"),
-    "num_experts_per_token": _integer(1, nullable=True),
-    "num_shared_experts": _integer(0),
-    "moe_intermediate_size": _integer(1, nullable=True),
-    "routed_expert_hidden_size": _integer(1, nullable=True, why="null: experts at full width"),
+    "num_experts": _size(nullable=True, why="null: every layer dense"),
+    "num_experts_per_token": _size(nullable=True),
+    "num_shared_experts": _size(0),
+    "moe_intermediate_size": _size(nullable=True),
+    "routed_expert_hidden_size": _size(nullable=True, why="null: experts at full width"),
     "latent_moe_use_norm": _flag(),
     "first_k_dense_replace": _integer(0),
-    "moe_layer_freq": _integer(1),
+    "moe_layer_freq": _size(),
     "moe_router_activation_func": _choice("sigmoid", "softmax"),
     "moe_renormalize": _flag(),
-    "routed_scaling_factor": _real(0, low_open=True),
+    "routed_scaling_factor": _factor(),
     "topk_method": _choice("noaux_tc", why="the router always selects with the e_score_correction_bias, "
                                            "DeepSeek-V3's aux-loss-free top-k"),
     "use_grouped_topk": _flag(),
-    "num_expert_group": _integer(1),
-    "topk_group": _integer(1),
+    "num_expert_group": _size(),
+    "topk_group": _size(),
     "router_fp32": _flag(),
     "output_router_logits": _flag(),
-    "router_aux_loss_coef": _real(0),
+    "router_aux_loss_coef": _factor(zero_ok=True, why="0: no balance loss"),
     "num_nextn_predict_layers": _choice(0, why="K3 has no MTP head; this implementation builds none (SGLang skips "
                                                 "those tensors too)"),
-    "attn_res_block_size": _integer(1, nullable=True, why="null: classic residuals"),
+    "attn_res_block_size": _size(nullable=True, why="null: classic residuals"),
     "linear_attn_config": _Spec("a dict of the KDA settings", lambda v: isinstance(v, dict), nullable=True),
     "kda_o_norm_eps": _eps(),
     "mla_latent_norm_eps": _eps(nullable=True, why="null: rms_norm_eps"),
-    "logit_scale": _real(0, low_open=True),
+    "logit_scale": _factor(),
     "layer_types": _list_of("a list of 'linear_attention' / 'full_attention'",
                             lambda t: t in ("linear_attention", "full_attention"), nullable=True),
     "mlp_layer_types": _list_of("a list of 'dense' / 'sparse'", lambda t: t in ("dense", "sparse"), nullable=True),
@@ -286,12 +363,11 @@ _TEXT_SPECS: dict[str, _Spec] = {
 
 # The keys of `linear_attn_config` (reported as `linear_attn_config.<key>`).
 _LINEAR_ATTN_SPECS: dict[str, _Spec] = {
-    "num_heads": _integer(1),
-    "head_dim": _integer(1),
-    "short_conv_kernel_size": _integer(1),
+    "num_heads": _size(),
+    "head_dim": _size(),
+    "short_conv_kernel_size": _size(),
     "use_full_rank_gate": _flag(),
-    "gate_lower_bound": _real(high=0, high_open=True, nullable=True,
-                              why="K3: -5.0; null: the softplus forget gate"),
+    "gate_lower_bound": _factor(high_open_zero=True, nullable=True, why="K3: -5.0; null: the softplus forget gate"),
     "kda_layers": _LAYER_IDS,
     "full_attn_layers": _LAYER_IDS,
 }
@@ -582,6 +658,30 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         kda_set = set(kda)
         return ["linear_attention" if i + 1 in kda_set else "full_attention" for i in range(n)]
 
+    def parameter_count(self) -> int:
+        """The parameters of the model this config builds, computed from the fields alone (nothing is built): every
+        weight matrix and expert tensor, without the per-channel vectors (norms, biases, decays), so a slight
+        underestimate. Used to refuse absurd configs before anything is allocated."""
+        hidden, lac = self.hidden_size, self.linear_attn_config or {}
+        total = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2)
+        proj, head_dim = lac.get("num_heads", 1) * lac.get("head_dim", 1), lac.get("head_dim", 1)
+        gate = hidden * proj if lac.get("use_full_rank_gate", True) else (hidden + proj) * head_dim
+        kda = 4 * hidden * proj + proj * lac.get("short_conv_kernel_size", 1) * 3 + (hidden + proj) * head_dim + gate
+        heads, qk = self.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = hidden * heads * qk if self.q_lora_rank is None else (hidden + heads * qk) * self.q_lora_rank
+        mla = (q + hidden * (self.kv_lora_rank + self.qk_rope_head_dim)
+               + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+               + heads * self.v_head_dim * hidden * (2 if self.mla_use_output_gate else 1))
+        width = self.routed_expert_hidden_size or hidden
+        moe = ((self.num_experts or 0) * (hidden + 3 * width * (self.moe_intermediate_size or 0))
+               + 3 * hidden * self.num_shared_experts * (self.moe_intermediate_size or 0)
+               + (2 * hidden * width if self.routed_expert_hidden_size else 0))
+        dense = 3 * hidden * (self.intermediate_size or 0)
+        full = set(lac.get("full_attn_layers") or ())
+        for i in range(self.num_hidden_layers):
+            total += (mla if i + 1 in full else kda) + (moe if self.is_moe_layer(i) else dense)
+        return total
+
     # ----------------------------------------------------------------------------------------------
     def validate_k3(self) -> None:
         """Checks every field and the relations between them; raises `KimiK3ConfigError` naming the first bad
@@ -640,6 +740,7 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         if "dense" in derived["mlp_layer_types"]:
             _check(self.intermediate_size is not None, "intermediate_size",
                    "is required: the dense layers' MLP width (an integer >= 1)")
+        _check_parameter_count(self)
 
     # ----------------------------------------------------------------------------------------------
     @classmethod
@@ -675,18 +776,18 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
 # What each field of `KimiK3VisionConfig` accepts. An enum with a single value names the one architecture this
 # implementation builds: the tower and projector do not read it, so any other value would be silently ignored.
 _VISION_SPECS: dict[str, _Spec] = {
-    "patch_size": _integer(1),
-    "init_pos_emb_height": _integer(1),
-    "init_pos_emb_width": _integer(1),
-    "init_pos_emb_time": _integer(1, why="the most frames one video chunk can have"),
+    "patch_size": _size(),
+    "init_pos_emb_height": _size(),
+    "init_pos_emb_width": _size(),
+    "init_pos_emb_time": _size(why="the most frames one video chunk can have"),
     "pos_emb_type": _choice("divided_fixed"),
     # (F.interpolate with align_corners=False: only the interpolating modes)
     "pos_emb_interpolation_mode": _choice("bilinear", "bicubic"),
-    "vt_num_attention_heads": _integer(1),
-    "vt_num_hidden_layers": _integer(1),
-    "vt_hidden_size": _integer(2, multiple_of=2, why="the video time embedding is sin/cos pairs"),
-    "vt_intermediate_size": _integer(1),
-    "qkv_hidden_size": _integer(1),
+    "vt_num_attention_heads": _size(),
+    "vt_num_hidden_layers": _layers(),
+    "vt_hidden_size": _size(2, multiple_of=2, why="the video time embedding is sin/cos pairs"),
+    "vt_intermediate_size": _size(),
+    "qkv_hidden_size": _size(),
     "norm_type": _choice("rmsnorm"),
     "attn_bias": _flag(),
     "linear_bias": _flag(),
@@ -698,10 +799,10 @@ _VISION_SPECS: dict[str, _Spec] = {
     "merge_type": _choice("sd2_tpool"),
     "video_attn_type": _choice("spatial_temporal"),
     "mm_projector_type": _choice("patchmergerv2"),
-    "mm_hidden_size": _integer(1, nullable=True, why="null: vt_hidden_size"),
+    "mm_hidden_size": _size(nullable=True, why="null: vt_hidden_size"),
     "projector_hidden_act": _choice("gelu", why="the projector's GELU is the exact (erf) one"),
     "projector_ln_eps": _eps(),
-    "text_hidden_size": _integer(1),
+    "text_hidden_size": _size(),
     "initializer_range": _real(0, 1, why="the std of the normal initialisation; K3: 0.02"),
 }
 
@@ -758,10 +859,19 @@ class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
         if self.mm_hidden_size is None or ("vt_hidden_size" in updated and "mm_hidden_size" not in updated):
             self.mm_hidden_size = self.vt_hidden_size
 
+    def parameter_count(self) -> int:
+        """The tower's and projector's weight matrices (and position embeddings), from the fields alone; a slight
+        underestimate (no norms or biases)."""
+        hidden, merged = self.vt_hidden_size, self.vt_hidden_size * math.prod(self.merge_kernel_size)
+        per_layer = 4 * hidden * self.qkv_hidden_size + 2 * hidden * self.vt_intermediate_size
+        return (3 * self.patch_size**2 * hidden + self.init_pos_emb_height * self.init_pos_emb_width * hidden
+                + self.vt_num_hidden_layers * per_layer + merged * merged + merged * self.text_hidden_size)
+
     def validate_k3(self) -> None:
         """Checks every field and the relations between them; raises `KimiK3ConfigError` naming the first bad
         one, its value and what it accepts."""
         self._check_fields()
+        _check_parameter_count(self)
         heads, qkv = self.vt_num_attention_heads, self.qkv_hidden_size
         _check(qkv % heads == 0, "qkv_hidden_size",
                f"({qkv}) must be divisible by vt_num_attention_heads ({heads})")
@@ -873,6 +983,12 @@ class KimiK3Config(_FieldChecks, PreTrainedConfig):
             _check(vision.text_hidden_size == text.hidden_size, "vision_config.text_hidden_size",
                    f"({vision.text_hidden_size}) must equal text_config.hidden_size ({text.hidden_size}): the "
                    f"projector writes into the text model's embeddings")
+        _check_parameter_count(self, field="text_config")
+
+    def parameter_count(self) -> int:
+        """`KimiK3TextConfig.parameter_count` plus the vision tower's, from the fields alone."""
+        vision = self.vision_config.parameter_count() if self.vision_config is not None else 0
+        return self.text_config.parameter_count() + vision
 
     def get_text_config(self, decoder=None, encoder=None) -> KimiK3TextConfig:
         return self.text_config

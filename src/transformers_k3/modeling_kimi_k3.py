@@ -23,7 +23,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache import KimiK3HybridCache
-from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.casting import apply_keeping_fp32
 from .layers.kda import KimiK3DeltaAttention
@@ -408,6 +408,8 @@ class KimiK3ModelMixin:
         validate = getattr(config, "validate_k3", None)
         if validate is not None:
             validate()
+            # the dtype being built in (from_pretrained / from_config set it): a factor must not vanish there
+            check_config_for_dtype(config, torch.get_default_dtype())
         super().__init__(config, *args, **kwargs)
 
     @classmethod
