@@ -1,6 +1,7 @@
 """Command line: ``python -m transformers_k3 generate "def fibonacci(n):"`` streams tokens from the small K3 shipped in
 the package (``--image PATH``, ``--thinking``, ``--max-new-tokens``, ``--model DIR``; see `generate_cli`), and
-``python -m transformers_k3 demo [--model DIR]``.
+``python -m transformers_k3 demo [--model DIR]``, and ``python -m transformers_k3 serve [MODEL]`` (transformers' OpenAI-compatible
+server with K3 plugged in; see `serving`).
 
 ``demo`` runs the whole text stack end to end on CPU in a few seconds: it builds the tiny K3 (every feature
 on: KDA, gated NoPE MLA, Block AttnRes, latent MoE with SiTU-GLU) or loads ``--model DIR``, saves and reloads
@@ -12,16 +13,31 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-import time
 
-import torch
+# Nothing heavy at module level: --help and argument errors print before torch or transformers is imported.
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default after its help."""
+
+
+def _register() -> None:
+    """K3's Auto registrations (``import transformers_k3`` skips them when the package runs as ``-m``)."""
+    import transformers_k3
+
+    getattr(transformers_k3, "register", lambda: None)()
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+
+    import torch
     from transformers import AutoModelForCausalLM
 
     from . import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+
+    _register()
 
     torch.manual_seed(args.seed)
     if args.model:
@@ -66,23 +82,121 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    from .small import SMALL_DIR
+
+    serve = sub.add_parser("serve", formatter_class=HelpFormatter,
+                           help="serve K3 through transformers' OpenAI-compatible server (chat completions, responses)",
+                           description="transformers' own server (`transformers serve`) with K3 plugged in: chat "
+                           "completions and the Responses API, streaming, reasoning_content, tool calls, images as "
+                           "data URLs. Talk to it with the openai client or `transformers chat MODEL URL`.")
+    serve.add_argument("model", nargs="?", default=str(SMALL_DIR),
+                       help="a K3 checkpoint directory or Hub repo (the default is the small model shipped in the package)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 exposes it to the network)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--device", default="auto", help="device for the model (auto, cpu, cuda:0, ...)")
+    serve.add_argument("--dtype", default="auto", help="model dtype (auto: the checkpoint's)")
+    serve.add_argument("--reasoning", choices=("auto", "on", "off"), default="auto",
+                       help="thinking for requests that do not set reasoning_effort (auto: K3's default, on)")
+    serve.add_argument("--chat-template-kwargs", default=None,
+                       help='JSON object of chat template arguments for every request, e.g. \'{"thinking_effort": '
+                       '"low"}\'; a request\'s own chat_template_kwargs override them')
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest request, prompt and answer, in tokens (default: the model's context)")
+    serve.add_argument("--default-seed", type=int, default=None, help="torch seed of the model's process")
+    serve.add_argument("--continuous-batching", action="store_true",
+                       help="refused for K3 with a message (its hybrid cache does not fit a paged KV cache); "
+                       "requests are served one after another")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="server log level")
+    serve.add_argument("--enable-cors", action="store_true", help="allow every origin (CORS)")
+    return serve
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Serve's arguments, refused before anything heavy is imported."""
+    import importlib.util
+    import json
+    import os
+    import re
+
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"serving needs {', '.join(missing)}: pip install \"transformers-k3[serve]\"")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be 0-65535, got {args.port}")
+    if os.path.exists(args.model):
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            parser.error(f"{args.model} has no config.json: pass a K3 checkpoint directory")
+    elif not re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w./-]+)?", args.model):
+        parser.error(f"{args.model} does not exist: pass a K3 checkpoint directory or a Hub repo (org/name)")
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as error:
+            parser.error(f"--chat-template-kwargs is not JSON ({error})")
+        if not isinstance(kwargs, dict):
+            parser.error("--chat-template-kwargs must be a JSON object")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        parser.error(f"--max-model-len must be at least 2 tokens, got {args.max_model_len}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import json
+
+    _register()
+    from .serving import CONTINUOUS_BATCHING_REFUSED, serve
+
+    if args.continuous_batching:
+        print(f"[transformers_k3 serve] {CONTINUOUS_BATCHING_REFUSED}", file=sys.stderr, flush=True)
+    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    if args.reasoning != "auto":
+        kwargs["thinking"] = args.reasoning == "on"
+    serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          max_model_len=args.max_model_len, default_seed=args.default_seed, chat_template_kwargs=kwargs,
+          log_level=args.log_level, enable_cors=args.enable_cors)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transformers_k3", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the K3 text stack end to end on CPU")
-    demo.add_argument("--model", help="a saved K3 directory (default: the tiny config, random weights)")
-    demo.add_argument("--prompt-len", type=int, default=24)
-    demo.add_argument("--max-new-tokens", type=int, default=20)
-    demo.add_argument("--seed", type=int, default=0)
     from . import generate_cli
 
-    generate_cli.add_parser(sub)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
+    parser = argparse.ArgumentParser(prog="python -m transformers_k3", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the K3 text stack end to end on CPU", formatter_class=HelpFormatter,
+                          description="Build the tiny K3 (or load --model DIR), save and reload it through the Auto "
+                          "classes, generate greedily with and without the hybrid cache, and check they agree.")
+    demo.add_argument("--model", help="a saved K3 directory (None: the tiny config, random weights)")
+    demo.add_argument("--prompt-len", type=int, default=24, help="random prompt token ids")
+    demo.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate greedily")
+    demo.add_argument("--seed", type=int, default=0, help="torch seed (random weights and prompt)")
+    subparsers = {"demo": demo, "generate": generate_cli.add_parser(sub), "serve": _serve_parser(sub)}
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's own usage, not the top-level one
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "generate":
+        generate_cli.check_args(subparsers["generate"], args)
         return generate_cli.run(args)
+    if args.command == "serve":
+        _check_serve_args(subparsers["serve"], args)
+        return _serve(args)
+    _check_demo_args(demo, args)
+    import torch
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     return _demo(args)
+
+
+def _check_demo_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    import os
+
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        what = "does not exist" if not os.path.exists(args.model) else "has no config.json"
+        parser.error(f"--model {args.model} {what}: pass a directory written by save_pretrained, or leave it out")
+    for name in ("prompt_len", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
 
 
 if __name__ == "__main__":

@@ -19,27 +19,28 @@ import json
 import sys
 import time
 
-import torch
-
 PREFILL_CHUNK = 256
+VISION_INSTALL = 'pip install "transformers-k3[vision]"'
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    from .__main__ import HelpFormatter
+
     gen = sub.add_parser("generate", help="stream a continuation from the shipped small K3 (or --model DIR)",
-                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                         description=__doc__, formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", default=None, help='e.g. "def fibonacci(n):"; "-" reads stdin')
     gen.add_argument("--image", help="an image file to ask about (chat format)")
-    gen.add_argument("--model", help="a K3 checkpoint directory (default: the small model shipped in the package)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--model", help="a K3 checkpoint directory (None: the small model shipped in the package)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate")
     gen.add_argument("--chat", action="store_true",
                      help="K3 chat format (thinking on by default, as K3 is trained; see --no-thinking)")
     gen.add_argument("--thinking", action="store_true", help="chat format with thinking on (the chat default)")
     gen.add_argument("--no-thinking", action="store_true",
                      help="chat format with thinking off: the model answers in the response channel directly")
     gen.add_argument("--thinking-effort", choices=("low", "high", "max"), default=None,
-                     help="chat format: how much to think (a K3 system note; default: none given)")
+                     help="chat format: how much to think (a K3 system note; None: no note)")
     gen.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-p 0.95) instead of greedy")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="torch seed (for --sample)")
     gen.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                      help="prompt tokens per pre-fill step (a progress bar shows for prompts longer than this)")
     return gen
@@ -47,8 +48,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def load(model_dir: str | None):
     """(model, tokenizer, processor or None) for the shipped model or any K3 directory (text-only or with vision)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .__main__ import _register
+
+    _register()
     from .small import SMALL_DIR, load_small
 
     if model_dir is None:
@@ -76,10 +81,10 @@ def _text_model(model):
     return getattr(model, "language_model", model)
 
 
-@torch.no_grad()
-def chunked_prefill(model, input_ids: torch.Tensor, chunk: int):
+def chunked_prefill(model, input_ids, chunk: int):
     """Run all prompt tokens but the last through the text model in chunks of ``chunk`` (progress bar), returning
     the filled hybrid cache; generate() then only has the last prompt token left to process."""
+    import torch
     from tqdm.auto import tqdm
 
     from .cache import KimiK3HybridCache
@@ -87,7 +92,7 @@ def chunked_prefill(model, input_ids: torch.Tensor, chunk: int):
     text = _text_model(model)
     cache = KimiK3HybridCache(text.config)
     n = input_ids.shape[1] - 1
-    with tqdm(total=n, desc="prefill", unit="tok", file=sys.stderr, leave=False) as bar:
+    with torch.no_grad(), tqdm(total=n, desc="prefill", unit="tok", file=sys.stderr, leave=False) as bar:
         for start in range(0, n, chunk):
             piece = input_ids[:, start:min(n, start + chunk)]
             text.model(input_ids=piece, past_key_values=cache, use_cache=True)
@@ -95,10 +100,16 @@ def chunked_prefill(model, input_ids: torch.Tensor, chunk: int):
     return cache
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Arguments that would otherwise fail deep inside loading or generation, refused up front with what to pass."""
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Arguments that would otherwise fail deep inside loading or generation, refused before anything heavy is
+    imported, with what to pass (usage errors through ``parser``, rc 2; wrong values one line, rc 1)."""
+    import importlib.util
     from pathlib import Path
 
+    if args.thinking and args.no_thinking:
+        parser.error("--thinking and --no-thinking exclude each other: pass one")
+    if args.image is None and not args.prompt:
+        parser.error('give a prompt, e.g. python -m transformers_k3 generate "def fibonacci(n):" ("-" reads stdin)')
     if args.max_new_tokens < 1:
         raise SystemExit(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.prefill_chunk < 1:
@@ -108,6 +119,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--model {args.model} {what}: pass a K3 checkpoint directory (one written by "
                          "save_pretrained or by conversion/), or leave --model out for the shipped small model")
     if args.image is not None:
+        if importlib.util.find_spec("PIL") is None:
+            raise SystemExit(f"--image needs Pillow, which the base install leaves out: {VISION_INSTALL}")
         from PIL import Image, UnidentifiedImageError
 
         if not Path(args.image).is_file():
@@ -170,18 +183,20 @@ class ChannelStreamer:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate for arguments `check_args` accepted."""
+    import torch
     from transformers import TextStreamer
 
-    _check_args(args)
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    model, tokenizer, processor = load(args.model)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt and not args.image:
+        raise SystemExit("the prompt read from stdin is empty: give a prompt")
+    model, tokenizer, processor = load(args.model)
     special = tokenizer.convert_tokens_to_ids
     stop_ids = [i for i in {tokenizer.eos_token_id, special("<|end_of_msg|>")} if i is not None and i >= 0]
     chat = bool(args.image or args.chat or args.thinking or args.no_thinking or args.thinking_effort)
-    if args.thinking and args.no_thinking:
-        raise SystemExit("--thinking and --no-thinking exclude each other: pass one")
     template = dict(add_generation_prompt=True, thinking=not args.no_thinking, thinking_effort=args.thinking_effort)
     if args.image:
         if processor is None:
@@ -245,4 +260,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ChannelStreamer", "add_parser", "chunked_prefill", "load", "run"]
+__all__ = ["ChannelStreamer", "add_parser", "check_args", "chunked_prefill", "load", "run"]
