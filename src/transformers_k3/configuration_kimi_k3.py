@@ -194,7 +194,7 @@ def check_config_for_dtype(config, dtype) -> None:
         value = getattr(text, name, None)
         if value is None:
             continue
-        rounded = float(torch.tensor(float(value), dtype=dtype))
+        rounded = float(torch.tensor(float(value), dtype=dtype, device="cpu"))  # from_pretrained builds on meta
         _check(math.isfinite(rounded) and abs(rounded) >= info.tiny, name,
                f"{value!r} becomes {rounded!r} in {str(dtype).replace('torch.', '')}, the dtype the model is built in "
                f"(normal numbers there have magnitudes in [{info.tiny:.3g}, {info.max:.3g}]); choose a value in that "
@@ -510,8 +510,9 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         none), and the release's ``model_type: "kimi_linear"`` is this class's own, so no type-mismatch warning."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         text = config_dict.get("text_config")
-        if config_dict.get("model_type") == KimiK3Config.model_type and isinstance(text, dict):
-            text = dict(text)
+        if config_dict.get("model_type") == KimiK3Config.model_type:
+            _COMPOSITE_SPECS["text_config"].check("text_config", text)
+            text = dict(text or {})  # (null: the release's text config, as the composite reads it)
             for key in ("quantization_config", "dtype"):
                 if key in config_dict and key not in text:
                     text[key] = config_dict[key]
