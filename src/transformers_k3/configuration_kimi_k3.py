@@ -400,7 +400,7 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
     """
 
     model_type: ClassVar[str] = "kimi_k3_text"
-    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values"]
+    keys_to_ignore_at_inference: ClassVar[list[str]] = ["past_key_values", "cache"]
     attribute_map: ClassVar[dict[str, str]] = {
         "num_experts_per_tok": "num_experts_per_token",
         "n_routed_experts": "num_experts",

@@ -22,6 +22,7 @@ from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from ._compat import CACHE_KWARG, MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_cache
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .layers.attn_res import KimiK3AttnResRead
@@ -519,7 +520,8 @@ class KimiK3GenerationMixin:
         with _cache_kept_in_train_mode(self):
             return super().generate(*args, **kwargs)
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, cache=None,
+                                      **kwargs):
         """transformers' preparation, with the tokens a given cache already holds dropped from a first step that would
         feed them all: assisted and prompt-lookup decoding leave the first step unsliced (right for an empty cache),
         so continuing a conversation from a returned cache ran the whole history through the model again on top of
@@ -529,6 +531,7 @@ class KimiK3GenerationMixin:
         with the tokens the cache holds (`KimiK3HybridCache.check_continuation`), else `KimiK3CacheError`: a KDA
         state continued under another prompt gives an answer that differs from a fresh run. A first step fed as
         ``inputs_embeds`` has no ids to compare and is not checked."""
+        past_key_values = either_cache(cache, past_key_values)
         if past_key_values is not None and input_ids is not None:
             hybrid = isinstance(past_key_values, KimiK3HybridCache)
             # (whether it holds tokens without reading a length: a static cache's is on the device after compiled steps)
@@ -563,8 +566,8 @@ class KimiK3GenerationMixin:
                     f"the cache passed as past_key_values already holds {cached} tokens but input_ids has "
                     f"{input_ids.shape[1]}: pass the whole sequence (the history the cache holds, then the new "
                     "tokens) as input_ids, as generate() returned it; only the tokens past the cache are computed")
-        return super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length,
-                                                     past_key_values=past_key_values, **kwargs)
+        kwargs[CACHE_KWARG] = past_key_values
+        return super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length, **kwargs)
 
 
 class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
@@ -573,7 +576,7 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KimiK3DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = False
@@ -631,7 +634,7 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
                                       max_cache_length):
         """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent). A cache it is
         given has its first input checked against the tokens it holds (`prepare_inputs_for_generation`)."""
-        given = model_kwargs.get("past_key_values")
+        given = model_kwargs.get(CACHE_KWARG)
         if given is not None:
             given._is_user_defined = True
             if isinstance(given, KimiK3HybridCache):
@@ -666,7 +669,7 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
                                   offload_latents_to=_CACHE_IMPLEMENTATIONS[implementation], static=static)
         if generation_config.is_assistant:  # an assistant's drafts are rolled back after verification
             cache.activate_past_recording()
-        model_kwargs["past_key_values"] = cache
+        model_kwargs[CACHE_KWARG] = cache
 
 
 class KimiK3Model(KimiK3PreTrainedModel):
@@ -698,7 +701,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
-                **kwargs) -> KimiK3ModelOutputWithPast:
+                cache: KimiK3HybridCache | None = None, **kwargs) -> KimiK3ModelOutputWithPast:
+        past_key_values = either_cache(cache, past_key_values)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` or `inputs_embeds`.")
         prepared = None
@@ -709,7 +713,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         # generate() feeds its decode steps its own tokens under a checked mask; off the CPU a cached step's ids are
         # left to the embedding's device-side bounds check: the value checks left are read in one host sync
         if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
-            continuing = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.get_seq_length() > 0
+            # (a Python flag, not the length: a static cache keeps its length on the device inside a compiled step)
+            continuing = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.holds_tokens()
             _raise_problems([
                 _input_ids_problem(input_ids, self.embed_tokens.num_embeddings,
                                    range_check=not continuing or _host_reads_are_free(input_ids))
@@ -750,7 +755,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         else:
             mla_mask = create_causal_mask(
                 config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                past_key_values=past_key_values, position_ids=position_ids,
+                position_ids=position_ids, **{MASK_CACHE_KWARG: past_key_values},
             )
         # (a mask of ones is applied as is: multiplying by one is exact, and finding it all ones would take a sync)
         kda_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
@@ -772,7 +777,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
                                        self.output_attn_res_norm.weight.to(device))[0]
         else:
             mix = self.output_read([partial])[0]
-        return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), past_key_values=past_key_values)
+        return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), **{OUTPUT_CACHE_FIELD: past_key_values})
 
 
 class KimiK3ForCausalLM(KimiK3PreTrainedModel, KimiK3GenerationMixin, GenerationMixin):
@@ -821,11 +826,11 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, KimiK3GenerationMixin, Generation
                 position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> KimiK3CausalLMOutputWithPast:
+                cache: KimiK3HybridCache | None = None, **kwargs) -> KimiK3CausalLMOutputWithPast:
         aux_coef = self.config.router_aux_loss_coef  # optional balance loss (off by default; K3 uses the bias)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            past_key_values=either_cache(cache, past_key_values), inputs_embeds=inputs_embeds, use_cache=use_cache,
             **({"output_router_logits": True, **kwargs} if aux_coef else kwargs),
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -845,7 +850,7 @@ class KimiK3ForCausalLM(KimiK3PreTrainedModel, KimiK3GenerationMixin, Generation
             if loss is not None:
                 loss = loss + aux_coef * self._aux_share(labels, kwargs) * aux_loss.to(loss.device)
         return KimiK3CausalLMOutputWithPast(
-            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=outputs.past_key_values,
+            loss=loss, aux_loss=aux_loss, logits=logits, **{OUTPUT_CACHE_FIELD: output_cache(outputs)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions, router_logits=outputs.router_logits,
             attn_res_weights=outputs.attn_res_weights,

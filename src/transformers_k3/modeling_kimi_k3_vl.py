@@ -24,6 +24,7 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_utils import PreTrainedModel
 
+from ._compat import either_cache
 from .cache import KimiK3CacheError, KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig
 from .layers.vision import (
@@ -49,7 +50,7 @@ class KimiK3VLPreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     input_modalities = ("image", "video", "text")
     supports_gradient_checkpointing = True
     _no_split_modules = ["KimiK3DecoderLayer", "KimiK3VisionBlock"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = False
@@ -251,7 +252,8 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                 use_cache: bool | None = None, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.LongTensor | None = None, pixel_values_videos: torch.Tensor | None = None,
                 video_grid_thw: torch.LongTensor | None = None, mm_token_type_ids: torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor = 0, **kwargs) -> KimiK3CausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, cache=None, **kwargs) -> KimiK3CausalLMOutputWithPast:
+        past_key_values = either_cache(cache, past_key_values)
         has_media = pixel_values is not None or pixel_values_videos is not None
         if inputs_embeds is None:
             if input_ids is None:
