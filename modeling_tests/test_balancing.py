@@ -356,3 +356,24 @@ def test_callback_is_made_on_first_use_and_import_stays_light():
 
     assert issubclass(transformers_k3.QuantileBalancingCallback, TrainerCallback)
     assert transformers_k3.QuantileBalancingCallback is QuantileBalancingCallback
+
+
+def test_router_biases_saved_into_a_directory_load_back(tmp_path):
+    """save_router_biases(model, adapter_dir), as the README shows it next to a saved adapter, writes the callback's
+    file inside the directory (it raised "Is a directory"); load_router_biases reads the directory or the file."""
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, load_router_biases, save_router_biases
+    from transformers_k3.balancing import ROUTER_BIASES_NAME
+
+    torch.manual_seed(0)
+    source = KimiK3ForCausalLM(KimiK3TextConfig.tiny())
+    target = KimiK3ForCausalLM(KimiK3TextConfig.tiny())
+    with torch.no_grad():
+        for name, buffer in source.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer))
+    save_router_biases(source, tmp_path)
+    assert (tmp_path / ROUTER_BIASES_NAME).is_file()
+    for path in (tmp_path, tmp_path / ROUTER_BIASES_NAME):
+        load_router_biases(target, path)
+        saved = {n: b for n, b in source.named_buffers() if n.endswith("e_score_correction_bias")}
+        assert saved and all(torch.equal(b, dict(target.named_buffers())[n]) for n, b in saved.items())

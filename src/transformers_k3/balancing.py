@@ -83,6 +83,7 @@ import math
 import re
 import warnings
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -433,19 +434,28 @@ def save_router_biases(model: nn.Module, path) -> None:
     """Write the routers' selection biases (``e_score_correction_bias``, which Quantile Balancing trains) to a
     safetensors file. They are buffers of the base model, so a PEFT adapter saved with ``save_pretrained`` does not
     carry them: save them next to it (`QuantileBalancingCallback` does so in every checkpoint) and load them with
-    `load_router_biases` after loading the adapter onto the base model."""
+    `load_router_biases` after loading the adapter onto the base model. ``path`` is a file, or a directory (the
+    adapter's) that gets `ROUTER_BIASES_NAME`."""
     from safetensors.torch import save_file
 
     biases = {name: bias.detach().float().cpu().contiguous() for name, bias in _router_biases(model).items()}
     if not biases:
         raise ValueError("the model has no K3 router (KimiK3Router): nothing to save")
-    save_file(biases, str(path), metadata={"format": "pt"})
+    save_file(biases, str(_biases_file(path)), metadata={"format": "pt"})
+
+
+def _biases_file(path) -> Path:
+    """A directory (an adapter's, a checkpoint's) holds the biases under the name the callback gives them."""
+    path = Path(path)
+    return path / ROUTER_BIASES_NAME if path.is_dir() else path
 
 
 def load_router_biases(model: nn.Module, path) -> None:
-    """Copy the selection biases saved by `save_router_biases` into ``model``'s routers (all of them, by name)."""
+    """Copy the selection biases saved by `save_router_biases` into ``model``'s routers (all of them, by name);
+    ``path`` is the file or the directory it was saved in."""
     from safetensors.torch import load_file
 
+    path = _biases_file(path)
     saved, biases = load_file(str(path)), _router_biases(model)
     if set(saved) != set(biases):
         raise ValueError(f"{path} holds the selection biases of routers {sorted(saved)[:3]}..., the model has "
