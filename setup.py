@@ -1,5 +1,10 @@
 from setuptools import find_packages, setup
 
+_DEV = ["flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17", "Pillow", "tiktoken",
+        "bitsandbytes>=0.50", "nbclient", "nbformat", "ipykernel", "matplotlib", "compressed-tensors"]
+# transformers' own server (`python -m transformers_k3 serve`) and the OpenAI client its tests talk to it with
+_SERVE = ["transformers[serving]", "openai"]
+
 setup(
     name="transformers-k3",
     version="0.1.0",
@@ -21,9 +26,11 @@ setup(
         "ninja",  # torch.utils.cpp_extension builds the CPU kernels with it
     ],
     extras_require={
-        "dev": ["pytest>=8", "flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17", "Pillow",
-                "tiktoken", "bitsandbytes>=0.50", "nbclient", "nbformat", "ipykernel", "matplotlib",
-                "compressed-tensors", "deepspeed"],
+        # [dev]: what notebooks, fine-tuning and the converters use beside the base install
+        "dev": _DEV,
+        # [test]: everything modeling_tests/ imports (the README's test command installs it; test_install checks it)
+        "test": _DEV + _SERVE + ["pytest>=8", "hypothesis", "psutil", "deepspeed"],
+        "serve": _SERVE,
         "fla": ["flash-linear-attention==0.6.0"],
         "vision": ["Pillow"],
         "quant": ["bitsandbytes>=0.50"],  # 0.50: 4-bit layers run on CPU too
