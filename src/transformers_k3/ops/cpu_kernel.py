@@ -39,6 +39,12 @@ are compiled once per machine by ``torch.utils.cpp_extension`` (ninja, the syste
 location and this CPU's model and feature flags (it is built with ``-march=native``, so a cache shared between different machines never hands one the
 other's binary). The library and its checksum are fsynced and renamed into place, so a concurrent or interrupted
 build never leaves a partial library behind, and a cached file that fails its checksum is rebuilt, not loaded.
+A library is loaded only from a directory that this user alone can write (owned by the user, not group- or
+world-writable, under directories only the user or root can write) and only if the library and its checksum are the
+user's and writable by nobody else; any other cache directory is refused in one logged line and the kernels are built
+in the private ``<tmp>/transformers_k3-<uid>`` (0700) instead. A build runs in its own process group that dies with
+this process (a killed build leaves no compiler running), in a locked directory that the next run removes if its
+owner was killed.
 If no compiler is found or the build fails, the reason is logged once and the PyTorch path is used.
 
 ``TRANSFORMERS_K3_CPU_KERNEL=0`` (or :func:`use_cpu_kernel`) turns the kernels off, e.g. to compare.
@@ -54,6 +60,8 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -192,21 +200,68 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "transformers_k3"
 
 
-def _writable(cache: pathlib.Path) -> pathlib.Path:
-    """``cache``, created if needed; when it cannot be written (a read-only home directory, say), a
-    per-user directory under the system's temporary directory instead (not shared between users)."""
+def _untrusted(path: pathlib.Path, uid: int, leaf: bool) -> str | None:
+    """Why someone other than this user (or root) could change what ``path`` names, else None. ``leaf``: the
+    directory or file itself must be this user's and not writable by group or others; an ancestor may also be
+    root's, and may be writable by others if sticky (like /tmp: nobody can rename another user's entries there)."""
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        if os.access(cache, os.W_OK | os.X_OK):
-            return cache
-    except OSError:
-        pass
-    uid = os.getuid() if hasattr(os, "getuid") else None  # (no uids on Windows)
-    fallback = pathlib.Path(tempfile.gettempdir()) / f"transformers_k3-{uid or 0}"
-    fallback.mkdir(mode=0o700, exist_ok=True)
-    if uid is not None and fallback.stat().st_uid != uid:
-        raise RuntimeError(f"{cache} is not writable and {fallback} belongs to another user; set {CACHE_ENV_VAR}")
-    logger.info("transformers_k3: %s is not writable, building the CPU kernels in %s", cache, fallback)
+        st = os.lstat(path)
+    except OSError as error:
+        return f"cannot stat {path}: {error.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    owners = (uid,) if leaf else (uid, 0)
+    if st.st_uid not in owners:
+        return f"{path} belongs to uid {st.st_uid}, not to uid {uid}"
+    if st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'}"
+    return None
+
+
+def _untrusted_directory(directory: pathlib.Path) -> str | None:
+    """Why a library in ``directory`` could have been written by someone else, else None: the directory and every
+    ancestor (symbolic links resolved) pass `_untrusted`."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - Windows: no owners or mode bits to check
+        return None
+    uid = os.getuid()
+    real = pathlib.Path(os.path.realpath(directory))
+    for i, part in enumerate((real, *real.parents)):
+        reason = _untrusted(part, uid, leaf=i == 0)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _private_fallback() -> pathlib.Path:
+    """A per-user directory under the system's temporary directory (0700, this user's), or an error saying why not."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0  # (no uids on Windows)
+    fallback = pathlib.Path(os.path.realpath(tempfile.gettempdir())) / f"transformers_k3-{uid}"
+    with contextlib.suppress(FileExistsError):
+        fallback.mkdir(mode=0o700)
+    reason = _untrusted_directory(fallback)
+    if reason is not None:
+        raise RuntimeError(f"no private directory for the CPU kernels ({reason}); set {CACHE_ENV_VAR} to a directory "
+                           "only you can write (chmod 700)")
+    return fallback
+
+
+def _trusted_cache(cache: pathlib.Path) -> pathlib.Path:
+    """``cache`` (created 0700 if missing) when only this user can write it and its ancestors, so a library found
+    there was built by this user; else (another user's or a group/world-writable directory, a read-only home) the
+    private per-user fallback, with one line saying why."""
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        reason = _untrusted_directory(cache)
+        if reason is None and not os.access(cache, os.W_OK | os.X_OK):
+            reason = f"{cache} is not writable"
+    except OSError as error:
+        reason = f"{cache} cannot be created: {error.strerror}"
+    if reason is None:
+        return pathlib.Path(os.path.realpath(cache))
+    fallback = _private_fallback()
+    logger.warning("transformers_k3: not using the kernel cache %s (%s); building the CPU kernels in the private %s "
+                   "instead (%s must be a directory only you can write: yours, chmod 700, under directories only you "
+                   "or root can write)", cache, reason, fallback, CACHE_ENV_VAR)
     return fallback
 
 
@@ -234,9 +289,25 @@ def _flags(native: bool) -> tuple[list[str], list[str]]:
 
 
 # Run in a child process: torch.utils.cpp_extension.load compiles the sources with ninja (in parallel) and loads the
-# result, so a library that builds but cannot load fails there; this process only ever loads a verified file.
+# result, so a library that builds but cannot load fails there; this process only ever loads a verified file. The
+# child leads its own process group and dies with its parent (PR_SET_PDEATHSIG: SIGTERM); on SIGTERM it passes the
+# signal to its group, where ninja stops the compilers it started, so a killed build leaves no process running.
 _BUILD_SCRIPT = r"""
-import json, sys
+import os, signal, sys
+def stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)  # ninja forwards it to each compiler's process group
+    os._exit(128 + signum)
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(signum, stop)
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[2]):  # the parent died before the line above
+    sys.exit(1)
+import json
 from torch.utils import cpp_extension
 args = json.loads(sys.argv[1])
 try:
@@ -258,8 +329,14 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def _verified(path: pathlib.Path) -> bool:
-    """The library is the one the build wrote: its size and SHA-256 match what the build recorded beside it."""
+    """The library is the one this user's build wrote: it and its checksum are regular files of this user's that
+    nobody else can write, and its size and SHA-256 match what the build recorded beside it."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
     try:
+        for file in (path, _checksum_path(path)):
+            st = os.lstat(file)
+            if not stat.S_ISREG(st.st_mode) or (uid is not None and (st.st_uid != uid or st.st_mode & 0o022)):
+                return False
         size, digest = _checksum_path(path).read_text().split()
         return path.stat().st_size == int(size) and _sha256(path) == digest
     except (OSError, ValueError):
@@ -268,11 +345,14 @@ def _verified(path: pathlib.Path) -> bool:
 
 def _publish(built: pathlib.Path, path: pathlib.Path) -> None:
     """Move a finished build into place: the library and its checksum each written in full and fsynced before the
-    rename, so another process sees either nothing or a complete, verifiable file."""
+    rename, so another process sees either nothing or a complete, verifiable file (neither group- nor
+    world-writable, whatever the umask: `_verified` refuses such files)."""
+    os.chmod(built, 0o755)
     with open(built, "rb") as f:
         os.fsync(f.fileno())
     record = path.with_name(f".{path.name}.sha256.{os.getpid()}")
     with open(record, "w") as f:
+        os.fchmod(f.fileno(), 0o644)
         f.write(f"{built.stat().st_size} {_sha256(built)}\n")
         f.flush()
         os.fsync(f.fileno())
@@ -281,6 +361,82 @@ def _publish(built: pathlib.Path, path: pathlib.Path) -> None:
 
 
 _loaded: list[str] = []  # the library this process loaded (its operators cannot be registered twice)
+_OWNER = ".owner"  # in a build directory: locked (flock) by the process building there for as long as it runs
+
+
+def _lock_file(path: pathlib.Path):
+    """An open file holding an exclusive ``flock`` on ``path``, or None if another process holds it (or no flock)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        return None
+    handle = open(path, "a+b")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return None
+    return handle
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _owned_build_directory(cache: pathlib.Path, key: str):
+    """A fresh build directory ``.cpu_kernels_<key>.<pid>.<random>`` in ``cache`` and the open file holding the lock
+    on its ``.owner``; the lock is taken before the file gets its name, so `_sweep` never sees it unlocked."""
+    build = pathlib.Path(tempfile.mkdtemp(prefix=f".cpu_kernels_{key}.{os.getpid()}.", dir=cache))
+    owner = _lock_file(build / f"{_OWNER}.new")
+    if owner is not None:
+        os.rename(build / f"{_OWNER}.new", build / _OWNER)
+    return build, owner
+
+
+def _sweep(cache: pathlib.Path) -> None:
+    """Remove what killed builds left in ``cache`` (SIGKILL, power loss: no ``finally`` ran): build directories
+    whose owner no longer holds their lock (or, without a lock file, whose pid is gone), checksum records whose
+    writer is gone."""
+    for entry in cache.iterdir():
+        name = entry.name
+        if not name.startswith(".cpu_kernels_"):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():
+                lock = entry / _OWNER
+                if lock.exists():
+                    owner = _lock_file(lock)
+                    if owner is None:
+                        continue  # its build is running
+                    owner.close()
+                else:
+                    parts = name.split(".")  # ["", "cpu_kernels_<key>", "<pid>", "<random>"]
+                    if len(parts) != 4 or not parts[2].isdigit() or _pid_alive(int(parts[2])):
+                        continue  # being created, or an earlier version's (no pid to go by)
+                shutil.rmtree(entry, ignore_errors=True)
+            elif ".sha256." in name:
+                pid = name.rsplit(".", 1)[-1]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    entry.unlink()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End a build and everything it started: SIGTERM to its process group (ninja passes it to the compilers), then
+    SIGKILL if it has not ended."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _build(compiler: str, name: str, native: bool, build: pathlib.Path) -> pathlib.Path:
@@ -288,11 +444,21 @@ def _build(compiler: str, name: str, native: bool, build: pathlib.Path) -> pathl
     cflags, ldflags = _flags(native)
     args = {"name": name, "sources": [str(p) for p in SOURCES], "build_directory": str(build),
             "extra_cflags": cflags, "extra_ldflags": ldflags}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args)], capture_output=True, text=True,
-                          env=dict(os.environ, CXX=compiler))  # fmt: skip
+    posix = hasattr(os, "killpg")
+    process = subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(args), str(os.getpid())],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, CXX=compiler), start_new_session=posix)  # fmt: skip
+    try:
+        _, stderr = process.communicate()
+    except BaseException:  # (KeyboardInterrupt, SystemExit from a signal handler): leave no compiler running
+        if posix:
+            _stop(process)
+        else:  # pragma: no cover
+            process.kill()
+        raise
     built = build / f"{name}.so"
-    if done.returncode != 0 or not built.is_file():
-        raise RuntimeError(done.stderr.strip()[-3000:] or f"exit status {done.returncode}")
+    if process.returncode != 0 or not built.is_file():
+        raise RuntimeError(stderr.strip()[-3000:] or f"exit status {process.returncode}")
     return built
 
 
@@ -301,7 +467,8 @@ def _load():
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
     source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    cache = _writable(_cache_dir())
+    cache = _trusted_cache(_cache_dir())
+    _sweep(cache)
     errors = []
     for native in (True, False):
         key = hashlib.sha256(
@@ -309,7 +476,7 @@ def _load():
                         torch.__version__.encode(), torch.__file__.encode()])
         ).hexdigest()[:16]  # fmt: skip
         path = cache / f"cpu_kernels_{key}.so"
-        if path.exists() and not _verified(path):
+        if os.path.lexists(path) and not _verified(path):
             # truncated, zeroed or replaced (loading such a file can kill the process with SIGBUS): build anew
             logger.warning("transformers_k3: the cached CPU kernel library %s does not match its checksum; "
                            "rebuilding it", path)
@@ -318,7 +485,8 @@ def _load():
         if not path.exists():
             logger.warning("transformers_k3: building the fused CPU kernels for this machine with %s (once; "
                            "usually 20-40 s), cached in %s", os.path.basename(compiler), cache)
-            build = pathlib.Path(tempfile.mkdtemp(prefix=f".cpu_kernels_{key}.", dir=cache))
+            # one directory per attempt, named with its pid and locked while it runs: `_sweep` removes it if killed
+            build, owner = _owned_build_directory(cache, key)
             try:
                 _publish(_build(compiler, f"cpu_kernels_{key}", native, build), path)
             except Exception as error:  # (the next flags, else the error below)
@@ -326,6 +494,8 @@ def _load():
                 continue
             finally:
                 shutil.rmtree(build, ignore_errors=True)
+                if owner is not None:
+                    owner.close()
         if not _loaded:
             torch.ops.load_library(str(path))
             _loaded.append(str(path))
