@@ -33,6 +33,10 @@ _MEDIA_PROC_KEYS = (
 )
 
 
+# Far above what the tower takes (in_patch_limit patches of 14px, about 3.2 MP), below PIL's own bomb warning.
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+
+
 class KimiK3ImageInputError(ValueError):
     """An image cannot be processed (unsupported mode or dtype, empty, too large without resizing...)."""
 
@@ -67,32 +71,32 @@ def require_pillow():
     return Image
 
 
-def to_uint8_hwc(image: Any) -> np.ndarray:
+def to_uint8_hwc(image: Any, max_pixels: int | None = None) -> np.ndarray:
     """Any supported image as ``uint8 [H, W, 3 or 4]``: grayscale is replicated to RGB, transparency is kept as a
-    fourth (alpha) channel (spec 7.6 step 1)."""
+    fourth (alpha) channel (spec 7.6 step 1). An image above ``max_pixels`` is refused before its pixels are decoded
+    or copied. A string is read as a data URL / base64 only: paths and URLs go through `KimiK3Processor`, whose media
+    policy says which of them may be loaded."""
+    from .media_kimi_k3 import MediaPolicy, check_pixels
+
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - Pillow is a dependency of the [vision] extra
         Image = None
-    if isinstance(image, str):  # a path (opened here, so that transparency survives), or a URL / base64 string
-        import os
-
-        if os.path.isfile(image):
-            from PIL import ImageOps
-
-            image = ImageOps.exif_transpose(Image.open(image))
-        else:
-            from transformers.image_utils import load_image
-
-            image = load_image(image)
+    if isinstance(image, str):
+        image = MediaPolicy().open_image(image, max_pixels)
     if Image is not None and isinstance(image, Image.Image):
+        check_pixels(image.size, max_pixels)  # a lazily opened file is still undecoded here
         mode = image.mode
         if mode not in SUPPORTED_PIL_MODES:
             raise KimiK3ImageInputError(
                 f"unsupported image mode {mode!r}; supported PIL modes are {', '.join(SUPPORTED_PIL_MODES)} "
                 "(convert the image first, e.g. image.convert('RGB'))")
         has_alpha = "A" in image.getbands() or "a" in image.getbands() or "transparency" in image.info
-        return np.array(image.convert("RGBA" if has_alpha else "RGB"))
+        try:
+            return np.array(image.convert("RGBA" if has_alpha else "RGB"))
+        except OSError as error:  # a lazily opened file that is truncated or corrupt fails only here
+            raise KimiK3ImageInputError(f"the image could not be decoded ({error}); the file is truncated or "
+                                        "corrupt") from None
     if isinstance(image, torch.Tensor):
         image = image.detach().cpu().numpy()
     if not isinstance(image, np.ndarray):
@@ -102,6 +106,9 @@ def to_uint8_hwc(image: Any) -> np.ndarray:
         raise KimiK3ImageInputError(
             f"image arrays must hold raw uint8 pixels (0..255), got dtype {image.dtype}; the processor normalises "
             "itself")
+    if image.ndim in (2, 3):
+        sides = image.shape[:2] if image.ndim == 2 or image.shape[-1] in (1, 3, 4) else image.shape[1:]
+        check_pixels((sides[1], sides[0]), max_pixels)
     if image.ndim == 2:
         image = image[:, :, None]
     if image.ndim != 3:
@@ -193,6 +200,8 @@ class KimiK3ImageProcessor(BaseImageProcessor):
         transparent_bg_config (`dict`, *optional*): background for transparent images, ``{"pattern": "black" |
             "white" | "gray" | "chessboard", ...}``; without it the alpha channel is dropped.
         do_resize (`bool`, defaults to True): with False an image larger than the limits is an error.
+        max_image_pixels (`int`, defaults to 64,000,000): larger images are refused before they are decoded or
+            copied (a file's header states its size); None removes the budget.
         media_proc_cfg (`dict`, *optional*): the official ``preprocessor_config.json`` block; its keys override
             the arguments above.
 
@@ -205,7 +214,8 @@ class KimiK3ImageProcessor(BaseImageProcessor):
                  patch_limit_on_one_side: int = 512, image_mean: Sequence[float] = (0.5, 0.5, 0.5),
                  image_std: Sequence[float] = (0.5, 0.5, 0.5), fixed_output_tokens: int | None = None,
                  transparent_bg_config: dict | None = None, transparent_bg_fill_stage: str = "after_resize",
-                 do_resize: bool = True, media_proc_cfg: dict | None = None, **kwargs):
+                 do_resize: bool = True, media_proc_cfg: dict | None = None,
+                 max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, **kwargs):
         settings = dict(patch_size=patch_size, merge_kernel_size=merge_kernel_size, in_patch_limit=in_patch_limit,
                         patch_limit_on_one_side=patch_limit_on_one_side, image_mean=image_mean, image_std=image_std,
                         fixed_output_tokens=fixed_output_tokens, transparent_bg_config=transparent_bg_config,
@@ -231,6 +241,10 @@ class KimiK3ImageProcessor(BaseImageProcessor):
                              f"{settings['transparent_bg_fill_stage']!r}")
         self.transparent_bg_fill_stage = "after_resize"
         self.do_resize = do_resize
+        if max_image_pixels is not None and (isinstance(max_image_pixels, bool) or not isinstance(max_image_pixels, int)
+                                             or max_image_pixels < 1):
+            raise ValueError(f"max_image_pixels must be a positive int or None, got {max_image_pixels!r}")
+        self.max_image_pixels = max_image_pixels
 
     # ---------------------------------------------------------------------------------------------- sizes
     def resize_plan(self, width: int, height: int) -> dict[str, int]:
@@ -250,7 +264,7 @@ class KimiK3ImageProcessor(BaseImageProcessor):
     def process_one(self, image: Any, do_resize: bool | None = None) -> dict[str, Any]:
         """One image -> ``patches [gh*gw, 3, p, p]`` (float32 NumPy), ``grid (1, gh, gw)``, ``num_tokens`` and the
         ``original_size (W, H)`` the prompt states."""
-        pixels = to_uint8_hwc(image)
+        pixels = to_uint8_hwc(image, self.max_image_pixels)
         height, width = pixels.shape[:2]
         plan = self.resize_plan(width, height)
         do_resize = self.do_resize if do_resize is None else do_resize

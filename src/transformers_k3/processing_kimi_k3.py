@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from .image_processing_kimi_k3 import KimiK3ImageProcessor, flatten_images
 from .encoding_kimi_k3 import IMAGE_PLACEHOLDER, KimiK3Prompt, Segment
+from .media_kimi_k3 import MEDIA_OPTIONS, KimiK3MediaError, MediaPolicy
 from .tokenization_kimi_k3 import (
     KIMI_K3_CHAT_TEMPLATE,
     MEDIA_PAD,
@@ -59,16 +60,69 @@ class KimiK3Processor(ProcessorMixin):
         video_processor ([`KimiK3VideoProcessor`]): samples, chunks and patchifies videos.
         tokenizer: the K3 tokenizer (any transformers tokenizer with the K3 special tokens).
         chat_template (`str`, *optional*): defaults to the K3 template (`KIMI_K3_CHAT_TEMPLATE`).
+        allowed_local_media_path (`str | list[str]`, *optional*): directories whose files a message (or a string
+            image / video) may name; none by default. ``..`` and symbolic links are resolved before the check.
+        allow_remote_media (`bool`, defaults to False): fetch ``http(s)`` URLs that messages name.
+        allow_private_network_media (`bool | list[str]`, defaults to False): with remote media on, also hosts that
+            resolve to loopback / link-local / private / reserved addresses (True), or those in the given networks.
+        max_media_bytes (`int`, defaults to 64 MiB): most bytes read for one medium (download, file or base64).
+        media_timeout (`float`, defaults to 10): seconds for each connect and read of a download.
+
+    The media options are the caller's, never a checkpoint's: ``save_pretrained`` does not write them and a
+    ``processor_config.json`` that holds them is ignored with a warning; pass them to ``from_pretrained`` or here.
+    Data URLs and in-memory images are always accepted. Images above the image processor's ``max_image_pixels``
+    are refused from their header, before decoding.
     """
 
     image_token = MEDIA_PAD
     video_token = VIDEO_PLACEHOLDER
 
-    def __init__(self, image_processor=None, video_processor=None, tokenizer=None, chat_template=None, **kwargs):
+    def __init__(self, image_processor=None, video_processor=None, tokenizer=None, chat_template=None,
+                 allowed_local_media_path=None, allow_remote_media=False, allow_private_network_media=False,
+                 max_media_bytes=None, media_timeout=None, **kwargs):
         if chat_template is None:
             chat_template = getattr(tokenizer, "chat_template", None) or KIMI_K3_CHAT_TEMPLATE
         super().__init__(image_processor, video_processor, tokenizer, chat_template=chat_template, **kwargs)
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.media_policy = MediaPolicy.create(allowed_local_media_path, allow_remote_media,
+                                               allow_private_network_media, max_media_bytes, media_timeout)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """As transformers' ``from_pretrained``; the media options (see the class docstring) are taken here, so they
+        reach neither the tokenizer's nor the image processor's saved config."""
+        media = {key: kwargs.pop(key) for key in MEDIA_OPTIONS if key in kwargs}
+        processor = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if media:
+            processor.media_policy = MediaPolicy.create(**media)
+        return processor
+
+    @classmethod
+    def from_dict(cls, processor_dict, **kwargs):
+        """A ``processor_config.json`` cannot widen what messages may load: a checkpoint is someone else's file."""
+        processor_dict = dict(processor_dict)
+        found = sorted(key for key in MEDIA_OPTIONS if processor_dict.pop(key, None) is not None)
+        if found:
+            logger.warning(f"processor_config.json sets {found}, which are ignored: media options are the caller's; "
+                           "pass them to KimiK3Processor.from_pretrained(...) instead")
+        return super().from_dict(processor_dict, **kwargs)
+
+    def to_dict(self):
+        out = super().to_dict()
+        for key in MEDIA_OPTIONS + ("media_policy",):
+            out.pop(key, None)
+        return out
+
+    def load_image(self, source):
+        """One image a message or the caller names: a string is read as the media policy allows and refused above
+        the image processor's ``max_image_pixels`` before decoding; anything else is returned as given."""
+        if isinstance(source, str):
+            return self.media_policy.open_image(source, self.image_processor.max_image_pixels)
+        return source
+
+    def load_video(self, source):
+        """One video a message or the caller names: a string is read and decoded as the media policy allows."""
+        return self.media_policy.load_video(source) if isinstance(source, str) else source
 
     def check_argument_for_proper_class(self, argument_name, argument):
         """transformers 5.23 resolves the expected base class by name, which fails for video processors
@@ -120,8 +174,8 @@ class KimiK3Processor(ProcessorMixin):
             logger.warning_once(f"KimiK3Processor ignores the arguments {sorted(kwargs)}")
         texts = [text] if isinstance(text, str) else list(text)
 
-        images = flatten_images(images)
-        videos = self.video_processor.as_video_list(videos)
+        images = [self.load_image(image) for image in flatten_images(images)]
+        videos = [self.load_video(video) for video in self.video_processor.as_video_list(videos)]
         n_image_slots = sum(_count_slots(t, _IMAGE_SLOTS) for t in texts)
         n_video_slots = sum(_count_slots(t, (self.video_token,)) for t in texts)
         if n_image_slots != len(images):
@@ -239,9 +293,12 @@ class KimiK3Processor(ProcessorMixin):
         for prompt in prompts if isinstance(prompts, list) else [prompts]:
             for part in prompt.media:  # the renderer's slots, in order (tool results re-ordered included)
                 if part.get("type") in ("image", "image_url"):
-                    images.append(_image_of(part))
+                    image = _media_of(part, ("image", "url", "path", "base64", "image_url"))
+                    images.append(self.media_policy.open_image(image, self.image_processor.max_image_pixels,
+                                                               base64_only=_only_base64(part))
+                                  if isinstance(image, str) else image)
                 else:
-                    videos.append(_media_of(part, ("video", "url", "path", "video_url")))
+                    videos.append(self.load_video(_media_of(part, ("video", "url", "path", "video_url"))))
         if return_assistant_tokens_mask:
             processor_kwargs["return_generated_mask"] = True
         out = self(text=prompts, images=images or None, videos=videos or None,
@@ -293,17 +350,8 @@ def _media_of(part: dict, keys: tuple[str, ...]):
     raise KimiK3ProcessorError(f"the content part {part!r:.120} has no media: give it one of the keys {keys}")
 
 
-def _image_of(part: dict):
-    image = _media_of(part, ("image", "url", "path", "base64", "image_url"))
-    if isinstance(image, str):
-        from transformers.image_utils import load_image
-
-        try:
-            return load_image(image)
-        except Exception as error:  # load_image raises whatever its backend (PIL, httpx, base64) raises
-            raise KimiK3ProcessorError(f"could not load the image {image[:120]!r} ({type(error).__name__}: "
-                                       f"{str(error)[:200]}); pass a PIL image, a readable path or a URL") from None
-    return image
+def _only_base64(part: dict) -> bool:
+    return "base64" in part and not any(key in part for key in ("image", "url", "path"))
 
 
 def _strip(config: dict) -> dict:
@@ -311,4 +359,4 @@ def _strip(config: dict) -> dict:
                                                           "processor_class", "_processor_class")}
 
 
-__all__ = ["KimiK3Processor", "KimiK3ProcessorError"]
+__all__ = ["KimiK3MediaError", "KimiK3Processor", "KimiK3ProcessorError", "MediaPolicy"]

@@ -107,14 +107,11 @@ class KimiK3VideoProcessor(VideoProcessorMixin):
     @staticmethod
     def to_frames(video: Any) -> list[np.ndarray]:
         """A video as a list of ``uint8 [H, W, 3]`` frames. Accepts ``[T, H, W, C]`` / ``[T, C, H, W]`` arrays or
-        tensors, lists of PIL images or arrays, and file paths / URLs (decoded with transformers' ``load_video``)."""
-        if isinstance(video, str):
-            from transformers.video_utils import load_video
+        tensors, lists of PIL images or arrays, and data URLs (decoded with transformers' ``load_video``)."""
+        if isinstance(video, str):  # data URLs only: paths and URLs go through KimiK3Processor's media policy
+            from .media_kimi_k3 import MediaPolicy
 
-            try:
-                video, _ = load_video(video)
-            except Exception as err:  # the decoder backends are optional
-                raise KimiK3VideoInputError(f"could not decode video {video!r}: {err}") from err
+            video = MediaPolicy().load_video(video)
         if isinstance(video, torch.Tensor):
             video = video.detach().cpu().numpy()
         if isinstance(video, np.ndarray):
