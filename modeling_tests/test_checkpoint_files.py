@@ -449,12 +449,20 @@ def test_pre_quantized_checkpoints_keep_their_integer_tensors(tmp_path):
     from transformers_k3.checkpoint_checks import check_pretrained_directory
 
     save_file({"model.layers.0.mlp.gate_proj.weight": torch.zeros(8, 1, dtype=torch.uint8),
-               "model.layers.0.mlp.gate_proj.qzeros": torch.zeros(2, dtype=torch.int32)},
+               "model.layers.0.mlp.gate_proj.weight.absmax": torch.zeros(2)},
               str(tmp_path / "model.safetensors"))
-    config = {"model_type": "kimi_k3_text", "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
+    config = {**KimiK3TextConfig.tiny().to_dict(),  # (a config of this size: the release's would be refused by size)
+              "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     check_pretrained_directory(tmp_path, {})
     config["quantization_config"] = {"quant_method": "compressed-tensors"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="stored as uint8"):
         check_pretrained_directory(tmp_path, {})
+    # GPTQ packs into int32 (bitsandbytes never does: test_hostile_checkpoints)
+    save_file({"model.layers.0.mlp.gate_proj.qweight": torch.zeros(8, 1, dtype=torch.int32),
+               "model.layers.0.mlp.gate_proj.qzeros": torch.zeros(2, dtype=torch.int32)},
+              str(tmp_path / "model.safetensors"))
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_pretrained_directory(tmp_path, {})

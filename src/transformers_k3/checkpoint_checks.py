@@ -7,6 +7,11 @@ is read from outside the directory. `check_pretrained_directory` runs the conver
 (`transformers_k3.conversion.streaming.scan_shards`) on the files ``from_pretrained`` is about to read, and raises
 `CheckpointError` naming the file, the tensor and what to do. It reads the safetensors headers only (a few KB per
 shard), never tensor data, and does nothing for hub ids, single files or GGUF.
+
+Beyond the converters' checks, what only ``from_pretrained`` needs: an FP8 weight (transformers would read it
+unscaled: with its scale it belongs to the converter, without one it is refused everywhere), integer tensors a
+configured quantizer does not store (an int32 weight behind a bitsandbytes config), and a config whose parameter
+count is absurd for the bytes on disk (`check_config_fits_files`, which the converters call too).
 """
 
 from __future__ import annotations
@@ -49,6 +54,96 @@ def _quantizer_owns_integers(quantization) -> bool:
     return method in AUTO_QUANTIZER_MAPPING
 
 
+def _quantizer_integer_dtypes(quantization) -> tuple | None:
+    """The integer dtypes the configured quantizer stores, where it is known to store only those (bitsandbytes: uint8
+    4-bit packs and states, int8 8-bit weights); None where any may belong to it (GPTQ's and AWQ's int32 packs...)."""
+    import torch
+
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "bitsandbytes":
+        return (torch.uint8,) if quantization.get("load_in_4bit") else (torch.int8, torch.uint8)
+    return None
+
+
+def _check_quantized_tensors(tensors: dict, quantization, owned: bool) -> None:
+    """What transformers would load silently wrong: an FP8 weight where no quantizer takes it (read unscaled), and an
+    integer tensor of a dtype the configured quantizer never stores (it loads, then fails inside the quantizer)."""
+    from .conversion.quant import FP8_DTYPES, FP8_SCALE_MISSING, fp8_weights_without_scale
+
+    if not owned and not _quantizer_takes_fp8(quantization):
+        dtypes = {name: info.dtype for name, info in tensors.items()}
+        unscaled = fp8_weights_without_scale(dtypes)
+        if unscaled:
+            info = tensors[unscaled[0]]
+            raise CheckpointError(f"{info.where()}: {FP8_SCALE_MISSING}; read unscaled its values would be off by their "
+                                  "scale: re-download the checkpoint or re-export it with its scales")
+        fp8 = [name for name, dtype in dtypes.items() if dtype in FP8_DTYPES and name.endswith(".weight")]
+        if fp8:
+            raise CheckpointError(
+                f"{tensors[fp8[0]].where()}: FP8 weight with a block scale ({len(fp8)} such weights); from_pretrained "
+                "would read it unscaled: convert the checkpoint first (conversion/convert_k3_official_to_hf.py "
+                "dequantises FP8 weights exactly)")
+    allowed = _quantizer_integer_dtypes(quantization) if owned else None
+    if allowed is not None:
+        for name, info in tensors.items():
+            if not info.dtype.is_floating_point and info.dtype not in allowed:
+                shown = ", ".join(str(d).replace("torch.", "") for d in allowed)
+                raise CheckpointError(
+                    f"{info.where()}: stored as {str(info.dtype).replace('torch.', '')}, which the configured "
+                    f"quantizer ({quantization.get('quant_method')}) never stores (its integer tensors are {shown}); "
+                    "the file is corrupt or its quantization_config is wrong: re-download or re-quantize it")
+
+
+def _quantizer_takes_fp8(quantization) -> bool:
+    """Whether transformers builds a quantizer that reads FP8 weights with their scales (fbgemm / finegrained FP8,
+    compressed-tensors FP8 schemes); the release's compressed-tensors MXFP4 is dequantised by this package instead."""
+    from .conversion.quant import is_mxfp4_scheme
+
+    if not isinstance(quantization, dict) or not quantization.get("quant_method"):
+        return False
+    return not is_mxfp4_scheme(quantization)
+
+
+# The fewest bytes a weight takes on disk (4-bit: MXFP4, NF4...) and how far a config may outgrow its files (a
+# checkpoint holding part of the weights, a model grown from it) before it is refused as absurd.
+_MIN_BYTES_PER_PARAMETER = 0.5
+_GROWTH_ALLOWED = 4
+_SLACK_BYTES = 2**30
+
+
+def check_config_fits_files(config, weight_bytes: int, where) -> None:
+    """Raises `CheckpointError` when ``config`` implies a model whose weights need, even at 4 bits, more than
+    ``_GROWTH_ALLOWED`` times the ``weight_bytes`` its safetensors files hold (plus 1 GiB): such a config (say
+    ``hidden_size: 10**6``) does not belong to these files, and building its model would exhaust memory. Computed from
+    the config's fields (`parameter_count`), before anything is allocated; every reader calls it."""
+    count = config.parameter_count()
+    needed = count * _MIN_BYTES_PER_PARAMETER
+    if needed > _GROWTH_ALLOWED * weight_bytes + _SLACK_BYTES:
+        raise CheckpointError(
+            f"{where}: the config describes a model of about {count:.3g} parameters (at least {needed / 1e9:.3g} GB "
+            f"even at 4 bits), but the checkpoint's safetensors files hold {weight_bytes / 1e9:.3g} GB of weights: the "
+            "config does not belong to these files (a size field such as hidden_size, num_experts or vocab_size is "
+            "wrong); fix config.json or re-download the checkpoint")
+
+
+def _config_fits(config, config_dict: dict, tensors: dict, where) -> None:
+    from .configuration_kimi_k3 import KimiK3ConfigError
+
+    if config is None:
+        from .conversion.expected import load_k3_config
+
+        if config_dict.get("model_type") not in ("kimi_k3", "kimi_k3_text", "kimi_linear"):
+            return  # no config of ours: transformers reports what it finds
+
+        try:
+            config, _ = load_k3_config(config_dict)
+        except KimiK3ConfigError:
+            raise
+        except Exception:
+            return  # not a K3 config: transformers reports what it finds
+    if hasattr(config, "parameter_count"):
+        check_config_fits_files(config, sum(info.nbytes for info in tensors.values()), where)
+
+
 def check_pretrained_directory(pretrained_model_name_or_path, kwargs: dict) -> None:
     """Raises `CheckpointError` if the local checkpoint ``from_pretrained(pretrained_model_name_or_path,
     **kwargs)`` would read is inconsistent (see the module docstring); returns quietly otherwise, and for
@@ -78,28 +173,38 @@ def check_pretrained_directory(pretrained_model_name_or_path, kwargs: dict) -> N
     # tensors by design, and that quantizer checks them; the release's compressed-tensors MXFP4 follows our rule.
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     quantization = config.get("quantization_config") or text.get("quantization_config") or {}
-    check_dtypes = not _quantizer_owns_integers(quantization)
+    if not isinstance(quantization, dict):
+        quantization = {}
+    owned = _quantizer_owns_integers(quantization)
+    check_dtypes = not owned
+    tensors = None
     if isinstance(explicit, str) and explicit:
         target = resolve_inside(directory, explicit, f"{config_path} (`transformers_weights`)")
         if explicit.endswith(".safetensors.index.json"):
-            _check_index(directory, target, check_dtypes)
+            tensors = _check_index(directory, target, check_dtypes)
         elif explicit.endswith(".safetensors") and target.is_file():
-            scan_shards(directory, [explicit], None, check_dtypes=check_dtypes)
+            tensors = scan_shards(directory, [explicit], None, check_dtypes=check_dtypes)[1]
+    else:
+        single = directory / _add_variant(SAFE_WEIGHTS_NAME, variant)
+        index = directory / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)
+        if (single.is_file() or single.is_symlink()) and index.is_file():
+            raise CheckpointError(f"{directory} holds both {single.name} and {index.name}: transformers would load "
+                                  f"{single.name} and ignore the shards the index lists. Remove the one that is stale.")
+        if single.is_file() or single.is_symlink():
+            tensors = scan_shards(directory, [single.name], None, check_dtypes=check_dtypes)[1]
+        elif index.is_file():
+            tensors = _check_index(directory, index, check_dtypes)
+    if tensors is None:
         return
-    single = directory / _add_variant(SAFE_WEIGHTS_NAME, variant)
-    index = directory / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)
-    if (single.is_file() or single.is_symlink()) and index.is_file():
-        raise CheckpointError(f"{directory} holds both {single.name} and {index.name}: transformers would load "
-                              f"{single.name} and ignore the shards the index lists. Remove the one that is stale.")
-    if single.is_file() or single.is_symlink():
-        scan_shards(directory, [single.name], None, check_dtypes=check_dtypes)
-    elif index.is_file():
-        _check_index(directory, index, check_dtypes)
+    _check_quantized_tensors(tensors, quantization, owned)
+    given = kwargs.get("config")
+    _config_fits(given if given is not None and hasattr(given, "parameter_count") else None, config, tensors,
+                 config_path)
 
 
-def _check_index(directory: Path, index_path: Path, check_dtypes: bool) -> None:
+def _check_index(directory: Path, index_path: Path, check_dtypes: bool) -> dict:
     weight_map = read_index(index_path)
-    scan_shards(directory, list(dict.fromkeys(weight_map.values())), weight_map, index_path, check_dtypes)
+    return scan_shards(directory, list(dict.fromkeys(weight_map.values())), weight_map, index_path, check_dtypes)[1]
 
 _RESOLVED_CHECK: "contextvars.ContextVar[dict | None]" = contextvars.ContextVar("k3_resolved_check", default=None)
 
@@ -139,4 +244,4 @@ def _install_resolver_hook() -> None:
     modeling_utils._get_resolved_checkpoint_files = resolved
 
 
-__all__ = ["CheckpointError", "check_pretrained_directory", "checking_resolved_files"]
+__all__ = ["CheckpointError", "check_config_fits_files", "check_pretrained_directory", "checking_resolved_files"]

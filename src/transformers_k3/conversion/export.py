@@ -53,7 +53,7 @@ from .keymap import (
     release_quantization_config,
     release_text_name,
 )
-from .official import ConversionPlan, _raise_errors, resolve_dtype, writing_checkpoint
+from .official import ConversionPlan, _checked_mxfp4_packed, _raise_errors, resolve_dtype, writing_checkpoint
 from .quant import (
     QuantFormatError,
     check_mxfp4_shapes,
@@ -220,7 +220,8 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
             stem = name[: -len("weight")]
             rows, cols = block
             add(stem + "weight_packed", OutputTensor(stem + "weight_packed", torch.uint8, tuple(packed.shape),
-                                                     [Piece((packed,), tuple(packed.shape))]), f"{packed.where()} (copied)")
+                                                     [Piece((packed, scale), tuple(packed.shape), 0, _checked_mxfp4_packed)]),
+                f"{packed.where()} (copied; scales checked)")
             add(stem + "weight_scale", OutputTensor(stem + "weight_scale", torch.uint8, (rows, cols // 32),
                                                     [Piece((scale,), (rows, cols // 32), 0, lambda x: mxfp4_scale_2d(x[0]))]),
                 f"{scale.where()} (copied)")

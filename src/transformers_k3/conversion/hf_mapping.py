@@ -224,7 +224,10 @@ class FuseExperts(ConversionOps):
                         check_mxfp4_shapes(p.shape, s.shape, shapes[i].reshape(-1).tolist() if shapes else None)
                     except ValueError as error:
                         raise type(error)(f"`{full_layer_name}`: expert {i} {proj}: {error}") from None
-                blocks = [lambda p=p, s=s: dequantize_mxfp4(p, s, torch.float32) for p, s in zip(packed, scale)]
+                # finite in the parameter's dtype too: an fp16 model overflows from 2^16
+                finite_in = param.dtype if param is not None and param.dtype.is_floating_point else None
+                blocks = [lambda p=p, s=s: dequantize_mxfp4(p, s, torch.float32, finite_in=finite_in)
+                          for p, s in zip(packed, scale)]
             if shape is not None and len(blocks) != shape[0]:
                 raise ValueError(
                     f"`{full_layer_name}`: found {proj} for {len(blocks)} experts, the model has {shape[0]}"
@@ -235,7 +238,10 @@ class FuseExperts(ConversionOps):
         row = 0
         for proj, blocks in per_proj:
             for e, get in enumerate(blocks):
-                block = get()
+                try:
+                    block = get()
+                except ValueError as error:
+                    raise type(error)(f"`{full_layer_name}`: expert {e} {proj}: {error}") from None
                 if fused is None:
                     rows = block.shape[0] * len(per_proj)
                     dtype = param.dtype if param is not None else block.dtype

@@ -45,12 +45,23 @@ from .keymap import (
     parse_expert_name,
     per_expert_name,
 )
-from .quant import QuantFormatError, check_mxfp4_shapes, dequantize_fp8_block, dequantize_mxfp4
+from .quant import (
+    FP8_DTYPES,
+    FP8_SCALE_MISSING,
+    QuantFormatError,
+    check_finite_weight,
+    check_mxfp4_shapes,
+    check_mxfp4_values,
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    fp8_scale_name,
+    fp8_weights_without_scale,
+)
 from .streaming import (Checkpoint, CheckpointError, OutputTensor, Piece, TensorInfo, atomic_output_dir, execute_plan,
                         parse_size)
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = FP8_DTYPES
 _MAX_LISTED_ERRORS = 20
 # Files of a release that describe its weights or its remote code; everything else (tokenizer,
 # generation and processor configs, chat templates, licence, README) is copied to the output.
@@ -117,21 +128,24 @@ def _cast_dtype(out_name: str, source_dtype: torch.dtype, expected: Expected, ta
 def load_config_of(source: Checkpoint):
     """`load_k3_config` for the checkpoint's ``config.json``; any way the file can be wrong is a
     `CheckpointError` naming it (`KimiK3ConfigError` names the bad field)."""
+    from ..checkpoint_checks import check_config_fits_files
     from ..configuration_kimi_k3 import KimiK3ConfigError
 
     try:
-        return load_k3_config(source.config)
+        config, composite = load_k3_config(source.config)
     except KimiK3ConfigError as error:
         raise CheckpointError(f"{source.directory / 'config.json'}: {error}") from error
     except Exception as error:  # transformers' config classes raise TypeError/ValueError/AttributeError/...
         raise CheckpointError(f"{source.directory / 'config.json'}: not a valid K3 config ({type(error).__name__}: "
                               f"{error}); fix the file or re-download it") from error
+    check_config_fits_files(config, source.total_bytes, source.directory / "config.json")
+    return config, composite
 
 
 def _fp8_scale_for(name: str, tensors: dict[str, TensorInfo]) -> TensorInfo | None:
     """The block/channel scale stored next to an FP8 ``….weight``, if any."""
-    stem = name[: -len("weight")]
-    return tensors.get(stem + "weight_scale_inv") or tensors.get(stem + "weight_scale")
+    scale = fp8_scale_name(name, tensors)
+    return tensors[scale] if scale is not None else None
 
 
 def _dequant_fp8(inputs):
@@ -141,8 +155,16 @@ def _dequant_fp8(inputs):
     per_channel = weight.shape[0] > 1 and scale.numel() == weight.shape[0] and (
         scale.dim() == 1 or (scale.dim() == 2 and scale.shape[1] == 1))
     if per_channel:
-        return weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1)
+        return check_finite_weight(weight.to(torch.float32) * scale.to(torch.float32).reshape(-1, 1),
+                                   "FP8 weight times its channel scale")
     return dequantize_fp8_block(weight, scale, dtype=torch.float32)
+
+
+def _checked_mxfp4_packed(inputs):
+    """A kept-quantized expert's ``weight_packed``, copied as it is once its scales (read alongside) are known to give
+    finite weights: the loader would refuse the copy later."""
+    check_mxfp4_values(inputs[0], inputs[1])
+    return inputs[0]
 
 
 def plan_official_conversion(source: Checkpoint, dtype: str | torch.dtype = "bf16", keep_quantized: bool = False,
@@ -186,13 +208,13 @@ def plan_official_conversion(source: Checkpoint, dtype: str | torch.dtype = "bf1
         sources_of[out_name] = note or info_list[0].where()
 
     # FP8 weights carry their scale in a sibling tensor; MXFP4 experts are handled with the experts
+    unscaled = set(fp8_weights_without_scale({name: info.dtype for name, info in source.tensors.items()}))
     for name, info in source.tensors.items():
         if info.dtype in _FP8 and name.endswith(".weight"):
-            scale = _fp8_scale_for(name, source.tensors)
-            if scale is None:
-                errors.append(f"{info.where()}: FP8 weight without a `weight_scale_inv`/`weight_scale` next to it")
+            if name in unscaled:
+                errors.append(f"{info.where()}: {FP8_SCALE_MISSING}")
             else:
-                consumed_scales.add(scale.name)
+                consumed_scales.add(_fp8_scale_for(name, source.tensors).name)
 
     for name, (info, select) in view.items():
         if info.name in consumed_scales:
@@ -397,9 +419,10 @@ def _plan_kept_quantized(base, projs, parts, exp: Expected, num_experts, errors,
                 errors.append(f"{packed.where()}: wrong shape {list(packed.shape)}, the config needs packed "
                               f"[{block[0]}, {block[1] // 2}]")
                 continue
-            for kind, info in (("weight_packed", packed), ("weight_scale", scale)):
-                add(per_expert_name(base, e, proj, kind), (info,), info.shape, out_dtype=info.dtype,
-                    note=f"{info.where()} (MXFP4, copied)")
+            add(per_expert_name(base, e, proj, "weight_packed"), (packed, scale), packed.shape, fn=_checked_mxfp4_packed,
+                out_dtype=packed.dtype, note=f"{packed.where()} (MXFP4, copied; scales checked)")
+            add(per_expert_name(base, e, proj, "weight_scale"), (scale,), scale.shape, out_dtype=scale.dtype,
+                note=f"{scale.where()} (MXFP4, copied)")
 
 
 # --------------------------------------------------------------------------------------------------

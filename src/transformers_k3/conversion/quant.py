@@ -79,14 +79,55 @@ def _as_uint8(t: torch.Tensor, what: str) -> torch.Tensor:
     raise QuantFormatError(f"MXFP4 {what} must be uint8, got {t.dtype}")
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``weight_packed [N, K/2]`` + ``weight_scale [N, K/32]`` -> ``[N, K]`` in ``dtype``, computed in fp32
-    (exact for bf16/fp32 outputs)."""
+def check_mxfp4_values(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    """Raises `QuantFormatError` unless every weight the pair dequantises to is finite in ``dtype``: no scale is 255
+    (E8M0's NaN), and no group's largest code times its scale reaches ``dtype``'s overflow (scale 254 is 2^127:
+    a code of 2 or more gives 2^128 = inf in fp32 and bf16; fp16 overflows from 2^16). Reads the codes'
+    magnitudes per group only; every reader of MXFP4 data (load, convert, copy, export) calls it."""
     packed = _as_uint8(packed, "weight_packed")
     scale = _as_uint8(mxfp4_scale_2d(scale), "weight_scale")
     rows, k = check_mxfp4_shapes(packed.shape, scale.shape)
-    if scale.numel() and bool((scale == E8M0_NAN).any()):
-        raise QuantFormatError("MXFP4 weight_scale contains 255 (the E8M0 NaN encoding)")
+    if not scale.numel():
+        return
+    nan = scale == E8M0_NAN
+    if bool(nan.any()):
+        row, group = nan.nonzero()[0].tolist()
+        raise QuantFormatError(f"MXFP4 weight_scale[{row}, {group}] is 255, E8M0's NaN encoding: the file is corrupt; "
+                               "re-download or re-export it")
+    magnitude = torch.maximum(packed & 0x07, (packed >> 4) & 0x07)  # sign bit dropped
+    largest = magnitude.reshape(rows, k // MXFP4_GROUP_SIZE, MXFP4_GROUP_SIZE // 2).amax(dim=-1)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device)
+    values = torch.ldexp(table[largest.long()], (scale.to(torch.int32) - E8M0_BIAS).to(torch.float64))
+    over = values > torch.finfo(dtype).max
+    if bool(over.any()):
+        row, group = over.nonzero()[0].tolist()
+        code = int(scale[row, group])
+        raise QuantFormatError(
+            f"MXFP4 weight_scale[{row}, {group}] = {code} (2^{code - E8M0_BIAS}) scales a code of "
+            f"{E2M1_VALUES[int(largest[row, group])]} to {float(values[row, group]):.3g}, beyond "
+            f"{str(dtype).replace('torch.', '')} (max {torch.finfo(dtype).max:.3g}): the weights would be infinite and "
+            "every output NaN; the file is corrupt: re-download or re-export it")
+
+
+def check_finite_weight(weight: torch.Tensor, what: str) -> torch.Tensor:
+    """``weight`` itself, or `QuantFormatError` when a dequantised value is NaN or infinite (a scale out of range)."""
+    bad = ~torch.isfinite(weight)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        raise QuantFormatError(f"{what} gives {float(weight[tuple(where)])!r} at {where}: a scale is out of range; the "
+                               "file is corrupt: re-download or re-export it")
+    return weight
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     finite_in: torch.dtype | None = None) -> torch.Tensor:
+    """``weight_packed [N, K/2]`` + ``weight_scale [N, K/32]`` -> ``[N, K]`` in ``dtype``, computed in fp32
+    (exact for bf16/fp32 outputs). Refuses (`check_mxfp4_values`) scales that make a weight non-finite in
+    ``finite_in`` (default ``dtype``: the dtype the weights end up in)."""
+    packed = _as_uint8(packed, "weight_packed")
+    scale = _as_uint8(mxfp4_scale_2d(scale), "weight_scale")
+    rows, k = check_mxfp4_shapes(packed.shape, scale.shape)
+    check_mxfp4_values(packed, scale, finite_in or dtype)
     low = packed & 0x0F
     high = packed >> 4
     codes = torch.stack((low, high), dim=-1).reshape(rows, k)  # low nibble = even index
@@ -216,7 +257,26 @@ def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple
     if list(scale.shape) != want:
         raise QuantFormatError(f"FP8 block scale has shape {list(scale.shape)}; weight {[rows, cols]} needs {want}")
     full = scale.to(torch.float32).repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
-    return (weight.to(torch.float32) * full).to(dtype)
+    return check_finite_weight((weight.to(torch.float32) * full).to(dtype), "FP8 weight times its block scale")
+
+
+FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                     "float8_e5m2fnuz") if hasattr(torch, name))
+FP8_SCALE_MISSING = "FP8 weight without a `weight_scale_inv`/`weight_scale` next to it"
+
+
+def fp8_scale_name(name: str, names) -> str | None:
+    """The scale stored next to the FP8 weight ``name`` (``….weight_scale_inv`` or ``….weight_scale``) if ``names``
+    holds one."""
+    stem = name[: -len("weight")]
+    return next((stem + kind for kind in ("weight_scale_inv", "weight_scale") if stem + kind in names), None)
+
+
+def fp8_weights_without_scale(dtypes) -> list[str]:
+    """The FP8 ``….weight`` tensors of ``{name: dtype}`` with no scale next to them: read unscaled they are off by
+    their scale (448 where 0.299 belongs), so every reader refuses them."""
+    return [name for name, dtype in dtypes.items()
+            if dtype in FP8_DTYPES and name.endswith(".weight") and fp8_scale_name(name, dtypes) is None]
 
 
 def is_mxfp4_scheme(quantization_config) -> bool:
@@ -248,10 +308,16 @@ def is_mxfp4_scheme(quantization_config) -> bool:
 __all__ = [
     "E2M1_VALUES",
     "MXFP4_GROUP_SIZE",
+    "FP8_DTYPES",
+    "FP8_SCALE_MISSING",
     "QuantFormatError",
+    "check_finite_weight",
     "check_mxfp4_shapes",
+    "check_mxfp4_values",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
+    "fp8_scale_name",
+    "fp8_weights_without_scale",
     "is_mxfp4_scheme",
     "mxfp4_release_scale",
     "mxfp4_scale_2d",
