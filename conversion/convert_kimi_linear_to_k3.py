@@ -33,6 +33,12 @@ def main(argv=None):
     except (CheckpointError, KimiK3ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # outside the output (reading the input, the output's parent): one line, as promised
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("error: out of memory", file=sys.stderr)
+        return 2
     if args.dry_run:
         print(plan.describe())
         print("dry run: nothing written")

@@ -4,7 +4,7 @@ wires them in the order a token flows through the network (K3_SPEC.md section 3.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -239,16 +239,108 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     _raise_problems([_input_ids_problem(input_ids, vocab_size)])
 
 
+def _ids_shape_message(input_ids: torch.Tensor) -> str:
+    return (f"input_ids must be [batch, tokens] with at least one row and one token, got shape "
+            f"{tuple(input_ids.shape)}: a single sequence goes in as ids[None] (shape [1, tokens])")
+
+
+def _mask_problems(attention_mask, batch: int, tokens: int) -> list:
+    """A 2-D attention mask that does not cover the input (another batch, fewer positions than tokens) raises now;
+    one holding other values than 0 and 1 (K3 multiplies by it: 2 or 0.5 would weight a token instead of masking
+    it) is returned as (flag, raise) for `_raise_problems` (not while compiling: it reads the values)."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return []
+    if attention_mask.shape[0] != batch or attention_mask.shape[1] < tokens:
+        raise KimiK3InputError(
+            f"attention_mask of shape {tuple(attention_mask.shape)} does not cover input_ids of shape "
+            f"({batch}, {tokens}): pass one mask row per sequence with a position for every token (and for every "
+            "token a cache holds before them)")
+    if attention_mask.dtype == torch.bool or torch.compiler.is_compiling() or attention_mask.device.type == "meta":
+        return []
+    bad = (attention_mask != 0) & (attention_mask != 1)
+
+    def fail():
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise KimiK3InputError(
+            f"attention_mask must hold only 0 and 1 (or be a bool tensor), got {attention_mask[row, position].item()} "
+            f"at row {row}, position {position}: K3 multiplies its states by the mask, so another value weights a "
+            "token instead of masking it. Pass 1 for a token, 0 for padding")
+
+    return [(bad.any(), fail)]
+
+
+def _position_problems(position_ids, cu_seq_lens_q, tokens: int, packed: bool) -> list:
+    """position_ids that cannot be positions (not integers, another length than the tokens) raise now. In a packed
+    row (`packed`: one row, no cache, no mask), where they say where each sequence starts, these are returned as
+    (flag, raise) for `_raise_problems`: a negative position, a step other than +1 or a restart at 0, and
+    ``cu_seq_lens_q`` that do not increase from 0 to the token count or disagree with the starts position_ids give
+    (they used to win silently). Not while compiling (they read the values)."""
+    if position_ids is not None:
+        if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+            raise KimiK3InputError(f"position_ids must hold integer positions, got a {position_ids.dtype} tensor: "
+                                   "pass torch.long positions (or none: K3's text model does not need them)")
+        if position_ids.dim() == 0 or position_ids.shape[-1] != tokens:
+            raise KimiK3InputError(f"position_ids of shape {tuple(position_ids.shape)} do not give one position per "
+                                   f"token ({tokens} tokens): pass [batch, tokens] positions, or none")
+    if cu_seq_lens_q is not None and (cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.shape[0] < 2):
+        raise KimiK3InputError(f"cu_seq_lens_q must be a 1-D tensor of sequence boundaries [0, ..., tokens], got "
+                               f"shape {tuple(cu_seq_lens_q.shape)}")
+    if not packed or torch.compiler.is_compiling():
+        return []
+    problems, starts = [], None
+    if position_ids is not None and position_ids.device.type != "meta":
+        positions = position_ids.reshape(-1)
+        if positions.numel() != tokens:
+            raise KimiK3InputError(f"position_ids of shape {tuple(position_ids.shape)} give {positions.numel()} "
+                                   f"positions for a packed row of {tokens} tokens: pass [1, tokens] positions")
+        following = positions[1:]
+        wrong = torch.cat([positions[:1] < 0, (following != positions[:-1] + 1) & (following != 0)])
+
+        def fail_positions():
+            index = int(wrong.nonzero()[0])
+            after = f" after {int(positions[index - 1])}" if index else ""
+            raise KimiK3InputError(
+                f"position_ids of a packed row must count 0, 1, 2, ... within each sequence and restart at 0 for the "
+                f"next (DataCollatorWithFlattening's form), got {int(positions[index])} at token {index}{after}")
+
+        problems.append((wrong.any(), fail_positions))
+        starts = positions == 0
+        starts[0] = True
+    if cu_seq_lens_q is not None and cu_seq_lens_q.device.type != "meta":
+        cu = cu_seq_lens_q.to(torch.long)
+        malformed = (cu[0] != 0) | (cu[-1] != tokens) | (cu[1:] <= cu[:-1]).any()
+
+        def fail_form():
+            raise KimiK3InputError(f"cu_seq_lens_q must increase from 0 to the row's {tokens} tokens, got "
+                                   f"{cu.tolist()[:20]}")
+
+        problems.append((malformed, fail_form))
+        if starts is not None:
+            given = torch.zeros_like(starts)
+            given[cu[:-1].clamp(0, tokens - 1).to(starts.device)] = True
+
+            def fail_disagree():
+                raise KimiK3InputError(
+                    f"cu_seq_lens_q {cu.tolist()[:20]} and position_ids (sequences starting at tokens "
+                    f"{starts.nonzero().flatten().tolist()[:20]}) disagree on where the packed sequences start: pass "
+                    "the collator's values together, or only position_ids")
+
+            problems.append(((starts != given).any(), fail_disagree))
+    return problems
+
+
 def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int, range_check: bool = True):
     """`check_input_ids`'s form checks, raised now, and its range check as (flag, raise) for `_raise_problems`
     (None without `range_check`, while compiling or on meta)."""
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise KimiK3InputError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor; pass the "
                                "tokenizer's ids (a float tensor of vectors goes in as inputs_embeds)")
-    if input_ids.dim() == 0 or input_ids.shape[-1] == 0:
+    if input_ids.dim() == 2 and input_ids.shape[0] > 0 and input_ids.shape[1] == 0:
         raise KimiK3InputError(
             f"input_ids has no tokens (shape {tuple(input_ids.shape)}): pass at least one token; to start from "
             "nothing, pass the tokenizer's bos_token_id as a [batch, 1] tensor")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise KimiK3InputError(_ids_shape_message(input_ids))
     if not range_check or torch.compiler.is_compiling() or input_ids.device.type == "meta":
         return None
     bad = (input_ids.detach() < 0) | (input_ids.detach() >= vocab_size)
@@ -267,11 +359,16 @@ def _check_generation_inputs(args: tuple, kwargs: dict) -> None:
     """What generate() cannot continue correctly: no tokens, or a batch whose rows end in padding (K3's KDA
     layers would carry their recurrent state across the pads into the new tokens)."""
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point and ids.dim() >= 1 and ids.shape[-1] == 0:
+    integer_ids = isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point
+    if integer_ids and ids.dim() == 2 and ids.shape[0] > 0 and ids.shape[-1] == 0:
         raise KimiK3InputError(
             f"generate() got input_ids with no tokens (shape {tuple(ids.shape)}): pass at least one token (a chat "
             "prompt, or the tokenizer's bos_token_id as a [batch, 1] tensor)")
+    if integer_ids and (ids.dim() != 2 or ids.shape[0] == 0):
+        raise KimiK3InputError(_ids_shape_message(ids))
     mask = kwargs.get("attention_mask")
+    if integer_ids and isinstance(mask, torch.Tensor):  # (generate() checks once, before its first step)
+        _raise_problems(_mask_problems(mask, ids.shape[0], ids.shape[1]))
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] > 0:
         empty = ~mask.bool().any(dim=-1)
         if bool(empty.any()):
@@ -455,11 +552,15 @@ class KimiK3ModelMixin:
                 return super().save_pretrained(save_directory, *args, save_original_format=True, **kwargs)
             finally:
                 del self._upload_modified_files
-        out = super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
-        if kwargs.get("is_main_process", True):
-            _remove_stale_weights(Path(save_directory), started)
+        if not kwargs.get("is_main_process", True):
+            return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        from .conversion.streaming import staged_save
+
+        with staged_save(save_directory) as staging:  # a failed save (full disk) leaves the directory as it was
+            out = super().save_pretrained(staging, *args, save_original_format=save_original_format, **kwargs)
             if save_original_format:
-                _write_release_config(self, Path(save_directory))
+                _write_release_config(self, staging)
+        _remove_stale_weights(Path(save_directory), started)
         return out
 
     @classmethod
@@ -517,7 +618,10 @@ class KimiK3GenerationMixin:
         """transformers' generate(), with inputs it cannot continue correctly refused by name
         (`KimiK3InputError`), and the cache kept in train mode with activation checkpointing on."""
         _check_generation_inputs(args, kwargs)
-        with _cache_kept_in_train_mode(self):
+        cache = either_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
+        # (a cache given to a running generate() refuses a second concurrent one: both would step one state)
+        claimed = cache.generating() if isinstance(cache, KimiK3HybridCache) else nullcontext()
+        with claimed, _cache_kept_in_train_mode(self):
             return super().generate(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, cache=None,
@@ -638,6 +742,7 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         if given is not None:
             given._is_user_defined = True
             if isinstance(given, KimiK3HybridCache):
+                given.check_layout(self.config.get_text_config())
                 if generation_config.prefill_chunk_size is not None and given.get_seq_length() > 0:
                     from .cache import KimiK3CacheError
 
@@ -664,6 +769,17 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         # Latent buffers sized for the whole generation at once (prompt + new tokens): no regrowth copies.
         sized = max_cache_length if max_cache_length and max_cache_length > 0 else None
         static = implementation == "static" and not generation_config.is_assistant
+        from .cache import KimiK3CacheSizeError, check_cache_fits
+
+        rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        reserved = sized or (generation_config.max_length if static else None)
+        if reserved and _CACHE_IMPLEMENTATIONS[implementation] is None:
+            try:  # refused before anything is allocated (or, for the growing cache, reserved)
+                check_cache_fits(self.config.get_text_config(), reserved, rows, self.dtype, self.device, static=static)
+            except KimiK3CacheSizeError:
+                if static:
+                    raise
+                sized = None  # the growing cache then reserves little and grows as tokens come
         cache = KimiK3HybridCache(self.config.get_text_config(), max_cache_len=sized or (
                                       generation_config.max_length if static else None),
                                   offload_latents_to=_CACHE_IMPLEMENTATIONS[implementation], static=static)
@@ -715,11 +831,16 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
             # (a Python flag, not the length: a static cache keeps its length on the device inside a compiled step)
             continuing = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.holds_tokens()
+            id_problem = (_input_ids_problem(input_ids, self.embed_tokens.num_embeddings,
+                                             range_check=not continuing or _host_reads_are_free(input_ids))
+                          if inputs_embeds is None else None)
+            batch, tokens = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
+            packed = batch == 1 and past_key_values is None and attention_mask is None
             _raise_problems([
-                _input_ids_problem(input_ids, self.embed_tokens.num_embeddings,
-                                   range_check=not continuing or _host_reads_are_free(input_ids))
-                if inputs_embeds is None else None,
+                id_problem,
+                *_mask_problems(attention_mask, batch, tokens),
                 _padding_problem(attention_mask) if attention_mask is not None and attention_mask.dim() == 2 else None,
+                *_position_problems(position_ids, kwargs.get("cu_seq_lens_q"), tokens, packed),
             ])
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -735,6 +856,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 f"Kimi K3 keeps KDA states and MLA latents in a `KimiK3HybridCache`, got {type(past_key_values).__name__}. "
                 "Pass `past_key_values=KimiK3HybridCache(model.config)` or let the model create one (`use_cache=True`)."
             )
+        if isinstance(past_key_values, KimiK3HybridCache) and not torch.compiler.is_compiling():
+            past_key_values.check_layout(self.config)
         cache_ids = kwargs.pop("cache_token_ids", input_ids)  # the multimodal model's ids behind its inputs_embeds
         if past_key_values is not None:  # the cache learns what it holds: generate() refuses a prompt not extending it
             past_key_values.record_tokens(cache_ids, inputs_embeds, attention_mask, model=self)

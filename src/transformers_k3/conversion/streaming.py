@@ -783,27 +783,33 @@ def clean_stale_outputs(output: str | os.PathLike) -> list[Path]:
 
 
 class _TerminateToException:
-    """While converting in the main thread, SIGTERM (``kill``, a job scheduler's timeout) raises
-    `KeyboardInterrupt`-like `SystemExit` so that the temporary output is removed; SIGKILL cannot be caught,
-    and what it leaves is removed by the next run (`clean_stale_outputs`)."""
+    """While converting in the main thread, SIGTERM (``kill``, a job scheduler's timeout) and SIGHUP (the terminal
+    or ssh session closed) raise `SystemExit` so that the temporary output is removed (SIGINT raises
+    `KeyboardInterrupt` already); a signal someone set to be ignored (``nohup``) stays ignored. SIGKILL cannot be
+    caught, and what it leaves is removed by the next run (`clean_stale_outputs`)."""
+
+    SIGNALS = ("SIGTERM", "SIGHUP")
 
     def __enter__(self):
         import signal
         import threading
 
-        self._previous = None
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
             def handler(signum, frame):
                 raise SystemExit(128 + signum)
 
-            self._previous = signal.signal(signal.SIGTERM, handler)
+            for name in self.SIGNALS:
+                signum = getattr(signal, name, None)  # (no SIGHUP on Windows)
+                if signum is not None and signal.getsignal(signum) is signal.SIG_DFL:
+                    self._previous[signum] = signal.signal(signum, handler)
         return self
 
     def __exit__(self, *exc):
         import signal
 
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
         return False
 
 
@@ -874,8 +880,13 @@ def _write_output(output: Path, overwrite: bool) -> Iterator[Path]:
             temporary.mkdir()
             try:
                 yield temporary
-            except BaseException:
+            except BaseException as error:
                 shutil.rmtree(temporary, ignore_errors=True)
+                if isinstance(error, OSError):  # a full disk (ENOSPC), a file-size limit (EFBIG), an I/O error
+                    raise CheckpointError(
+                        f"{output}: stopped by an operating-system error ({error}); nothing was written and the "
+                        "temporary output was removed. If the disk is full, free space (or write to another "
+                        "filesystem) and run again") from error
                 raise
             if output.exists() and not overwrite:  # made meanwhile by something that is not a converter
                 shutil.rmtree(temporary, ignore_errors=True)
@@ -891,6 +902,50 @@ def _write_output(output: Path, overwrite: bool) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             lock_path.unlink()
         lock.close()
+
+
+_SAVE_TAG = ".k3-save-"  # <directory>/.k3-save-<pid>.<random>: a save_pretrained being written
+_SHARD = re.compile(r"(.+?)(-\d{5}-of-\d{5})?\.(safetensors|bin)")
+
+
+@contextlib.contextmanager
+def staged_save(directory: str | os.PathLike) -> Iterator[Path]:
+    """For ``save_pretrained``: yields a fresh staging directory inside ``directory`` (same filesystem) that the
+    whole save is written into; only once it is complete are its files renamed over ``directory``'s, and a shard of
+    an earlier save that this one did not rewrite is removed (what transformers does in place). On any error (a
+    full disk, a file-size limit, SIGTERM or SIGHUP) nothing in ``directory`` has changed: the staging directory is
+    removed, and so is ``directory`` if this call created it. What a killed save left is removed by the next one."""
+    import tempfile
+
+    directory = Path(directory)
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in directory.glob(f"{_SAVE_TAG}*"):  # left by a killed save (its pid is gone)
+        pid = entry.name[len(_SAVE_TAG):].split(".", 1)[0]
+        if entry.is_dir() and not entry.is_symlink() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{_SAVE_TAG}{os.getpid()}.", dir=directory))
+    try:
+        with _TerminateToException():
+            yield staging
+            written = {entry.name for entry in staging.iterdir()}
+            prefixes = {match.group(1) for match in map(_SHARD.fullmatch, written) if match}
+            replaced = [entry for entry in directory.iterdir() if entry.name not in written and entry.is_file()
+                        and (match := _SHARD.fullmatch(entry.name)) and match.group(2) and match.group(1) in prefixes]
+            for name in sorted(written):
+                target = directory / name
+                if (staging / name).is_dir() and target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                os.replace(staging / name, target)
+            for entry in replaced:
+                entry.unlink(missing_ok=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_state_dict(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike,
@@ -926,5 +981,6 @@ __all__ = [
     "read_safetensors_header",
     "resolve_inside",
     "scan_shards",
+    "staged_save",
     "write_state_dict",
 ]

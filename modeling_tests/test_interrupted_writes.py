@@ -1,0 +1,125 @@
+"""Interrupted and failed writes leave nothing half-written: SIGHUP during a conversion removes its temporary output
+and lock like SIGTERM; a full disk (here a file-size limit, RLIMIT_FSIZE, with SIGXFSZ ignored so that the write
+fails with EFBIG instead of killing the process) gives the conversion and export scripts exit status 2 and one
+`error:` line, and leaves `save_pretrained`'s previous save as it was."""
+
+import hashlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3.conversion import convert_official_checkpoint
+
+from conftest import randomize_
+from test_checkpoint_files import _start_conversion, _wait_for_shards
+from test_conversion import SCRIPTS, official_state, write_official
+
+LIMIT = 24 * 1024  # bytes per file: above the configs, below every weight shard of the tiny checkpoints
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("ckpt") / "official"
+    write_official(path, official_state(model, quantize=False), model.config, False, False)
+    return path
+
+
+def listing(directory: Path) -> dict:
+    """Every entry under ``directory`` (hidden ones too) with its content's digest."""
+    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(directory.rglob("*"))}
+
+
+def small_disk():
+    """In the child: files cannot grow past LIMIT, and a write past it fails (EFBIG) instead of raising SIGXFSZ."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+
+def test_sighup_removes_the_temporary_output_and_its_lock(official, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    process = _start_conversion(official, work / "out", sleep=60)
+    try:
+        temporary = _wait_for_shards(work / "out", process)
+        assert temporary.is_dir()
+        process.send_signal(signal.SIGHUP)  # the terminal or ssh session closed
+        assert process.wait(timeout=30) != 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert list(work.iterdir()) == []  # no temporary directory, no lock files
+
+
+def run_script(name: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *map(str, args), "--quiet"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_disk)  # fmt: skip
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *fragments):
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_a_full_disk_in_the_scripts_is_status_2_one_line_and_nothing_written(official, tmp_path):
+    ours = tmp_path / "ours"
+    convert_official_checkpoint(official, ours, progress=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    before = listing(ours)
+    for name, source in (("convert_k3_official_to_hf", official), ("export_to_official", ours)):
+        result = run_script(name, "--input", source, "--output", work / "out", "--max-shard-size", "40KB")
+        assert_one_error_line(result, str(work / "out"), "File too large", "nothing was written")
+        assert list(work.iterdir()) == [], name  # no output, no temporary directory, no lock
+    assert listing(ours) == before
+
+
+SAVE = textwrap.dedent("""
+    import resource, signal, sys, torch
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+    torch.manual_seed(1)
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny())
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+    try:
+        model.save_pretrained(sys.argv[1], **eval(sys.argv[2]))
+    except Exception as error:  # (safetensors raises its own SafetensorError for the I/O error)
+        print("refused:", error)
+        sys.exit(3)
+""").format(limit=LIMIT)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_shard_size": "30KB"}, {"save_original_format": False}])
+def test_a_save_on_a_full_disk_leaves_the_previous_save_intact(tmp_path, kwargs):
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    (saved / "tokenizer.json").write_text("{}")  # a file the save does not write stays
+    before = listing(saved)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        want = model(ids).logits
+    for target in (saved, tmp_path / "fresh" / "model"):
+        result = subprocess.run([sys.executable, "-c", SAVE, str(target), repr(kwargs)], capture_output=True,
+                                text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 3 and "File too large" in result.stdout, result.stderr[-3000:]
+    assert listing(saved) == before  # nothing half-written, nothing left behind
+    assert not (tmp_path / "fresh" / "model").exists()
+    with torch.no_grad():
+        assert torch.equal(KimiK3ForCausalLM.from_pretrained(saved).eval()(ids).logits, want)
