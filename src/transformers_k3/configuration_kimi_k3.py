@@ -176,9 +176,10 @@ def _check_parameter_count(config, count: int | None = None, field: str | None =
            f"(the K3 release has about 2.8e12); fix the size fields")
 
 
-# Fields the network multiplies its activations by in the model's own dtype (the others are applied in float32,
-# which the field checks cover): each must stay a normal, finite number in that dtype.
-_FACTORS_IN_MODEL_DTYPE = ("logit_scale", "routed_scaling_factor")
+# Fields the network multiplies its activations by in the model's own dtype (the others, the SiTU betas, the router's
+# routed_scaling_factor and the norms' eps, are applied in float32, which the field checks cover): each must stay a
+# normal, finite number in that dtype.
+_FACTORS_IN_MODEL_DTYPE = ("logit_scale",)
 
 
 def check_config_for_dtype(config, dtype) -> None:
