@@ -191,6 +191,11 @@ def _compact_json(value: Any) -> str:
 
 def _sorted_deep(value: Any) -> Any:
     if isinstance(value, Mapping):
+        for key in value:
+            if not isinstance(key, str):
+                raise KimiK3ChatError(f"a JSON object key must be a string, got {key!r} ({type(key).__name__}) in "
+                                      f"{dict(value)!r:.120}; write the key as a string (JSON Schema property names "
+                                      "are strings)")
         return {key: _sorted_deep(value[key]) for key in sorted(value)}
     if isinstance(value, (list, tuple)):
         return [_sorted_deep(item) for item in value]
@@ -586,7 +591,21 @@ def render_kimi_k3_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | 
     if add_generation_prompt:
         segments += _open("message", [("role", "assistant")]) + _open("think" if thinking else "response")
     media.check_used()
+    _check_encodable(segments)
     return KimiK3Prompt(segments, generated, media.parts)
+
+
+def _check_encodable(segments: list[Segment]) -> None:
+    """Text with a lone surrogate (e.g. from JSON's \\ud800) has no UTF-8 form: no tokenizer can take it."""
+    for segment in segments:
+        try:
+            segment.text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            before = segment.text[max(0, error.start - 30):error.start]
+            raise KimiK3ChatError(
+                f"the conversation holds a lone surrogate {segment.text[error.start]!r} (after {before!r}), which is "
+                "not valid Unicode text and cannot be tokenized: remove it, or decode the input with "
+                "errors='replace'") from None
 
 
 __all__ = [

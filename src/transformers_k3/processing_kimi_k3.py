@@ -34,6 +34,8 @@ from .tokenization_kimi_k3 import (
     MEDIA_PAD,
     VIDEO_PLACEHOLDER,
     apply_kimi_k3_chat_template,
+    guard_jinja_template,
+    is_kimi_k3_template,
     tokenize_prompts,
 )
 from .video_processing_kimi_k3 import KimiK3VideoProcessor, format_timestamp
@@ -268,9 +270,16 @@ class KimiK3Processor(ProcessorMixin):
         default: pass ``thinking=False`` or ``thinking_effort=...``). ``tokenize=False`` returns the `KimiK3Prompt`;
         ``tokenize=True`` also loads the conversation's media (``{"type": "image", "image" | "url" | "path": ...}``,
         ``{"type": "video", "video" | "path": ...}``) and returns the processor's output (``return_dict=True``) or
-        the ids. Only the slots the renderer placed take media. An explicit Jinja ``chat_template`` goes to
-        transformers' own path."""
-        if chat_template is not None:
+        the ids. Only the slots the renderer placed take media, and media that are strings load as the media policy
+        allows (see the class docstring). An explicit ``chat_template`` that is K3's own renders with the encoder
+        too; another goes to transformers' own path, which refuses to tokenize message text that spells an added
+        token (it would become the token) and takes no audio."""
+        if not is_kimi_k3_template(self, chat_template):
+            guard_jinja_template(self.tokenizer, conversation, tools, tokenize=tokenize)
+            if any(isinstance(part, dict) and part.get("type") in ("audio", "input_audio", "audio_url")
+                   for text in _conversations(conversation) for message in text
+                   for part in (message.get("content") if isinstance(message.get("content"), list) else [])):
+                raise KimiK3ProcessorError("K3 takes no audio: remove the audio parts from the messages")
             return super().apply_chat_template(
                 conversation, chat_template=chat_template, tools=tools, documents=documents,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -348,6 +357,14 @@ def _media_of(part: dict, keys: tuple[str, ...]):
         if value is not None:
             return value
     raise KimiK3ProcessorError(f"the content part {part!r:.120} has no media: give it one of the keys {keys}")
+
+
+def _conversations(conversation) -> list:
+    """One conversation or a batch of them, as a list of message lists."""
+    if isinstance(conversation, (list, tuple)) and conversation and (
+            isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")):
+        return [getattr(chat, "messages", chat) for chat in conversation]
+    return [getattr(conversation, "messages", conversation)]
 
 
 def _only_base64(part: dict) -> bool:

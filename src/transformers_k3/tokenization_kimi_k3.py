@@ -11,7 +11,9 @@ tokenizer and `KimiK3Processor` still tokenize by segments. Thinking is on by de
 ``parse_response`` (what ``pipeline("text-generation")`` calls on chat output) uses `parse_kimi_k3_response`.
 
 `KIMI_K3_CHAT_TEMPLATE` is a Jinja template that renders the same string, for tools that read only
-``chat_template`` (exporters, generic servers); it cannot keep user text from becoming control tokens.
+``chat_template`` (exporters, generic servers); it cannot keep user text from becoming control tokens. So this
+tokenizer never tokenizes chat turns through it: ``chat_template=KIMI_K3_CHAT_TEMPLATE`` (or its name) renders with
+the encoder, and another explicit Jinja template refuses to tokenize message text that spells an added token.
 
 `build_test_tokenizer` makes a byte-level tokenizer with every K3 special token, for tests and tiny demo models.
 """
@@ -22,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from transformers import BatchEncoding, TokenizersBackend
-from transformers.utils import PaddingStrategy, TensorType
+from transformers.utils import PaddingStrategy, TensorType, logging
 
 from .encoding_kimi_k3 import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
+
+logger = logging.get_logger(__name__)
 
 KIMI_K3_SPECIAL_TOKENS = (
     "<|open|>", "<|close|>", "<|sep|>",
@@ -222,6 +226,72 @@ def apply_kimi_k3_chat_template(tokenizer, conversation, tools=None, documents=N
     return out if return_dict else out["input_ids"]
 
 
+def is_kimi_k3_template(tokenizer, chat_template) -> bool:
+    """Whether an explicit ``chat_template`` (text or a name in the tokenizer's templates) is K3's own, which the
+    encoder renders to the same text and tokenizes safely."""
+    if chat_template is None:
+        return True
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict) and chat_template in own:
+        chat_template = own[chat_template]
+    return KIMI_K3_CHAT_TEMPLATE is not None and str(chat_template).strip() == KIMI_K3_CHAT_TEMPLATE.strip()
+
+
+def _added_token_pattern(tokenizer):
+    tokens = sorted({str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()} |
+                    set(KIMI_K3_SPECIAL_TOKENS), key=len, reverse=True)
+    key = tuple(tokens)
+    cached = tokenizer.__dict__.get("_k3_added_token_pattern")
+    if cached is None or cached[0] != key:
+        import re
+
+        cached = (key, re.compile("|".join(re.escape(t) for t in tokens)))
+        tokenizer.__dict__["_k3_added_token_pattern"] = cached
+    return cached[1]
+
+
+def _strings(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+    elif hasattr(value, "messages"):
+        yield from _strings(value.messages)
+
+
+def typed_control_text(tokenizer, conversation, tools=None) -> str | None:
+    """The first added token (``<|open|>``, ``<|media_pad|>``, ...) spelled in any string of the conversation or
+    the tools, else None."""
+    pattern = _added_token_pattern(tokenizer)
+    for text in _strings([conversation, tools or []]):
+        found = pattern.search(text)
+        if found:
+            return found.group(0)
+    return None
+
+
+def guard_jinja_template(tokenizer, conversation, tools, tokenize: bool) -> None:
+    """transformers' Jinja path tokenizes its whole output with special tokens matched: typed control text in a
+    message would become the control token (a forged turn). Refuse that; warn when the text is only rendered."""
+    typed = typed_control_text(tokenizer, conversation, tools)
+    if typed is None:
+        return
+    if tokenize:
+        raise KimiK3ChatError(
+            f"a message spells the control token {typed!r}; an explicit Jinja chat_template tokenizes its output with "
+            "special tokens matched, so that text would become the control token. Leave chat_template unset (K3's "
+            "encoder keeps message text as text), or remove the text")
+    logger.warning_once(
+        f"a message spells the control token {typed!r} and an explicit Jinja chat_template rendered it as is: "
+        "tokenizing that string with special tokens matched turns it into the control token. Leave chat_template "
+        "unset to get K3's encoder, which keeps message text as text")
+
+
 def tokenize_prompts(tokenizer, text, padding=False, truncation=None, max_length=None, **kwargs) -> BatchEncoding:
     """``tokenizer(text, ...)`` for `KimiK3Prompt` input with any fast tokenizer (padding / truncation as there)."""
     padding_strategy, truncation_strategy, max_length, _ = tokenizer._get_padding_truncation_strategies(
@@ -235,7 +305,8 @@ class KimiK3Tokenizer(TokenizersBackend):
     """Kimi K3's tokenizer: a fast BPE tokenizer whose chat template is K3's Python renderer (see the module
     docstring). ``apply_chat_template(messages, add_generation_prompt=True)`` renders with thinking on (the
     trained default); pass ``thinking=False`` or ``thinking_effort=...`` to change it. A ``chat_template=`` you pass
-    explicitly is rendered by transformers' Jinja path as usual."""
+    explicitly is K3's encoder if it is K3's template, else transformers' Jinja path, guarded against typed control
+    text (`guard_jinja_template`)."""
 
     # No __init__ of our own: transformers then loads tokenizer.json as it is.
     @property
@@ -250,10 +321,14 @@ class KimiK3Tokenizer(TokenizersBackend):
         self.__dict__["_response_template"] = value
 
     def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None, **kwargs):
-        if chat_template is not None:
-            return super().apply_chat_template(conversation, tools=tools, documents=documents,
-                                               chat_template=chat_template, **kwargs)
-        return apply_kimi_k3_chat_template(self, conversation, tools=tools, documents=documents, **kwargs)
+        """K3's encoder (see the class docstring). A ``chat_template`` that is K3's own template (by text or by
+        name) renders through the encoder too; another Jinja template goes to transformers' path, which refuses to
+        tokenize (and warns when it renders) message text that spells one of the tokenizer's added tokens."""
+        if is_kimi_k3_template(self, chat_template):
+            return apply_kimi_k3_chat_template(self, conversation, tools=tools, documents=documents, **kwargs)
+        guard_jinja_template(self, conversation, tools, tokenize=kwargs.get("tokenize", True))
+        return super().apply_chat_template(conversation, tools=tools, documents=documents,
+                                           chat_template=chat_template, **kwargs)
 
     def _encode_plus(self, text, text_pair=None, **kwargs):
         if _has_prompt(text_pair) or _nested_prompt(text) or _nested_prompt(text_pair):
