@@ -118,6 +118,11 @@ def test_fp8_weight_with_its_scale_loads_through_the_converter_only(bf16_source,
 
     _add_to_index(path, Q + "_scale_inv", _edit_tensor(path, Q, edit))
     _loaders_refuse(path, CheckpointError, Q, "read it unscaled", "convert_k3_official_to_hf.py")
+    # a quantizer that never reads FP8 does not take it either
+    _edit_config(path, lambda c: c.__setitem__("quantization_config",
+                                               {"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    _loaders_refuse(path, CheckpointError, Q, "read it unscaled")
+    _edit_config(path, lambda c: c.pop("quantization_config"))
     convert_official_checkpoint(path, tmp_path / "out", progress=False)
     model = KimiK3ForCausalLM.from_pretrained(tmp_path / "out")
     assert torch.equal(model.get_parameter(Q), torch.full((64, 64), 112.0, dtype=model.get_parameter(Q).dtype))

@@ -69,7 +69,7 @@ def _check_quantized_tensors(tensors: dict, quantization, owned: bool) -> None:
     integer tensor of a dtype the configured quantizer never stores (it loads, then fails inside the quantizer)."""
     from .conversion.quant import FP8_DTYPES, FP8_SCALE_MISSING, fp8_weights_without_scale
 
-    if not owned and not _quantizer_takes_fp8(quantization):
+    if not _quantizer_takes_fp8(quantization):
         dtypes = {name: info.dtype for name, info in tensors.items()}
         unscaled = fp8_weights_without_scale(dtypes)
         if unscaled:
@@ -93,12 +93,16 @@ def _check_quantized_tensors(tensors: dict, quantization, owned: bool) -> None:
                     "the file is corrupt or its quantization_config is wrong: re-download or re-quantize it")
 
 
+# transformers quantizers whose checkpoints may hold FP8 weights with their scales (bitsandbytes, GPTQ, AWQ... never do)
+_FP8_QUANTIZERS = ("fp8", "fbgemm_fp8", "compressed-tensors", "quark", "torchao", "quanto", "mxfp8", "fp_quant")
+
+
 def _quantizer_takes_fp8(quantization) -> bool:
     """Whether transformers builds a quantizer that reads FP8 weights with their scales (fbgemm / finegrained FP8,
-    compressed-tensors FP8 schemes); the release's compressed-tensors MXFP4 is dequantised by this package instead."""
+    compressed-tensors FP8 schemes...); the release's compressed-tensors MXFP4 is dequantised by this package instead."""
     from .conversion.quant import is_mxfp4_scheme
 
-    if not isinstance(quantization, dict) or not quantization.get("quant_method"):
+    if not isinstance(quantization, dict) or quantization.get("quant_method") not in _FP8_QUANTIZERS:
         return False
     return not is_mxfp4_scheme(quantization)
 
