@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -54,6 +55,15 @@ class _Server:
                     self.send_response(302)
                     self.send_header("Location", self.path[len("/to?u="):])
                     self.end_headers()
+                    return
+                if self.path == "/slow":  # a body that trickles in, one byte at a time
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    for _ in range(40):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.05)
                     return
                 body = PNG if self.path == "/a.png" else b"x" * 5000
                 self.send_response(200)
@@ -140,6 +150,12 @@ def test_download_byte_budget(tokenizer, server):
     processor = make(tokenizer, allow_remote_media=True, allow_private_network_media=True, max_media_bytes=1000)
     with pytest.raises(KimiK3MediaError, match="5000 bytes, above max_media_bytes=1000"):
         run_chat(processor, {"type": "image", "url": server.url("/big")})
+
+
+def test_a_trickling_download_stops_at_media_timeout(tokenizer, server):
+    processor = make(tokenizer, allow_remote_media=True, allow_private_network_media=True, media_timeout=0.5)
+    with pytest.raises(KimiK3MediaError, match="took longer than media_timeout"):
+        run_chat(processor, {"type": "image", "url": server.url("/slow")})
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "10.0.0.1", "172.16.3.4", "192.168.1.1", "169.254.169.254",

@@ -10,7 +10,7 @@ behalf. `MediaPolicy` says what may be loaded; its default is what a server can 
   link-local, private, shared, multicast or reserved one is refused unless ``allow_private_network_media`` is True
   or a list of networks that holds every one of them. The connection goes to the address that was checked (no second
   lookup), redirects are followed by hand and each one is checked the same way, proxies from the environment are not
-  used, and the body stops at ``max_media_bytes``.
+  used, the body stops at ``max_media_bytes`` and the whole download at ``media_timeout`` seconds.
 
 Images are opened lazily by PIL, so the pixel budget (the image processor's ``max_image_pixels``) is checked on the
 size the file's header states, before its pixels are decoded.
@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -187,6 +188,7 @@ class MediaPolicy:
                 f"the media URL {url[:120]!r} was not fetched: remote media is off by default (a message could make "
                 "the server request any address). Pass allow_remote_media=True to the processor (or from_pretrained) "
                 "to allow public http(s) URLs, or pass the image itself (PIL image, array, data URL)")
+        deadline = time.monotonic() + self.media_timeout
         for _ in range(MAX_REDIRECTS + 1):
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -198,7 +200,11 @@ class MediaPolicy:
             except ValueError:
                 raise KimiK3MediaError(f"the media URL {url[:120]!r} has an invalid port") from None
             address = self.check_host(parts.hostname, port)[0]
-            connection = _PinnedConnection(parts.scheme, parts.hostname, port, address, self.media_timeout)
+            try:
+                connection = _PinnedConnection(parts.scheme, parts.hostname, port, address, _left(deadline, url))
+            except (OSError, ssl.SSLError) as error:
+                raise KimiK3MediaError(f"could not connect to the media URL {url[:120]!r} ({type(error).__name__}: "
+                                       f"{str(error)[:200]})") from None
             try:
                 path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
                 connection.request("GET", path, headers={"User-Agent": "transformers-k3", "Accept": "*/*",
@@ -217,7 +223,15 @@ class MediaPolicy:
                     raise KimiK3MediaError(f"the media at {url[:120]!r} is {int(length)} bytes, above "
                                            f"max_media_bytes={self.max_media_bytes}; raise max_media_bytes to accept "
                                            "it")
-                body = response.read(self.max_media_bytes + 1)
+                chunks, size = [], 0
+                while size <= self.max_media_bytes:
+                    _left(deadline, url)  # each read also times out on its own (the socket's timeout)
+                    chunk = response.read(min(1 << 16, self.max_media_bytes + 1 - size))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                body = b"".join(chunks)
                 if len(body) > self.max_media_bytes:
                     raise KimiK3MediaError(f"the media at {url[:120]!r} is larger than max_media_bytes="
                                            f"{self.max_media_bytes}; raise max_media_bytes to accept it")
@@ -274,19 +288,27 @@ def _decode_video(load_video, path: str, name: str):
     return frames
 
 
+def _left(deadline: float, url: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise KimiK3MediaError(f"the media URL {url[:120]!r} took longer than media_timeout; raise media_timeout to "
+                               "wait longer")
+    return left
+
+
 class _PinnedConnection:
     """An HTTP(S) connection to the address that was checked, with the URL's host name for TLS and Host."""
 
     def __init__(self, scheme: str, host: str, port: int, address: str, timeout: float):
-        if scheme == "https":
-            self._connection = http.client.HTTPSConnection(host, port, timeout=timeout,
-                                                           context=ssl.create_default_context())
+        context = ssl.create_default_context() if scheme == "https" else None
+        if context is not None:
+            self._connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
         else:
             self._connection = http.client.HTTPConnection(host, port, timeout=timeout)
         sock = socket.create_connection((address, port), timeout=timeout)
-        if scheme == "https":
+        if context is not None:
             try:
-                sock = self._connection._context.wrap_socket(sock, server_hostname=host)
+                sock = context.wrap_socket(sock, server_hostname=host)
             except Exception:
                 sock.close()
                 raise

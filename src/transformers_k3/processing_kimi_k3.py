@@ -68,7 +68,7 @@ class KimiK3Processor(ProcessorMixin):
         allow_private_network_media (`bool | list[str]`, defaults to False): with remote media on, also hosts that
             resolve to loopback / link-local / private / reserved addresses (True), or those in the given networks.
         max_media_bytes (`int`, defaults to 64 MiB): most bytes read for one medium (download, file or base64).
-        media_timeout (`float`, defaults to 10): seconds for each connect and read of a download.
+        media_timeout (`float`, defaults to 10): seconds for a whole download (connect, redirects and body).
 
     The media options are the caller's, never a checkpoint's: ``save_pretrained`` does not write them and a
     ``processor_config.json`` that holds them is ignored with a warning; pass them to ``from_pretrained`` or here.
