@@ -321,9 +321,12 @@ def test_load_without_a_checkable_fingerprint_warns(tiny_model, saved):
         unreadable = KimiK3ForCausalLM(tiny_model.config)
     with pytest.warns(UserWarning, match="cannot be read cheaply"):
         KimiK3HybridCache.load(path, tiny_model.config, model=unreadable)
-    rewrite(path, change_metadata=lambda m: m.update(weights_fingerprint=""))
-    with pytest.warns(UserWarning, match="saved without a weights fingerprint"):
+    # a file without a fingerprint (here also without the digest that covers it) is refused unless trusted
+    rewrite(path, change_metadata=lambda m: [m.update(weights_fingerprint="", version="2"), m.pop("content_digest")])
+    with pytest.raises(KimiK3CacheError, match="saved without a weights fingerprint.*trust_unverified=True"):
         KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model)
+    with pytest.warns(UserWarning, match="saved without a weights fingerprint"):
+        KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model, trust_unverified=True)
     rewrite(path, change_metadata=lambda m: m.update(weights_fingerprint="not-a-digest"))
     with pytest.raises(KimiK3CacheError, match="not a SHA-256 hex digest"):
         KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model)
@@ -386,10 +389,12 @@ def test_load_refuses_missing_or_garbled_metadata_and_foreign_entries(tiny_model
 
 def test_a_file_of_the_first_format_loads_with_its_tokens_unknown(tiny_model, saved):
     path, sequences, _ = saved
-    rewrite(path, lambda t: t.pop("tokens"), lambda m: [m.pop(k) for k in ("lengths", "batch_size",
+    rewrite(path, lambda t: t.pop("tokens"), lambda m: [m.pop(k) for k in ("lengths", "batch_size", "content_digest",
                                                                            "weights_fingerprint")] + [m.update(version="1")])
+    with pytest.raises(KimiK3CacheError, match="without the token ids.*trust_unverified=True"):
+        KimiK3HybridCache.load(path, tiny_model.config)
     with pytest.warns(UserWarning, match="without the token ids"):
-        restored = KimiK3HybridCache.load(path, tiny_model.config)
+        restored = KimiK3HybridCache.load(path, tiny_model.config, trust_unverified=True)
     assert torch.equal(restored.token_ids, torch.full((2, 11), -2))
     assert torch.equal(greedy(tiny_model, sequences, 4, past_key_values=restored), greedy(tiny_model, sequences[:, :8], 8))
 

@@ -20,12 +20,15 @@ The cache also knows what it holds (`KimiK3CacheError` when that does not fit wh
 from __future__ import annotations
 
 import hashlib
+import hmac
 import itertools
 import json
 import os
 import tempfile
+import threading
 import warnings
 import weakref
+from contextlib import contextmanager
 
 import torch
 from safetensors import safe_open
@@ -48,6 +51,75 @@ class KimiK3CacheError(ValueError):
 
 class KimiK3CacheFileError(KimiK3CacheError, CheckpointError):
     """A saved cache file that cannot be read as one (not safetensors, truncated, missing or malformed entries)."""
+
+
+class KimiK3CacheSizeError(KimiK3CacheError):
+    """A cache whose buffers would not fit in the memory that is to hold them (refused before anything is allocated)."""
+
+
+# guards the check-and-set of a cache's "in use by generate()" flag across threads
+_IN_USE_LOCK = threading.Lock()
+
+
+def cache_bytes(config: KimiK3TextConfig, tokens: int, batch_size: int, dtype: torch.dtype) -> int:
+    """Bytes a cache reserving `tokens` positions for `batch_size` sequences allocates: every MLA latent
+    (``tokens x (kv_lora_rank + rope)`` in `dtype`), the int64 token record, and every KDA layer's conv window (in
+    `dtype`) and fp32 recurrent state."""
+    element = torch.empty((), dtype=dtype).element_size()
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    heads, head_dim = config.linear_num_heads, config.linear_head_dim
+    mla = sum(kind != "linear_attention" for kind in config.layer_types)
+    kda = len(config.layer_types) - mla
+    per_row = (mla * tokens * width * element + tokens * 8
+               + kda * (3 * heads * head_dim * (config.linear_conv_kernel_size - 1) * element
+                        + heads * head_dim * head_dim * 4))
+    return batch_size * per_row
+
+
+def available_bytes(device: torch.device | str | None) -> int | None:
+    """Memory that can still be allocated on `device`: the CUDA device's free memory, on the CPU the available RAM
+    (psutil if installed, else the kernel's MemAvailable, else the free pages); None where it is not known."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_cache_fits(config: KimiK3TextConfig, tokens: int, batch_size: int, dtype: torch.dtype,
+                     device: torch.device | str | None, static: bool = True) -> None:
+    """`KimiK3CacheSizeError`, naming the bytes, when a cache reserving `tokens` positions would not fit in the
+    memory available on `device` (checked before allocating: a huge reservation would otherwise take the memory, or
+    be killed, before any step runs)."""
+    needed = cache_bytes(config, tokens, batch_size, dtype)
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return
+    where = torch.device(device if device is not None else "cpu")
+    raise KimiK3CacheSizeError(
+        f"a {'static cache' if static else 'cache'} (KimiK3HybridCache) of {tokens} tokens x {batch_size} sequence(s) "
+        f"needs {needed / 1e9:.2f} GB ({needed} bytes, {dtype}) on {where}, where {available / 1e9:.2f} GB are "
+        f"available. It holds prompt + new tokens: lower generate()'s max_new_tokens / max_length, or build it with a "
+        f"smaller max_cache_len (one token of one sequence takes {cache_bytes(config, 1, 1, dtype) - cache_bytes(config, 0, 1, dtype)} "
+        "bytes), or use the growing cache (cache_implementation=None / static=False), which takes memory as tokens "
+        "come")
 
 
 def _state_signature(config: KimiK3TextConfig) -> dict:
@@ -142,6 +214,27 @@ def weights_fingerprint(model: nn.Module) -> str | None:
     except (RuntimeError, TypeError, NotImplementedError, AttributeError):
         return None  # a quantized or wrapped tensor type without strided views or casts
     return digest.hexdigest()
+
+
+def _content_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """SHA-256 (hex) over a saved cache's metadata (all but the digest itself) and every tensor's name, dtype, shape
+    and bytes (CPU tensors), in name order: what `save` writes as ``content_digest`` and `load` recomputes. It ties
+    the token record, the states and the metadata of one save together, so that a file edited or assembled from
+    parts (latents of another conversation, a rewritten token record, a stripped fingerprint) is detected. It holds
+    no secret: whoever writes the file can recompute it, so it proves integrity, not who wrote the file."""
+    digest = hashlib.sha256(b"kimi_k3_hybrid_cache content v3\n")
+    digest.update(json.dumps({k: v for k, v in metadata.items() if k != "content_digest"}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"\n{name}:{tensor.dtype}:{list(tensor.shape)}:".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _layout(config: KimiK3TextConfig) -> str:
+    kinds = "".join("K" if kind == "linear_attention" else "M" for kind in config.layer_types)
+    return (f"kinds {kinds} (K: KDA, M: MLA), latent width {config.kv_lora_rank + config.qk_rope_head_dim}, "
+            f"KDA {config.linear_num_heads} x {config.linear_head_dim}")
 
 
 def _keep_address(*tensors: torch.Tensor) -> None:
@@ -482,6 +575,12 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
         """Write ``latent_states`` ``[B, T, D]`` at `position`; return the whole buffer ``[B, max_cache_len, D]``."""
         latent_states = key_states
+        if self.storage_dtype is not None and self.storage_dtype != latent_states.dtype:
+            # (the growing cache casts its whole latent back every step; a static buffer is returned as it is)
+            raise KimiK3CacheError(
+                f"this static KimiK3HybridCache stores its latents in {self.storage_dtype} but the model computes in "
+                f"{latent_states.dtype}: build it with dtype=None (the model's) or dtype={latent_states.dtype}, or "
+                "use the growing cache (static=False), which stores another dtype and casts it back per step")
         if not self.is_initialized:
             self.lazy_initialization(latent_states)
         elif self.device is None:  # reserved (`batch_size=`): the first step tells where compute happens
@@ -593,6 +692,13 @@ class KimiK3HybridCache(Cache):
         if static and offload_latents_to is not None:
             raise ValueError("a static KimiK3HybridCache keeps its latents where they are computed (their addresses "
                              "must not change); pass offload_latents_to=None or static=False")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise KimiK3CacheError(f"a KimiK3HybridCache stores its latents in a floating-point dtype the model can "
+                                   f"compute with, got dtype={dtype!r}: pass None (the model's dtype), torch.bfloat16, "
+                                   "torch.float16 or torch.float32")
+        if batch_size is not None:  # (reserved now: refused here rather than taking memory the machine lacks)
+            check_cache_fits(text_config, max_cache_len or 256, batch_size, dtype or torch.get_default_dtype(),
+                             device, static=static)
         self.static = static
         layers = [
             KimiK3KDACacheLayer(text_config.linear_conv_kernel_size - 1, max_rollback, static=static)
@@ -614,6 +720,39 @@ class KimiK3HybridCache(Cache):
         self._writer = None  # weak reference to the text model that last wrote to the cache (for `save`)
         self._check_next_input = False  # set by generate() for a cache it was given: check its first input
         self._generated_step = False  # set by generate() for its decode steps: their inputs need no value checks
+        self._in_generate = False  # set while a generate() call uses the cache: a second concurrent one is refused
+        self._loaded_fingerprint: str | None = None  # the weights fingerprint of the file it was loaded from
+
+    @contextmanager
+    def generating(self):
+        """Held by generate() while it uses this cache: a second generate() given the same cache meanwhile (another
+        thread) raises `KimiK3CacheError` instead of interleaving its steps with the first one's (both outputs
+        would be wrong). Released when the call ends, also when it raises."""
+        with _IN_USE_LOCK:
+            if self._in_generate:
+                raise KimiK3CacheError(
+                    "this KimiK3HybridCache is in use by another generate() call (another thread): a cache holds one "
+                    "conversation's state, and two calls stepping it at once would both compute from the other's "
+                    "tokens. Give each concurrent call its own cache (copy.deepcopy(cache) to branch a conversation), "
+                    "or wait for the first call to finish")
+            self._in_generate = True
+        try:
+            yield self
+        finally:
+            self._in_generate = False
+
+    def check_layout(self, config: KimiK3TextConfig) -> None:
+        """`KimiK3CacheError` unless this cache was built for a model whose layers are those of `config` (the same
+        layer kinds in the same order, the same latent and KDA widths)."""
+        mine, theirs = self.config, config
+        if list(mine.layer_types) == list(theirs.layer_types) and all(
+                getattr(mine, key) == getattr(theirs, key) for key in
+                ("kv_lora_rank", "qk_rope_head_dim", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_size")):
+            return
+        raise KimiK3CacheError(
+            f"this KimiK3HybridCache was built for {len(mine.layer_types)} layers ({_layout(mine)}) but the model has "
+            f"{len(theirs.layer_types)} ({_layout(theirs)}): build it from the model's own config, "
+            "KimiK3HybridCache(model.config)")
 
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
@@ -631,6 +770,14 @@ class KimiK3HybridCache(Cache):
 
     def _first_latent_layer(self) -> KimiK3MLACacheLayer | None:
         return next((layer for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer)), None)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held: the MLA layer's length, the first MLA layer's for a KDA layer (its state has no length; what
+        transformers before 5.25 answered for the default index, 0, a KDA layer in K3)."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], KimiK3MLACacheLayer):
+            return self.layers[layer_idx].get_seq_length()
+        layer = self._first_latent_layer()
+        return 0 if layer is None else layer.get_seq_length()
 
     def get_query_offset(self, layer_idx: int = 0):
         """The position of the next token; a static cache gives it as its device tensor (no host read, so that
@@ -698,6 +845,13 @@ class KimiK3HybridCache(Cache):
         ``inputs_embeds.shape[1]`` positions it is about to consume (None: unknown), with masked positions as
         padding, and which model wrote them (`save` fingerprints its weights)."""
         batch, length = inputs_embeds.shape[:2]
+        if self._tokens is None and not torch.compiler.is_compiling() and not any(
+                getattr(layer, "is_initialized", False) for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer)):
+            # the first forward allocates every buffer: refused here, before, when they cannot fit
+            first = self._first_latent_layer()
+            reserved = max(first.initial_capacity, length) if first is not None else length
+            check_cache_fits(self.config, reserved, batch, first.storage_dtype or inputs_embeds.dtype
+                             if first is not None else inputs_embeds.dtype, inputs_embeds.device, static=self.static)
         # (inside a compiled step of a static cache the length stays on the device: the batch was checked eagerly)
         held = 0 if self.static and torch.compiler.is_compiling() else self._synced_token_count()
         if held and self._tokens.shape[0] != batch:
@@ -807,11 +961,13 @@ class KimiK3HybridCache(Cache):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_writer"] = None  # (a weak reference does not pickle)
+        state["_in_generate"] = False  # (a copy is not the cache a running generate() holds)
         return state
 
     # ------------------------------------------------------------------------------------------ persistence
     _FORMAT = "kimi_k3_hybrid_cache"
-    _VERSION = "2"  # 2: token ids, batch size, per-layer lengths and the weights fingerprint; 1 had none of them
+    # 3: a content digest; 2: token ids, batch size, per-layer lengths and the weights fingerprint; 1 had none of them
+    _VERSION = "3"
 
     def save(self, path: str | os.PathLike, model: nn.Module | None = None) -> None:
         """Write the cache to one safetensors file, atomically (a temporary file in the same directory, flushed to
@@ -840,7 +996,8 @@ class KimiK3HybridCache(Cache):
                 raise KimiK3CacheError(f"cannot save this cache: it holds {held} tokens but layers {uneven} (layer: "
                                        "tokens) hold other counts, so it is not one model's state; rebuild it")
         source = model if model is not None else (self._writer() if self._writer is not None else None)
-        fingerprint = weights_fingerprint(source) if source is not None else None
+        # (a cache loaded and saved again with no model run on it keeps the fingerprint it was loaded with)
+        fingerprint = weights_fingerprint(source) if source is not None else self._loaded_fingerprint
         metadata = {"format": self._FORMAT, "version": self._VERSION, "seq_length": str(held),
                     "batch_size": str(self._tokens.shape[0] if held else 0), "lengths": json.dumps(lengths),
                     "weights_fingerprint": fingerprint or "",
@@ -850,7 +1007,9 @@ class KimiK3HybridCache(Cache):
         fd, tmp = tempfile.mkstemp(prefix=".tmp-cache-", suffix=".safetensors", dir=directory)
         os.close(fd)
         try:
-            save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+            tensors = {k: v.cpu() for k, v in tensors.items()}
+            metadata["content_digest"] = _content_digest(tensors, metadata)
+            save_file(tensors, tmp, metadata=metadata)
             with open(tmp, "rb") as written:  # on disk before the rename: a crash leaves the old file or the new one
                 os.fsync(written.fileno())
             os.replace(tmp, path)
@@ -862,7 +1021,7 @@ class KimiK3HybridCache(Cache):
     @classmethod
     def load(cls, path: str | os.PathLike, config: KimiK3TextConfig | KimiK3Config,
              device: str | torch.device | None = None, model: nn.Module | None = None, fingerprint: str | None = None,
-             **kwargs) -> "KimiK3HybridCache":
+             trust_unverified: bool = False, **kwargs) -> "KimiK3HybridCache":
         """Read a cache written by `save` for a model with `config` (``kwargs`` go to the constructor, e.g.
         ``max_cache_len``). Each layer's tensors go to `device` if given, else to the device of `model`'s layer of
         that index (under a ``device_map``, each layer's own; accelerate's execution device for an offloaded one),
@@ -874,13 +1033,20 @@ class KimiK3HybridCache(Cache):
         * the architecture: the config's state signature (a cache from another architecture names the fields);
         * every tensor: present exactly for the layers that hold tokens, its dtype, and its shape against the
           metadata's length, batch and per-layer lengths and the config's widths; token ids inside the vocabulary;
+        * every value: the states finite (no NaN or infinity), the token ids inside the vocabulary;
+        * the content digest (`_content_digest`, written by `save`): the metadata, the token record and every state
+          are those of one save, so a file edited or assembled from parts (the latents or token record of another
+          conversation of the same length, a stripped fingerprint) is refused. The digest holds no secret: someone
+          who rewrites the file on purpose can recompute it; keep cache files where only you can write them;
         * with `model` (or its `weights_fingerprint` as `fingerprint`): the weights fingerprint the file was saved
           with, so that a cache made by a model with other weights is refused. Without them this check is skipped;
-          it is also skipped, with a warning, when the file has no fingerprint (saved with no model known) or the
-          model's weights cannot be read cheaply (meta device, offloaded, tensor-parallel).
+          it is also skipped, with a warning, when the model's weights cannot be read cheaply (meta device,
+          offloaded, tensor-parallel).
 
-        A file of the first format (no token ids) loads with its tokens unknown, with a warning: a reuse for
-        another prompt cannot be detected then."""
+        Files that cannot be verified are refused unless ``trust_unverified=True`` (then loaded with a warning): an
+        older format (version 1 has no token ids, so a reuse for another prompt cannot be detected; version 2 has
+        no content digest), a file holding tokens but no weights fingerprint (saved with no model known), and a token
+        record with unknown positions (fed as ``inputs_embeds``: they match any prompt)."""
         path = os.fspath(path)
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         if not os.path.isfile(path):
@@ -896,7 +1062,7 @@ class KimiK3HybridCache(Cache):
             raise KimiK3CacheFileError(f"{error}; it cannot be loaded as a KimiK3HybridCache") from None
         placement = cls._placement(text_config, device, model)
         try:
-            handle = safe_open(path, framework="pt", device="cpu" if device is None else str(device))
+            handle = safe_open(path, framework="pt", device="cpu")  # (checked on the CPU, then placed)
         except Exception as error:  # safetensors raises its own error types
             raise corrupt(f"cannot be opened ({error})") from None
         with handle as f:
@@ -916,10 +1082,19 @@ class KimiK3HybridCache(Cache):
                 raise KimiK3CacheError(f"The cache in {path} belongs to a different K3 architecture ({details}); it "
                                        "cannot be used with this model: re-run the prompt without past_key_values.")
             version = metadata.get("version")
-            if version not in ("1", cls._VERSION):
-                raise corrupt(f"format version {version!r} is not one this transformers_k3 reads (1, 2)")
+            if version not in ("1", "2", cls._VERSION):
+                raise corrupt(f"format version {version!r} is not one this transformers_k3 reads (1, 2, 3)")
             held, rows, lengths = cls._read_layout(metadata, header, text_config, version, corrupt)
-            cls._check_fingerprint(path, metadata.get("weights_fingerprint") or None, model, fingerprint, corrupt)
+            unverified = []  # what cannot be verified in this file: refused unless the caller trusts it
+            if version != cls._VERSION and held:
+                unverified.append(f"it is of format version {version}, written by an earlier transformers_k3 "
+                                  + ("without the token ids it holds (a reuse for another prompt cannot be detected)"
+                                     if version == "1" else "without a content digest (an edit cannot be detected)"))
+            saved_fingerprint = metadata.get("weights_fingerprint") or None
+            if saved_fingerprint is None and held and version != "1":
+                unverified.append("it was saved without a weights fingerprint (no model known to save(); pass model= "
+                                  "to save() next time), so the weights that made it cannot be checked")
+            cls._check_fingerprint(path, saved_fingerprint, model, fingerprint, corrupt)
 
             wanted = cls._expected_tensors(text_config, held, rows)
             if version == "1":
@@ -942,15 +1117,40 @@ class KimiK3HybridCache(Cache):
                 loaded = {name: f.get_tensor(name) for name in wanted}
             except Exception as error:  # safetensors' own error types
                 raise corrupt(f"its tensor data cannot be read ({error})") from None
-        tokens = loaded.get("tokens")  # (range-checked where it was read: the CPU unless `device` says otherwise)
+        for name, tensor in loaded.items():
+            if tensor.is_floating_point():
+                bad = int((~torch.isfinite(tensor)).sum())
+                if bad:
+                    raise corrupt(f"tensor `{name}` holds {bad} non-finite value(s) (NaN or infinity): a model never "
+                                  "writes them into its state, and they would turn every later logit into NaN")
+        tokens = loaded.get("tokens")
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
             if low < UNKNOWN_TOKEN or high >= text_config.vocab_size:
                 raise corrupt(f"its token ids span [{low}, {high}], outside this model's vocabulary "
                               f"[0, {text_config.vocab_size}) and the markers -1 (padding), -2 (unknown)")
+            unknown = int((tokens == UNKNOWN_TOKEN).sum())
+            if unknown:
+                unverified.append(f"its token record has {unknown} unknown position(s) (fed as inputs_embeds without "
+                                  "ids), which match any prompt, so a reuse for another prompt cannot be detected")
+        if version == cls._VERSION:
+            written = metadata.get("content_digest")
+            if not written:
+                raise corrupt(f"a version-{version} file carries a content digest; this one has none")
+            if not hmac.compare_digest(written, _content_digest(loaded, metadata)):
+                raise KimiK3CacheError(
+                    f"{path}: its content digest does not match its contents: the file was changed after save() wrote "
+                    "it (its states, token record or metadata edited, or parts of another saved cache spliced in). "
+                    "It is refused whatever trust_unverified says; re-run the prompt without past_key_values.")
+        if unverified:
+            if not trust_unverified:
+                raise KimiK3CacheError(
+                    f"{path} cannot be verified: {'; '.join(unverified)}. Load it with trust_unverified=True only if "
+                    "you wrote it yourself and nobody else could change it; otherwise re-run the prompt without "
+                    "past_key_values (and save() the new cache, which writes what is checked).")
+            warnings.warn(f"{path} is loaded unverified (trust_unverified=True): {'; '.join(unverified)}",
+                          stacklevel=2)
         if version == "1" and held:
-            warnings.warn(f"{path} was saved by an earlier transformers_k3 without the token ids it holds: a reuse of "
-                          "it for a prompt that does not extend those tokens cannot be detected", stacklevel=2)
             tokens = torch.full((rows, held), UNKNOWN_TOKEN, dtype=torch.long)
         if tokens is not None:
             loaded["tokens"] = tokens
@@ -961,6 +1161,7 @@ class KimiK3HybridCache(Cache):
         tokens = loaded.get("tokens")
 
         cache = cls(text_config, **kwargs)
+        cache._loaded_fingerprint = saved_fingerprint
         if held:  # (before the latents: a static cache writes the ids at its layers' position)
             cache._append_tokens(tokens)
         for idx, layer in enumerate(cache.layers):
@@ -1049,9 +1250,8 @@ class KimiK3HybridCache(Cache):
         if current is None:
             warnings.warn(f"{path}: the model's weights cannot be read cheaply (meta device, offloaded or "
                           "tensor-parallel), so the cache's weights fingerprint is not checked", stacklevel=3)
-        elif saved is None:
-            warnings.warn(f"{path} was saved without a weights fingerprint (no model known to `save`), so it is not "
-                          "checked against this model's weights; pass model= to save() next time", stacklevel=3)
+        elif saved is None:  # (refused by `load` unless the caller trusts the file)
+            pass
         elif saved != current:
             raise KimiK3CacheError(
                 f"The cache in {path} was made by a model with other weights (fingerprint {saved[:12]}..., this "

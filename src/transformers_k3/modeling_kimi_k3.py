@@ -826,6 +826,9 @@ class KimiK3Model(KimiK3PreTrainedModel):
             # generate() with a static cache prepares the masks per layer kind (transformers'
             # create_masks_for_generate): MLA's 4-D mask over the cache, KDA's 2-D padding mask over this step
             prepared, attention_mask = attention_mask, attention_mask.get("linear_attention")
+        if inputs_embeds is not None and (inputs_embeds.dim() != 3 or 0 in inputs_embeds.shape[:2]):
+            raise KimiK3InputError(f"inputs_embeds must be [batch, tokens, hidden] with at least one row and token, "
+                                   f"got shape {tuple(inputs_embeds.shape)}")
         # generate() feeds its decode steps its own tokens under a checked mask; off the CPU a cached step's ids are
         # left to the embedding's device-side bounds check: the value checks left are read in one host sync
         if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
@@ -844,9 +847,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
             ])
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
-            raise KimiK3InputError(f"inputs_embeds must be [batch, tokens, hidden] with at least one token, got "
-                                   f"shape {tuple(inputs_embeds.shape)}")
         cu_seqlens = packed_sequence_boundaries(position_ids, kwargs.get("cu_seq_lens_q"), attention_mask,
                                                 past_key_values, inputs_embeds.shape[0])
         if use_cache and past_key_values is None and cu_seqlens is None:  # a packed row cannot be continued
