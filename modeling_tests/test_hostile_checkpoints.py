@@ -328,7 +328,7 @@ def test_absurd_layer_count_in_config_json_is_refused_before_allocating(bf16_sou
 
 
 def test_config_too_large_for_the_files_on_disk_is_refused_before_allocating(bf16_source, tmp_path):
-    """hidden_size 2**20 passes every field check but needs ~1e12 parameters; the checkpoint holds under a MB.
+    """hidden_size 2**20 passes every field check but makes about 4e9 parameters; the checkpoint holds under a MB.
     Refused by comparing the arithmetic parameter count with the bytes on disk; from_config of a config past
     1e14 parameters is refused with the limit."""
     path = _copy(bf16_source, tmp_path)
