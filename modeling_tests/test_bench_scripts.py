@@ -13,7 +13,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}  # the scripts run the interpreter running the tests
 
 
 def _bench_module(name):
