@@ -199,6 +199,9 @@ def test_local_path_refused_by_default_and_loaded_under_an_allowed_directory(tok
     for part in ({"type": "image", "path": path}, {"type": "image", "image": path}, {"type": "image", "url": path}):
         assert run_chat(processor, part)["pixel_values"].equal(reference_pixels(processor))
     assert processor(text="<|media_pad|>", images=[path])["pixel_values"].equal(reference_pixels(processor))
+    with pytest.raises(KimiK3MediaError, match=f"{len(PNG)} bytes, above max_media_bytes=100"):
+        run_chat(make(tokenizer, allowed_local_media_path=str(allowed), max_media_bytes=100),
+                 {"type": "image", "path": path})
 
 
 @pytest.mark.parametrize("escape", ["../secret/b.png", "link.png", "linkdir/b.png", "./../secret/b.png"])

@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import ssl
+import stat
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -135,7 +136,8 @@ class MediaPolicy:
         except (binascii.Error, ValueError) as error:
             raise KimiK3MediaError(f"the base64 media could not be decoded ({error})") from None
 
-    def _read_local(self, path: str) -> bytes:
+    def _local_path(self, path: str) -> str:
+        """The resolved path of a local medium the allow-list holds, a regular file within the byte budget."""
         if not self.allowed_local_media_path:
             raise KimiK3MediaError(
                 f"the local file {path[:120]!r} was not loaded: reading local files is off by default (a message "
@@ -147,17 +149,32 @@ class MediaPolicy:
                 f"the local file {path[:120]!r} is outside allowed_local_media_path "
                 f"{list(self.allowed_local_media_path)} (after resolving '..' and symbolic links); move it there or "
                 "add its directory")
-        if not os.path.isfile(real) and os.path.exists(real):
-            raise KimiK3MediaError(f"the local media {path[:120]!r} is not a regular file")
         try:
-            with open(real, "rb") as handle:
-                if os.fstat(handle.fileno()).st_size > self.max_media_bytes:
-                    raise KimiK3MediaError(f"the local media {path[:120]!r} is not a regular file of at most "
-                                           f"max_media_bytes={self.max_media_bytes} bytes")
-                return handle.read(self.max_media_bytes + 1)[: self.max_media_bytes]
+            info = os.stat(real)
         except OSError as error:
             raise KimiK3MediaError(f"could not read the local media {path[:120]!r} ({error.strerror or error})") \
                 from None
+        if not stat.S_ISREG(info.st_mode):
+            raise KimiK3MediaError(f"the local media {path[:120]!r} is not a regular file")
+        if info.st_size > self.max_media_bytes:
+            raise KimiK3MediaError(f"the local media {path[:120]!r} is {info.st_size} bytes, above max_media_bytes="
+                                   f"{self.max_media_bytes}; raise max_media_bytes to accept it")
+        return real
+
+    def _read_local(self, path: str) -> bytes:
+        real = self._local_path(path)
+        try:  # O_NOFOLLOW: a link put in place of the checked file after the check is not followed
+            descriptor = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(descriptor, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                    raise KimiK3MediaError(f"the local media {path[:120]!r} is not a regular file")
+                data = handle.read(self.max_media_bytes + 1)
+        except OSError as error:
+            raise KimiK3MediaError(f"could not read the local media {path[:120]!r} ({error.strerror or error})") \
+                from None
+        if len(data) > self.max_media_bytes:
+            raise KimiK3MediaError(f"the local media {path[:120]!r} is above max_media_bytes={self.max_media_bytes}")
+        return data
 
     # ------------------------------------------------------------------------------------------ network
     def check_host(self, host: str, port: int) -> list[str]:
@@ -257,25 +274,13 @@ class MediaPolicy:
 
         is_local = not source.startswith(("data:", "http://", "https://")) and not _SCHEME.match(source)
         if is_local and not (len(source) >= 64 and _BASE64.fullmatch(source)):
-            self._read_local_check(source)
-            return _decode_video(load_video, os.path.realpath(source), source)
+            return _decode_video(load_video, self._local_path(source), source)
         data = self.read(source)
         with tempfile.TemporaryDirectory(prefix="k3-media-") as folder:
             path = os.path.join(folder, "video")
             with open(path, "wb") as handle:
                 handle.write(data)
             return _decode_video(load_video, path, source)
-
-    def _read_local_check(self, path: str) -> None:
-        """The checks of a local read (allow-list, regular file, size) without reading the bytes."""
-        if not self.allowed_local_media_path:
-            self._read_local(path)  # raises the refusal
-        real = os.path.realpath(path)
-        if not any(os.path.commonpath([real, root]) == root for root in self.allowed_local_media_path):
-            self._read_local(path)
-        if not os.path.isfile(real) or os.path.getsize(real) > self.max_media_bytes:
-            raise KimiK3MediaError(f"the local media {path[:120]!r} is not a regular file of at most "
-                                   f"max_media_bytes={self.max_media_bytes} bytes")
 
 
 def _decode_video(load_video, path: str, name: str):
