@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from transformers import AutoProcessor
 
 from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
 from transformers_k3.media_kimi_k3 import KimiK3MediaError, MediaPolicy
@@ -240,6 +241,13 @@ def test_media_options_are_not_saved_and_a_config_cannot_widen_them(tokenizer, t
     operator = KimiK3Processor.from_pretrained(tmp_path / "saved", allowed_local_media_path=str(allowed))
     assert run_chat(operator, {"type": "image", "path": str(allowed / "a.png")})["pixel_values"].equal(
         reference_pixels(operator))
+    (tmp_path / "saved" / "config.json").write_text(json.dumps({"model_type": "kimi_k3"}))
+    operator = AutoProcessor.from_pretrained(tmp_path / "saved", allowed_local_media_path=str(allowed),
+                                             max_image_pixels=1000)
+    with pytest.raises(KimiK3MediaError, match="40x30 = 1200 pixels, above the budget max_image_pixels=1000"):
+        run_chat(operator, {"type": "image", "path": str(allowed / "a.png")})
+    operator.save_pretrained(tmp_path / "again")
+    assert "max_image_pixels" not in json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
     tokenizer_config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
     assert "allow_remote_media" not in tokenizer_config
 

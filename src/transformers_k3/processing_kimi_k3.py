@@ -91,12 +91,15 @@ class KimiK3Processor(ProcessorMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """As transformers' ``from_pretrained``; the media options (see the class docstring) are taken here, so they
-        reach neither the tokenizer's nor the image processor's saved config."""
+        """As transformers' ``from_pretrained``; the media options (see the class docstring) and the image
+        processor's ``max_image_pixels`` are taken here, so they do not leak into the tokenizer's saved config."""
         media = {key: kwargs.pop(key) for key in MEDIA_OPTIONS if key in kwargs}
+        pixels = kwargs.pop("max_image_pixels", False)
         processor = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if media:
             processor.media_policy = MediaPolicy.create(**media)
+        if pixels is not False:
+            processor.image_processor.max_image_pixels = pixels
         return processor
 
     @classmethod
