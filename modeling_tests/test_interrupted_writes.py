@@ -127,3 +127,18 @@ def test_a_save_on_a_full_disk_leaves_the_previous_save_intact(tmp_path):
     assert not fresh.exists()
     with torch.no_grad():
         assert torch.equal(KimiK3ForCausalLM.from_pretrained(saved).eval()(ids).logits, want)
+
+
+def test_what_a_killed_save_left_is_removed_by_the_next_save(tmp_path):
+    """SIGKILL runs no cleanup: the hidden staging directory stays until the next save into that directory."""
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid whose process has ended
+    left = saved / f".k3-save-{gone.pid}.x1y2"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"half")
+    before = set(listing(saved)) - {left.name, f"{left.name}/model.safetensors"}
+    model.save_pretrained(saved)
+    assert set(listing(saved)) == before
