@@ -280,7 +280,7 @@ class KimiK3Processor(ProcessorMixin):
         if not is_kimi_k3_template(self, chat_template):
             guard_jinja_template(self.tokenizer, conversation, tools, tokenize=tokenize)
             if any(isinstance(part, dict) and part.get("type") in ("audio", "input_audio", "audio_url")
-                   for text in _conversations(conversation) for message in text
+                   for text in _conversations(conversation) for message in text if isinstance(message, dict)
                    for part in (message.get("content") if isinstance(message.get("content"), list) else [])):
                 raise KimiK3ProcessorError("K3 takes no audio: remove the audio parts from the messages")
             return super().apply_chat_template(
