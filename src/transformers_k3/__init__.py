@@ -49,6 +49,10 @@ _EXPORTS = {
     "render_kimi_k3_chat": "encoding_kimi_k3",
     "KimiK3CacheError": "cache",
     "KimiK3HybridCache": "cache",
+    "KimiK3MediaError": "media_kimi_k3",
+    "KimiK3ImageInputError": "image_processing_kimi_k3",
+    "KimiK3VideoInputError": "video_processing_kimi_k3",
+    "KimiK3ProcessorError": "processing_kimi_k3",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -68,13 +72,14 @@ if TYPE_CHECKING:
     )
     from .configuration_kimi_k3 import KimiK3Config, KimiK3ConfigError, KimiK3TextConfig, KimiK3VisionConfig
     from .encoding_kimi_k3 import KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
-    from .image_processing_kimi_k3 import KimiK3ImageProcessor
+    from .image_processing_kimi_k3 import KimiK3ImageInputError, KimiK3ImageProcessor
+    from .media_kimi_k3 import KimiK3MediaError
     from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3InputError, KimiK3Model, KimiK3PreTrainedModel
     from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
-    from .processing_kimi_k3 import KimiK3Processor
+    from .processing_kimi_k3 import KimiK3Processor, KimiK3ProcessorError
     from .small import load_small
     from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KimiK3Tokenizer, build_test_tokenizer
-    from .video_processing_kimi_k3 import KimiK3VideoProcessor
+    from .video_processing_kimi_k3 import KimiK3VideoInputError, KimiK3VideoProcessor
 
 
 def __getattr__(name: str):
