@@ -27,7 +27,7 @@ def register() -> None:
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING
     from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING
 
-    from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, KimiK3VisionConfig, _route_kimi_linear_configs
+    from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, KimiK3VisionConfig, KimiLinearAutoConfig
     from .conversion import register_conversion_mappings
     from .image_processing_kimi_k3 import KimiK3ImageProcessor
     from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model
@@ -43,7 +43,8 @@ def register() -> None:
     AutoModelForCausalLM.register(KimiK3TextConfig, KimiK3ForCausalLM, exist_ok=True)
     # Text-only use of a full K3 checkpoint: `register()` insists on `model.config_class is config`, so the mapping.
     AutoModelForCausalLM._model_mapping.register(KimiK3Config, KimiK3ForCausalLM, exist_ok=True)
-    _route_kimi_linear_configs()
+    # A flat K3 `kimi_linear` config reaches KimiK3TextConfig; a genuine one stays transformers' KimiLinearConfig.
+    AutoConfig.register("kimi_linear", KimiLinearAutoConfig, exist_ok=True)
     # Official checkpoints load directly: conversion mappings for our model types (see conversion/hf_mapping.py).
     register_conversion_mappings()
     # Vision: every Auto class transformers 5 asks for a multimodal LM (pipeline, `transformers serve`).

@@ -10,8 +10,8 @@ relations between fields. A bad value raises `KimiK3ConfigError` naming the fiel
 accepts (``_TEXT_SPECS``, ``_LINEAR_ATTN_SPECS``, ``_VISION_SPECS``, ``_COMPOSITE_SPECS`` and ``validate_k3``).
 
 ``KimiK3TextConfig`` is registered as ``kimi_k3_text`` so that a saved text-only model never collides
-with the in-tree Kimi Linear; a flat ``kimi_linear`` config that carries any K3-only key is routed to
-this class (see ``_route_kimi_linear_configs``).
+with the in-tree Kimi Linear; ``AutoConfig`` hands a flat ``kimi_linear`` config that carries any K3-only key
+to this class (``KimiLinearAutoConfig``, registered for ``kimi_linear``; transformers' own class is never changed).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 from typing import Any, ClassVar
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -1056,32 +1057,29 @@ def is_k3_text_config_dict(config_dict: dict) -> bool:
     return isinstance(lac, dict) and any(key in lac for key in _K3_ONLY_LINEAR_ATTN_KEYS)
 
 
-def _route_kimi_linear_configs() -> None:
-    """Make ``AutoConfig`` (``from_pretrained``, ``for_model``), ``KimiLinearConfig.from_dict`` and
-    ``KimiLinearConfig(**kwargs)`` hand a flat K3 ``kimi_linear`` config to `KimiK3TextConfig`, so it reaches
-    our model classes instead of loading silently into the in-tree Kimi Linear, which would drop AttnRes, the
-    latent MoE, the gates, the logit scale and the norm epsilons. Idempotent."""
-    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-
-    if getattr(KimiLinearConfig, "_k3_routed", False):
-        return
-    original_from_dict = KimiLinearConfig.from_dict.__func__
-    original_new = KimiLinearConfig.__new__
-
-    def from_dict(cls, config_dict, **kwargs):
-        if issubclass(KimiLinearConfig, cls) and is_k3_text_config_dict(config_dict):
-            return KimiK3TextConfig.from_dict(config_dict, **kwargs)
-        return original_from_dict(cls, config_dict, **kwargs)
+class KimiLinearAutoConfig(KimiLinearConfig):
+    """What ``AutoConfig`` builds for ``model_type: "kimi_linear"`` once `transformers_k3.register` has run
+    (``AutoConfig.register("kimi_linear", KimiLinearAutoConfig, exist_ok=True)``): a genuine Kimi Linear config
+    becomes transformers' own `KimiLinearConfig`, unchanged; a flat K3 one (`is_k3_text_config_dict`) becomes
+    `KimiK3TextConfig`, so ``AutoConfig`` / ``AutoModelForCausalLM`` reach our classes instead of the in-tree Kimi
+    Linear, which would drop AttnRes, the latent MoE, the gates, the logit scale and the norm epsilons.
+    No instance of this class exists; transformers' `KimiLinearConfig` itself is untouched, so building that class
+    directly (``KimiLinearConfig(...)``, ``KimiLinearConfig.from_dict``) gives the in-tree config, as asked."""
 
     def __new__(cls, *args, **kwargs):
-        # (an instance of another class is returned as is: Python then skips KimiLinearConfig.__init__)
-        if cls is KimiLinearConfig and not args and is_k3_text_config_dict(kwargs):
+        # (an instance of another class is returned as is: Python then skips this class's __init__)
+        if not args and is_k3_text_config_dict(kwargs):
             return KimiK3TextConfig(**kwargs)
-        return original_new(cls) if original_new is object.__new__ else original_new(cls, *args, **kwargs)
+        return KimiLinearConfig(*args, **kwargs)
 
-    KimiLinearConfig.from_dict = classmethod(from_dict)
-    KimiLinearConfig.__new__ = staticmethod(__new__)
-    KimiLinearConfig._k3_routed = True
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        if is_k3_text_config_dict(config_dict):
+            return KimiK3TextConfig.from_dict(config_dict, **kwargs)
+        return KimiLinearConfig.from_dict(config_dict, **kwargs)
 
 
-__all__ = ["KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "is_k3_text_config_dict"]
+__all__ = [
+    "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiLinearAutoConfig",
+    "is_k3_text_config_dict",
+]
