@@ -14,7 +14,6 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
-from transformers.generation.utils import GenerationMode
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -598,16 +597,10 @@ class KimiK3ModelMixin:
                                       f"as K3 weights:\n  {shown}") from error
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        """transformers refuses assisted / prompt-lookup decoding for every stateful model because a recurrent
-        state cannot be cropped. `KimiK3HybridCache` can: with past recording on (which assisted decoding turns
-        on) each KDA layer keeps its state after every recent token, and `crop` restores the right one."""
+        """transformers' checks, after a named error for a prefill chunk size K3 cannot honour. (Assisted decoding
+        needs no flag here: transformers 5.25 no longer refuses it for stateful models, and `KimiK3HybridCache`
+        crops its recorded KDA states.)"""
         _check_prefill_chunk_size(generation_config)
-        if generation_mode == GenerationMode.ASSISTED_GENERATION:
-            self._is_stateful = False  # instance attribute, shadows the class flag for this check only
-            try:
-                return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
-            finally:
-                del self._is_stateful
         return super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
 
