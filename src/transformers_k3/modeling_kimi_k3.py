@@ -733,7 +733,6 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         given has its first input checked against the tokens it holds (`prepare_inputs_for_generation`)."""
         given = model_kwargs.get(CACHE_KWARG)
         if given is not None:
-            given._is_user_defined = True
             if isinstance(given, KimiK3HybridCache):
                 given.check_layout(self.config.get_text_config())
                 if generation_config.prefill_chunk_size is not None and given.get_seq_length() > 0:
@@ -747,7 +746,9 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
                         "prefill_chunk_size=None (only the tokens past the cache are computed), or feed the new "
                         "tokens in chunks yourself with model(chunk, past_key_values=cache, use_cache=True) first")
                 given.expect_continuation()
-            return
+            # transformers' own handling of a given cache (marks it the caller's, so generate() returns it intact)
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
+                                                         batch_size, max_cache_length)
         if generation_config.use_cache is False:
             return
         # transformers' cache_implementation names map onto the hybrid cache: it is always sized for the whole
