@@ -942,6 +942,7 @@ class KimiK3HybridCache(Cache):
         super().reset()
         self._token_count = 0
         self._tokens = None
+        self._loaded_fingerprint = None  # (what it held came from the file; it holds nothing now)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -1161,6 +1162,9 @@ class KimiK3HybridCache(Cache):
         tokens = loaded.get("tokens")
 
         cache = cls(text_config, **kwargs)
+        latent = next((t for name, t in loaded.items() if name.endswith(".latent")), None)
+        if cache.static and latent is not None:  # (buffers of max_cache_len positions: sized before allocation)
+            check_cache_fits(text_config, cache._first_latent_layer().max_cache_len, rows, latent.dtype, latent.device)
         cache._loaded_fingerprint = saved_fingerprint
         if held:  # (before the latents: a static cache writes the ids at its layers' position)
             cache._append_tokens(tokens)
@@ -1269,5 +1273,5 @@ class KimiK3HybridCache(Cache):
         return total
 
 
-__all__ = ["KimiK3CacheError", "KimiK3CacheFileError", "KimiK3HybridCache", "KimiK3KDACacheLayer",
-           "KimiK3MLACacheLayer", "weights_fingerprint"]
+__all__ = ["KimiK3CacheError", "KimiK3CacheFileError", "KimiK3CacheSizeError", "KimiK3HybridCache",
+           "KimiK3KDACacheLayer", "KimiK3MLACacheLayer", "cache_bytes", "check_cache_fits", "weights_fingerprint"]
