@@ -6,7 +6,8 @@ where a float weight belongs is cast silently, and an index entry ``../../x.safe
 is read from outside the directory. `check_pretrained_directory` runs the converters' checks
 (`transformers_k3.conversion.streaming.scan_shards`) on the files ``from_pretrained`` is about to read, and raises
 `CheckpointError` naming the file, the tensor and what to do. It reads the safetensors headers only (a few KB per
-shard), never tensor data, and does nothing for hub ids, single files or GGUF.
+shard), never tensor data, and does nothing for single files or GGUF; a hub id's files are fetched into the hub
+cache first and checked there (`check_hub_checkpoint`).
 
 Beyond the converters' checks, what only ``from_pretrained`` needs: an FP8 weight (transformers would read it
 unscaled: with its scale it belongs to the converter, without one it is refused everywhere), integer tensors a
@@ -16,8 +17,6 @@ count is absurd for the bytes on disk (`check_config_fits_files`, which the conv
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 from pathlib import Path
 
@@ -210,42 +209,53 @@ def _check_index(directory: Path, index_path: Path, check_dtypes: bool) -> dict:
     weight_map = read_index(index_path)
     return scan_shards(directory, list(dict.fromkeys(weight_map.values())), weight_map, index_path, check_dtypes)[1]
 
-_RESOLVED_CHECK: "contextvars.ContextVar[dict | None]" = contextvars.ContextVar("k3_resolved_check", default=None)
+def check_hub_checkpoint(pretrained_model_name_or_path, kwargs: dict) -> dict:
+    """For a ``from_pretrained`` by hub id: fetch into the hub cache the files transformers reads (config.json,
+    then the config's ``transformers_weights``, or ``model.safetensors``, or the index and its shards, in
+    transformers' order) with huggingface_hub's public ``hf_hub_download``, run `check_pretrained_directory` on that
+    snapshot, and return ``kwargs`` with ``revision`` pinned to the checked commit, so ``from_pretrained`` reads
+    exactly the files checked (and finds them cached). A local directory, or a repo whose files cannot be fetched
+    here, is returned unchanged: transformers reports that itself."""
+    if pretrained_model_name_or_path is None or kwargs.get("gguf_file") or kwargs.get("state_dict") is not None \
+            or kwargs.get("use_safetensors") is False or os.path.isdir(os.fspath(pretrained_model_name_or_path)):
+        return kwargs
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 
+    hub = {key: kwargs[key] for key in ("subfolder", "revision", "cache_dir", "token", "local_files_only",
+                                        "force_download") if kwargs.get(key) not in (None, "")}
 
-@contextlib.contextmanager
-def checking_resolved_files(pretrained_model_name_or_path, kwargs: dict):
-    """For a ``from_pretrained`` by hub id (or anything that is not a local directory): run the same checks on the
-    directory transformers resolves the weights to (the hub cache's snapshot), after the download and before the
-    weights are read. Thread-safe: the hook on transformers' resolver acts only inside this context."""
-    local = pretrained_model_name_or_path is not None and Path(os.fspath(pretrained_model_name_or_path)).is_dir()
-    if local or pretrained_model_name_or_path is None:
-        yield
-        return
-    _install_resolver_hook()
-    token = _RESOLVED_CHECK.set({k: v for k, v in kwargs.items() if k != "subfolder"})
+    def fetch(filename: str) -> Path | None:
+        try:
+            return Path(hf_hub_download(str(pretrained_model_name_or_path), filename, **hub))
+        except (EntryNotFoundError, HfHubHTTPError, OSError, ValueError):
+            return None  # missing here: transformers names what it cannot find
+
+    config_path = fetch("config.json")
+    if config_path is None:
+        return kwargs
     try:
-        yield
-    finally:
-        _RESOLVED_CHECK.reset(token)
+        config = read_json_file(config_path, "the model's config")
+    except CheckpointError:
+        return kwargs  # transformers reports an unreadable config itself
+    explicit = config.get("transformers_weights")
+    variant = kwargs.get("variant")
+    names = [explicit] if isinstance(explicit, str) and explicit else \
+        [_add_variant(SAFE_WEIGHTS_NAME, variant), _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)]
+    for name in names:
+        found = fetch(name)
+        if found is None:
+            continue
+        if name.endswith(".safetensors.index.json"):
+            for shard in dict.fromkeys(read_index(found).values()):
+                fetch(shard)
+        break
+    snapshot = config_path.parent
+    for _ in Path(kwargs.get("subfolder") or "").parts:
+        snapshot = snapshot.parent
+    check_pretrained_directory(snapshot, kwargs)
+    # the snapshot directory is named by its commit: from_pretrained then reads these files, not a newer revision
+    return {**kwargs, "revision": snapshot.name, "force_download": False}
 
 
-def _install_resolver_hook() -> None:
-    import transformers.modeling_utils as modeling_utils
-
-    original = modeling_utils._get_resolved_checkpoint_files
-    if getattr(original, "_k3_checked", False):
-        return
-
-    def resolved(*args, **kwargs):
-        files, metadata = original(*args, **kwargs)
-        check_kwargs = _RESOLVED_CHECK.get()
-        if check_kwargs is not None and files:
-            check_pretrained_directory(Path(files[0]).parent, check_kwargs)
-        return files, metadata
-
-    resolved._k3_checked = True
-    modeling_utils._get_resolved_checkpoint_files = resolved
-
-
-__all__ = ["CheckpointError", "check_config_fits_files", "check_pretrained_directory", "checking_resolved_files"]
+__all__ = ["CheckpointError", "check_config_fits_files", "check_hub_checkpoint", "check_pretrained_directory"]

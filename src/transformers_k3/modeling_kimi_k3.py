@@ -579,13 +579,13 @@ class KimiK3ModelMixin:
         if getattr(quantization_config, "load_in_4bit", False):
             kwargs["quantization_config"] = _narrow_for_bnb_4bit(cls, pretrained_model_name_or_path,
                                                                  quantization_config, kwargs)
-        from .checkpoint_checks import checking_resolved_files
+        from .checkpoint_checks import check_hub_checkpoint
 
         from .conversion.hf_mapping import recording_conversion_failures
         from .conversion.streaming import CheckpointError
 
-        with checking_resolved_files(pretrained_model_name_or_path, kwargs), \
-                recording_conversion_failures() as failures:  # a hub id: checked once its files are resolved
+        kwargs = check_hub_checkpoint(pretrained_model_name_or_path, kwargs)  # a hub id: fetched, checked, pinned
+        with recording_conversion_failures() as failures:
             try:
                 return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
             except RuntimeError as error:
