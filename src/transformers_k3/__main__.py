@@ -17,6 +17,9 @@ import sys
 # Nothing heavy at module level: --help and argument errors print before torch or transformers is imported.
 
 
+SERVE_MIN_TRANSFORMERS = "5.25"  # the first release whose server runs each model through an EngineClient
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The module docstring as written, and every option's default after its help."""
 
@@ -120,9 +123,16 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
     import os
     import re
 
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
     missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
     if missing:
         parser.error(f"serving needs {', '.join(missing)}: pip install \"transformers-k3[serve]\"")
+    if Version(version("transformers")) < Version(SERVE_MIN_TRANSFORMERS):
+        parser.error(f"serve plugs into the server of transformers >= {SERVE_MIN_TRANSFORMERS} (its model engines), "
+                     f"this is {version('transformers')}: pip install \"transformers>={SERVE_MIN_TRANSFORMERS}\"")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be 0-65535, got {args.port}")
     if os.path.exists(args.model):
@@ -152,9 +162,12 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
     if args.reasoning != "auto":
         kwargs["thinking"] = args.reasoning == "on"
-    serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          max_model_len=args.max_model_len, default_seed=args.default_seed, chat_template_kwargs=kwargs,
-          log_level=args.log_level, enable_cors=args.enable_cors)
+    try:
+        serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len, default_seed=args.default_seed, chat_template_kwargs=kwargs,
+              log_level=args.log_level, enable_cors=args.enable_cors)
+    except RuntimeError as error:  # the model's process failed to load it (its traceback is logged above)
+        raise SystemExit(f"serve: {error}") from None
     return 0
 
 
