@@ -134,22 +134,26 @@ def test_push_to_hub_uploads_the_release_config(tiny, tmp_path):
     """save_pretrained(push_to_hub=True) uploads inside transformers' save_pretrained, before _write_release_config
     rewrites config.json: the hub repo gets transformers' config (kimi_k3_text) next to release-layout weights,
     while the local directory has the release's."""
-    import transformers.modeling_utils as modeling_utils
+    import huggingface_hub
+    import transformers.utils.hub as transformers_hub
 
     uploaded = {}
 
-    def upload(self, save_directory, *args, **kwargs):
-        uploaded.update(json.loads((Path(save_directory) / "config.json").read_text()))
+    def upload(self, *, repo_id, folder_path, allow_patterns, **kwargs):  # the hub's side (no network in tests)
+        assert repo_id == "me/k3"
+        uploaded.update(json.loads((Path(folder_path) / "config.json").read_text()))
+        uploaded["files"] = set(allow_patterns)
 
-    api = mock.MagicMock()
-    api.create_repo.return_value.repo_id = "me/k3"
-    with mock.patch.object(modeling_utils, "hf_api", lambda: api), \
-            mock.patch.object(KimiK3ForCausalLM, "_upload_modified_files", upload, create=True), \
-            mock.patch.object(modeling_utils, "create_and_tag_model_card", lambda *a, **k: mock.MagicMock()):
+    repo = mock.MagicMock()
+    repo.repo_id = "me/k3"
+    with mock.patch.object(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: repo), \
+            mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload), \
+            mock.patch.object(transformers_hub, "create_and_tag_model_card", lambda *a, **k: mock.MagicMock()):
         tiny.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="me/k3")
     on_disk = json.loads((tmp_path / "hub" / "config.json").read_text())
     assert on_disk["model_type"] == "kimi_linear"
     assert uploaded["model_type"] == on_disk["model_type"]
+    assert {"config.json", "model.safetensors"} <= uploaded["files"]
 
 
 def test_an_unknown_quant_method_does_not_switch_the_dtype_check_off(tiny, tmp_path):

@@ -467,6 +467,22 @@ def _weight_files(directory: Path) -> list[str]:
             if p.is_file() and (p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json")]
 
 
+def _upload_saved_directory(model, directory: Path, started: float, repo_id: str | None = None,
+                            commit_message: str | None = None, create_pr: bool = False, private: bool | None = None,
+                            token=None) -> None:
+    """What transformers' ``save_pretrained(push_to_hub=True)`` does, once the release's files are written: create the
+    repo, add the model card, upload the files this save wrote (huggingface_hub's public ``HfApi``)."""
+    from huggingface_hub import HfApi
+    from transformers.utils.hub import create_and_tag_model_card
+
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id or directory.name, private=private, exist_ok=True).repo_id
+    create_and_tag_model_card(repo_id, model.model_tags, token=token).save(str(directory / "README.md"))
+    written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.stat().st_mtime >= started)
+    api.upload_folder(repo_id=repo_id, folder_path=directory, allow_patterns=written,
+                      commit_message=commit_message or "Upload model", create_pr=create_pr)
+
+
 def _write_release_config(model, directory: Path) -> None:
     """Rewrite ``directory/config.json`` with the release's keys, atomically, where the config's kind matches what the
     weights hold (a composite config for the multimodal model, a text config for the text model) and the dtype is
@@ -537,20 +553,14 @@ class KimiK3ModelMixin:
         import time
 
         started = time.time()
-        if save_original_format and kwargs.get("push_to_hub"):
-            # transformers uploads inside save_pretrained: write the release's config.json before the upload
-            original = self._upload_modified_files
-
-            def upload(directory, *upload_args, **upload_kwargs):
-                _remove_stale_weights(Path(directory), started)
-                _write_release_config(self, Path(directory))
-                return original(directory, *upload_args, **upload_kwargs)
-
-            self._upload_modified_files = upload
-            try:
-                return super().save_pretrained(save_directory, *args, save_original_format=True, **kwargs)
-            finally:
-                del self._upload_modified_files
+        if save_original_format and kwargs.get("push_to_hub") and kwargs.get("is_main_process", True):
+            # transformers uploads inside its save_pretrained, before the release's files exist: save, then upload
+            hub = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "create_pr", "private")
+                   if key in kwargs}
+            kwargs.pop("push_to_hub")
+            out = self.save_pretrained(save_directory, *args, save_original_format=True, **kwargs)
+            _upload_saved_directory(self, Path(save_directory), started, token=kwargs.get("token"), **hub)
+            return out
         if not kwargs.get("is_main_process", True):
             return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
         from .conversion.streaming import staged_save
