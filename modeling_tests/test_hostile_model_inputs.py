@@ -183,6 +183,8 @@ def test_a_cache_in_use_refuses_a_second_concurrent_generate(tiny_model):
         assert pause.started.wait(30)
         with pytest.raises(KimiK3CacheError, match="in use by another generate"):
             greedy(tiny_model, prompt, 4, past_key_values=cache)
+        with pytest.raises(KimiK3CacheError, match="in use by a generate.*another thread"), torch.no_grad():
+            tiny_model(prompt, past_key_values=cache, use_cache=True)
     finally:
         pause.release.set()
         thread.join(60)

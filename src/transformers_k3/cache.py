@@ -652,6 +652,10 @@ class KimiK3HybridCache(Cache):
     (those tokens, e.g. the ``sequences`` generate() returned with it, then the new ones); a prompt that does not
     start with them raises `KimiK3CacheError` instead of continuing from another conversation's state."""
 
+    # (class defaults: a cache pickled by an earlier version has neither attribute)
+    _in_generate: int | None = None
+    _loaded_fingerprint: str | None = None
+
     def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_cache_len: int | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, offload_latents_to: str | torch.device | None = None,
@@ -720,7 +724,7 @@ class KimiK3HybridCache(Cache):
         self._writer = None  # weak reference to the text model that last wrote to the cache (for `save`)
         self._check_next_input = False  # set by generate() for a cache it was given: check its first input
         self._generated_step = False  # set by generate() for its decode steps: their inputs need no value checks
-        self._in_generate = False  # set while a generate() call uses the cache: a second concurrent one is refused
+        self._in_generate: int | None = None  # the thread whose generate() uses the cache: others are refused
         self._loaded_fingerprint: str | None = None  # the weights fingerprint of the file it was loaded from
 
     @contextmanager
@@ -729,17 +733,26 @@ class KimiK3HybridCache(Cache):
         thread) raises `KimiK3CacheError` instead of interleaving its steps with the first one's (both outputs
         would be wrong). Released when the call ends, also when it raises."""
         with _IN_USE_LOCK:
-            if self._in_generate:
+            if self._in_generate is not None:
                 raise KimiK3CacheError(
                     "this KimiK3HybridCache is in use by another generate() call (another thread): a cache holds one "
                     "conversation's state, and two calls stepping it at once would both compute from the other's "
                     "tokens. Give each concurrent call its own cache (copy.deepcopy(cache) to branch a conversation), "
                     "or wait for the first call to finish")
-            self._in_generate = True
+            self._in_generate = threading.get_ident()
         try:
             yield self
         finally:
-            self._in_generate = False
+            self._in_generate = None
+
+    def check_not_in_use_elsewhere(self) -> None:
+        """`KimiK3CacheError` when a generate() call in another thread holds this cache (a forward stepping it
+        meanwhile would corrupt both)."""
+        owner = self._in_generate
+        if owner is not None and owner != threading.get_ident():
+            raise KimiK3CacheError(
+                "this KimiK3HybridCache is in use by a generate() call in another thread: a forward on it now would "
+                "interleave with that call's steps. Use a copy (copy.deepcopy(cache)) or wait for the call to finish")
 
     def check_layout(self, config: KimiK3TextConfig) -> None:
         """`KimiK3CacheError` unless this cache was built for a model whose layers are those of `config` (the same
@@ -962,7 +975,7 @@ class KimiK3HybridCache(Cache):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_writer"] = None  # (a weak reference does not pickle)
-        state["_in_generate"] = False  # (a copy is not the cache a running generate() holds)
+        state["_in_generate"] = None  # (a copy is not the cache a running generate() holds)
         return state
 
     # ------------------------------------------------------------------------------------------ persistence

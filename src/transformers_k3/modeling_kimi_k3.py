@@ -862,6 +862,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             )
         if isinstance(past_key_values, KimiK3HybridCache) and not torch.compiler.is_compiling():
             past_key_values.check_layout(self.config)
+            past_key_values.check_not_in_use_elsewhere()
         cache_ids = kwargs.pop("cache_token_ids", input_ids)  # the multimodal model's ids behind its inputs_embeds
         if past_key_values is not None:  # the cache learns what it holds: generate() refuses a prompt not extending it
             past_key_values.record_tokens(cache_ids, inputs_embeds, attention_mask, model=self)
