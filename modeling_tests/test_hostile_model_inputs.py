@@ -323,6 +323,21 @@ def test_a_static_cache_larger_than_memory_is_refused_before_it_is_allocated(tin
     assert greedy(tiny_model, ids, 3, cache_implementation="static").shape == (1, 9)
 
 
+def test_the_size_check_counts_each_layer_on_its_own_device():
+    """A model split over devices (a device_map) holds each layer's state where the layer computes: only the part on
+    a device counts against that device's memory (meta stands in for a second device, whose memory is not known)."""
+    from transformers_k3.cache import KimiK3CacheSizeError, available_bytes, check_cache_fits
+
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    config = model.config
+    per_token = config.kv_lora_rank + config.qk_rope_head_dim  # fp32 elements of one MLA layer's latent
+    tokens = int(available_bytes("cpu") * 0.7 / (per_token * 4))  # each of the two MLA layers: 70 % of the RAM
+    with pytest.raises(KimiK3CacheSizeError, match="on cpu"):
+        check_cache_fits(config, tokens, 1, torch.float32, "cpu", model=model)
+    model.model.layers[5].to("meta")  # one MLA layer elsewhere: what is left fits
+    check_cache_fits(config, tokens, 1, torch.float32, "cpu", model=model)
+
+
 # ---------------------------------------------------------------- compiled decode through the static cache
 @pytest.mark.slow
 def test_a_compiled_fullgraph_decode_step_through_the_static_cache(tiny_model):

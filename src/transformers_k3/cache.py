@@ -65,15 +65,20 @@ def cache_bytes(config: KimiK3TextConfig, tokens: int, batch_size: int, dtype: t
     """Bytes a cache reserving `tokens` positions for `batch_size` sequences allocates: every MLA latent
     (``tokens x (kv_lora_rank + rope)`` in `dtype`), the int64 token record, and every KDA layer's conv window (in
     `dtype`) and fp32 recurrent state."""
+    return sum(_cache_bytes_by_part(config, tokens, batch_size, dtype).values())
+
+
+def _cache_bytes_by_part(config: KimiK3TextConfig, tokens: int, batch_size: int, dtype: torch.dtype) -> dict:
+    """`cache_bytes` per part: layer index -> its state's bytes, ``"tokens"`` -> the token record's."""
     element = torch.empty((), dtype=dtype).element_size()
     width = config.kv_lora_rank + config.qk_rope_head_dim
     heads, head_dim = config.linear_num_heads, config.linear_head_dim
-    mla = sum(kind != "linear_attention" for kind in config.layer_types)
-    kda = len(config.layer_types) - mla
-    per_row = (mla * tokens * width * element + tokens * 8
-               + kda * (3 * heads * head_dim * (config.linear_conv_kernel_size - 1) * element
-                        + heads * head_dim * head_dim * 4))
-    return batch_size * per_row
+    kda = batch_size * (3 * heads * head_dim * (config.linear_conv_kernel_size - 1) * element
+                        + heads * head_dim * head_dim * 4)
+    parts = {idx: kda if kind == "linear_attention" else batch_size * tokens * width * element
+             for idx, kind in enumerate(config.layer_types)}
+    parts["tokens"] = batch_size * tokens * 8
+    return parts
 
 
 def available_bytes(device: torch.device | str | None) -> int | None:
@@ -104,22 +109,34 @@ def available_bytes(device: torch.device | str | None) -> int | None:
 
 
 def check_cache_fits(config: KimiK3TextConfig, tokens: int, batch_size: int, dtype: torch.dtype,
-                     device: torch.device | str | None, static: bool = True) -> None:
+                     device: torch.device | str | None, static: bool = True, model: nn.Module | None = None) -> None:
     """`KimiK3CacheSizeError`, naming the bytes, when a cache reserving `tokens` positions would not fit in the
-    memory available on `device` (checked before allocating: a huge reservation would otherwise take the memory, or
-    be killed, before any step runs)."""
-    needed = cache_bytes(config, tokens, batch_size, dtype)
-    available = available_bytes(device)
-    if available is None or needed <= available:
-        return
-    where = torch.device(device if device is not None else "cpu")
-    raise KimiK3CacheSizeError(
-        f"a {'static cache' if static else 'cache'} (KimiK3HybridCache) of {tokens} tokens x {batch_size} sequence(s) "
-        f"needs {needed / 1e9:.2f} GB ({needed} bytes, {dtype}) on {where}, where {available / 1e9:.2f} GB are "
-        f"available. It holds prompt + new tokens: lower generate()'s max_new_tokens / max_length, or build it with a "
-        f"smaller max_cache_len (one token of one sequence takes {cache_bytes(config, 1, 1, dtype) - cache_bytes(config, 0, 1, dtype)} "
-        "bytes), or use the growing cache (cache_implementation=None / static=False), which takes memory as tokens "
-        "come")
+    memory available where it will live (checked before allocating: a huge reservation would otherwise take the
+    memory, or be killed, before any step runs). With `model`, each layer's state is counted on the device its layer
+    computes on (a model split over several GPUs by a device_map); else all of it on `device`."""
+    parts = _cache_bytes_by_part(config, tokens, batch_size, dtype)
+    fallback = torch.device(device if device is not None else "cpu")
+    decoder = _text_decoder(model) if model is not None else None
+    needed: dict[torch.device, int] = {}
+    for key, size in parts.items():
+        where = None
+        if decoder is not None:
+            where = _module_device(decoder.embed_tokens if key == "tokens" else decoder.layers[key])
+        where = where or fallback
+        needed[where] = needed.get(where, 0) + size
+    for where, size in needed.items():
+        available = available_bytes(where)
+        if available is None or size <= available:
+            continue
+        total = sum(parts.values())
+        per_token = cache_bytes(config, 1, 1, dtype) - cache_bytes(config, 0, 1, dtype)
+        raise KimiK3CacheSizeError(
+            f"a {'static cache' if static else 'cache'} (KimiK3HybridCache) of {tokens} tokens x {batch_size} "
+            f"sequence(s) needs {total / 1e9:.2f} GB ({total} bytes, {dtype}); {size / 1e9:.2f} GB of it on {where}, "
+            f"where {available / 1e9:.2f} GB are available. It holds prompt + new tokens: lower generate()'s "
+            f"max_new_tokens / max_length, or build it with a smaller max_cache_len (one token of one sequence takes "
+            f"{per_token} bytes), or use the growing cache (cache_implementation=None / static=False), which takes "
+            "memory as tokens come")
 
 
 def _state_signature(config: KimiK3TextConfig) -> dict:
@@ -864,7 +881,8 @@ class KimiK3HybridCache(Cache):
             first = self._first_latent_layer()
             reserved = max(first.initial_capacity, length) if first is not None else length
             check_cache_fits(self.config, reserved, batch, first.storage_dtype or inputs_embeds.dtype
-                             if first is not None else inputs_embeds.dtype, inputs_embeds.device, static=self.static)
+                             if first is not None else inputs_embeds.dtype, inputs_embeds.device, static=self.static,
+                             model=model)
         # (inside a compiled step of a static cache the length stays on the device: the batch was checked eagerly)
         held = 0 if self.static and torch.compiler.is_compiling() else self._synced_token_count()
         if held and self._tokens.shape[0] != batch:

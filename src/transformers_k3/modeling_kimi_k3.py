@@ -779,7 +779,8 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         reserved = sized or (generation_config.max_length if static else None)
         if reserved and _CACHE_IMPLEMENTATIONS[implementation] is None:
             try:  # refused before anything is allocated (or, for the growing cache, reserved)
-                check_cache_fits(self.config.get_text_config(), reserved, rows, self.dtype, self.device, static=static)
+                check_cache_fits(self.config.get_text_config(), reserved, rows, self.dtype, self.device, static=static,
+                                 model=self)
             except KimiK3CacheSizeError:
                 if static:
                     raise
