@@ -15,7 +15,8 @@ through the classes the server is built from, each subclassed here and handed to
 
 Continuous batching is refused for K3: transformers' batching manager keeps a paged KV cache for every layer, and
 K3's hybrid cache (each KDA layer's recurrent state and convolution window, each MLA layer's latent) has no place in
-it; requests are answered one after another with ``generate()`` and the hybrid cache instead.
+it; requests are answered one after another with ``generate()`` and the hybrid cache instead (concurrent clients
+queue in transformers' ``GenerateRunner``). Needs transformers >= 5.25, whose server runs each model in an engine.
 """
 
 from __future__ import annotations
