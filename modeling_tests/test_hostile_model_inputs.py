@@ -152,6 +152,32 @@ def test_a_verified_file_still_continues_exactly(tiny_model, saved, tmp_path):
     KimiK3HybridCache.load(tmp_path / "again.safetensors", tiny_model.config, model=tiny_model)
 
 
+def test_a_signed_file_loads_only_with_its_key_and_a_recomputed_digest_does_not_fool_it(tiny_model, tmp_path):
+    from transformers_k3.cache import _content_digest
+
+    sequences, cache = conversation(tiny_model, seed=13)
+    key = b"k" * 32
+    path = tmp_path / "signed.safetensors"
+    cache.save(path, key=key)
+    restored = KimiK3HybridCache.load(path, tiny_model.config, model=tiny_model, key=key)
+    assert torch.equal(restored.token_ids, sequences[:, :-1])
+    with pytest.raises(KimiK3CacheError, match="not signed with this key"):
+        KimiK3HybridCache.load(path, tiny_model.config, key=b"x" * 32)
+    # a forger who changes the states and recomputes the (keyless) digest passes the digest, not the signature
+    tensors, metadata = read(path)
+    tensors["layers.2.latent"] = tensors["layers.2.latent"] * 0.5
+    metadata["content_digest"] = _content_digest(tensors, metadata)
+    rewrite(path, tensors, metadata)
+    KimiK3HybridCache.load(path, tiny_model.config)
+    with pytest.raises(KimiK3CacheError, match="wrong signature"):
+        KimiK3HybridCache.load(path, tiny_model.config, key=key, trust_unverified=True)
+    cache.save(path)  # unsigned
+    with pytest.raises(KimiK3CacheError, match="no signature"):
+        KimiK3HybridCache.load(path, tiny_model.config, key=key)
+    with pytest.raises(KimiK3CacheError, match="at least 16"):
+        cache.save(path, key=b"short")
+
+
 # ---------------------------------------------------------------- one cache, two concurrent generate() calls
 class Pause(LogitsProcessor):
     """Holds the generate() it runs in at its first step until `release` is set (or raises there)."""

@@ -238,14 +238,24 @@ def _content_digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
     and bytes (CPU tensors), in name order: what `save` writes as ``content_digest`` and `load` recomputes. It ties
     the token record, the states and the metadata of one save together, so that a file edited or assembled from
     parts (latents of another conversation, a rewritten token record, a stripped fingerprint) is detected. It holds
-    no secret: whoever writes the file can recompute it, so it proves integrity, not who wrote the file."""
+    no secret: whoever writes the file can recompute it, so it proves integrity, not who wrote the file (that is
+    what `_content_hmac` with a key kept from the file's writers adds)."""
     digest = hashlib.sha256(b"kimi_k3_hybrid_cache content v3\n")
-    digest.update(json.dumps({k: v for k, v in metadata.items() if k != "content_digest"}, sort_keys=True).encode())
+    signed = {k: v for k, v in metadata.items() if k not in ("content_digest", "content_hmac")}
+    digest.update(json.dumps(signed, sort_keys=True).encode())
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         digest.update(f"\n{name}:{tensor.dtype}:{list(tensor.shape)}:".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def _content_hmac(key: bytes, digest: str) -> str:
+    """HMAC-SHA256 (hex) of a content digest under `key`: only a holder of the key can make one that matches."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise KimiK3CacheError("a cache signing key must be bytes, at least 16 of them (e.g. secrets.token_bytes(32)), "
+                               f"got {type(key).__name__}" + (f" of {len(key)} bytes" if isinstance(key, (bytes, bytearray)) else ""))
+    return hmac.new(bytes(key), digest.encode(), hashlib.sha256).hexdigest()
 
 
 def _layout(config: KimiK3TextConfig) -> str:
@@ -1001,13 +1011,15 @@ class KimiK3HybridCache(Cache):
     # 3: a content digest; 2: token ids, batch size, per-layer lengths and the weights fingerprint; 1 had none of them
     _VERSION = "3"
 
-    def save(self, path: str | os.PathLike, model: nn.Module | None = None) -> None:
+    def save(self, path: str | os.PathLike, model: nn.Module | None = None, key: bytes | None = None) -> None:
         """Write the cache to one safetensors file, atomically (a temporary file in the same directory, flushed to
         disk, then renamed over `path`), so that a long session (an agent trajectory, a document) can resume later
         without re-prefilling. It holds the MLA latents, the KDA states and the token ids, and as metadata the
         config's state signature, the length, the batch size, every layer's length and the `weights_fingerprint` of
         `model` (default: the model that last ran a forward on this cache, if it is still alive) for
-        ``load(..., model=...)`` to check. Nothing is pickled."""
+        ``load(..., model=...)`` to check, and a content digest over all of it. With `key` (secret bytes, at least
+        16) the digest is also signed (HMAC-SHA256), so that ``load(..., key=key)`` accepts only files written with the
+        key: the digest alone can be recomputed by whoever rewrites the file. Nothing is pickled."""
         held = self._synced_token_count()
         tensors, lengths = {}, []
         for idx, layer in enumerate(self.layers):
@@ -1041,6 +1053,8 @@ class KimiK3HybridCache(Cache):
         try:
             tensors = {k: v.cpu() for k, v in tensors.items()}
             metadata["content_digest"] = _content_digest(tensors, metadata)
+            if key is not None:  # (signed: `load(key=...)` then refuses any file not written with the key)
+                metadata["content_hmac"] = _content_hmac(key, metadata["content_digest"])
             save_file(tensors, tmp, metadata=metadata)
             with open(tmp, "rb") as written:  # on disk before the rename: a crash leaves the old file or the new one
                 os.fsync(written.fileno())
@@ -1053,7 +1067,7 @@ class KimiK3HybridCache(Cache):
     @classmethod
     def load(cls, path: str | os.PathLike, config: KimiK3TextConfig | KimiK3Config,
              device: str | torch.device | None = None, model: nn.Module | None = None, fingerprint: str | None = None,
-             trust_unverified: bool = False, **kwargs) -> "KimiK3HybridCache":
+             trust_unverified: bool = False, key: bytes | None = None, **kwargs) -> "KimiK3HybridCache":
         """Read a cache written by `save` for a model with `config` (``kwargs`` go to the constructor, e.g.
         ``max_cache_len``). Each layer's tensors go to `device` if given, else to the device of `model`'s layer of
         that index (under a ``device_map``, each layer's own; accelerate's execution device for an offloaded one),
@@ -1078,7 +1092,10 @@ class KimiK3HybridCache(Cache):
         Files that cannot be verified are refused unless ``trust_unverified=True`` (then loaded with a warning): an
         older format (version 1 has no token ids, so a reuse for another prompt cannot be detected; version 2 has
         no content digest), a file holding tokens but no weights fingerprint (saved with no model known), and a token
-        record with unknown positions (fed as ``inputs_embeds``: they match any prompt)."""
+        record with unknown positions (fed as ``inputs_embeds``: they match any prompt).
+
+        With `key` (the bytes given to ``save(key=...)``) only a file signed with that key loads, whatever
+        `trust_unverified` says: the way to reuse cache files that others (a client, a shared volume) could rewrite."""
         path = os.fspath(path)
         text_config = config.get_text_config() if isinstance(config, KimiK3Config) else config
         if not os.path.isfile(path):
@@ -1174,6 +1191,14 @@ class KimiK3HybridCache(Cache):
                     f"{path}: its content digest does not match its contents: the file was changed after save() wrote "
                     "it (its states, token record or metadata edited, or parts of another saved cache spliced in). "
                     "It is refused whatever trust_unverified says; re-run the prompt without past_key_values.")
+        if key is not None:  # (checked whatever trust_unverified says: the caller asked for a signed file)
+            signature = metadata.get("content_hmac")
+            if version != cls._VERSION or not signature or not hmac.compare_digest(
+                    signature, _content_hmac(key, metadata.get("content_digest", ""))):
+                raise KimiK3CacheError(
+                    f"{path} is not signed with this key (" + ("no signature" if not signature else "wrong signature")
+                    + "): it was not written by save(key=...) with the same key, or was changed since. Re-run the "
+                    "prompt without past_key_values.")
         if unverified:
             if not trust_unverified:
                 raise KimiK3CacheError(
