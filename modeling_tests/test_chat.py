@@ -624,3 +624,20 @@ def test_channel_streamer_shows_reasoning_apart_and_no_markers(tokenizer, thinki
     assert out.getvalue() == "Hi <|close|>response<|sep|> there\n"
     assert err.getvalue() == ("[thinking] I ponder <|open|>.\n" if thinking else "")
     assert streamer.parsed.finished and streamer.parsed.tool_calls == []
+
+
+@pytest.mark.parametrize("answer", ["hello<|close|>", "hello<|close|>message<|sep|>", "<|close|>",
+                                    "hello<|end_of_msg|>", "hello"])
+def test_parse_response_given_k3s_own_template_uses_k3s_parser(answer):
+    """`transformers serve` passes the tokenizer's response_template to parse_response explicitly: K3's own template
+    must give what K3's parser gives (transformers' template parser left the closing markers of a truncated or
+    ended answer in `content`)."""
+    from transformers_k3 import KIMI_K3_RESPONSE_TEMPLATE
+
+    tokenizer = build_test_tokenizer()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           thinking=False, return_dict=True)["input_ids"]
+    ids = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(answer))
+    served = tokenizer.parse_response(ids, KIMI_K3_RESPONSE_TEMPLATE, prefix=prompt)
+    assert served == tokenizer.parse_response(ids, prefix=prompt)
+    assert served["content"] == answer.split("<|")[0]

@@ -372,9 +372,12 @@ class KimiK3Tokenizer(TokenizersBackend):
 
     def parse_response(self, response, schema=None, *, prefix=None, tools=None):
         """The assistant message of a K3 answer (``content``, ``reasoning_content``, ``tool_calls``) by
-        `parse_kimi_k3_response`; ``response`` / ``prefix`` as text or ids. A ``schema`` passed explicitly uses
-        transformers' ``response_template`` parser instead."""
-        if schema is not None:
+        `parse_kimi_k3_response`; ``response`` / ``prefix`` as text or ids. Another ``schema`` passed explicitly
+        uses transformers' ``response_template`` parser instead (K3's own, as `transformers serve` passes it, keeps
+        K3's parser: the two differ on malformed or truncated answers)."""
+        from .chat import KIMI_K3_RESPONSE_TEMPLATE
+
+        if schema is not None and schema != KIMI_K3_RESPONSE_TEMPLATE:
             return super().parse_response(response, schema, prefix=prefix, tools=tools)
         from .chat import parse_kimi_k3_response
 
