@@ -24,13 +24,13 @@ relative to its middle token where its decay span allows (checked; a graph takes
 gate), else each decay is taken whole; between two, the decay is split at sub-chunk boundaries into
 factors that are all <= 1. See :func:`_intra_chunk`.
 
-On x86 CPUs subnormal floats (below ~1e-38) are ~100x slower, and strong decays produce them in bulk;
+On x86 CPUs subnormal floats (below ~1e-38) are far slower than normal ones, and strong decays produce them in bulk;
 values that small are dropped (set to 0) where they arise, which changes results by far less than fp32
 rounding, and the one step that creates them by chaining decays (the triangular solve) runs in float64.
 
 On CPU with fp32 compute both entry points run a fused C++ kernel instead
 (:mod:`transformers_k3.ops.cpu_kernel`, ``csrc/kda_cpu.cpp``): the chunked algorithm, one task per (sequence,
-head) walking its chunks with cache-resident buffers; 2.5-4x faster than the PyTorch chunked code here for
+head) walking its chunks with cache-resident buffers; faster than the PyTorch chunked code here for
 prefill, and faster than the token loop from a single token on (decode steps update the state in place). Under
 autograd the same kernel computes the forward through the differentiable operator
 ``transformers_k3::kda_chunk`` (:mod:`transformers_k3.ops.kda_autograd`), whose backward recomputes the
@@ -79,15 +79,12 @@ _BACKENDS = ("torch", "fla")
 _forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("kda_backend", default=None)
 
 # kda() and the KDA layer's cached steps use the token loop up to this many tokens per sequence (on the
-# PyTorch path; where the fused CPU kernel applies, both forms run it).
-# Measured on the reference 2-core CPU (fp32, batch 1, K=V=128, 2 threads, from a state): the chunked
-# path costs ~1.2 ms (H=4) / 3.4 ms (H=32) / 11 ms (H=96, K3) even for two tokens, the loop grows by
-# ~40 / ~100 / ~500 us per token; at 16 tokens the loop wins at every H (0.9 vs 1.3, 2.2 vs 3.9,
-# 9.8 vs 18.3 ms), at 32 the chunked form does (1.2 vs 1.6, 3.1 vs 4.0, 17.1 vs 21.4 ms).
+# PyTorch path; where the fused CPU kernel applies, both forms run it): the chunked form has a fixed cost per
+# call that the loop's per-token cost overtakes between 16 and 32 tokens (bench/RESULTS.md, 2026-12-07).
 RECURRENT_MAX_TOKENS = 16
 
-# Default chunk sizes when chunk_size is None. On CPU, 32 beats 64 (~80K vs ~52K tokens/s per core at
-# H=4, K=V=64): the intra-chunk matrices shrink with the chunk while the state work per token does not.
+# Default chunk sizes when chunk_size is None. On CPU, 32 beats 64: the intra-chunk matrices shrink with the
+# chunk while the state work per token does not.
 TORCH_CHUNK_SIZE = 32
 _FLA_CHUNK_SIZE = 64
 
@@ -100,8 +97,8 @@ _SUB_CHUNK = 16
 _SPAN_LIMIT = 80.0
 # Decay factors below e^-40 (4e-18) are set to exactly 0, and so are entries below _FLUSH of the
 # intra-chunk matrices that later multiply O(1) values. Both are ~1e-10 of fp32 resolution or less, so
-# results do not change, but left alone they turn into subnormal floats, which x86 CPUs process ~100x
-# slower (measured: 2-3x slower end to end at K3's strongest decays). _FLUSH^2 is still a normal float,
+# results do not change, but left alone they turn into subnormal floats, which x86 CPUs process far more
+# slowly (enough to slow the whole op at K3's strongest decays). _FLUSH^2 is still a normal float,
 # so products of two kept values cannot be subnormal.
 _EXP_CUTOFF = -40.0
 _EXP_FLOOR = math.exp(_EXP_CUTOFF) * (1 + 1e-5)
@@ -113,8 +110,8 @@ _GROUP_ELEMENTS = 1 << 18
 # The sequential loops run on one thread while a step's state is smaller than this many elements
 # (e.g. 4 heads of 64 x 64 = 16K). Such steps take microseconds and gain nothing from more threads,
 # but every parallel region waits for all its threads, and on an oversubscribed machine a descheduled
-# one costs a scheduler slice: measured 7.8 ms per 4 x 64 x 64 bmm on two threads vs 9 us on one.
-# At 32 heads of 128 x 128 (512K elements) two threads win: the chunked op at T=4K ran 603 vs 756 ms.
+# one costs a whole scheduler slice, far more than the step itself. At 32 heads of 128 x 128 (512K elements)
+# two threads win.
 _SERIAL_STEP_ELEMENTS = 1 << 18
 
 
@@ -287,7 +284,7 @@ def chunk_kda(
             state restarts from each sequence's own initial state at its start.
         chunk_size: tokens per chunk; it changes speed, not results. None picks each backend's best:
             64 for fla (which accepts 32 or 64), ``TORCH_CHUNK_SIZE`` (32) for the PyTorch path, where
-            it measured ~1.5x faster than 64 on CPU. The PyTorch path accepts any positive size.
+            it is faster than 64 on CPU. The PyTorch path accepts any positive size.
         backend: ``"torch"``, ``"fla"`` or None (automatic: fla for CUDA tensors when it imports).
         use_gate_in_kernel, A_log, dt_bias, lower_bound: compute ``g`` from the raw gate projection with
             :func:`kda_gate` (``A_log [HV]``, ``dt_bias [HV * K]``).
@@ -640,9 +637,8 @@ def _torch_kda(
         return o, final.transpose(-1, -2).contiguous() if state_v_first else final
     bounds = None if cu_seqlens is None else _host_bounds(cu_seqlens, length)
     if cpu_kernel.applies(q, k, v, g, beta, state):
-        # The fused kernel computes the chunked form for any length: measured faster than the token loop from
-        # one token on (H=4, K=V=128: 101 vs 263 us for 1 token, 194 vs 1,593 us for 16; H=32: 424 vs 529 us,
-        # 860 vs 3,808 us), so the recurrent entry points use it too (q is already scaled for those).
+        # The fused kernel computes the chunked form for any length and is faster than the token loop from one
+        # token on, so the recurrent entry points use it too (q is already scaled for those).
         fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale if block else 1.0,
                                          block or TORCH_CHUNK_SIZE, inplace=write)  # fmt: skip
     elif kda_autograd.applies(q, k, v, g, beta, state):
@@ -1084,13 +1080,13 @@ def _intra_body(q, k, v, beta, g, local, factored: bool = True):
             part = torch.bmm(rows[:, a - 1], linked.reshape(n, a * sub, key_dim).transpose(1, 2))
             scores[:, :, a, :, : a * sub] = part.view(n, 2, sub, a * sub)
     scores = scores.view(n, 2, chunk, chunk)
-    # Entries below _FLUSH only ever scale O(1) values; zeroing them keeps subnormal floats (~100x
-    # slower on x86) out of the products that follow.
+    # Entries below _FLUSH only ever scale O(1) values; zeroing them keeps subnormal floats (slow on x86)
+    # out of the products that follow.
     aqk = F.hardshrink(scores[:, 1], _FLUSH).tril()
 
     # (I + A)^{-1}, with A = beta_r k_r . (e^{G_r - G_s} k_s) strictly below the diagonal (the solve
     # reads nothing else), is solved in float64: forward substitution chains decays, so some entries
-    # are legitimately ~1e-40, subnormal in fp32, where the solve runs ~8x slower.
+    # are legitimately ~1e-40, subnormal in fp32, where the solve runs far slower.
     beta = beta[:, :, None]
     eye = torch.eye(chunk, dtype=torch.float64, device=k.device).expand(n, chunk, chunk)
     inverse = torch.linalg.solve_triangular(scores[:, 0] * beta.double(), eye, upper=False, unitriangular=True)
@@ -1122,6 +1118,6 @@ def _serial_if_small(step_elements: int) -> Iterator[None]:
 
 def _exp_cut(x: torch.Tensor) -> torch.Tensor:
     """``exp(x)``, but exactly 0 at or below ``e^_EXP_CUTOFF``, so no subnormal floats enter later
-    products. Clamping first keeps ``exp`` on its fast path: vectorised exp slows down 30-300x on
+    products. Clamping first keeps ``exp`` on its fast path: vectorised exp slows down sharply on
     inputs whose result underflows (or is -inf)."""
     return F.threshold(x.clamp(min=_EXP_CUTOFF).exp(), _EXP_FLOOR, 0.0)
