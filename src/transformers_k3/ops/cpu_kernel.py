@@ -34,7 +34,7 @@ library, its build features, the thread count) are constants of the graph.
 entry point (``csrc/kernels.h``); only that file includes torch headers. On every other device an operator computes
 its result in PyTorch (:mod:`transformers_k3.ops.reference`), so a graph holding them runs there too. The sources
 are compiled once per machine by ``torch.utils.cpp_extension`` (ninja, the system C++ compiler: ``$CXX``, else
-``c++``; ~25 s on 2 cores), in a child process, into ``$TRANSFORMERS_K3_CACHE`` (default
+``c++``), in a child process, into ``$TRANSFORMERS_K3_CACHE`` (default
 ``~/.cache/transformers_k3``), under a name that hashes the source, the compiler and flags, torch's version and
 location and this CPU's model and feature flags (it is built with ``-march=native``, so a cache shared between different machines never hands one the
 other's binary). The library and its checksum are fsynced and renamed into place, so a concurrent or interrupted
@@ -723,16 +723,11 @@ def _gemm_backward(ctx, grad):
     return grad_x, grad_w
 
 
-# Where linear_bf16 beats torch's bf16 matmul (2 threads, this project's Sapphire Rapids; median call time, torch /
-# ours): up to 4 rows at any size (1 row: 2.2-3.3x from [256, 256] to [4096, 4096] weights; 4 rows: 1.2-2.2x);
-# beyond that only small products (15 rows x [256, 256]: 1.1x; 8 rows x [1024, 1024]: 0.65x, where torch's
-# AMX kernel reads the weight once for all rows and ours once per 4 rows). On a CPU without bf16 instructions
-# (`native_bf16_matmul` false) torch's bf16 matmul is slow at every size and ours takes any product up to 15 rows
-# (a 2-core Zen 3: 5-15 rows x [1024, 1024] 3.3-4.5x, 8 / 15 rows x [4096, 4096] 3.8 / 4.5x, 15 x [256, 256] 4.7x),
-# and up to LINEAR_BF16_CHUNKED_ROWS in calls of 15 rows: there it also beats `linear_bf16_upcast`, whose fp32 copy
-# of the weight costs more than its faster GEMM saves (16 / 32 / 64 rows x [4096, 4096]: 7.8 / 14.1 / 45.5 ms
-# against 48.9 / 38.8 / 52.2 upcast, 25.3 / 50.2 / 104.0 torch; x [1024, 1024] 0.51 / 1.05 / 1.93 against 0.91 /
-# 1.19 / 1.66 upcast; from 128 rows the upcast is the faster at every size measured).
+# Where linear_bf16 beats torch's bf16 matmul (timings: bench/RESULTS.md): with bf16 instructions, up
+# to 4 rows at any size, beyond that only small products (torch's AMX kernel reads the weight once for all rows and
+# ours once per 4 rows). On a CPU without bf16 instructions (`native_bf16_matmul` false) torch's bf16 matmul is slow
+# at every size and ours takes any product up to 15 rows, and up to LINEAR_BF16_CHUNKED_ROWS in calls of 15 rows:
+# there it also beats `linear_bf16_upcast`, whose fp32 copy of the weight costs more than its faster GEMM saves.
 LINEAR_BF16_MAX_ROWS = 15
 LINEAR_BF16_CHUNKED_ROWS = 47
 LINEAR_BF16_ANY_SIZE_ROWS = 4
@@ -745,7 +740,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     15 rows a call; see LINEAR_BF16_MAX_ROWS), computed by
     ``csrc/linear_cpu.cpp``: exact products of the bf16 values, summed in fp32, the bias added and the result
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
-    order. torch spends ~35 us on any such call on this CPU (~5 us in fp32); this one ~10 us with the Python call.
+    order. torch's bf16 matmul has a fixed cost per call far above fp32's, which dominates one-row products.
     Returns None where it does not apply: other dtypes, devices or tensor types, more rows, autograd (a gradient
     is wanted), the kernels off or without AVX-512 / AVX2; then use F.linear."""
     rows = _bf16_linear_rows(x, weight, bias)
@@ -811,8 +806,8 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     LINEAR_BF16_CHUNKED_ROWS, fewer being `linear_bf16`'s; more than 15 where its kernel is missing), no autograd:
     the fp32 GEMM on fp32 copies of the bf16 values, the bias added in fp32, rounded to bf16 once. That is the
     quantity torch's bf16 matmul computes (the products of bf16 values are exact in fp32, summed in fp32, rounded
-    once), with the sums in another order; there torch runs ~12 GFLOP/s where its fp32 GEMM runs ~150 (a 2-core
-    Zen 3: [2,048, 256] x [256, 128] 14.8 -> 1.0 ms). The copies are made in blocks of at most UPCAST_BLOCK floats
+    once), with the sums in another order; there torch's bf16 GEMM runs at a small fraction of its fp32 rate.
+    The copies are made in blocks of at most UPCAST_BLOCK floats
     of the weight (output features) and of the input (rows), so the extra memory stays bounded whatever the sizes.
     Returns None where it does not apply (other dtypes, devices or tensor types, few rows, autograd, a CPU with
     bf16 instructions, the kernels off); then use F.linear."""
@@ -892,7 +887,7 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 def _below_autograd():
     """For a differentiable operator's call that wants no gradient: its Python autograd kernel would only pass it
-    on, at ~8 us a call (the decode step makes dozens). A compiled graph has no such cost (and cannot hold the
+    on, at a fixed cost per call (the decode step makes dozens). A compiled graph has no such cost (and cannot hold the
     guard object): there it is a no-op."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
@@ -1004,10 +999,8 @@ def moe_decode_max_tokens() -> int:
 
 # The decode kernel runs on one thread, the modules' products on every thread: it is taken for layers up to this
 # many multiply-adds per token (router, latent and shared projections, k experts), where the modules' ~15 ops and
-# calls cost more than its products. Measured on 2 threads at 896 experts, top-16, one token (fused / modules, us):
-# fp32 0.52M MACs 97 / 267, 1.6M 312 / 444, 5.5M 898 / 839 (slower), 11.8M 1815 / 1342; bf16 0.52M 66 / 333, 1.6M
-# 183 / 511, 5.5M 492 / 1272, 11.8M 950 / 4731. With more threads the modules' products take less time, their
-# ~200 us of calls do not: the limits keep the kernel's own time at about that.
+# calls cost more than its products (timings: bench/RESULTS.md). With more threads the modules' products
+# take less time, their calls do not: the limits keep the kernel's own time at about the calls' cost.
 MOE_DECODE_MAX_MACS = {torch.float32: 1 << 20, torch.bfloat16: 1 << 21}
 
 
@@ -1130,8 +1123,7 @@ def _threads() -> int:
 # * an expert's three weight matrices hold at most SMALL_EXPERT_FLOATS (its transposed copy stays in a core's L2;
 #   larger experts go through sgemm, where packing costs little next to the products),
 # * the experts see at least SMALL_MIN_ROWS_PER_EXPERT rows on average (the transposes cost about as much as 8
-#   rows' products: measured at 896 experts, top-16, latent 128 / intermediate 32, 2 threads, the two paths
-#   break even at ~2.3 rows per expert, 128 tokens; 1 token (decode) 51 vs 39 us, 512 tokens 2.5 vs 3.3 ms), and
+#   rows' products; at the sizes measured the two paths break even between 2 and 3 rows per expert), and
 # * the extra accumulators, (threads - 1) x [N, D], take no more memory than the other path's expert-sorted rows,
 #   [N k, D].
 SMALL_EXPERT_FLOATS = 3 * 64 * 1024

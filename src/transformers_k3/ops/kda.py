@@ -80,7 +80,7 @@ _forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("kd
 
 # kda() and the KDA layer's cached steps use the token loop up to this many tokens per sequence (on the
 # PyTorch path; where the fused CPU kernel applies, both forms run it): the chunked form has a fixed cost per
-# call that the loop's per-token cost overtakes between 16 and 32 tokens (bench/RESULTS.md, 2026-12-07).
+# call that the loop's per-token cost overtakes between 16 and 32 tokens (bench/RESULTS.md).
 RECURRENT_MAX_TOKENS = 16
 
 # Default chunk sizes when chunk_size is None. On CPU, 32 beats 64: the intra-chunk matrices shrink with the
