@@ -3,15 +3,15 @@ a kernel); `products_f32`: a bf16 batched product with exact products and fp32 s
 softmax-weighted sum over an MLA latent that those products' logits feed (one pass on CPU); `blocks`: a length's
 blocks.
 
-torch's CPU matmul in bf16 costs ~35 us per call on a 2-core Sapphire Rapids whatever the size (~5 us in fp32),
-so a bf16 model's decode step, dozens of one-row products, ran slower than the same model in fp32, and a bf16
-MoE layer's decode step slower than transformers' in-tree one (it has two more projections). For bf16 inputs of
-a few rows on CPU (up to 4, or up to 15 for small products: where it is the faster) with no gradient wanted,
-`cpu_kernel.linear_bf16` computes the same quantity (exact products of the bf16 values, fp32 sums, one rounding
-to bf16) in ~10 us. On a CPU without bf16 dot-product instructions (AVX2 machines; AVX-512 ones before Cooper
-Lake), where torch's bf16 matmul runs at a small fraction of its fp32 rate, more rows (a prefill) without autograd
-go through `cpu_kernel.linear_bf16_upcast`: the fp32 GEMM on fp32 copies of the bf16 values, rounded once (the
-same quantity; a bf16 MoE layer's forward at 2,048 tokens on a 2-core Zen 3: 73 -> 27 ms).
+torch's CPU matmul in bf16 has a fixed cost per call far above fp32's whatever the size, so a bf16 model's decode
+step, dozens of one-row products, ran slower than the same model in fp32, and a bf16 MoE layer's decode step slower
+than transformers' in-tree one (it has two more projections). For bf16 inputs of a few rows on CPU (up to 4, or up
+to 15 for small products: where it is the faster) with no gradient wanted, `cpu_kernel.linear_bf16` computes the
+same quantity (exact products of the bf16 values, fp32 sums, one rounding to bf16) at a fraction of that cost. On a
+CPU without bf16 dot-product instructions (AVX2 machines; AVX-512 ones before Cooper Lake), where torch's bf16
+matmul runs at a small fraction of its fp32 rate, more rows (a prefill) without autograd go through
+`cpu_kernel.linear_bf16_upcast`: the fp32 GEMM on fp32 copies of the bf16 values, rounded once (the same quantity,
+in a fraction of the time; timings in bench/RESULTS.md).
 
 The layers stay plain `nn.Linear` modules, called as modules (``self.q_proj(x)``): `use_linear_forward` sets this
 forward on the instance, so its type stays exactly `nn.Linear` (transformers' bitsandbytes, fp8 and GGUF
@@ -35,7 +35,7 @@ def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, layer.weight, layer.bias)``; on bf16 ``x`` that `cpu_kernel.linear_bf16` takes (CPU, a few rows,
     no autograd, plain tensors, kernels on), or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without bf16
     instructions), their result: the same quantity."""
-    # (from the parameters' dict: `layer.weight` goes through Module.__getattr__, ~2-4 us a read on these CPUs; a
+    # (from the parameters' dict: `layer.weight` goes through Module.__getattr__, slow on every step; a
     # weight or bias that is not a plain parameter there, e.g. a parametrization's, is read the usual way)
     params = layer._parameters
     weight, bias = params.get("weight"), params.get("bias", _MISSING)

@@ -25,8 +25,7 @@ except ImportError:  # (then any hook on a router counts as reading its logits)
 
 # The fp32 router screens its selection (`cpu_kernel.router_screened_topk`) from this many tokens: below, the fp32
 # GEMM of a few rows is cheaper than the screen's fixed costs, mostly rounding and packing the weight for the tile
-# unit on each call (2 threads, 896 experts, width 256: 1 token 143 vs 24 us, 128 tokens 306 vs 274, 256 tokens 448
-# vs 525, 2,048 tokens 2.35 vs 4.07 ms).
+# unit on each call (timings: bench/RESULTS.md).
 SCREEN_MIN_TOKENS = 256
 
 
@@ -216,11 +215,11 @@ _LAYER_TYPES: list = []
 
 def _experts_implementation(experts: nn.Module) -> str | None:
     """``experts.config._experts_implementation``, read from the instance (the property through transformers'
-    config attribute machinery costs ~4 us, on every decode step of every MoE layer)."""
+    config attribute machinery is slow, and runs on every decode step of every MoE layer)."""
     config = experts.config
     if torch.compiler.is_compiling():  # (a graph reads it once, as a guard; dynamo does not trace the read below)
         return getattr(config, "_experts_implementation", None)
-    # (its __dict__ past the config class's own __getattribute__, which costs ~1.5 us a read)
+    # (its __dict__ past the config class's own __getattribute__, which is slow on every read)
     value = object.__getattribute__(config, "__dict__").get("_experts_implementation_internal", _UNSET)
     return getattr(config, "_experts_implementation", None) if value is _UNSET else value
 
