@@ -183,3 +183,11 @@ def test_memory_layouts_arithmetic_matches_the_model_and_its_cache():
     code, stdout, output = _run(sys.executable, "bench/memory_layouts.py", "--markdown")
     assert code == 0, output
     assert "| 1 node, 8 GPUs | 8 x 8 |" in stdout
+
+
+def test_bench_startup_compares_two_trees():
+    code, stdout, output = _run(sys.executable, "bench/bench_startup.py", "--base", "HEAD", "--rounds", "1",
+                                timeout=600)
+    assert code == 0, output
+    rows = [line for line in stdout.splitlines() if line.startswith("| ") and " s |" in line]
+    assert len(rows) == 3 and all(float(row.rsplit("|", 2)[1]) > 0 for row in rows), stdout
