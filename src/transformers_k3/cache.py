@@ -200,7 +200,7 @@ def weights_fingerprint(model: nn.Module) -> str | None:
     every layer's 1-D parameters and of its first attention and MLP matrices; about 4k values per matrix, 1k per
     vector). Two models with the same weights, in any device or dtype that holds them exactly (a bf16 checkpoint
     loaded in fp32), agree; another seed or fine-tune differs. At full size (93 layers, 905 tensors) about 1.3M of the
-    2.8T values are read and hashed, moved in one transfer per device: about 0.15 s on one CPU core, never a pass
+    2.8T values are read and hashed, moved in one transfer per device: a small fraction of a second, never a pass
     over the weights. Computed on each call (`save`, and `load` with ``model=``), never during generation.
 
     The LM head and final norm are left out (a cache's states do not depend on them), and so is the vision tower of

@@ -30,7 +30,7 @@ DIRECT_READS: dict[str, tuple[str, ...]] = {
 
 def _offload_hooks(module: nn.Module) -> list:
     # accelerate's add_hook_to_module sets a plain instance attribute; getattr() would go through
-    # nn.Module.__getattr__ and raise inside for every module without one (~3 us each, per decode step)
+    # nn.Module.__getattr__ and raise inside for every module without one (on every decode step)
     hook = module.__dict__.get("_hf_hook")
     if hook is None:
         return []
@@ -54,8 +54,8 @@ def _owners(module: nn.Module, recurse: bool) -> tuple[nn.Module, ...]:
     return owners
 
 
-# Together, the cached owners and the dict lookups below took `onloaded` from 261 to 24 us per decode token
-# (6 layers of the shipped small model, no accelerate hooks); it runs once per decoder layer and step.
+# The cached owners and the dict lookups below keep `onloaded` cheap (timings in bench/RESULTS.md): it runs once
+# per decoder layer and step.
 def _direct_read_children(module: nn.Module, recurse: bool) -> list[nn.Module]:
     owners = _owners(module, recurse)
     children = []

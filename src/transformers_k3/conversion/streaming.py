@@ -196,7 +196,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
 
 def _header_as_safetensors_reads_it(path: Path) -> tuple[dict[str, TensorInfo] | None, str]:
     """The header through safetensors' own parser (Rust: the JSON, the dtypes, and byte ranges that tile the data
-    section exactly, ~10x faster than parsing it here), or None and why when it refuses the file or a dtype is not
+    section exactly, much faster than parsing it here), or None and why when it refuses the file or a dtype is not
     one we map: the checks in `read_safetensors_header` then name what is wrong."""
     from safetensors import safe_open
 

@@ -128,11 +128,8 @@ class KimiK3Router(nn.Module):
 K3_GROUPED_MM = "k3_grouped_mm"
 # `k3_grouped_mm` gathers each (token, expert) assignment's weights instead of running the grouped GEMM while
 # assignments x weights per expert <= this many elements x the number of experts (see `_gathered_experts`).
-# CPU cost model from bench measurements (2 threads, fp32): the grouped GEMM spends ~3.1 us per expert, hit or
-# not, the gather ~0.45 ns per copied weight element; the rule keeps a safety factor of about 2. Measured at
-# 896 experts, top-16, latent 128 / intermediate 32: 1 token 144 vs 2,822 us, 14 tokens 1,288 vs 3,826 us,
-# 28 tokens (the last gathered) 2,259 vs 4,387 us; latent 512 / intermediate 128: 1 token 1,149 vs 3,286 us, 7
-# tokens (grouped) 25,268 vs 7,567 us.
+# A CPU cost model from bench measurements (bench/RESULTS.md): the grouped GEMM pays a fixed cost per expert, hit
+# or not, the gather one per copied weight element; the rule keeps a safety factor of about 2.
 GATHER_MAX_ELEMENTS_PER_EXPERT = 6144
 
 
@@ -204,7 +201,7 @@ def _gathered_experts(
     """`k3_grouped_mm`'s path for few (token, expert) assignments, e.g. a decode step: each assignment's expert
     weights are gathered and the two products run as batched ``[1, D] x [D, 2I]`` / ``[1, I] x [I, D]``
     GEMMs. Its cost follows the assignments, while the grouped GEMM visits every expert, hit or not (on CPU
-    ~3 us per expert: 2.8 ms per layer for one token at 896 experts). Assignments stay in token order, so the
+    most of a one-token layer's time at 896 experts). Assignments stay in token order, so the
     ``k`` outputs of a token are summed without a scatter. Static shapes (compile-friendly); plain autograd."""
     num_tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
@@ -377,7 +374,7 @@ class KimiK3SparseMoE(nn.Module):
         y = hidden_states.reshape(-1, self.hidden_size)
         # a decode step on CPU: the whole layer in one kernel call where it computes what the modules would
         out = moe_ops.sparse_moe(self, y, self._modules_forward)
-        return out.view(*orig_shape)  # (unpacked: a torch.Size argument costs ~1 us more to parse, every step)
+        return out.view(*orig_shape)  # (unpacked: a torch.Size argument costs more to parse, every step)
 
     def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
         """The layer through its modules, ``y [N, H]`` -> ``[N, H]``."""
