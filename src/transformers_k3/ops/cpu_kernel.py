@@ -1123,7 +1123,7 @@ def _threads() -> int:
 # * an expert's three weight matrices hold at most SMALL_EXPERT_FLOATS (its transposed copy stays in a core's L2;
 #   larger experts go through sgemm, where packing costs little next to the products),
 # * the experts see at least SMALL_MIN_ROWS_PER_EXPERT rows on average (the transposes cost about as much as 8
-#   rows' products; at the sizes measured the two paths break even between 2 and 3 rows per expert), and
+#   rows' products; bench/RESULTS.md has where the two paths break even), and
 # * the extra accumulators, (threads - 1) x [N, D], take no more memory than the other path's expert-sorted rows,
 #   [N k, D].
 SMALL_EXPERT_FLOATS = 3 * 64 * 1024

@@ -111,8 +111,8 @@ inline void pair_product(const uint16_t* a_block, int64_t lda, const uint16_t* p
 
 // Fewer than kAmxMinRows rows of a (a decode step): packing b for the tile unit would cost more than the
 // products, so each output is an AVX-512 dot product over k (bf16_rows.h: b's rows read once per group of 4 rows of
-// a, the threads splitting b's rows). Measured at the router's [896, 256] weight, 2 threads: 1 row 24 us, 8 rows 73,
-// 15 rows 121; the tile unit 95 us for 16 rows (packing b dominates), as for 32.
+// a, the threads splitting b's rows). At the router's weight the tile unit's cost is mostly packing b, which a few
+// rows do not repay (timings: bench/RESULTS.md).
 constexpr int64_t kAmxMinRows = 12;
 static_assert(kAmxMinRows - 1 <= k3::bf16_rows::kMaxRows, "the few-row products take up to 15 rows");
 

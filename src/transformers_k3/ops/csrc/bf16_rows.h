@@ -193,8 +193,8 @@ inline void product(const uint16_t* x, int64_t m, const uint16_t* w, int64_t n, 
   const float* xf = rows.data();
 #endif
   const int64_t blocks = (n + 15) / 16;
-  // a thread per 64K multiply-adds at least: a product that small takes ~2 us on one thread, about what starting
-  // a parallel region costs
+  // a thread per 64K multiply-adds at least: a product that small on one thread costs about what starting a
+  // parallel region costs
   const int64_t work = blocks * 16 * m * k;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(n_threads, work / 65536));
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -82,7 +82,7 @@ inline float fast_exp(float x) {
 }
 
 // Flush-to-zero / denormals-are-zero on this thread while in scope (x86): long decay chains and products of
-// small weights produce values ~1e-40, ~100x slower as subnormal floats and far below fp32's resolution of
+// small weights produce values ~1e-40, far slower as subnormal floats and far below fp32's resolution of
 // the results. The thread's previous mode is restored on exit.
 class FlushDenormals {
  public:
@@ -96,7 +96,7 @@ class FlushDenormals {
 };
 
 // Allocator for scratch vectors aligned to cache lines: a 64-byte vector load or store on a misaligned
-// address touches two lines (the in-cache transposes of the experts kernel run 2x slower that way).
+// address touches two lines (the in-cache transposes of the experts kernel run much slower that way).
 template <class T>
 struct CacheAligned {
   using value_type = T;
@@ -130,8 +130,8 @@ std::unique_ptr<T> new_scratch(int& status, Args&&... args) {
 // The routing's counting sort (experts kernel forward and backward, router backward): assignments
 // (token * k + slot) by expert, stable (token order within an expert); with `with_position`, position[a] = the
 // assignment's row in that order (-1 for ids outside [0, E)). Only the sgemm path's slot sums read position:
-// the small-GEMM path skips it (filling and scattering it took ~60 % of the sort, which runs on one thread
-// before the parallel part: ~290 vs ~110 us for 2,048 tokens x top-16 over 896 experts).
+// the small-GEMM path skips it (filling and scattering it is most of the sort, which runs on one thread
+// before the parallel part).
 struct Sorted {
   std::vector<int64_t> offsets, order, position;
   Sorted(const int64_t* top_k_index, int64_t n_assign, int64_t n_experts, bool with_position = true) {

@@ -5,7 +5,7 @@
 //   and 2^n by vscalef (AVX-512: 0 below the range with no clamps or selects, ~10 ops instead of ~18) or from its
 //   exponent bits (AVX2);
 // * every quotient has a denominator in [1, 8], so on AVX-512 a reciprocal estimate and one Newton step (~2 ulp)
-//   replace the division (measured: a division cost about two thirds of an exponential);
+//   replace the division (a division costs a large part of an exponential);
 // * tanh of the up half at K3's cap (25) is its polynomial for |u| < 15.6, where almost every activation lies:
 //   the exponential runs only for a vector with a lane beyond that.
 // Same values as the scalar forms to a few ulp (tested against float64 in test_cpu_kernels.py).

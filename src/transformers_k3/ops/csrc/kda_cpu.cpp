@@ -23,7 +23,7 @@
 // The pairwise decays are formed as e^{G_r - G_m} e^{G_m - G_s} around the chunk's middle row m when
 // every |G_r - G_m| <= kSpanLimit (so neither factor over- or underflows fp32: e^80 < 2^127), else
 // exactly, one exponential per (r, s, channel). Denormals are flushed to zero while a task runs (x86):
-// long decay chains produce values ~1e-40 that are otherwise ~100x slower and ~1e-33 of the results.
+// long decay chains produce values ~1e-40 that are otherwise far slower and ~1e-33 of the results.
 
 #include <vector>
 

@@ -1,11 +1,10 @@
 // A bf16 linear layer on a few rows (a decode step): out = bf16(x w^T + bias) for bf16 x [M, K], w [N, K],
 // bias [N] (or none), M <= 15, AVX-512 or AVX2 (bf16_rows.h).
 //
-// torch's CPU matmul in bf16 (oneDNN) spends ~35 us per call on this machine whatever the size, where the fp32
-// one spends ~5 us on a [1, 256] x [256, 128] product: a bf16 model's decode step, dozens of such products, ran
-// slower than the same model in fp32. Here each output is a dot product over K of exact products of bf16 values
-// summed in fp32, rounded to bf16 once as torch rounds (to nearest, ties to even): the quantity torch's bf16
-// matmul computes, with the sums in another order.
+// torch's CPU matmul in bf16 (oneDNN) has a fixed cost per call far above the fp32 one's whatever the size: a bf16
+// model's decode step, dozens of one-row products, ran slower than the same model in fp32. Here each output is a
+// dot product over K of exact products of bf16 values summed in fp32, rounded to bf16 once as torch rounds (to
+// nearest, ties to even): the quantity torch's bf16 matmul computes, with the sums in another order.
 //
 // Layout: row-major bf16 bits; out [M, N].
 

@@ -348,9 +348,8 @@ void expert_range(const std::vector<int64_t>& offsets, int64_t n_experts, int te
 // Prefetches of expert e + 1's weights and, in the backward, its weight-gradient slices (none past `hi`; null
 // gradients: none), issued during expert e's products: the weights are read into L2 while this one computes, so
 // they are in cache when its transposes start, and the gradient lines are taken for writing (prefetchw), so that
-// its gradient products do not wait on them (backward at 896 experts, latent 128, intermediate 32, 2,048 tokens,
-// in-process A/B against no gradient prefetches: 0.86-0.99x the time over six runs; the gain varies with how
-// busy the memory system is).
+// its gradient products do not wait on them (a gain in the backward that varies with how busy the memory system
+// is; bench/RESULTS.md).
 struct NextExpert {
   k3::Prefetch gate_up, down, grad_gate_up, grad_down;
   NextExpert(const ExpertStack& w_gate_up, const ExpertStack& w_down, int64_t e, int64_t hi,
@@ -552,8 +551,7 @@ int small_backward(const float* x, int64_t n_tokens, int hidden, const k3::Sorte
 // products as dot products over the expert's stored rows (k3::dots: no transposed copy of its weights, which the
 // small-GEMM path makes for every expert it visits, nor an sgemm call per expert), one assignment a task, into its
 // own row of `rows` [N k, D]; then each token's rows summed in slot order, so that any thread count gives the same
-// bits. (1 token at 896 experts, top-16, latent 128 / intermediate 32: ~20 us fp32, where the sgemm path took
-// ~40-97 us and the small-GEMM path's bf16 ~50-212 us.)
+// bits. (At one token this is faster than either the sgemm or the small-GEMM path.)
 constexpr int64_t kFewTokens = 4;
 
 template <class T>
@@ -568,9 +566,8 @@ int few_forward(const float* x, int64_t n_tokens, int hidden, const int64_t* top
   } catch (...) {
     return 2;
   }
-  // a thread per 2M multiply-adds (~100 us on one thread): a decode step at these sizes takes ~20 us on one
-  // thread, and a parallel region's second thread, if another process holds its core, waits for the scheduler
-  // (measured with another job running: 1 token, 196K multiply-adds, 1 thread 19-20 us, 2 threads 20 us to 14 ms)
+  // a thread per 2M multiply-adds: a decode step at these sizes is short on one thread, and a parallel region's
+  // second thread, if another process holds its core, waits for the scheduler
   const int64_t work = n_assign * 3 * hidden * inter;
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(n_threads, work >> 21));
   int status = 0;

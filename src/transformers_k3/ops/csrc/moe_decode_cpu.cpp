@@ -2,10 +2,9 @@
 // decode step: router, selection, latent down-projection, routed experts, the norm on their sum, up-projection
 // and shared expert in one call, on one thread, on AVX-512 or AVX2 + FMA.
 //
-// Through the modules a decode step of this layer is ~15 torch ops and kernel calls of 2-10 us each, which at
-// these sizes is nearly all of its time (the shipped small model: ~220 us per layer and token, of which the
-// arithmetic is a few us). Here every product is a dot product over its input (the weights' rows, as stored),
-// summed in fp32 in 16 lanes, then across them.
+// Through the modules a decode step of this layer is ~15 torch ops and kernel calls, whose fixed costs at these
+// sizes are nearly all of its time (the arithmetic is a small part). Here every product is a dot product over its
+// input (the weights' rows, as stored), summed in fp32 in 16 lanes, then across them.
 //
 // The quantities are the modules' own, step by step, with the sums in another order (as between any two GEMMs):
 // * bf16 layers round where the modules round: each projection's output, the experts' sum, the norm's output,

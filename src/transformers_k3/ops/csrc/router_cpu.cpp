@@ -1,7 +1,7 @@
 // Top-k expert selection of the sigmoid router on CPU (spec 6.3, step 1): for each token, the k experts with the
 // largest biased scores s[e] + bias[e] (s = sigmoid(logits); the sum is the same fp32 add as `scores + bias`, so
-// the ranking is the PyTorch path's). torch.topk over [N, E] with E = 896 spends ~6 us per token in a general
-// partial sort. Here, with AVX-512 and k <= 16, a first pass finds a floor that the k best must reach and a
+// the ranking is the PyTorch path's). torch.topk over [N, E] with E = 896 runs a general partial
+// sort. Here, with AVX-512 and k <= 16, a first pass finds a floor that the k best must reach and a
 // second keeps the k best in two registers, checking 16 experts per compare (see row_topk16); with AVX2 (or k > 16)
 // the same two passes in 8-lane registers keep the k best in a small sorted array (row_topk_floor); without AVX2
 // one pass over the experts keeps that array (a new candidate rarely beats the current k-th). k3_router_topk takes
@@ -96,8 +96,7 @@ inline unsigned chunk16(const float* scores, const float* bias, int64_t n_expert
 // least the k-th largest of them, the floor; NaN lanes are skipped, as max / min return their second operand);
 // the second compares 16 experts at a time with the floor (the set not yet full) or the current k-th and inserts
 // only those that pass into the sorted array, in expert order. So the same k experts in the same order as
-// row_topk, which looks at every expert one by one and branches on each (at 896 experts, k = 16, 2,048 rows,
-// 2 threads on a Zen 3: k3_router_topk 3.7 -> 1.3 ms, the fused sigmoid + selection 5.6 -> 2.5 ms).
+// row_topk, which looks at every expert one by one and branches on each, and is the slower for it.
 void row_topk_floor(const float* scores, const float* bias, int64_t n_experts, int top_k, float* val, int64_t* idx,
                     int64_t* index) {
   __m256 lo, hi;
@@ -304,7 +303,7 @@ void sigmoid_row(const float* logits, int64_t n, float* scores) {
 }
 #elif K3_HAVE_SIMD
 // (whole vectors with plain loads and stores: on AMD's Zen cores a vmaskmov store is microcoded and several times
-// slower; at 896 experts, 2,048 rows, 2 threads on a Zen 3: the whole fused sigmoid + selection 6.3 -> 5.6 ms)
+// slower)
 void sigmoid_row(const float* logits, int64_t n, float* scores) {
   const __m256 one = _mm256_set1_ps(1.0f);
   int64_t i = 0;

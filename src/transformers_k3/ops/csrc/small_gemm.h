@@ -130,7 +130,7 @@ constexpr int kBlockVectors = 1;  // columns per block: up to 16
 #endif
 
 // Blocks of mr in {block_rows(NR), 8, 4, 2, 1} rows (the row loop splits a remainder into these: fewer
-// instantiations keep the build short: the kernel library builds in ~10 s).
+// instantiations keep the build short).
 template <int NR, bool GatherB, bool Full = false>
 inline void small_gemm_rows(int mr, int k, const float* const* a, int64_t sap, const float* b, int64_t ldb,
                             const int64_t* b_rows, float* const* c, const uint16_t* mask, bool accumulate,
