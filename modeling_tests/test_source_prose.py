@@ -2,6 +2,14 @@
 
 The pattern is the one of the 2026-12-07 architecture review (§2.8: `N ms|us|µs|ns`, `Nx`, `measured`, `GFLOP`),
 widened to seconds, rates and "N times faster", and tightened so shapes, hex, byte sizes and accuracy ratios pass.
+
+Deliberately not flagged (each case is in `test_the_pattern_passes_plain_text`):
+- string literals other than docstrings: error messages are behaviour, not prose;
+- shapes and counts ("2x2", "4 x 64 x 64", "16 tokens", "64K multiply-adds", "2 MB"): no time unit, no speed;
+- scientific notation, versions, formulas ("1e-5", "torch 2.13", "sech^2 s"): the number is glued to an operator;
+- count and accuracy ratios ("2x more value heads", "~3x less accurate", layers/mla.py): not a speed;
+- "measured" without a number ("the op's measured crossover", layers/kda.py): a reason, not a measurement;
+- dates: the review's regex counted them, but a date is not a timing (there are none today).
 """
 
 import ast
@@ -29,7 +37,7 @@ _TIMING = re.compile(
             # a percentage with a speed word on the same line: "13 % faster", "+7-13 % on the forward ... faster"
             rf"{_NUM}\s?%.*\b(?:faster|slower|quicker|speed-?up)\b",
             rf"\b(?:faster|slower|quicker|speed-?up)\b.*{_NUM}\s?%",
-            # a rate: "tokens/s", "12 GFLOP/s", "per second"
+            # a rate: "tokens/s", "12 GFLOP/s"
             r"\b(?:tokens?|tok|it|samples?|steps?|GFLOPS?|TFLOPS?|GB|MB)\s?/\s?s\b",
             r"GFLOP",
             # a measurement as such: "measured: ...", "Measured on ...", with a number on the line
