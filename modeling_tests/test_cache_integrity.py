@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from transformers_k3 import KimiK3CacheError, KimiK3ForCausalLM, KimiK3HybridCache, KimiK3Model, KimiK3TextConfig
 from transformers_k3.cache import KimiK3CacheFileError, _fingerprint_samples, weights_fingerprint
-from transformers_k3.conversion.streaming import CheckpointError
+from transformers_k3.safetensors_header import CheckpointError
 
 from conftest import randomize_
 

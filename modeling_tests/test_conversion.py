@@ -614,7 +614,7 @@ def test_streaming_peak_memory_is_about_one_shard(tmp_path):
 
 
 def shard_tensors_header(directory: Path) -> dict:
-    from transformers_k3.conversion.streaming import read_safetensors_header
+    from transformers_k3.safetensors_header import read_safetensors_header
 
     return {name: list(info.shape) for path in directory.glob("*.safetensors")
             for name, info in read_safetensors_header(path).items()}

@@ -22,7 +22,7 @@ from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, export_to_official
 from transformers_k3.conversion.quant import quantize_mxfp4_release
 from transformers_k3.conversion.quant import dequantize_mxfp4
-from transformers_k3.conversion.streaming import read_safetensors_header
+from transformers_k3.safetensors_header import read_safetensors_header
 
 from conftest import randomize_
 from test_release_layout import check_against_rules, release_state, shard_tensors, write_release

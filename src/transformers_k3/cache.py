@@ -37,7 +37,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
-from .conversion.streaming import CheckpointError, read_safetensors_header
+from .safetensors_header import CheckpointError, read_safetensors_header
 
 # Token record values that are not token ids: a position masked by the attention mask (left padding: it left the
 # state untouched, so any pad id matches it) and a position fed as ``inputs_embeds`` without ids (not checkable).

@@ -411,7 +411,7 @@ _CACHE_IMPLEMENTATIONS = {None: None, "dynamic": None, "static": None, "offloade
 def _saved_names(directory: Path) -> list[str] | None:
     import json
 
-    from .conversion.streaming import read_safetensors_header
+    from .safetensors_header import read_safetensors_header
 
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -592,7 +592,7 @@ class KimiK3ModelMixin:
         from .checkpoint_checks import check_hub_checkpoint
 
         from .conversion.hf_mapping import recording_conversion_failures
-        from .conversion.streaming import CheckpointError
+        from .safetensors_header import CheckpointError
 
         kwargs = check_hub_checkpoint(pretrained_model_name_or_path, kwargs)  # a hub id: fetched, checked, pinned
         with recording_conversion_failures() as failures:

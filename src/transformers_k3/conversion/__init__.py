@@ -10,10 +10,11 @@ repository's ``conversion/`` folder.
   official directory).
 """
 
+from ..safetensors_header import CheckpointError
 from .hf_mapping import register_conversion_mappings
 from .keymap import k3_to_official_state_dict, kimi_linear_to_k3_state_dict, official_to_k3_state_dict
 from .quant import dequantize_fp8_block, dequantize_mxfp4, quantize_mxfp4
-from .streaming import Checkpoint, CheckpointError
+from .streaming import Checkpoint
 
 
 def __getattr__(name):

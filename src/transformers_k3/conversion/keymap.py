@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..safetensors_header import CheckpointError
 from .quant import MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4, quantize_mxfp4_release
-from .streaming import CheckpointError
 
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_kimi_k3 import KimiK3TextConfig
+from ..safetensors_header import CheckpointError, TensorInfo
 from .expected import Expected, expected_tensors, load_k3_config
 from .keymap import (
     DOWN_PROJS,
@@ -57,8 +58,7 @@ from .quant import (
     fp8_scale_name,
     fp8_weights_without_scale,
 )
-from .streaming import (Checkpoint, CheckpointError, OutputTensor, Piece, TensorInfo, atomic_output_dir, execute_plan,
-                        parse_size)
+from .streaming import Checkpoint, OutputTensor, Piece, atomic_output_dir, execute_plan, parse_size
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 _FP8 = FP8_DTYPES

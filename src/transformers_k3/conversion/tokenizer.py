@@ -26,7 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
-from .streaming import CheckpointError
+from ..safetensors_header import CheckpointError
 
 # The Kimi K2 / Kimi Linear pre-tokenisation regex (their `tokenization_kimi.py`), used when a release's
 # tokenizer code does not state one.
