@@ -127,12 +127,6 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
     from packaging.version import Version
 
-    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
-    if missing:
-        parser.error(f"serving needs {', '.join(missing)}: pip install \"transformers-k3[serve]\"")
-    if Version(version("transformers")) < Version(SERVE_MIN_TRANSFORMERS):
-        parser.error(f"serve plugs into the server of transformers >= {SERVE_MIN_TRANSFORMERS} (its model engines), "
-                     f"this is {version('transformers')}: pip install \"transformers>={SERVE_MIN_TRANSFORMERS}\"")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port must be 0-65535, got {args.port}")
     if os.path.exists(args.model):
@@ -149,6 +143,13 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
             parser.error("--chat-template-kwargs must be a JSON object")
     if args.max_model_len is not None and args.max_model_len < 2:
         parser.error(f"--max-model-len must be at least 2 tokens, got {args.max_model_len}")
+    # (after the arguments: a mistyped option is named even where serving is not installed)
+    missing = [name for name in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.error(f"serving needs {', '.join(missing)}: pip install \"transformers-k3[serve]\"")
+    if Version(version("transformers")) < Version(SERVE_MIN_TRANSFORMERS):
+        parser.error(f"serve plugs into the server of transformers >= {SERVE_MIN_TRANSFORMERS} (its model engines), "
+                     f"this is {version('transformers')}: pip install \"transformers>={SERVE_MIN_TRANSFORMERS}\"")
 
 
 def _serve(args: argparse.Namespace) -> int:

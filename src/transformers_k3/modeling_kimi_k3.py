@@ -687,7 +687,8 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = False
-    _is_stateful = True
+    # the hybrid cache rolls back (crop), so assisted decoding works: transformers 5.23 reads this flag only to refuse it
+    _is_stateful = False
     _can_compile_fullgraph = True  # (prefill and decode through the hybrid cache, the CPU kernels in the graph)
     _keys_to_ignore_on_load_unexpected = [r"rotary_emb\.inv_freq", r"rotary_emb\.(cos|sin)_cached"]
     # The release keeps these in fp32 (K3_SPEC.md 2.2): the KDA decay parameters, the KDA short convolutions' filters

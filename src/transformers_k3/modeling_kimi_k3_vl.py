@@ -54,7 +54,8 @@ class KimiK3VLPreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = False
-    _is_stateful = True
+    # the hybrid cache rolls back (crop), so assisted decoding works: transformers 5.23 reads this flag only to refuse it
+    _is_stateful = False
     _can_compile_fullgraph = False
 
     @torch.no_grad()
