@@ -99,7 +99,7 @@ _FP8_QUANTIZERS = ("fp8", "fbgemm_fp8", "compressed-tensors", "quark", "torchao"
 def _quantizer_takes_fp8(quantization) -> bool:
     """Whether transformers builds a quantizer that reads FP8 weights with their scales (fbgemm / finegrained FP8,
     compressed-tensors FP8 schemes...); the release's compressed-tensors MXFP4 is dequantised by this package instead."""
-    from .conversion.quant import is_mxfp4_scheme
+    from .configuration_kimi_k3 import is_mxfp4_scheme
 
     if not isinstance(quantization, dict) or quantization.get("quant_method") not in _FP8_QUANTIZERS:
         return False

@@ -886,6 +886,7 @@ class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
                f"must equal vt_hidden_size ({self.vt_hidden_size}) or be null, got {self.mm_hidden_size!r}")
 
 
+MXFP4_GROUP_SIZE = 32  # the release's MXFP4 scheme: one E8M0 scale per 32 weights
 _RELEASE_MEDIA_PLACEHOLDER_ID = 163605  # the release's <|media_pad|>
 
 _COMPOSITE_SPECS: dict[str, _Spec] = {
@@ -1010,14 +1011,38 @@ class KimiK3Config(_FieldChecks, PreTrainedConfig):
         return cls(text_config=text, vision_config=vision, media_placeholder_token_id=500, pad_token_id=0)
 
 
+def is_mxfp4_scheme(quantization_config) -> bool:
+    """True for a compressed-tensors config whose weight scheme is MXFP4 (the official K3 release): the
+    format names mxfp4, or every config group quantises weights to 4-bit floats in symmetric groups of 32.
+    Anything else (FP8, int4, ...) is not dequantised by this package at load time."""
+    if quantization_config is None:
+        return False
+    qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    if str(qc.get("quant_method", "")).replace("_", "-") != "compressed-tensors":
+        return False
+    groups = qc.get("config_groups") or {}
+    if "mxfp4" in str(qc.get("format", "")).lower():
+        return True
+    if not groups:
+        return False
+    for group in groups.values():
+        weights = (group or {}).get("weights") or {}
+        if "mxfp4" in str((group or {}).get("format", "")).lower():
+            continue
+        if not (weights.get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "group"
+                and weights.get("group_size") == MXFP4_GROUP_SIZE and weights.get("symmetric", True)):
+            return False
+        if (group or {}).get("input_activations"):
+            return False
+    return True
+
+
 def _drop_dequantized_on_load_quantization(config: PreTrainedConfig) -> None:
     """The official release's ``quantization_config`` (compressed-tensors MXFP4 on the routed experts)
     describes how the *checkpoint* stores experts. This package dequantises them while loading (the
     conversion mapping registered in `transformers_k3.conversion.hf_mapping`), so the model in memory is
     never quantized: drop the entry so that transformers does not build a compressed-tensors quantizer.
     Any other quantization scheme is left for transformers to handle."""
-    from .conversion.quant import is_mxfp4_scheme
-
     if is_mxfp4_scheme(getattr(config, "quantization_config", None)):
         del config.quantization_config
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..configuration_kimi_k3 import MXFP4_GROUP_SIZE
 from ..safetensors_header import CheckpointError
-from .quant import MXFP4_GROUP_SIZE, dequantize_mxfp4, quantize_mxfp4, quantize_mxfp4_release
+from .quant import dequantize_mxfp4, quantize_mxfp4, quantize_mxfp4_release
 
 TEXT_PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")

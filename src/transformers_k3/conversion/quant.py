@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-MXFP4_GROUP_SIZE = 32
+from ..configuration_kimi_k3 import MXFP4_GROUP_SIZE
+
 # E2M1 magnitudes for codes 0..7; bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E8M0_BIAS = 127
@@ -279,35 +280,8 @@ def fp8_weights_without_scale(dtypes) -> list[str]:
             if dtype in FP8_DTYPES and name.endswith(".weight") and fp8_scale_name(name, dtypes) is None]
 
 
-def is_mxfp4_scheme(quantization_config) -> bool:
-    """True for a compressed-tensors config whose weight scheme is MXFP4 (the official K3 release): the
-    format names mxfp4, or every config group quantises weights to 4-bit floats in symmetric groups of 32.
-    Anything else (FP8, int4, ...) is not dequantised by this package at load time."""
-    if quantization_config is None:
-        return False
-    qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
-    if str(qc.get("quant_method", "")).replace("_", "-") != "compressed-tensors":
-        return False
-    groups = qc.get("config_groups") or {}
-    if "mxfp4" in str(qc.get("format", "")).lower():
-        return True
-    if not groups:
-        return False
-    for group in groups.values():
-        weights = (group or {}).get("weights") or {}
-        if "mxfp4" in str((group or {}).get("format", "")).lower():
-            continue
-        if not (weights.get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "group"
-                and weights.get("group_size") == MXFP4_GROUP_SIZE and weights.get("symmetric", True)):
-            return False
-        if (group or {}).get("input_activations"):
-            return False
-    return True
-
-
 __all__ = [
     "E2M1_VALUES",
-    "MXFP4_GROUP_SIZE",
     "FP8_DTYPES",
     "FP8_SCALE_MISSING",
     "QuantFormatError",
@@ -318,7 +292,6 @@ __all__ = [
     "dequantize_mxfp4",
     "fp8_scale_name",
     "fp8_weights_without_scale",
-    "is_mxfp4_scheme",
     "mxfp4_release_scale",
     "mxfp4_scale_2d",
     "quantize_mxfp4",
