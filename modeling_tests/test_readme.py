@@ -112,3 +112,13 @@ def test_links_point_at_files_that_exist():
 def test_no_timings_in_the_readme():
     """Measurements live in bench/RESULTS.md: the README body quotes none (they go stale and differ by machine)."""
     assert not re.search(r"\d\s*(ms|us|µs|seconds|minutes|tokens/s|tok/s)\b|\d+(\.\d+)?x faster", README)
+
+
+def test_architecture_names_files_that_exist():
+    """docs/ARCHITECTURE.md walks the network through the package's files: every path it names exists."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`([\w/]+\.(?:py|cpp|h))`", text))
+    assert len(named) >= 20
+    missing = [name for name in named if not (ROOT / "src" / "transformers_k3" / name).exists()]
+    assert not missing, missing
+    assert "docs/ARCHITECTURE.md" in README
