@@ -448,3 +448,7 @@ def init_moe_weights(module: nn.Module, std: float) -> bool:
         init.normal_(module.down_proj, mean=0.0, std=std)
         return True
     return False
+
+
+# The plain modules the fused decode step computes, handed to ops (which never import layers).
+moe_ops.register_plain_modules(KimiK3Router, KimiK3Experts, KimiK3RMSNorm, KimiK3MLP, K3_GROUPED_MM)

@@ -198,15 +198,14 @@ def plain_modules(layer: nn.Module) -> tuple | None:
     return gate, experts, down, norm, up, shared, linears
 
 
-def _layer_types() -> tuple:
+def register_plain_modules(router: type, experts: type, norm: type, mlp: type, experts_implementation: str) -> None:
     """The module classes the decode kernel computes (`KimiK3Router`, `KimiK3Experts`, `KimiK3RMSNorm`,
-    `KimiK3MLP`) and the experts implementation it stands for, from `transformers_k3.layers` (which imports this
-    module: read on first use)."""
-    if not _LAYER_TYPES:
-        from ..layers import moe as layers_moe
+    `KimiK3MLP`) and the experts implementation it stands for, handed in by `transformers_k3.layers.moe` when it is
+    imported (ops never import layers)."""
+    _LAYER_TYPES[:] = (router, experts, norm, mlp, experts_implementation)
 
-        _LAYER_TYPES.extend((layers_moe.KimiK3Router, layers_moe.KimiK3Experts, layers_moe.KimiK3RMSNorm,
-                             layers_moe.KimiK3MLP, layers_moe.K3_GROUPED_MM))  # fmt: skip
+
+def _layer_types() -> tuple:
     return tuple(_LAYER_TYPES)
 
 
