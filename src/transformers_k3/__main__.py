@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prompt-len", type=int, default=24, help="random prompt token ids")
     demo.add_argument("--max-new-tokens", type=int, default=20, help="tokens to generate greedily")
     demo.add_argument("--seed", type=int, default=0, help="torch seed (random weights and prompt)")
-    subparsers = {"demo": demo, "generate": generate_cli.add_parser(sub), "serve": _serve_parser(sub)}
+    subparsers = {"demo": demo, "generate": generate_cli.add_parser(sub, HelpFormatter), "serve": _serve_parser(sub)}
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the subcommand's own usage, not the top-level one
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")

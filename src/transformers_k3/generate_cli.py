@@ -23,11 +23,10 @@ PREFILL_CHUNK = 256
 VISION_INSTALL = 'pip install "transformers-k3[vision]"'
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    from .__main__ import HelpFormatter
-
+def add_parser(sub, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """The ``generate`` subcommand, formatted like the CLI's others (``formatter_class``: the CLI's)."""
     gen = sub.add_parser("generate", help="stream a continuation from the shipped small K3 (or --model DIR)",
-                         description=__doc__, formatter_class=HelpFormatter)
+                         description=__doc__, formatter_class=formatter_class)
     gen.add_argument("prompt", nargs="?", default=None, help='e.g. "def fibonacci(n):"; "-" reads stdin')
     gen.add_argument("--image", help="an image file to ask about (chat format)")
     gen.add_argument("--model", help="a K3 checkpoint directory (None: the small model shipped in the package)")
@@ -51,9 +50,9 @@ def load(model_dir: str | None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .__main__ import _register
+    from .auto import register
 
-    _register()
+    register()
     from .small import SMALL_DIR, load_small
 
     if model_dir is None:
