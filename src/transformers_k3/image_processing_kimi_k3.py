@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 
+from .media_kimi_k3 import MediaPolicy, check_pixels, require_pillow
+
 # PIL modes we know how to turn into RGB or RGB + alpha. Anything else (16-bit, float, HSV, LAB...) is rejected
 # instead of being converted with a guess.
 SUPPORTED_PIL_MODES = ("RGB", "RGBA", "RGBX", "RGBa", "L", "LA", "La", "1", "P", "PA", "CMYK", "YCbCr")
@@ -61,23 +63,11 @@ def resize_plan(width: int, height: int, patch_size: int = 14, merge_kernel_size
             "grid_h": grid_h, "grid_w": grid_w, "num_tokens": num_tokens}
 
 
-def require_pillow():
-    """Pillow's ``Image`` module; images need it (the ``[vision]`` extra), text-only use does not."""
-    try:
-        from PIL import Image
-    except ImportError:
-        raise ImportError("processing images needs Pillow, which the base install leaves out: "
-                          "pip install 'transformers-k3[vision]' (or pip install Pillow)") from None
-    return Image
-
-
 def to_uint8_hwc(image: Any, max_pixels: int | None = None) -> np.ndarray:
     """Any supported image as ``uint8 [H, W, 3 or 4]``: grayscale is replicated to RGB, transparency is kept as a
     fourth (alpha) channel (spec 7.6 step 1). An image above ``max_pixels`` is refused before its pixels are decoded
     or copied. A string is read as a data URL / base64 only: paths and URLs go through `KimiK3Processor`, whose media
     policy says which of them may be loaded."""
-    from .media_kimi_k3 import MediaPolicy, check_pixels
-
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - Pillow is a dependency of the [vision] extra

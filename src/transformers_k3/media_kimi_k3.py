@@ -329,11 +329,19 @@ class _PinnedConnection:
         self._connection.close()
 
 
+def require_pillow():
+    """Pillow's ``Image`` module; images need it (the ``[vision]`` extra), text-only use does not."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ImportError("processing images needs Pillow, which the base install leaves out: "
+                          "pip install 'transformers-k3[vision]' (or pip install Pillow)") from None
+    return Image
+
+
 def open_image_bytes(data: bytes, max_pixels: int | None, name: str = "the image"):
     """Open ``data`` with PIL, refuse it above ``max_pixels`` on the header's size, then decode it (EXIF
     orientation applied)."""
-    from .image_processing_kimi_k3 import require_pillow
-
     Image = require_pillow()
     from PIL import ImageOps
 
