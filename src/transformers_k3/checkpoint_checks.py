@@ -129,11 +129,9 @@ def check_config_fits_files(config, weight_bytes: int, where) -> None:
 
 
 def _config_fits(config, config_dict: dict, tensors: dict, where) -> None:
-    from .configuration_kimi_k3 import KimiK3ConfigError
+    from .configuration_kimi_k3 import KimiK3ConfigError, load_k3_config
 
     if config is None:
-        from .conversion.expected import load_k3_config
-
         if config_dict.get("model_type") not in ("kimi_k3", "kimi_k3_text", "kimi_linear"):
             return  # no config of ours: transformers reports what it finds
 

@@ -1104,6 +1104,20 @@ class KimiLinearAutoConfig(KimiLinearConfig):
         return KimiLinearConfig.from_dict(config_dict, **kwargs)
 
 
+def is_composite_config_dict(config_dict: dict) -> bool:
+    return config_dict.get("model_type") == KimiK3Config.model_type or "text_config" in config_dict
+
+
+def load_k3_config(config_dict: dict) -> tuple[KimiK3Config | KimiK3TextConfig, bool]:
+    """The K3 config for an official (or our) ``config.json`` dict, and whether it is the composite one.
+    Raises `KimiK3ConfigError` naming the bad field."""
+    config_dict = copy.deepcopy(config_dict)
+    config_dict.pop("auto_map", None)  # remote code of the release; this package is the implementation
+    if is_composite_config_dict(config_dict):
+        return KimiK3Config.from_dict(config_dict), True
+    return KimiK3TextConfig.from_dict(config_dict), False
+
+
 __all__ = [
     "KimiK3Config", "KimiK3TextConfig", "KimiK3VisionConfig", "KimiK3ConfigError", "KimiLinearAutoConfig",
     "is_k3_text_config_dict",

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
 from .keymap import TEXT_PREFIX
 
 
@@ -21,20 +20,6 @@ class Expected:
     # else None ("follows the model dtype")
     fixed_dtype: torch.dtype | None
     optional: bool = False  # e.g. a tied lm_head the checkpoint may omit
-
-
-def is_composite_config_dict(config_dict: dict) -> bool:
-    return config_dict.get("model_type") == KimiK3Config.model_type or "text_config" in config_dict
-
-
-def load_k3_config(config_dict: dict) -> tuple[KimiK3Config | KimiK3TextConfig, bool]:
-    """The K3 config for an official (or our) ``config.json`` dict, and whether it is the composite one.
-    Raises `KimiK3ConfigError` naming the bad field."""
-    config_dict = copy.deepcopy(config_dict)
-    config_dict.pop("auto_map", None)  # remote code of the release; this package is the implementation
-    if is_composite_config_dict(config_dict):
-        return KimiK3Config.from_dict(config_dict), True
-    return KimiK3TextConfig.from_dict(config_dict), False
 
 
 def vision_model_class():
@@ -77,4 +62,4 @@ def expected_tensors(config, composite: bool) -> tuple[dict[str, Expected], bool
     return _meta_state(KimiK3ForCausalLM, config), True
 
 
-__all__ = ["Expected", "expected_tensors", "is_composite_config_dict", "load_k3_config", "vision_model_class"]
+__all__ = ["Expected", "expected_tensors", "vision_model_class"]

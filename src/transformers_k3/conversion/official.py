@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_kimi_k3 import KimiK3TextConfig
+from ..configuration_kimi_k3 import KimiK3TextConfig, load_k3_config
 from ..safetensors_header import CheckpointError, TensorInfo
-from .expected import Expected, expected_tensors, load_k3_config
+from .expected import Expected, expected_tensors
 from .keymap import (
     DOWN_PROJS,
     FP32_TENSOR_RE,
