@@ -10,8 +10,23 @@ from pathlib import Path
 PKG = "transformers_k3"
 ROOT = Path(__file__).resolve().parents[1] / "src" / PKG
 
-# Known edges that still break a rule, each with the reason it is left; a new violation fails.
-ALLOWED_EDGES: dict[tuple[str, str], str] = {}
+# The offline converters (the engines of the repo-root conversion/*.py CLIs) sit above the model; the rest of
+# conversion/ is what loading needs, below it.
+OFFLINE_CONVERTERS = {f"{PKG}.conversion.{name}" for name in ("export", "official", "kimi_linear", "expected", "tokenizer")}
+BELOW_THE_CONVERTERS = ("modeling_", "layers", "ops", "cache", "configuration_kimi_k3", "checkpoint_checks")
+
+# Known edges that still break a rule or close a circle, each with the reason it is left; a new one fails.
+ALLOWED_EDGES: dict[tuple[str, str], str] = {
+    # save_pretrained writes the release layout by running the exporter in place (_export_in_place,
+    # _write_release_config); it moves out when release-format saving gets its own module above the model.
+    (f"{PKG}.modeling_kimi_k3", f"{PKG}.conversion.export"): "save_pretrained runs the offline exporter",
+    # The KDA autograd formula recomputes ops/kda.py's PyTorch chunked path (_Layout, _chunked, _host_bounds),
+    # while ops/kda.py dispatches to the autograd operator: gone when ops/kda.py is split fla's way (chunk file).
+    (f"{PKG}.ops.kda_autograd", f"{PKG}.ops.kda"): "autograd recomputes kda's chunked path",
+    # Loading the C++ library registers the operators' PyTorch implementations for other devices (a lazy import
+    # after the schemas exist); the registration can move to one module above both.
+    (f"{PKG}.ops.cpu_kernel", f"{PKG}.ops.reference"): "the library loader registers the reference operators",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -79,6 +94,10 @@ def _breaks_rule(src: str, dst: str) -> str | None:
         return "a layer imports the model"
     if a in ("configuration_kimi_k3", "cache") and b == "conversion":
         return f"{a} imports conversion"
+    if dst in OFFLINE_CONVERTERS and src not in OFFLINE_CONVERTERS and a.startswith(BELOW_THE_CONVERTERS):
+        return "an offline converter imported from below it"
+    if a == "conversion" and src not in OFFLINE_CONVERTERS and (dst in OFFLINE_CONVERTERS or b.startswith("modeling_")):
+        return "load-time conversion imports the model or an offline converter"
     return None
 
 
