@@ -10,7 +10,7 @@ from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.layers.attn_res import KimiK3AttnResRead
 from transformers_k3.ops import cpu_kernel
 
-from conftest import load_fla_reference, randomize_
+from references import load_fla_reference
 
 
 def spec_attn_res(candidates, w, n, eps):

@@ -15,7 +15,7 @@ from transformers_k3 import KimiK3CacheError, KimiK3ForCausalLM, KimiK3HybridCac
 from transformers_k3.cache import KimiK3CacheFileError, _fingerprint_samples, weights_fingerprint
 from transformers_k3.safetensors_header import CheckpointError
 
-from conftest import randomize_
+from references import randomize_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

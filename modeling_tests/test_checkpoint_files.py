@@ -4,19 +4,14 @@ written or left behind. Also: a converter killed mid-write (SIGKILL) leaves a te
 into the same output removes; SIGTERM removes it at once.
 
 The fixture is a tiny official-layout bf16 checkpoint (several shards with an index), built with the helpers of
-`test_conversion.py`.
+`references.py`.
 """
 
-import contextlib
-import io
 import json
 import os
 import shutil
 import signal
 import struct
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +23,18 @@ from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.conversion import CheckpointError, convert_official_checkpoint
 from transformers_k3.conversion.streaming import clean_stale_outputs
 
-from conftest import randomize_
-from test_conversion import SCRIPTS, _index, _script, official_state, shard_tensors_file, write_official
+from references import (
+    _index,
+    _script,
+    _start_conversion,
+    _wait_for_shards,
+    assert_converter_refuses,
+    listing,
+    official_state,
+    randomize_,
+    shard_tensors_file,
+    write_official,
+)
 
 Q = "model.layers.1.self_attn.q_proj.weight"
 INDEX = "model.safetensors.index.json"
@@ -50,39 +55,6 @@ def ckpt(official, tmp_path):
     target = tmp_path / "ckpt"
     shutil.copytree(official, target)
     return target
-
-
-def listing(directory: Path) -> dict:
-    return {p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*"))}
-
-
-def assert_converter_refuses(path: Path, *fragments, script_too=True):
-    """The converter raises `CheckpointError` with every fragment, the CLI exits 2 with one `error:` line and
-    no traceback, and nothing is written next to the output nor changed in the input."""
-    before = listing(path)
-    out = path.parent / "out"
-    with pytest.raises(CheckpointError) as error:
-        convert_official_checkpoint(path, out, progress=False)
-    message = str(error.value)
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
-    assert not out.exists() and not list(path.parent.glob(".out*"))
-    if script_too:
-        argv = ["--input", str(path), "--output", str(out), "--quiet"]
-        if script_too == "subprocess":  # the real exit status of the command line
-            result = subprocess.run([sys.executable, str(SCRIPTS / "convert_k3_official_to_hf.py"), *argv],
-                                    capture_output=True, text=True)
-            status, stderr = result.returncode, result.stderr
-        else:
-            stream = io.StringIO()
-            with contextlib.redirect_stderr(stream):
-                status = _script("convert_k3_official_to_hf").main(argv)
-            stderr = stream.getvalue()
-        assert status == 2, stderr
-        assert stderr.startswith("error: ") and "Traceback" not in stderr, stderr
-        assert not out.exists() and not list(path.parent.glob(".out*"))
-    assert listing(path) == before
-    return message
 
 
 def assert_from_pretrained_refuses(path: Path, *fragments):
@@ -334,25 +306,6 @@ def test_load_small_refuses_an_integer_weight(tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 # A converter killed mid-write
-def _start_conversion(ckpt: Path, out: Path, sleep: float) -> subprocess.Popen:
-    env = dict(os.environ, TRANSFORMERS_K3_TEST_SLEEP_AFTER_SHARD=str(sleep))
-    return subprocess.Popen([sys.executable, str(SCRIPTS / "convert_k3_official_to_hf.py"), "--input", str(ckpt),
-                             "--output", str(out), "--quiet", "--max-shard-size", "40KB"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _wait_for_shards(out: Path, process: subprocess.Popen, timeout=60.0) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = list(out.parent.glob(f".{out.name}.tmp-k3-{process.pid}"))
-        if found and list(found[0].glob("*.safetensors")):
-            time.sleep(0.3)  # the first input shard is written, the converter sleeps
-            return found[0]
-        assert process.poll() is None, process.stderr.read().decode()
-        time.sleep(0.05)
-    raise AssertionError("the conversion never started writing")
-
-
 def test_sigkill_leftovers_are_removed_by_the_next_run(official, tmp_path):
     out = tmp_path / "out"
     process = _start_conversion(official, out, sleep=60)

@@ -21,8 +21,7 @@ from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.conv import causal_conv1d
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
-from conftest import randomize_
-from test_ops_kda import fla_naive, make_inputs  # noqa: F401 (a fixture)
+from references import make_inputs, randomize_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -38,65 +37,25 @@ from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_sta
 from transformers_k3.conversion.quant import QuantFormatError, dequantize_fp8_block
 from transformers_k3.conversion.streaming import write_state_dict
 
-from conftest import load, logits, randomize_
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "conversion"
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-MXFP4_QC = {
-    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-    "config_groups": {"group_0": {
-        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-                    "dynamic": False},
-        "input_activations": None, "targets": ["re:.*mlp.experts.*"], "format": "mxfp4-pack-quantized"}},
-    "ignore": ["lm_head"],
-}
-SHARD = 40_000  # bytes: the tiny checkpoints split into ~10 shards, experts of one layer across several
+from references import (
+    OFFICIAL_SHARD,
+    SCRIPTS,
+    _index,
+    _script,
+    load,
+    logits,
+    make_experts_representable_,
+    official_state,
+    randomize_,
+    representable,
+    shard_tensors,
+    shard_tensors_file,
+    write_official,
+)
 
 
 # --------------------------------------------------------------------------------------------------
-# Fixture builders
-def representable(shape, generator) -> torch.Tensor:
-    """Values MXFP4 represents exactly: E2M1 codes times one power of two per 32 consecutive inputs."""
-    codes = torch.randint(0, 16, shape, generator=generator)
-    exponents = torch.randint(-9, -5, (*shape[:-1], shape[-1] // 32), generator=generator)
-    return torch.ldexp(E2M1[codes], exponents.repeat_interleave(32, dim=-1).float())
-
-
-def make_experts_representable_(model, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                param.copy_(representable(param.shape, gen))
-    return model
-
-
-def official_state(model, quantize: bool) -> dict:
-    """The model's weights under official names: per-expert experts, fp32 where the release keeps fp32."""
-    state = {k: (v.float() if FP32_TENSOR_RE.search(k) else v.to(torch.bfloat16)) for k, v in model.state_dict().items()}
-    return k3_to_official_state_dict(state, quantize_experts=quantize)
-
-
-def write_official(directory: Path, state: dict, config, composite: bool, quantized: bool, shard=SHARD) -> Path:
-    shutil.rmtree(directory, ignore_errors=True)
-    write_state_dict(state, directory, max_shard_size=shard)
-    config_dict = official_config_dict(config, composite)
-    if quantized:
-        (config_dict["text_config"] if composite else config_dict)["quantization_config"] = MXFP4_QC
-    (directory / "config.json").write_text(json.dumps(config_dict, indent=1))
-    return directory
-
-
-def shard_tensors(directory: Path) -> dict:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
-    return out
-
-
+# Fixtures
 @pytest.fixture(scope="module")
 def text_model():
     torch.manual_seed(0)
@@ -190,7 +149,7 @@ def test_fp8_block_dequantisation_hand_computed():
 # official -> ours -> official
 def test_official_bf16_round_trip_is_bit_exact(official_bf16, text_model, tmp_path):
     ours = tmp_path / "ours"
-    convert_official_checkpoint(official_bf16, ours, max_shard_size=SHARD * 2, progress=False)
+    convert_official_checkpoint(official_bf16, ours, max_shard_size=OFFICIAL_SHARD * 2, progress=False)
     assert len(list(ours.glob("*.safetensors"))) > 1 and (ours / "model.safetensors.index.json").is_file()
     model = load(KimiK3ForCausalLM, ours)
     reference = text_model.state_dict()
@@ -202,7 +161,7 @@ def test_official_bf16_round_trip_is_bit_exact(official_bf16, text_model, tmp_pa
         with pytest.raises(CheckpointError, match="max_shard_size"):
             export_to_official(ours, back, max_shard_size=bad, progress=False)
         assert not back.exists()
-    export_to_official(ours, back, max_shard_size=SHARD, progress=False)
+    export_to_official(ours, back, max_shard_size=OFFICIAL_SHARD, progress=False)
     original, again = shard_tensors(official_bf16), shard_tensors(back)
     assert sorted(original) == sorted(again)
     for name, tensor in original.items():
@@ -310,15 +269,6 @@ def test_save_pretrained_layouts_round_trip(text_model, official_mxfp4, tmp_path
 
 # --------------------------------------------------------------------------------------------------
 # Command line and bad input
-def _script(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_scripts_have_help():
     for name in ("convert_k3_official_to_hf", "convert_kimi_linear_to_k3", "export_to_official"):
         result = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--help"], capture_output=True, text=True)
@@ -340,10 +290,6 @@ def _broken_copy(source: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _index(path: Path) -> dict:
-    return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-
-
 def _rewrite_shard(path: Path, name: str, edit):
     """Rewrites the shard holding tensor ``name`` with ``edit(dict_of_tensors)`` applied."""
     shard = path / _index(path)[name]
@@ -351,11 +297,6 @@ def _rewrite_shard(path: Path, name: str, edit):
     edit(tensors)
     save_file(tensors, str(shard))
     return shard
-
-
-def shard_tensors_file(shard: Path) -> dict:
-    with safe_open(str(shard), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 @pytest.mark.parametrize("problem", ["missing_shard", "wrong_shape", "unknown_key", "truncated", "pickle_index",
@@ -452,7 +393,7 @@ def test_fp8_block_weights_and_extra_layers(official_bf16, text_model, tmp_path)
 # Kimi Linear
 @pytest.mark.parametrize("layout", ["moonshot", "in_tree"])
 def test_kimi_linear_checkpoint_matches_transformers(layout, tmp_path):
-    from test_parity_kimi_linear import VOCAB, build_pair
+    from references import VOCAB, build_pair
 
     reference, _ = build_pair(seed=3)
     source = tmp_path / layout

@@ -22,8 +22,7 @@ from transformers_k3.ops import moe as moe_ops
 from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops.kda import chunk_kda
 
-from test_moe import make_config, randomize, ref_experts
-from test_ops_kda import assert_close, fla_naive, make_inputs  # noqa: F401 (fla_naive is a fixture)
+from references import assert_close, make_config, make_inputs, randomize, ref_experts
 
 
 @pytest.fixture(scope="module")
@@ -776,7 +775,7 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
     gives the dense path's gradients for the input and the router weight (<= 1e-5), and the returned logits
     keep their own graph (an auxiliary loss on them still reaches the router); grouped routing keeps
     torch.topk."""
-    from test_moe import make_config as moe_config
+    from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3Router
 
     router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
@@ -892,7 +891,7 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     products for 3): within the fp32-summation bound of the float64 logits (as the kernels-off path's F.linear on
     fp32 copies is), and the same experts chosen; a router kept in fp32 (`router_fp32`) on bf16 inputs does not
     use it (its weight is no bf16 value)."""
-    from test_moe import make_config as moe_config
+    from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3Router
 
     router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
@@ -1106,7 +1105,7 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     gradients (input, router weight, experts) match the kernels-off path (<= 1e-5). The router gives its logits
     whenever they are read: called directly, under a forward hook (Quantile Balancing's), or when the model records
     ``output_router_logits``; then the screen does not run."""
-    from test_moe import make_config as moe_config
+    from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3SparseMoE
 
     layer = KimiK3SparseMoE(moe_config(num_experts=48, num_experts_per_tok=6, _experts_implementation=K3_GROUPED_MM))
@@ -1429,7 +1428,7 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
 def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
     """KimiK3MLP (the dense MLP and the shared experts) runs SiTU through cpu_kernel.glu, forward and backward,
     matching the torch path to fp32 rounding; a SiLU MLP keeps torch's own ops (bit for bit Kimi Linear)."""
-    from test_moe import make_config as moe_config
+    from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3MLP
 
     if not kernel.small_gemm_available():

@@ -10,7 +10,7 @@ import torch
 import transformers_k3.layers.mla as mla
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
-from conftest import randomize_
+from references import randomize_
 
 
 @pytest.fixture(scope="module")

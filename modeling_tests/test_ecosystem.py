@@ -30,7 +30,7 @@ from transformers_k3.chat import (
     parse_kimi_k3_response,
 )
 
-from conftest import adamw_losses, randomize_, run_torchrun
+from references import adamw_losses, randomize_, run_torchrun
 
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()

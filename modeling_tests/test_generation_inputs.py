@@ -9,7 +9,7 @@ import torch
 from transformers_k3 import KimiK3ForCausalLM, KimiK3InputError, KimiK3TextConfig, KimiK3VideoProcessor
 from transformers_k3.video_processing_kimi_k3 import KimiK3VideoInputError
 
-from conftest import randomize_
+from references import randomize_
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import transformers_k3.modeling_kimi_k3 as modeling
 from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
 from transformers_k3.ops import cpu_kernel, kda
 
-from conftest import randomize_
+from references import randomize_
 
 # the aten ops by which a value reaches the host (``int()``, ``bool()``, ``.item()`` go through _local_scalar_dense)
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "allclose"}

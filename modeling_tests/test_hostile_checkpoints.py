@@ -2,7 +2,7 @@
 reader (`from_pretrained` direct and through the Auto class, the official converter with and without
 ``keep_quantized``, the exporter) refuses them with a named error, and size checks come before any allocation.
 
-Fixtures: tiny official-layout checkpoints (bf16, and MXFP4 experts) built with `test_conversion`'s helpers, and our
+Fixtures: tiny official-layout checkpoints (bf16, and MXFP4 experts) built with `references`' helpers, and our
 own layout written by ``save_pretrained``.
 """
 
@@ -23,13 +23,12 @@ from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
 from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, export_to_official
 from transformers_k3.conversion.quant import E2M1_VALUES, QuantFormatError, check_mxfp4_values, dequantize_mxfp4
 
-from conftest import randomize_
-from test_checkpoint_files import assert_converter_refuses
-from test_conversion import (
-    MXFP4_QC,
+from references import (
     _index,
+    assert_converter_refuses,
     make_experts_representable_,
     official_state,
+    randomize_,
     shard_tensors_file,
     write_official,
 )

@@ -16,7 +16,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers_k3 import (KimiK3CacheError, KimiK3ForCausalLM, KimiK3HybridCache, KimiK3InputError,
                              KimiK3TextConfig)
 
-from conftest import randomize_
+from references import randomize_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,9 +18,7 @@ import torch
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.conversion import convert_official_checkpoint
 
-from conftest import randomize_
-from test_checkpoint_files import _start_conversion, _wait_for_shards
-from test_conversion import SCRIPTS, official_state, write_official
+from references import SCRIPTS, _start_conversion, _wait_for_shards, official_state, randomize_, write_official
 
 LIMIT = 24 * 1024  # bytes per file: above the configs, below every weight shard of the tiny checkpoints
 

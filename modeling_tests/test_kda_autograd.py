@@ -10,7 +10,7 @@ import torch
 from transformers_k3.ops import cpu_kernel, kda_autograd
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
-from test_ops_kda import _load_fla_naive, make_inputs
+from references import _load_fla_naive, make_inputs
 
 ops = torch.ops.transformers_k3
 

@@ -18,7 +18,7 @@ from transformers_k3 import (
     KimiK3TextConfig,
 )
 
-from conftest import randomize_
+from references import randomize_
 
 
 def assert_close_logits(got, want, rel=1e-5):

@@ -1,6 +1,5 @@
 """Router, experts, dense MLP and the Stable Latent MoE (spec 6.2, 6.3 and 11.1 items 8 and 9)."""
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +16,8 @@ from transformers_k3.layers.moe import (
     KimiK3SparseMoE,
     init_moe_weights,
 )
+
+from references import make_config, make_moe, modules_path, randomize, ref_experts, ref_glu
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
@@ -41,48 +42,6 @@ def k3_path(request, monkeypatch):
         yield request.param
 
 
-def make_config(**overrides):
-    """The MoE fields of the tiny test config of spec section 11."""
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_shared_experts=1,
-        routed_expert_hidden_size=32,
-        latent_moe_use_norm=True,
-        moe_router_activation_func="sigmoid",
-        moe_renormalize=True,
-        routed_scaling_factor=2.5,
-        num_expert_group=1,
-        topk_group=1,
-        hidden_act="situ",
-        activation_situ_beta=4.0,
-        activation_situ_linear_beta=25.0,
-        rms_norm_eps=1e-5,
-        router_fp32=False,
-        _experts_implementation="eager",
-    )
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
-
-
-@torch.no_grad()
-def randomize(module, seed=0):
-    """Fill every parameter and floating buffer with fan-in scaled noise (so that activations are O(1) and
-    the soft caps are exercised), the correction bias with small noise and norm weights around 1."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if name.endswith("e_score_correction_bias"):
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
-        elif "norm" in name:
-            tensor.copy_(1 + torch.randn(tensor.shape, generator=gen) * 0.2)
-        else:
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 1.0 / math.sqrt(tensor.shape[-1]))
-    return module
-
-
 def inputs(*shape, seed=100, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
@@ -90,13 +49,6 @@ def inputs(*shape, seed=100, dtype=torch.float32):
 # ----------------------------------------------------------------------------------------------------
 # Independent float64 reference written from the spec formulas, one token at a time.
 # ----------------------------------------------------------------------------------------------------
-
-
-def ref_glu(a, u, cfg):
-    if cfg.hidden_act == "silu":
-        return a * torch.sigmoid(a) * u
-    beta, lin = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
-    return beta * torch.tanh(a / beta) * torch.sigmoid(a) * (u if lin is None else lin * torch.tanh(u / lin))
 
 
 def ref_route(y, w_router, bias, cfg):
@@ -379,25 +331,6 @@ def test_experts_eager_matches_a_per_token_loop_and_handles_edge_cases():
     torch.testing.assert_close(experts(x, sentinel_idx, sentinel_w), out)
 
 
-def ref_experts(experts, x, idx, w, probe):
-    """Float64 per-token, per-slot loop: the output and the gradients of ``(output * probe).sum()`` with respect
-    to ``x``, ``w``, ``gate_up_proj`` and ``down_proj``."""
-    cfg, i = experts.config, experts.intermediate_dim
-    x, w = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    gate_up = experts.gate_up_proj.detach().double().requires_grad_()
-    down = experts.down_proj.detach().double().requires_grad_()
-    rows = [
-        sum(
-            w[t, j] * (down[e] @ ref_glu(gate_up[e, :i] @ x[t], gate_up[e, i:] @ x[t], cfg))
-            for j, e in enumerate(idx[t].tolist())
-        )
-        for t in range(x.shape[0])
-    ]
-    out = torch.stack(rows)
-    (out * probe.double()).sum().backward()
-    return out, (x.grad, w.grad, gate_up.grad, down.grad)
-
-
 def experts_case(case):
     """(num_tokens, top_k, idx) for the named routing case; 16 experts, expert 3 never hit."""
     gen = torch.Generator().manual_seed(3)
@@ -554,11 +487,6 @@ def test_bad_hidden_act_raises():
 # ----------------------------------------------------------------------------------------------------
 # Sparse MoE
 # ----------------------------------------------------------------------------------------------------
-
-
-def make_moe(seed=0, **overrides):
-    cfg = make_config(**overrides)
-    return cfg, randomize(KimiK3SparseMoE(cfg), seed)
 
 
 def test_moe_parameter_names_and_shapes():
@@ -746,17 +674,6 @@ def decode_calls(monkeypatch):
 
     monkeypatch.setattr(cpu_kernel.MoeDecode, "__call__", counted)
     return calls
-
-
-def modules_path(moe, x):
-    """The layer through its modules (the decode kernel turned off)."""
-    limit = cpu_kernel.moe_decode_max_tokens
-    cpu_kernel.moe_decode_max_tokens = lambda: 0
-    try:
-        with torch.no_grad():
-            return moe(x)
-    finally:
-        cpu_kernel.moe_decode_max_tokens = limit
 
 
 DECODE_CASES = {

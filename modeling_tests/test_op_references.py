@@ -14,7 +14,7 @@ from transformers_k3.ops import cpu_kernel, reference
 from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kda_naive import naive_recurrent_kda
 
-from test_moe import make_config, randomize
+from references import make_config, randomize
 
 OPS = torch.ops.transformers_k3
 CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)

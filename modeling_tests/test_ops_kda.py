@@ -23,23 +23,7 @@ from transformers_k3.ops.kda import (
 )
 from transformers_k3.ops.kda_naive import naive_recurrent_kda
 
-ATOL = 1e-5
-
-
-def _load_fla_naive():
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        return None, "flash-linear-attention (fla) is not installed"
-    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
-    if not path.is_file():
-        return None, f"fla has no {path}"
-    module_spec = importlib.util.spec_from_file_location("_fla_kda_naive_by_path", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except ImportError as error:  # naive.py needs einops
-        return None, f"cannot load fla's naive KDA: {error}"
-    return module, None
+from references import assert_close, make_inputs
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -60,42 +44,6 @@ def cpu_path(request):
         pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
     with cpu_kernel.use_cpu_kernel(request.param == "fused"):
         yield request.param
-
-
-@pytest.fixture(scope="module")
-def fla_naive():
-    module, reason = _load_fla_naive()
-    if module is None:
-        pytest.skip(reason)
-    return module.naive_recurrent_kda
-
-
-def make_inputs(batch, length, heads, key_dim, value_dim, decay="k3", seed=0, v_heads=None, normalise=True):
-    """Random KDA inputs. ``decay="k3"``: g = -5 sigmoid(.) as K3's gate produces (strongly negative
-    cumulative decays); ``"weak"``: near-zero decays (long memory); ``"extreme"``: beyond the gate bound."""
-    gen = torch.Generator().manual_seed(seed)
-    v_heads = v_heads or heads
-    q = torch.randn(batch, length, heads, key_dim, generator=gen)
-    k = torch.randn(batch, length, heads, key_dim, generator=gen)
-    if normalise:  # the delta rule is only stable for |k| ~ 1; without in-kernel l2norm, pass unit keys
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(batch, length, v_heads, value_dim, generator=gen)
-    raw = torch.randn(batch, length, v_heads, key_dim, generator=gen)
-    if decay == "k3":
-        g = -5.0 * torch.sigmoid(raw + 1.0)
-    elif decay == "weak":
-        g = -1e-3 * torch.sigmoid(raw)
-    else:
-        g = -40.0 - 80.0 * torch.rand(raw.shape, generator=gen)
-    beta = torch.rand(batch, length, v_heads, generator=gen)
-    h0 = torch.randn(batch, v_heads, key_dim, value_dim, generator=gen)
-    return q, k, v, g, beta, h0
-
-
-def assert_close(actual, expected, atol=ATOL):
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    diff = (actual.double() - expected.double()).abs().max().item() if actual.numel() else 0.0
-    assert diff <= atol, f"max abs diff {diff:.3e} > {atol:.0e}"
 
 
 def chunk_kda_64(*args, **kwargs):

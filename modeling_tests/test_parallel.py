@@ -5,7 +5,7 @@ gradient, Quantile Balancing's bias update and metrics, the weight bytes a rank 
 split model and reloaded whole, LoRA on the split model).
 
 Checkpoints: one saved by ``save_pretrained`` (our layout) and one in the release's layout with MXFP4 experts
-(built from the release's inventory rules, as in test_release_layout.py; ``moe_intermediate_size=64`` so that a
+(built from the release's inventory rules, with references.release_state; ``moe_intermediate_size=64`` so that a
 rank's half of ``w2``'s input is whole 32-wide MXFP4 groups, as it is at full size: 3072 / 8 = 12 groups).
 """
 
@@ -14,8 +14,7 @@ import torch
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
-from conftest import adamw_losses, randomize_, run_torchrun
-from test_release_layout import release_state, write_release
+from references import adamw_losses, randomize_, release_state, run_torchrun, write_release
 
 pytestmark = [
     pytest.mark.distributed,

@@ -19,7 +19,7 @@ from transformers_k3.conversion.export import official_config_dict
 from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_state_dict
 from transformers_k3.conversion.streaming import write_state_dict
 
-from conftest import randomize_
+from references import randomize_
 
 # --------------------------------------------------------------------------------------------------
 # The release's config.json (K3_SPEC.md section 13; keys and values the section does not list are the

@@ -1,5 +1,5 @@
 """What we write is the release's layout exactly (K3_SPEC.md sections 2.2 and 13), checked against the release's
-published inventory rules written out here independently of the package's key maps:
+published inventory rules (written out in references.py, independently of the package's key maps):
 
 * a fixture built from those rules at reduced sizes (every name pattern, dtype, the zero-padded ``A_log``,
   MXFP4 or bf16 experts): official -> ours -> official is bit-identical in names, dtypes, shapes and bytes, by
@@ -23,138 +23,30 @@ from transformers import AutoModelForCausalLM
 import transformers_k3  # noqa: F401  (registers the classes and mappings)
 from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, dequantize_mxfp4, export_to_official
-from transformers_k3.conversion.export import official_config_dict
 from transformers_k3.conversion.keymap import release_quantization_config
 from transformers_k3.conversion.quant import quantize_mxfp4_release
 from transformers_k3.conversion.streaming import write_state_dict
 
-from conftest import load, logits, randomize_
+from references import (
+    BF16,
+    FP32,
+    RELEASE_RULES,
+    RELEASE_SHARD,
+    check_against_rules,
+    load,
+    logits,
+    random_mxfp4,
+    randomize_,
+    release_state,
+    shard_tensors,
+    write_release,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARD = 60_000
-BF16, FP32, U8 = torch.bfloat16, torch.float32, torch.uint8
-
-
-# --------------------------------------------------------------------------------------------------
-# The release's inventory rules (spec 2.2 + 13), independent of the package's key maps
-def release_inventory(c, composite: bool, mxfp4: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{name: (shape, dtype)} of a release checkpoint for the text config ``c``."""
-    H, V, L = c.hidden_size, c.vocab_size, c.num_hidden_layers
-    lin = c.linear_attn_config
-    nh, dk, K = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
-    P = nh * dk
-    n, dn, dr, dv = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-    E, I, Hl, sh = c.num_experts, c.moe_intermediate_size, c.routed_expert_hidden_size, c.num_shared_experts * c.moe_intermediate_size
-    root = "language_model." if composite else ""
-    inv = {}
-
-    def put(name, shape, dtype=BF16):
-        inv[root + name] = (tuple(shape), dtype)
-
-    put("model.embed_tokens.weight", (V, H))
-    put("model.norm.weight", (H,))
-    put("model.output_attn_res_norm.weight", (H,))
-    put("model.output_attn_res_proj.weight", (1, H))
-    put("lm_head.weight", (V, H))
-    for i in range(L):
-        p = f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
-            put(p + norm + ".weight", (H,))
-        put(p + "self_attention_res_proj.weight", (1, H))
-        put(p + "mlp_res_proj.weight", (1, H))
-        a = p + "self_attn."
-        if (i + 1) in lin["kda_layers"]:
-            for proj in "qkvg":
-                put(a + f"{proj}_proj.weight", (P, H))
-            put(a + "b_proj.weight", (nh, H))
-            put(a + "f_a_proj.weight", (dk, H))
-            put(a + "f_b_proj.weight", (P, dk))
-            for proj in "qkv":
-                put(a + f"{proj}_conv1d.weight", (P, 1, K), FP32)
-            put(a + "A_log", (max(nh, dk),), FP32)  # the release: [128] for 96 heads of 128 ([head_dim])
-            put(a + "dt_bias", (P,), FP32)
-            put(a + "o_norm.weight", (dk,), FP32)
-            put(a + "o_proj.weight", (H, P))
-        else:
-            put(a + "q_a_proj.weight", (c.q_lora_rank, H))
-            put(a + "q_a_layernorm.weight", (c.q_lora_rank,))
-            put(a + "q_b_proj.weight", (n * (dn + dr), c.q_lora_rank))
-            put(a + "kv_a_proj_with_mqa.weight", (c.kv_lora_rank + dr, H))
-            put(a + "kv_a_layernorm.weight", (c.kv_lora_rank,))
-            put(a + "kv_b_proj.weight", (n * (dn + dv), c.kv_lora_rank))
-            put(a + "g_proj.weight", (n * dv, H))
-            put(a + "o_proj.weight", (H, n * dv))
-        if i < c.first_k_dense_replace:
-            put(p + "mlp.gate_proj.weight", (c.intermediate_size, H))
-            put(p + "mlp.up_proj.weight", (c.intermediate_size, H))
-            put(p + "mlp.down_proj.weight", (H, c.intermediate_size))
-            continue
-        m = p + "block_sparse_moe."
-        put(m + "gate.weight", (E, H))
-        put(m + "gate.e_score_correction_bias", (E,), FP32)
-        for e in range(E):
-            for w, (rows, cols) in (("w1", (I, Hl)), ("w3", (I, Hl)), ("w2", (Hl, I))):
-                if mxfp4:
-                    put(m + f"experts.{e}.{w}.weight_packed", (rows, cols // 2), U8)
-                    put(m + f"experts.{e}.{w}.weight_scale", (rows, cols // 32), U8)
-                else:
-                    put(m + f"experts.{e}.{w}.weight", (rows, cols))
-        put(m + "shared_experts.gate_proj.weight", (sh, H))
-        put(m + "shared_experts.up_proj.weight", (sh, H))
-        put(m + "shared_experts.down_proj.weight", (H, sh))
-        put(m + "routed_expert_down_proj.weight", (Hl, H))
-        put(m + "routed_expert_norm.weight", (Hl,))
-        put(m + "routed_expert_up_proj.weight", (H, Hl))
-    return inv
-
-
-# The release's name patterns (spec 13), one regex per kind of tensor, with the dtype each must have
-_L = r"(?:language_model\.)?model\.layers\.\d+\."
-RELEASE_RULES = [
-    (rf"^{_L}self_attn\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|o_norm\.weight)$", FP32),
-    (rf"^{_L}block_sparse_moe\.gate\.e_score_correction_bias$", FP32),
-    (rf"^{_L}block_sparse_moe\.experts\.\d+\.w[123]\.(?:weight_packed|weight_scale)$", U8),
-    (rf"^{_L}block_sparse_moe\.experts\.\d+\.w[123]\.weight$", BF16),
-    (rf"^{_L}block_sparse_moe\.(?:gate|shared_experts\.(?:gate|up|down)_proj|routed_expert_(?:down_proj|norm|up_proj))\.weight$", BF16),
-    (rf"^{_L}mlp\.(?:gate|up|down)_proj\.weight$", BF16),
-    (rf"^{_L}self_attn\.(?:[qkvgbo]_proj|f_[ab]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|q_a_layernorm|kv_a_layernorm)\.weight$", BF16),
-    (rf"^{_L}(?:input_layernorm|post_attention_layernorm|self_attention_res_norm|self_attention_res_proj|mlp_res_norm|mlp_res_proj)\.weight$", BF16),
-    (r"^(?:language_model\.)?(?:model\.(?:embed_tokens|norm|output_attn_res_norm|output_attn_res_proj)|lm_head)\.weight$", BF16),
-    (r"^(?:vision_tower|mm_projector)\.", BF16),
-]
-
-
-def check_against_rules(tensors: dict, config, composite: bool, mxfp4: bool, dense_dtype=BF16):
-    """Every tensor matches one release rule and has its dtype; the names and shapes are the inventory's."""
-    text = config.get_text_config()
-    inventory = release_inventory(text, composite, mxfp4)
-    for name, t in tensors.items():
-        rules = [dtype for pattern, dtype in RELEASE_RULES if re.search(pattern, name)]
-        assert len(rules) == 1, (name, rules)
-        want = dense_dtype if rules[0] is BF16 else rules[0]
-        assert t.dtype == want, (name, t.dtype, want)
-        if not name.startswith(("vision_tower.", "mm_projector.")):
-            assert name in inventory, name
-            assert tuple(t.shape) == inventory[name][0], (name, list(t.shape), inventory[name][0])
-        if name.endswith(".A_log"):
-            nh = text.linear_attn_config["num_heads"]
-            assert torch.count_nonzero(t[nh:]) == 0 and t.numel() > nh, name  # heads, then zeros
-    missing = sorted(set(inventory) - set(tensors))
-    assert not missing, missing[:5]
-    assert not any(".mlp.experts" in n or "gate_up_proj" in n or "language_model.layers." in n for n in tensors)
 
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures
-def shard_tensors(directory: Path) -> dict:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
-    return out
-
-
 def check_index(directory: Path):
     """The release's ``model.safetensors.index.json``: ``metadata.total_size`` and a complete ``weight_map``."""
     index = json.loads((directory / "model.safetensors.index.json").read_text())
@@ -166,54 +58,6 @@ def check_index(directory: Path):
             where.update({name: path.name for name in f.keys()})
     assert index["weight_map"] == where
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in shard_tensors(directory).values())
-
-
-def random_mxfp4(rows: int, cols: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed codes and E8M0 scales as the release's quantiser leaves them: each 32-group's largest code is
-    4 or 6 (a group maximum in [4, 8) times its scale rounds there)."""
-    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
-    top = torch.tensor([6, 7, 14, 15], dtype=torch.uint8)[torch.randint(0, 4, (rows, cols // 32), generator=gen)]
-    codes[:, ::32] = top
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scale = torch.randint(118, 124, (rows, cols // 32), generator=gen, dtype=torch.uint8)
-    return packed.contiguous(), scale
-
-
-def release_state(config, composite: bool, mxfp4: bool, seed: int, vision_state=None) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    text = config.get_text_config()
-    nh = text.linear_attn_config["num_heads"]
-    state = {}
-    for name, (shape, dtype) in release_inventory(text, composite, mxfp4).items():
-        if dtype is U8:
-            continue
-        if name.endswith(".A_log"):
-            t = torch.zeros(shape, dtype=FP32)
-            t[:nh] = torch.log(torch.rand(nh, generator=gen) * 15 + 1)
-        elif name.endswith(("norm.weight", "_layernorm.weight")):
-            t = 1 + 0.1 * torch.randn(shape, generator=gen)
-        elif name.endswith("e_score_correction_bias"):
-            t = 0.01 * torch.randn(shape, generator=gen)
-        else:
-            t = 0.08 * torch.randn(shape, generator=gen)
-        state[name] = t.to(dtype)  # fp32 tensors keep full fp32 precision (o_norm included)
-    if mxfp4:
-        for name, (shape, dtype) in release_inventory(text, composite, mxfp4).items():
-            if name.endswith("weight_packed"):
-                rows, cols = shape[0], shape[1] * 2
-                packed, scale = random_mxfp4(rows, cols, gen)
-                state[name] = packed
-                state[name[: -len("packed")] + "scale"] = scale
-    if vision_state:
-        state.update(vision_state)
-    return state
-
-
-def write_release(directory: Path, state: dict, config, composite: bool, mxfp4: bool) -> Path:
-    write_state_dict(state, directory, max_shard_size=SHARD)
-    data = official_config_dict(config, composite, "bf16", release_quantization_config() if mxfp4 else None)
-    (directory / "config.json").write_text(json.dumps(data, indent=1))
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +120,7 @@ def test_release_round_trip_through_the_converter_is_bit_identical(which, releas
     # bf16, experts dequantised (re-quantised by the export), or kept as MXFP4 (copied by the export)
     convert_official_checkpoint(source, ours, progress=False, keep_quantized=which.endswith("kept"))
     back = tmp_path / "back"
-    export_to_official(ours, back, max_shard_size=SHARD, progress=False, mxfp4=mxfp4)
+    export_to_official(ours, back, max_shard_size=RELEASE_SHARD, progress=False, mxfp4=mxfp4)
     assert_bit_identical(shard_tensors(source), shard_tensors(back))
     check_index(back)
     config = json.loads((back / "config.json").read_text())
@@ -424,7 +268,7 @@ def test_a_log_padding_must_be_zero(release_text_bf16, tmp_path):
     for f in bad.glob("*.safetensors"):
         f.unlink()
     (bad / "model.safetensors.index.json").unlink()
-    write_state_dict(state, bad, max_shard_size=SHARD)
+    write_state_dict(state, bad, max_shard_size=RELEASE_SHARD)
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=r"A_log.*must be exactly zero"):
         convert_official_checkpoint(bad, out, progress=False)
@@ -508,7 +352,7 @@ def test_direct_load_of_an_expert_with_the_wrong_shape_is_a_checkpoint_error(rel
     for f in bad.glob("*.safetensors"):
         f.unlink()
     (bad / "model.safetensors.index.json").unlink()
-    write_state_dict(state, bad, max_shard_size=SHARD)
+    write_state_dict(state, bad, max_shard_size=RELEASE_SHARD)
     with pytest.raises(CheckpointError, match=r"(?s)cannot be loaded as K3 weights:.*QuantFormatError: `model.layers.\d+.mlp.experts.down_proj`: expert 3 w2: MXFP4 weight_scale has shape"):
         KimiK3ForCausalLM.from_pretrained(bad)
 

@@ -24,8 +24,7 @@ from transformers_k3.conversion.quant import quantize_mxfp4_release
 from transformers_k3.conversion.quant import dequantize_mxfp4
 from transformers_k3.safetensors_header import read_safetensors_header
 
-from conftest import randomize_
-from test_release_layout import check_against_rules, release_state, shard_tensors, write_release
+from references import check_against_rules, randomize_, release_state, shard_tensors, write_release
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.randint(3, 400, (1, 9), generator=torch.Generator().manual_seed(0))

@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from conftest import randomize_
+from references import randomize_
 from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3TextConfig
 from transformers_k3.cache import KimiK3CacheError, KimiK3HybridCache, KimiK3StaticMLACacheLayer
 from transformers_k3.ops import cpu_kernel

@@ -13,8 +13,7 @@ from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kda import chunk_kda
 
-from test_moe import make_config, make_moe, modules_path, randomize, ref_experts
-from test_ops_kda import make_inputs
+from references import make_config, make_inputs, make_moe, modules_path, randomize, ref_experts
 
 ops = torch.ops.transformers_k3
 

@@ -33,7 +33,7 @@ from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
 from transformers_k3.cache import KimiK3CacheError
 from transformers_k3.modeling_kimi_k3_vl import KimiK3PlaceholderMismatchError
 
-from conftest import randomize_
+from references import randomize_
 
 Image = pytest.importorskip("PIL.Image")
 PAD_ID = 500
