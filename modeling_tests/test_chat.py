@@ -202,8 +202,13 @@ def test_parsed_message_renders_back_through_the_chat_template(tokenizer):
 def test_response_template_agrees_with_the_parser(tokenizer):
     """transformers' ``response_template`` parser with KIMI_K3_RESPONSE_TEMPLATE gives the same split; with
     `tools=` schemas transformers types the arguments (the flat template cannot read K3's own `type` attribute).
-    (K3's tokenizer's own `parse_response` uses `parse_kimi_k3_response`; passing the template as the schema
-    selects transformers' parser.)"""
+    (K3's tokenizer's own `parse_response` uses `parse_kimi_k3_response`, also when given K3's own template, so the
+    template is read here by transformers' parser itself, as `transformers serve`'s streaming parser reads it.)"""
+    from transformers import PreTrainedTokenizerBase
+
+    def template_parse(*args, **kwargs):
+        return PreTrainedTokenizerBase.parse_response(tokenizer, *args, **kwargs)
+
     prompt = str(tokenizer.apply_chat_template([{"role": "user", "content": "weather?"}], tokenize=False,
                                                add_generation_prompt=True))
     text_ = ("Think." + THINK_CLOSE + RESPONSE_OPEN + "Sure." + RESPONSE_CLOSE + TOOLS_OPEN
@@ -212,13 +217,13 @@ def test_response_template_agrees_with_the_parser(tokenizer):
         "city": {"type": "string"}, "days": {"type": "integer"}, "scale": {"type": "number"},
         "metric": {"type": "boolean"}, "hours": {"type": "array"}, "extra": {"type": "object"},
         "unit": {"type": "null"}, "zip": {"type": "string"}}}}}
-    parsed = tokenizer.parse_response(text_, KIMI_K3_RESPONSE_TEMPLATE, prefix=prompt, tools=[tool])
+    parsed = template_parse(text_, KIMI_K3_RESPONSE_TEMPLATE, prefix=prompt, tools=[tool])
     ours = parse_kimi_k3_response(text_, prompt=prompt)
     assert parsed["role"] == "assistant"
     assert parsed["reasoning_content"] == ours.reasoning == "Think." and parsed["content"] == ours.content == "Sure."
     assert parsed["tool_calls"] == [{"type": "function", "function": {"name": "get_weather",
                                                                      "arguments": WEATHER_ARGS}}]
-    untyped = tokenizer.parse_response(text_, KIMI_K3_RESPONSE_TEMPLATE, prefix=prompt)
+    untyped = template_parse(text_, KIMI_K3_RESPONSE_TEMPLATE, prefix=prompt)
     assert untyped["tool_calls"][0]["function"]["arguments"]["days"] == "3"  # without schemas values stay text
 
 
