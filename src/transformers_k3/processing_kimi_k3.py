@@ -96,21 +96,30 @@ class KimiK3Processor(ProcessorMixin):
         media = {key: kwargs.pop(key) for key in MEDIA_OPTIONS if key in kwargs}
         pixels = kwargs.pop("max_image_pixels", False)
         processor = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if media:
-            processor.media_policy = MediaPolicy.create(**media)
+        # always the caller's options (or the defaults), whatever path the checkpoint's config took into __init__
+        processor.media_policy = MediaPolicy.create(**media)
         if pixels is not False:
             processor.image_processor.max_image_pixels = pixels
         return processor
 
-    @classmethod
-    def from_dict(cls, processor_dict, **kwargs):
+    @staticmethod
+    def _without_media_options(processor_dict: dict) -> dict:
         """A ``processor_config.json`` cannot widen what messages may load: a checkpoint is someone else's file."""
         processor_dict = dict(processor_dict)
         found = sorted(key for key in MEDIA_OPTIONS if processor_dict.pop(key, None) is not None)
         if found:
             logger.warning(f"processor_config.json sets {found}, which are ignored: media options are the caller's; "
                            "pass them to KimiK3Processor.from_pretrained(...) instead")
-        return super().from_dict(processor_dict, **kwargs)
+        return processor_dict
+
+    @classmethod
+    def from_dict(cls, processor_dict, **kwargs):
+        return super().from_dict(cls._without_media_options(processor_dict), **kwargs)
+
+    @classmethod
+    def from_args_and_dict(cls, args, processor_dict, **kwargs):
+        """(transformers 5.23 builds a loaded processor here rather than in ``from_dict``)"""
+        return super().from_args_and_dict(args, cls._without_media_options(processor_dict), **kwargs)
 
     def to_dict(self):
         out = super().to_dict()
