@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 _DEV = ["flash-linear-attention==0.6.0", "einops", "accelerate>=1.0", "peft>=0.17", "Pillow", "tiktoken",
         "bitsandbytes>=0.50", "nbclient", "nbformat", "ipykernel", "matplotlib", "compressed-tensors"]
 # transformers' own server (`python -m transformers_k3 serve`) and the OpenAI client its tests talk to it with
-_SERVE = ["transformers[serving]>=5.25", "openai"]  # 5.25: the server classes serve.py plugs into
+_SERVE = ["transformers[serving]>=5.25", "uvicorn", "openai"]  # 5.25: the server classes serve.py plugs into
 
 setup(
     name="transformers-k3",

@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 TESTS = Path(__file__).resolve().parent
-LOCAL = {p.stem for p in TESTS.glob("*.py")} | {"transformers_k3", "readme_command"}
+LOCAL = {p.stem for p in TESTS.glob("*.py")} | {"transformers_k3"}
 
 
 def imported_modules() -> dict[str, set[str]]:
