@@ -34,24 +34,16 @@ def main(argv=None):
     if not args.dry_run and not args.output:
         parser.error("--output is required unless --dry-run")
 
-    from transformers_k3.conversion import CheckpointError, convert_official_checkpoint
-    from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
+    from transformers_k3.conversion import convert_official_checkpoint
+    from transformers_k3.conversion.streaming import run_for_cli
 
-    try:
-        plan = convert_official_checkpoint(
-            args.input, args.output, dtype=args.dtype, keep_quantized=args.keep_quantized, dry_run=args.dry_run,
-            max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
-            convert_tokenizer=not args.no_tokenizer,
-        )
-    except (CheckpointError, KimiK3ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # outside the output (reading the input, the output's parent): one line, as promised
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except MemoryError:
-        print("error: out of memory", file=sys.stderr)
-        return 2
+    plan, status = run_for_cli(lambda: convert_official_checkpoint(
+        args.input, args.output, dtype=args.dtype, keep_quantized=args.keep_quantized, dry_run=args.dry_run,
+        max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
+        convert_tokenizer=not args.no_tokenizer,
+    ))
+    if status:
+        return status
     if args.dry_run:
         print(plan.describe())
         print("dry run: every tensor checked against the config; nothing written")

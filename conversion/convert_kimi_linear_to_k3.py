@@ -23,22 +23,15 @@ def main(argv=None):
     if not args.dry_run and not args.output:
         parser.error("--output is required unless --dry-run")
 
-    from transformers_k3.conversion import CheckpointError, convert_kimi_linear_checkpoint
-    from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
+    from transformers_k3.conversion import convert_kimi_linear_checkpoint
+    from transformers_k3.conversion.streaming import run_for_cli
 
-    try:
-        plan = convert_kimi_linear_checkpoint(args.input, args.output, dtype=args.dtype, dry_run=args.dry_run,
-                                              max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                                              progress=not args.quiet)
-    except (CheckpointError, KimiK3ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # outside the output (reading the input, the output's parent): one line, as promised
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except MemoryError:
-        print("error: out of memory", file=sys.stderr)
-        return 2
+    plan, status = run_for_cli(lambda: convert_kimi_linear_checkpoint(
+        args.input, args.output, dtype=args.dtype, dry_run=args.dry_run, max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite, progress=not args.quiet,
+    ))
+    if status:
+        return status
     if args.dry_run:
         print(plan.describe())
         print("dry run: nothing written")

@@ -800,3 +800,20 @@ __all__ = [
     "staged_save",
     "write_state_dict",
 ]
+
+
+def run_for_cli(convert):
+    """``(convert(), 0)`` for a converter's command line, or ``(None, 2)`` after one ``error:`` line on stderr: a
+    refused checkpoint or config, an OS error outside the output (reading the input, the output's parent, a full
+    disk) or running out of memory."""
+    import sys
+
+    from ..configuration_kimi_k3 import KimiK3ConfigError
+
+    try:
+        return convert(), 0
+    except (CheckpointError, KimiK3ConfigError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+    except MemoryError:
+        print("error: out of memory", file=sys.stderr)
+    return None, 2
