@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .._locks import fcntl, pid_alive, try_flock
 from ..safetensors_header import CheckpointError, TensorInfo, dtype_to_safetensors, element_size, read_safetensors_header
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -525,31 +526,13 @@ _WRITER_TAG = ".k3writer"  # .<output>.k3writer: locked (flock) by the one conve
 _LEGACY_TMP = re.compile(r"\.tmp-(\d+)")  # .<output>.tmp-<pid> of earlier versions (no lock)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 def _try_lock(path: Path):
     """An open file holding an exclusive ``flock`` on ``path``, or None if another process holds it. Without
     ``fcntl`` (Windows) the lock is the pid in the name: None while that process is alive."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
+    if fcntl is None:  # pragma: no cover - non-POSIX
         pid = int(path.name.rsplit("-", 1)[-1])
-        return None if pid != os.getpid() and _pid_alive(pid) else open(path, "a+b")
-    handle = open(path, "a+b")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        return None
-    return handle
+        return None if pid != os.getpid() and pid_alive(pid) else open(path, "a+b")
+    return try_flock(path)
 
 
 def clean_stale_outputs(output: str | os.PathLike) -> list[Path]:
@@ -570,7 +553,7 @@ def clean_stale_outputs(output: str | os.PathLike) -> list[Path]:
         rest = name[len(stem):]
         legacy = _LEGACY_TMP.fullmatch(rest)
         if legacy:  # an earlier version's temporary directory: its pid is all there is to go by
-            if entry.is_dir() and not entry.is_symlink() and not _pid_alive(int(legacy.group(1))):
+            if entry.is_dir() and not entry.is_symlink() and not pid_alive(int(legacy.group(1))):
                 shutil.rmtree(entry, ignore_errors=True)
                 handled.append(entry)
             continue
@@ -653,17 +636,12 @@ def atomic_output_dir(output: str | os.PathLike, overwrite: bool = False) -> Ite
 def _lock_output(output: Path):
     """The lock that makes one converter at a time write ``output`` (two would each convert for hours and the
     second would replace the first's result); None without ``fcntl``."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX: the per-pid locks and the final checks remain
+    if fcntl is None:  # pragma: no cover - non-POSIX: the per-pid locks and the final checks remain
         return None
     path = output.parent / f".{output.name}{_WRITER_TAG}"
     while True:
-        handle = open(path, "a+b")
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
+        handle = try_flock(path)
+        if handle is None:
             raise CheckpointError(f"{output}: another conversion is writing this output right now (it holds "
                                   f"{path.name}); wait for it to finish, or write to another output directory") from None
         try:
@@ -741,7 +719,7 @@ def staged_save(directory: str | os.PathLike) -> Iterator[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     for entry in directory.glob(f"{_SAVE_TAG}*"):  # left by a killed save (its pid is gone)
         pid = entry.name[len(_SAVE_TAG):].split(".", 1)[0]
-        if entry.is_dir() and not entry.is_symlink() and pid.isdigit() and not _pid_alive(int(pid)):
+        if entry.is_dir() and not entry.is_symlink() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{_SAVE_TAG}{os.getpid()}.", dir=directory))
     try:

@@ -71,6 +71,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from .._locks import pid_alive, try_flock
+
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
@@ -364,36 +366,11 @@ _loaded: list[str] = []  # the library this process loaded (its operators cannot
 _OWNER = ".owner"  # in a build directory: locked (flock) by the process building there for as long as it runs
 
 
-def _lock_file(path: pathlib.Path):
-    """An open file holding an exclusive ``flock`` on ``path``, or None if another process holds it (or no flock)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        return None
-    handle = open(path, "a+b")
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        return None
-    return handle
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _owned_build_directory(cache: pathlib.Path, key: str):
     """A fresh build directory ``.cpu_kernels_<key>.<pid>.<random>`` in ``cache`` and the open file holding the lock
     on its ``.owner``; the lock is taken before the file gets its name, so `_sweep` never sees it unlocked."""
     build = pathlib.Path(tempfile.mkdtemp(prefix=f".cpu_kernels_{key}.{os.getpid()}.", dir=cache))
-    owner = _lock_file(build / f"{_OWNER}.new")
+    owner = try_flock(build / f"{_OWNER}.new")
     if owner is not None:
         os.rename(build / f"{_OWNER}.new", build / _OWNER)
     return build, owner
@@ -411,18 +388,18 @@ def _sweep(cache: pathlib.Path) -> None:
             if entry.is_dir() and not entry.is_symlink():
                 lock = entry / _OWNER
                 if lock.exists():
-                    owner = _lock_file(lock)
+                    owner = try_flock(lock)
                     if owner is None:
                         continue  # its build is running
                     owner.close()
                 else:
                     parts = name.split(".")  # ["", "cpu_kernels_<key>", "<pid>", "<random>"]
-                    if len(parts) != 4 or not parts[2].isdigit() or _pid_alive(int(parts[2])):
+                    if len(parts) != 4 or not parts[2].isdigit() or pid_alive(int(parts[2])):
                         continue  # being created, or an earlier version's (no pid to go by)
                 shutil.rmtree(entry, ignore_errors=True)
             elif ".sha256." in name:
                 pid = name.rsplit(".", 1)[-1]
-                if pid.isdigit() and not _pid_alive(int(pid)):
+                if pid.isdigit() and not pid_alive(int(pid)):
                     entry.unlink()
 
 
