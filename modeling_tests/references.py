@@ -359,6 +359,14 @@ def write_official(directory: Path, state: dict, config, composite: bool, quanti
     return directory
 
 
+
+def write_tiny_official(path: Path) -> Path:
+    """The tiny random K3 (bf16) written at ``path`` in the release's bf16 layout."""
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(torch.bfloat16)
+    write_official(path, official_state(model, quantize=False), model.config, False, False)
+    return path
+
 def shard_tensors(directory: Path) -> dict:
     out = {}
     for path in sorted(directory.glob("*.safetensors")):

@@ -30,10 +30,8 @@ from references import (
     _wait_for_shards,
     assert_converter_refuses,
     listing,
-    official_state,
-    randomize_,
     shard_tensors_file,
-    write_official,
+    write_tiny_official,
 )
 
 Q = "model.layers.1.self_attn.q_proj.weight"
@@ -42,10 +40,7 @@ INDEX = "model.safetensors.index.json"
 
 @pytest.fixture(scope="module")
 def official(tmp_path_factory):
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(torch.bfloat16)
-    path = tmp_path_factory.mktemp("ckpt") / "official"
-    write_official(path, official_state(model, quantize=False), model.config, False, False)
+    path = write_tiny_official(tmp_path_factory.mktemp("ckpt") / "official")
     (path / "notes.txt").write_text("release notes\n")
     return path
 

@@ -18,17 +18,14 @@ import torch
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.conversion import convert_official_checkpoint
 
-from references import SCRIPTS, _start_conversion, _wait_for_shards, official_state, randomize_, write_official
+from references import SCRIPTS, _start_conversion, _wait_for_shards, write_tiny_official
 
 LIMIT = 24 * 1024  # bytes per file: above the configs, below every weight shard of the tiny checkpoints
 
 
 @pytest.fixture(scope="module")
 def official(tmp_path_factory):
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(torch.bfloat16)
-    path = tmp_path_factory.mktemp("ckpt") / "official"
-    write_official(path, official_state(model, quantize=False), model.config, False, False)
+    path = write_tiny_official(tmp_path_factory.mktemp("ckpt") / "official")
     return path
 
 
