@@ -32,7 +32,7 @@ _EXPORTS = {
     "KimiK3ConfigError": "configuration_kimi_k3",
     "KimiK3TextConfig": "configuration_kimi_k3",
     "KimiK3VisionConfig": "configuration_kimi_k3",
-    "KimiK3InputError": "modeling_kimi_k3",
+    "KimiK3InputError": "generation_kimi_k3",
     "KimiK3ForCausalLM": "modeling_kimi_k3",
     "KimiK3Model": "modeling_kimi_k3",
     "KimiK3PreTrainedModel": "modeling_kimi_k3",
@@ -74,7 +74,8 @@ if TYPE_CHECKING:
     from .encoding_kimi_k3 import KimiK3ChatError, KimiK3Prompt, render_kimi_k3_chat
     from .image_processing_kimi_k3 import KimiK3ImageInputError, KimiK3ImageProcessor
     from .media_kimi_k3 import KimiK3MediaError
-    from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3InputError, KimiK3Model, KimiK3PreTrainedModel
+    from .generation_kimi_k3 import KimiK3InputError
+    from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
     from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
     from .processing_kimi_k3 import KimiK3Processor, KimiK3ProcessorError
     from .small import load_small

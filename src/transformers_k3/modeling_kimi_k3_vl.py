@@ -33,8 +33,9 @@ from .layers.vision import (
     KimiK3VisionTower,
     sincos_time_table,
 )
-from .modeling_kimi_k3 import (KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3GenerationMixin,
-                               KimiK3ModelMixin, check_input_ids, config_for_from_pretrained)
+from .generation_kimi_k3 import KimiK3GenerationMixin, check_input_ids
+from .modeling_kimi_k3 import (KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3ModelMixin,
+                               config_for_from_pretrained)
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
