@@ -1,5 +1,5 @@
 """Interleaved A/B of two source trees on the eager kernel rows of bench_kda.py and bench_moe.py (and the shipped
-small model's greedy decode), in thread CPU time: ``python bench/ab_eager.py --base OLD_TREE --head NEW_TREE``.
+small model's greedy decode, and the K3-featured bench model's decode step), in thread CPU time: ``python bench/ab_eager.py --base OLD_TREE --head NEW_TREE``.
 
 Each (row, tree) is measured in a fresh process (``PYTHONPATH=TREE/src``, one thread, its own kernel build cache),
 the trees alternating, ``--alternations`` times; a row reports the best time per tree and head / base. Thread CPU
@@ -25,6 +25,9 @@ import sys
 import time
 
 from bench_kda import _make_inputs  # (the K3-like KDA inputs of bench_kda's rows; bench/ is this script's path)
+from bench_long_context import k3_config_dict  # (the K3-featured bench model, every K3 feature on)
+
+K3_PREFILL, K3_STEPS = 1024, 16
 
 ROWS = {
     "kda_prefill_h4": "KDA prefill, chunk_kda, H=4, K=V=128, T=1024 (ms)",
@@ -39,6 +42,8 @@ ROWS = {
     "layer_decode_bf16": "same in bf16, one decode token (us)",
     "small_decode_fp32": "shipped small model, greedy decode, fp32 (ms/token)",
     "small_decode_bf16": "same in bf16 (ms/token)",
+    "k3_decode": f"K3-featured bench model (bench_long_context --model-kind k3), decode step after a "
+                 f"{K3_PREFILL:,}-token prefill, fp32 (ms/token)",
 }
 
 
@@ -142,6 +147,24 @@ def make_row(row: str, pkg: str = "transformers_k3"):
             run(new)
             return time.thread_time() - start - one
         return no_grad(unit), None, new - 1
+    if row == "k3_decode":
+        pkg_module = importlib.import_module(pkg)
+        torch.manual_seed(0)
+        model = pkg_module.KimiK3ForCausalLM(pkg_module.KimiK3TextConfig(**k3_config_dict())).eval()
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, model.config.vocab_size, (1, K3_PREFILL), generator=gen)
+        token = torch.tensor([[7]])
+
+        def setup():  # (a fresh cache holding the prefill, untimed)
+            cache = pkg_module.KimiK3HybridCache(model.config)
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return (cache,)
+
+        def steps(cache):
+            for _ in range(K3_STEPS):
+                model(token, past_key_values=cache, use_cache=True)
+        return no_grad(steps), setup, K3_STEPS
     raise ValueError(row)
 
 

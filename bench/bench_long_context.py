@@ -8,6 +8,12 @@ steps, timed with nothing else running) and the transient memory of a decode ste
 during the step minus RSS before it, sampled every 0.2 ms by a thread, after returning freed memory to the OS).
 Each (model, context) runs in its own process.
 
+``--model-kind k3`` makes "ours" the model users run instead: every K3 feature on as the release config has them
+(Block AttnRes in 4-layer blocks, the latent MoE with SiTU-GLU and its latent norm, a shared expert, gated NoPE
+MLA, the full-rank lower-bounded KDA gate) at the same hidden size, layers, heads, MLA and expert shapes. It cannot
+load into Kimi Linear, so the in-tree rows are then same-shape models with their own random weights. ``--model-kind
+k3 kimi-linear`` measures both (in ``--paired`` mode in the same process; the K3 rows are named ``k3``).
+
 Decode cost does not depend on what the context says, so the caches are filled to N tokens directly (random
 latents / keys / values after an 8-token real prefill that initialises every layer) instead of prefilling N
 tokens, which would take the in-tree model hours at 128K.
@@ -23,6 +29,7 @@ run at the full depth N.
     python bench/bench_long_context.py --contexts 4096 16384 # quicker
     python bench/bench_long_context.py --context 262144      # million-token mode (our model only)
     python bench/bench_long_context.py --contexts 16384 --paired 15   # eager/compiled/in-tree in one process
+    python bench/bench_long_context.py --contexts 16384 --paired 15 --model-kind k3 kimi-linear   # both models
     python bench/bench_long_context.py --context 1048576 --synthetic-prefix 1040384   # decode at 1M
 """
 
@@ -61,11 +68,48 @@ def kimi_linear_config():
     )
 
 
-def build(kind: str):
-    """The model of `kind` with the shared seeded weights."""
+# The K3-featured bench model (--model-kind k3): kimi_linear_config()'s shapes with the release's K3 features on.
+# q_lora_rank stays None as in the Kimi-Linear-shaped model (a DeepSeek MLA option, not a K3 feature), so the
+# projections match the comparison rows; routed experts run at half the hidden width, as in the release.
+K3_FEATURES = dict(
+    hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0, mla_use_nope=True,
+    mla_use_output_gate=True, num_shared_experts=1, routed_expert_hidden_size=HIDDEN // 2, latent_moe_use_norm=True,
+    routed_scaling_factor=1.0, attn_res_block_size=4,
+)
+K3_LINEAR_ATTN = {"use_full_rank_gate": True, "gate_lower_bound": -5.0}
+MODEL_KINDS = ("kimi-linear", "k3")
+
+
+def k3_config_dict() -> dict:
+    """Keyword arguments of `KimiK3TextConfig` for the K3-featured bench model: kimi_linear_config()'s shapes as
+    `conversion.kimi_linear_config_to_k3` maps them, plus K3_FEATURES (plain values, so any tree can read them)."""
+    full = [i for i in range(1, LAYERS + 1) if i % 4 == 0]
+    return dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, q_lora_rank=None, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, num_experts=8, num_experts_per_token=2, moe_intermediate_size=256,
+        first_k_dense_replace=1, moe_layer_freq=1, moe_router_activation_func="sigmoid", moe_renormalize=True,
+        topk_method="noaux_tc", num_expert_group=1, topk_group=1,
+        linear_attn_config={"kda_layers": [i for i in range(1, LAYERS + 1) if i not in full],
+                            "full_attn_layers": full, "num_heads": HEADS, "head_dim": 64,
+                            "short_conv_kernel_size": 4, **K3_LINEAR_ATTN},
+        **K3_FEATURES,
+    )
+
+
+def build(kind: str, model_kind: str = "kimi-linear"):
+    """The model of `kind` with the shared seeded weights (``model_kind="k3"``: ours is the K3-featured model, with
+    its own seeded weights)."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
     torch.manual_seed(0)
+    if kind == "ours" and model_kind == "k3":
+        from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+
+        config = KimiK3TextConfig(**k3_config_dict())
+        config._attn_implementation = "sdpa"
+        return KimiK3ForCausalLM(config).eval()
     kl_config = kimi_linear_config()
     kl_config._attn_implementation = "sdpa"
     reference = KimiLinearForCausalLM(kl_config).eval()
@@ -187,7 +231,7 @@ OUR_MODES = {"ours": (False, True), "ours-nokern": (False, False), "ours-compile
              "ours-compiled-nokern": (True, False)}
 
 
-def child_decode(kind: str, n: int, steps: int) -> dict:
+def child_decode(kind: str, n: int, steps: int, model_kind: str = "kimi-linear") -> dict:
     torch.set_num_threads(2)
     compiled, kernels = OUR_MODES.get(kind, (False, True))
     if kind in OUR_MODES:
@@ -195,7 +239,7 @@ def child_decode(kind: str, n: int, steps: int) -> dict:
 
         cpu_kernel.set_enabled(kernels)
         kind = "ours"
-    model = build(kind)
+    model = build(kind, model_kind)
     cache = fill_cache(kind, model, n)
     token = torch.tensor([[7]])
     times, transients = [], []
@@ -223,15 +267,23 @@ def child_decode(kind: str, n: int, steps: int) -> dict:
     return result
 
 
-def child_paired(n: int, rounds: int) -> dict:
-    """Ours eager, ours compiled (kernels on; the same model and cache), in-tree Kimi Linear and Qwen3-Next, all in
-    this process at context ``n``, one decode step of each per round: per-model medians and, per other model, the
-    median over rounds of its step / the compiled step (the host's drift cancels within a round)."""
+def _ours_name(model_kind: str) -> str:
+    return "k3" if model_kind == "k3" else "ours"
+
+
+def child_paired(n: int, rounds: int, model_kinds: list[str]) -> dict:
+    """Ours eager and ours compiled (kernels on; the same model and cache) for each of ``model_kinds`` (named
+    ``ours`` for the Kimi-Linear-shaped model, ``k3`` for the K3-featured one), in-tree Kimi Linear and Qwen3-Next,
+    all in this process at context ``n``, one decode step of each per round: per-model medians and, per pair, the
+    median over rounds of the one step / the other (the host's drift cancels within a round)."""
     torch.set_num_threads(2)
-    ours = build("ours")
-    ours_cache = fill_cache("ours", ours, n)
-    compiled = torch.compile(ours, fullgraph=True, dynamic=True)
-    models = {"ours": (ours, ours_cache), "ours-compiled": (compiled, ours_cache)}
+    models = {}
+    for model_kind in model_kinds:
+        ours = build("ours", model_kind)
+        cache = fill_cache("ours", ours, n)
+        name = _ours_name(model_kind)
+        models[name] = (ours, cache)
+        models[f"{name}-compiled"] = (torch.compile(ours, fullgraph=True, dynamic=True), cache)
     for kind in ("intree", "qwen3next"):
         model = build(kind)
         models[kind] = (model, fill_cache(kind, model, n))
@@ -246,9 +298,13 @@ def child_paired(n: int, rounds: int) -> dict:
                 start = time.perf_counter()
                 model(token, past_key_values=cache, use_cache=True)
                 times[kind].append(time.perf_counter() - start)
-    result = {kind: 1e3 * statistics.median(t) for kind, t in times.items()}
-    for kind in ("ours", "intree", "qwen3next"):
-        result[f"{kind} / compiled"] = statistics.median(a / b for a, b in zip(times[kind], times["ours-compiled"]))
+    result = {"ms": {kind: 1e3 * statistics.median(t) for kind, t in times.items()}, "ratios": {}}
+    for model_kind in model_kinds:
+        name = _ours_name(model_kind)
+        for mine in (f"{name}-compiled", name):
+            for other in ((name, "intree", "qwen3next") if mine != name else ("intree", "qwen3next")):
+                result["ratios"][f"{other} / {mine}"] = statistics.median(
+                    a / b for a, b in zip(times[other], times[mine]))
     return result
 
 
@@ -328,29 +384,35 @@ def main():
     parser.add_argument("--paired", type=int, metavar="ROUNDS",
                         help="instead: ours eager and compiled, in-tree Kimi Linear and Qwen3-Next in one process per "
                              "context, one step of each per round, ROUNDS rounds (ratios per round)")
+    parser.add_argument("--model-kind", nargs="+", choices=MODEL_KINDS, default=["kimi-linear"],
+                        help="which model 'ours' is: kimi-linear (K3 features off, the in-tree model loads its "
+                             "weights) and/or k3 (every K3 feature on, as the release config has them)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child == "paired":
-        print(json.dumps(child_paired(args.n, args.steps)))
+        print(json.dumps(child_paired(args.n, args.steps, args.model_kind)))
         return
     if args.paired:
-        print(f"torch {torch.__version__}, 2 threads; {args.paired} rounds of one decode step per model, one process")
+        print(f"torch {torch.__version__}, 2 threads; {args.paired} rounds of one decode step per model, one process; "
+              f"ours: {', '.join(args.model_kind)}")
         for n in args.contexts:
-            r = run_child(["--child", "paired", "--n", str(n), "--steps", str(args.paired)])
+            r = run_child(["--child", "paired", "--n", str(n), "--steps", str(args.paired),
+                           "--model-kind", *args.model_kind])
             if "error" in r:
                 print(f"{n:>8}  failed: {r['error']}")
                 continue
-            medians = ", ".join(f"{k} {r[k]:.1f}" for k in ("ours", "ours-compiled", "intree", "qwen3next"))
-            ratios = ", ".join(f"{k} {r[k]:.2f}x" for k in r if "/" in k)
-            print(f"{n:>8}  ms: {medians} | median per-round ratio: {ratios}", flush=True)
+            medians = ", ".join(f"{k} {v:.1f}" for k, v in r["ms"].items())
+            print(f"{n:>8}  decode ms (median): {medians}", flush=True)
+            for k, v in r["ratios"].items():
+                print(f"{n:>8}  median per-round ratio {k}: {v:.2f}x", flush=True)
         return
     if args.child == "context":
         print(json.dumps(child_context(args.n, args.chunk, 32, args.model, args.synthetic_prefix)))
         return
     if args.child:
-        print(json.dumps(child_decode(args.child, args.n, args.steps)))
+        print(json.dumps(child_decode(args.child, args.n, args.steps, args.model_kind[0])))
         return
     if args.context:
         extra = ["--model", args.model] if args.model else []
@@ -372,11 +434,19 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode = median of {args.steps} steps")
     header = (f"{'context':>8} {'model':>20} {'cache MiB':>10} {'analytic':>9} {'decode ms':>10} "
               f"{'step transient MiB':>19} {'warm-up s':>10}")
-    print(header)
+    for model_kind in args.model_kind:
+        print(f"ours: {model_kind}")
+        print(header)
+        table(args, model_kind)
+
+
+def table(args, model_kind: str) -> None:
+    """One process per (model, context): the rows and ratios of the decode table."""
     for n in args.contexts:
         rows = {}
         for kind in args.models:
-            rows[kind] = r = run_child(["--child", kind, "--n", str(n), "--steps", str(args.steps)])
+            rows[kind] = r = run_child(["--child", kind, "--n", str(n), "--steps", str(args.steps),
+                                        "--model-kind", model_kind])
             if "error" in r:
                 print(f"{n:>8} {kind:>20}  failed: {r['error']}")
                 continue
