@@ -49,6 +49,7 @@ import time
 import torch
 
 HIDDEN, LAYERS, HEADS, VOCAB = 256, 8, 4, 4096
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))  # (--threads: the children read it)
 
 
 def kimi_linear_config():
@@ -232,7 +233,7 @@ OUR_MODES = {"ours": (False, True), "ours-nokern": (False, False), "ours-compile
 
 
 def child_decode(kind: str, n: int, steps: int, model_kind: str = "kimi-linear") -> dict:
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     compiled, kernels = OUR_MODES.get(kind, (False, True))
     if kind in OUR_MODES:
         from transformers_k3.ops import cpu_kernel
@@ -276,7 +277,7 @@ def child_paired(n: int, rounds: int, model_kinds: list[str]) -> dict:
     ``ours`` for the Kimi-Linear-shaped model, ``k3`` for the K3-featured one), in-tree Kimi Linear and Qwen3-Next,
     all in this process at context ``n``, one decode step of each per round: per-model medians and, per pair, the
     median over rounds of the one step / the other (the host's drift cancels within a round)."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     models = {}
     for model_kind in model_kinds:
         ours = build("ours", model_kind)
@@ -313,7 +314,7 @@ def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None, 
 
     from transformers_k3 import KimiK3HybridCache
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     if model_dir == "bench":
         model = build("ours")
     else:
@@ -387,16 +388,21 @@ def main():
     parser.add_argument("--model-kind", nargs="+", choices=MODEL_KINDS, default=["kimi-linear"],
                         help="which model 'ours' is: kimi-linear (K3 features off, the in-tree model loads its "
                              "weights) and/or k3 (every K3 feature on, as the release config has them)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads in each measuring process (on a machine shared with other work, 1 "
+                             "keeps a parallel region from waiting on a descheduled thread)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.child:  # (the children read it at import)
+        os.environ["BENCH_THREADS"] = str(args.threads)
 
     if args.child == "paired":
         print(json.dumps(child_paired(args.n, args.steps, args.model_kind)))
         return
     if args.paired:
-        print(f"torch {torch.__version__}, 2 threads; {args.paired} rounds of one decode step per model, one process; "
-              f"ours: {', '.join(args.model_kind)}")
+        print(f"torch {torch.__version__}, {args.threads} threads; {args.paired} rounds of one decode step per model, "
+              f"one process; ours: {', '.join(args.model_kind)}")
         for n in args.contexts:
             r = run_child(["--child", "paired", "--n", str(n), "--steps", str(args.paired),
                            "--model-kind", *args.model_kind])
@@ -431,7 +437,7 @@ def main():
               f"cache {r['cache_mb']:.2f} MiB (analytic {r['analytic_mb']:.2f} MiB)")
         return
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode = median of {args.steps} steps")
+    print(f"torch {torch.__version__}, {args.threads} threads; decode = median of {args.steps} steps")
     header = (f"{'context':>8} {'model':>20} {'cache MiB':>10} {'analytic':>9} {'decode ms':>10} "
               f"{'step transient MiB':>19} {'warm-up s':>10}")
     for model_kind in args.model_kind:

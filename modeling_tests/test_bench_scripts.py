@@ -4,6 +4,7 @@ FLOP count and prefix rule are right. Shell entry points run as subprocesses on 
 call gpu_check.main() in this process (a subprocess would spend most of its time importing)."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -191,3 +192,30 @@ def test_bench_startup_compares_two_trees():
     assert code == 0, output
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and " s |" in line]
     assert len(rows) == 3 and all(float(row.rsplit("|", 2)[1]) > 0 for row in rows), stdout
+
+
+def test_bench_long_context_runs_the_k3_featured_model():
+    """--model-kind k3 builds the bench model with every K3 feature on and prints its decode rows beside a
+    comparison row (tiny context, one step: checks it runs, not its speed)."""
+    from transformers_k3 import KimiK3TextConfig
+
+    config = KimiK3TextConfig(**_bench_module("bench_long_context").k3_config_dict())
+    assert config.use_attn_res and config.hidden_act == "situ" and config.mla_use_nope and config.mla_use_output_gate
+    assert config.routed_expert_hidden_size < config.hidden_size and config.latent_moe_use_norm
+    assert config.num_shared_experts >= 1 and config.gate_lower_bound is not None
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_long_context.py", "--model-kind", "k3", "--contexts", "64", "--steps", "1",
+        "--models", "ours", "qwen3next", timeout=600,
+    )  # fmt: skip
+    assert code == 0, output
+    assert "failed:" not in stdout and "ours: k3" in stdout, output
+    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] == ["64"]]
+    assert [row[1] for row in rows] == ["ours", "qwen3next"] and all(float(row[4]) > 0 for row in rows), stdout
+
+
+def test_ab_eager_k3_decode_row_runs():
+    """ab_eager's K3-featured decode row runs on this tree (a worker call; what it prints is a time, not checked)."""
+    code, stdout, output = _run(sys.executable, "bench/ab_eager.py", "--worker", "k3_decode", "--reps", "1",
+                                timeout=600)
+    assert code == 0, output
+    assert json.loads(stdout.strip().splitlines()[-1])["seconds"] > 0, output
