@@ -1,46 +1,41 @@
-"""Kimi K3 configurations.
+"""Kimi K3 configurations: the text decoder, the vision tower and the composite of both, as ``@strict`` dataclasses.
 
 The official checkpoint's ``config.json`` is a composite ``kimi_k3`` config whose ``text_config`` says
 ``model_type: "kimi_linear"`` (a name transformers already owns) and whose ``vision_config`` says
 ``kimi_k3_vision``. Both load here unchanged: key names follow the official release (K3_SPEC.md section 1).
+``KimiK3TextConfig`` is registered as ``kimi_k3_text`` so that a saved text-only model never collides with the
+in-tree Kimi Linear; ``AutoConfig`` hands a flat ``kimi_linear`` config that carries any K3-only key to this class
+(``KimiLinearAutoConfig``; transformers' own class is never changed).
 
-Every field of the three configs is checked strictly, however it is set (see `_FieldChecks`): its type, a finite
-float32 value in its range, an enum value this implementation builds, token ids inside the vocabulary, and the
-relations between fields. A bad value raises `KimiK3ConfigError` naming the field, the value and what the field
-accepts (``_TEXT_SPECS``, ``_LINEAR_ATTN_SPECS``, ``_VISION_SPECS``, ``_COMPOSITE_SPECS`` and ``validate_k3``).
-
-``KimiK3TextConfig`` is registered as ``kimi_k3_text`` so that a saved text-only model never collides
-with the in-tree Kimi Linear; ``AutoConfig`` hands a flat ``kimi_linear`` config that carries any K3-only key
-to this class (``KimiLinearAutoConfig``, registered for ``kimi_linear``; transformers' own class is never changed).
+Every field carries what it accepts (its type, a finite float32 value in its range, an enum value this
+implementation builds); the ``validate_*`` methods, which ``@strict`` runs after construction and transformers runs
+before saving, check the relations between fields. A bad value raises `KimiK3ConfigError` naming the field, the value
+and what the field accepts, however it arrives (constructor, assignment, ``update``, ``from_pretrained`` keyword
+arguments, ``save_pretrained``).
 """
 
+# Annotations stay strings (PEP 563): `@strict` then leaves the type check to each field's own check, so a value of the
+# wrong type is a `KimiK3ConfigError` naming the field like any other bad value.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, ClassVar
 
+from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassError
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# Keys of `linear_attn_config`, with the defaults of the K3 release (K3_SPEC.md section 1.3).
-_LINEAR_ATTN_DEFAULTS: dict[str, Any] = {
-    "num_heads": 96,
-    "head_dim": 128,
-    "short_conv_kernel_size": 4,
-    "use_full_rank_gate": True,
-    "gate_lower_bound": -5.0,
-}
 
-_ALLOWED_ACTS = ("situ", "silu")
-
-
-class KimiK3ConfigError(ValueError):
+class KimiK3ConfigError(StrictDataclassError):
     """A config field has a value the model cannot be built with. The message names the field, the value and what
-    the field accepts."""
+    the field accepts. A `StrictDataclassError`, like the errors of transformers' own ``@strict`` configs (not a
+    ``ValueError``, which ``@strict`` would wrap into its own error and so hide this class)."""
 
 
 def _check(condition: bool, field: str, message: str) -> None:
@@ -56,6 +51,8 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+# --------------------------------------------------------------------------------------------------
+# What a field accepts
 # The model computes in float32 at most: a Python float beyond its range is inf there, and a norm eps below its
 # smallest normal number rounds away.
 _FP32_MAX = 3.4028234663852886e38
@@ -77,104 +74,125 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= _FP32_MAX
 
 
-class _Spec:
-    """What one field accepts on its own (type, range, null); relations between fields are checked in the
-    configs' ``validate_k3``. ``accepts`` only ever sees a non-null value and must not raise."""
+class _Accepts:
+    """What one field accepts on its own; calling it with the default gives the dataclass field, in the manner of
+    transformers' ``interval(min=...)(default=...)``. ``test`` only ever sees a non-null value and must not raise."""
 
-    def __init__(self, allowed: str, accepts, nullable: bool = False, why: str | None = None):
+    def __init__(self, allowed: str, test, nullable: bool = False, why: str | None = None):
         self.allowed = allowed + (" or null" if nullable else "") + (f" ({why})" if why else "")
-        self.accepts = accepts
-        self.nullable = nullable
+        self.test, self.nullable = test, nullable
 
     def check(self, field: str, value: Any) -> None:
-        ok = self.nullable if value is None else self.accepts(value)
-        _check(ok, field, f"must be {self.allowed}, got {_shown(value)}")
+        _check(self.nullable if value is None else self.test(value), field,
+               f"must be {self.allowed}, got {_shown(value)}")
+
+    def __call__(self, default: Any = dataclasses.MISSING) -> Any:
+        return dataclasses.field(default=default, metadata={"accepts": self})
 
 
-def _integer(minimum: int, nullable: bool = False, multiple_of: int = 1, why: str | None = None,
-             maximum: int | None = None) -> _Spec:
+def _integer(minimum: int = 1, maximum: int | None = MAX_DIMENSION, nullable: bool = False, multiple_of: int = 1,
+             why: str | None = None) -> _Accepts:
+    """An integer; bounded by default, since widths, counts and ids size weights and no product of them is built
+    unchecked."""
     allowed = (f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
                + (f" and a multiple of {multiple_of}" if multiple_of > 1 else ""))
-    return _Spec(allowed, lambda v: _is_int(v) and v >= minimum and (maximum is None or v <= maximum)
-                 and v % multiple_of == 0, nullable, why)
+    return _Accepts(allowed, lambda v: _is_int(v) and v >= minimum and (maximum is None or v <= maximum)
+                    and v % multiple_of == 0, nullable, why)
 
 
-def _size(minimum: int = 1, nullable: bool = False, multiple_of: int = 1, why: str | None = None) -> _Spec:
-    """A width, count or id that sizes a weight: bounded, so that no product of them is built unchecked."""
-    return _integer(minimum, nullable, multiple_of, why, maximum=MAX_DIMENSION)
-
-
-def _layers() -> _Spec:
-    return _integer(1, maximum=MAX_LAYERS, why="the layer lists and modules are built from it")
-
-
-def _normal_fp32(v: Any) -> bool:
-    """Neither 0 nor subnormal nor beyond the range in float32 (where the network multiplies or divides by it)."""
-    return _is_real(v) and abs(v) >= _FP32_TINY
-
-
-def _factor(high_open_zero: bool = False, zero_ok: bool = False, nullable: bool = False,
-            why: str | None = None) -> _Spec:
-    """A float the network multiplies or divides by: positive (negative with ``high_open_zero``), and a normal float32
-    number, since a subnormal one (1e-320) is 0 or loses its digits there."""
-    sign = (lambda v: v < 0) if high_open_zero else (lambda v: v > 0)
-    where = "< 0" if high_open_zero else "> 0"
-    allowed = (f"a finite number {where} whose magnitude is a normal float32 (>= 2**-126 ~ 1.18e-38, <= ~3.4e38)"
-               + (", or 0" if zero_ok else ""))
-    return _Spec(allowed, lambda v: (zero_ok and _is_real(v) and v == 0) or (_normal_fp32(v) and sign(v)),
-                 nullable, why)
+def _layers() -> _Accepts:
+    return _integer(1, MAX_LAYERS, why="the layer lists and modules are built from it")
 
 
 def _real(low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False,
-          nullable: bool = False, why: str | None = None) -> _Spec:
-    def accepts(v):
+          nullable: bool = False, why: str | None = None) -> _Accepts:
+    def test(v):
         return _is_real(v) and (low is None or (v > low if low_open else v >= low)) and (
             high is None or (v < high if high_open else v <= high))
 
     if low is not None and high is not None:
         where = f"in {'(' if low_open else '['}{low!r}, {high!r}{')' if high_open else ']'}"
-    elif low is not None:
-        where = f"{'>' if low_open else '>='} {low!r}"
     else:
-        where = f"{'<' if high_open else '<='} {high!r}"
-    return _Spec(f"a finite (float32) number {where}", accepts, nullable, why)
+        where = f"{'>' if low_open else '>='} {low!r}" if low is not None else f"{'<' if high_open else '<='} {high!r}"
+    return _Accepts(f"a finite (float32) number {where}", test, nullable, why)
 
 
-def _flag() -> _Spec:
-    return _Spec("true or false", lambda v: isinstance(v, bool))
+def _factor(negative: bool = False, zero_ok: bool = False, nullable: bool = False, why: str | None = None) -> _Accepts:
+    """A float the network multiplies or divides by: positive (negative with ``negative``), and a normal float32
+    number, since a subnormal one (1e-320) is 0 or loses its digits there."""
+    allowed = (f"a finite number {'< 0' if negative else '> 0'} whose magnitude is a normal float32 (>= 2**-126 ~ "
+               f"1.18e-38, <= ~3.4e38)" + (", or 0" if zero_ok else ""))
+    return _Accepts(allowed, lambda v: _is_real(v) and ((zero_ok and v == 0) or (
+        abs(v) >= _FP32_TINY and (v < 0 if negative else v > 0))), nullable, why)
 
 
-def _choice(*choices: Any, why: str | None = None) -> _Spec:
-    allowed = repr(choices[0]) if len(choices) == 1 else f"one of {choices!r}"
-    # the type must match too: 0 == False and 1.0 == 1, but they are not the same setting
-    return _Spec(allowed, lambda v: any(type(v) is type(c) and v == c for c in choices), why=why)
-
-
-def _list_of(allowed: str, item_ok, nullable: bool = False) -> _Spec:
-    return _Spec(allowed, lambda v: isinstance(v, (list, tuple)) and all(item_ok(i) for i in v), nullable)
-
-
-# Every norm eps: positive, not rounding away in float32, and small against unit-scale activations (an eps of 1 or
-# more swamps the mean square it is added to and scales every output toward zero).
-def _eps(nullable: bool = False, why: str | None = None) -> _Spec:
+def _eps(nullable: bool = False, why: str | None = None) -> _Accepts:
+    # positive, not rounding away in float32, and small against unit-scale activations (an eps of 1 or more swamps
+    # the mean square it is added to and scales every output toward zero)
     return _real(_FP32_TINY, 1.0, high_open=True, nullable=nullable, why=why)
 
 
-def _largest_size_field(config) -> str:
-    """The size field furthest above its default (the release's value): the likeliest culprit of an absurd size."""
-    ratios = {}
-    for name, spec in type(config)._FIELD_SPECS.items():
-        value, default = getattr(config, name, None), getattr(type(config), name, None)
-        if "<=" in spec.allowed and _is_int(value) and _is_int(default) and default > 0:
-            ratios[name] = value / default
-    return max(ratios, key=ratios.get) if ratios else "sizes"
+def _flag() -> _Accepts:
+    return _Accepts("true or false", lambda v: isinstance(v, bool))
 
 
-def _check_parameter_count(config, count: int | None = None, field: str | None = None) -> None:
-    count = config.parameter_count() if count is None else count
-    _check(count <= MAX_PARAMETERS, field or _largest_size_field(config),
-           f"the config describes a model of about {count:.3g} parameters, more than the limit of {MAX_PARAMETERS:.0e} "
-           f"(the K3 release has about 2.8e12); fix the size fields")
+def _choice(*choices: Any, why: str | None = None) -> _Accepts:
+    allowed = repr(choices[0]) if len(choices) == 1 else f"one of {choices!r}"
+    # the type must match too: 0 == False and 1.0 == 1, but they are not the same setting
+    return _Accepts(allowed, lambda v: any(type(v) is type(c) and v == c for c in choices), why=why)
+
+
+def _list_of(allowed: str, item_ok, nullable: bool = False) -> _Accepts:
+    return _Accepts(allowed, lambda v: isinstance(v, (list, tuple)) and all(item_ok(i) for i in v), nullable)
+
+
+_LAYER_IDS = _list_of("a list of 1-based integer layer ids", _is_int)
+
+
+class _KimiK3ConfigFields:
+    """What the three configs share: a field assigned in any way (constructor, ``config.x = ...``, ``update``, the
+    keyword arguments of ``from_pretrained``) is checked under its own name (an ``attribute_map`` alias included);
+    ``update`` and ``from_dict(..., **kwargs)`` re-derive what the updated fields determine and re-validate."""
+
+    def __setattr__(self, key, value):
+        name = type(self).attribute_map.get(key, key)
+        field = type(self).__dataclass_fields__.get(name)
+        if field is not None and "accepts" in field.metadata:
+            field.metadata["accepts"].check(name, value)
+        super().__setattr__(key, value)
+
+    def _check_fields(self) -> None:
+        """Every field again: a list or dict field may have been changed in place."""
+        for field in dataclasses.fields(self):
+            if "accepts" in field.metadata:
+                field.metadata["accepts"].check(field.name, getattr(self, field.name))
+
+    def _check_parameter_count(self, count: int | None = None, field: str | None = None) -> None:
+        count = self.parameter_count() if count is None else count
+        if field is None:  # the size field furthest above its default (the release's): the likeliest culprit
+            ratios = {f.name: getattr(self, f.name) / f.default for f in dataclasses.fields(self)
+                      if "<=" in getattr(f.metadata.get("accepts"), "allowed", "")
+                      and _is_int(getattr(self, f.name)) and _is_int(f.default) and f.default > 0}
+            field = max(ratios, key=ratios.get) if ratios else "sizes"
+        _check(count <= MAX_PARAMETERS, field,
+               f"the config describes a model of about {count:.3g} parameters, more than the limit of "
+               f"{MAX_PARAMETERS:.0e} (the K3 release has about 2.8e12); fix the size fields")
+
+    def update(self, config_dict: dict[str, Any]):
+        super().update(config_dict)
+        self._refresh_derived({self.attribute_map.get(key, key) for key in config_dict})
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        # transformers sets the keyword arguments on the built config one by one: re-derive and check the whole
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if kwargs.get("return_unused_kwargs") else result
+        updated = {config.attribute_map.get(key, key) for key in kwargs if key != "return_unused_kwargs"}
+        if updated:
+            config._refresh_derived(updated)
+            config.validate()
+        return result
 
 
 # Fields the network multiplies its activations by in the model's own dtype (the others, the SiTU betas, the router's
@@ -203,50 +221,26 @@ def check_config_for_dtype(config, dtype) -> None:
                f"range or load the model in float32")
 
 
-class _FieldChecks:
-    """Strict-config behaviour shared by the three K3 configs, in the manner of transformers' ``@strict`` configs
-    (a field validator on every assignment, the class validator at construction and before saving), with
-    `KimiK3ConfigError` as the error:
-
-    * assigning a field runs that field's own check (``_FIELD_SPECS``: type, range, null), so a NaN or a string
-      never reaches a built model however it was set (constructor, ``config.x = ...``, ``update``, the keyword
-      arguments of ``from_pretrained``);
-    * ``validate_k3`` checks every field and the relations between them; it runs at the end of construction,
-      after ``update`` and ``from_dict(..., **kwargs)`` (which first re-derive what the updated fields determine),
-      and in ``validate``, which ``save_pretrained`` calls."""
-
-    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = {}
-
-    def __setattr__(self, key, value):
-        name = type(self).attribute_map.get(key, key)
-        spec = type(self)._FIELD_SPECS.get(name)
-        if spec is not None:
-            spec.check(name, value)
-        super().__setattr__(key, value)
-
-    def _check_fields(self) -> None:
-        for name, spec in self._FIELD_SPECS.items():
-            spec.check(name, getattr(self, name, None))
-
-    def validate(self):
-        self.validate_k3()  # first: it names the field where transformers' generic validators would not
-        super().validate()
-
-    def update(self, config_dict: dict[str, Any]):
-        super().update(config_dict)
-        self._refresh_derived({self.attribute_map.get(key, key) for key in config_dict})
-        self.validate_k3()
-
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
-        # transformers sets the keyword arguments on the built config one by one: re-derive and check the whole
-        result = super().from_dict(config_dict, **kwargs)
-        config = result[0] if kwargs.get("return_unused_kwargs") else result
-        updated = {config.attribute_map.get(key, key) for key in kwargs if key != "return_unused_kwargs"}
-        if updated:
-            config._refresh_derived(updated)
-            config.validate_k3()
-        return result
+# --------------------------------------------------------------------------------------------------
+# Text
+# Keys of `linear_attn_config`, with the defaults of the K3 release (K3_SPEC.md section 1.3), and what each accepts
+# (reported as `linear_attn_config.<key>`).
+_LINEAR_ATTN_DEFAULTS: dict[str, Any] = {
+    "num_heads": 96,
+    "head_dim": 128,
+    "short_conv_kernel_size": 4,
+    "use_full_rank_gate": True,
+    "gate_lower_bound": -5.0,
+}
+_LINEAR_ATTN_ACCEPTS: dict[str, _Accepts] = {
+    "num_heads": _integer(),
+    "head_dim": _integer(),
+    "short_conv_kernel_size": _integer(),
+    "use_full_rank_gate": _flag(),
+    "gate_lower_bound": _factor(negative=True, nullable=True, why="K3: -5.0; null: the softplus forget gate"),
+    "kda_layers": _LAYER_IDS,
+    "full_attn_layers": _LAYER_IDS,
+}
 
 
 def _default_layer_lists(num_hidden_layers: int) -> dict[str, list[int]]:
@@ -269,7 +263,6 @@ class _ReleaseTokenId(int):
 # the RoPE standardisation's `rope_parameters` (the text model has no RoPE). They are dropped with a debug log;
 # a `rope_parameters` that would scale a RoPE is refused like `rope_scaling`.
 _RESAVED_KEYS_DROPPED = ("head_dim", "rope_parameters")
-
 
 # Quantities our text config derives (read-only properties), by the keys a config may carry them under: the
 # in-tree Kimi Linear saves `qk_head_dim` and its `linear_*` copies of `linear_attn_config`. A given one is checked
@@ -298,107 +291,48 @@ def _is_no_rope_scaling(value: Any) -> bool:
     return value.get("rope_type", value.get("type", "default")) == "default"
 
 
-_LAYER_IDS = _list_of("a list of 1-based integer layer ids", _is_int)
-
-# What each field of `KimiK3TextConfig` accepts on its own. Null is allowed where it has a meaning (see the class
-# docstring) or where the field is not read in some configurations (the MoE sizes of a dense model,
-# `intermediate_size` of an all-MoE one); `validate_k3` requires them where they are read.
-_TEXT_SPECS: dict[str, _Spec] = {
-    "vocab_size": _size(),
-    "hidden_size": _size(),
-    "intermediate_size": _size(nullable=True),
-    "num_hidden_layers": _layers(),
-    "num_attention_heads": _size(),
-    "num_key_value_heads": _integer(1, nullable=True),
-    "hidden_act": _choice(*_ALLOWED_ACTS),
-    "activation_situ_beta": _factor(nullable=True, why="null: the SiTU default cap"),
-    "activation_situ_linear_beta": _factor(nullable=True, why="null: the up half is not capped"),
-    "rms_norm_eps": _eps(),
-    "initializer_range": _real(0, 1, why="the std of the normal initialisation; K3: 0.02"),
-    "tie_word_embeddings": _flag(),
-    "max_position_embeddings": _integer(1),
-    "use_cache": _flag(),
-    "pad_token_id": _integer(0, nullable=True),
-    "bos_token_id": _integer(0, nullable=True),
-    "eos_token_id": _Spec("a token id >= 0 or a list of them", lambda v: (_is_int(v) and v >= 0) or (
-        isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 0 for i in v)), nullable=True),
-    "rope_theta": _real(0, low_open=True, nullable=True, why="not read: the text model has no RoPE"),
-    "rope_scaling": _Spec("a dict", lambda v: isinstance(v, dict), nullable=True),
-    "q_lora_rank": _size(nullable=True, why="null: a full-rank q_proj"),
-    "kv_lora_rank": _size(),
-    "qk_nope_head_dim": _size(),
-    "qk_rope_head_dim": _size(0),
-    "v_head_dim": _size(),
-    "mla_use_nope": _choice(True, why="K3's MLA has no positional encoding and this implementation applies no RoPE"),
-    "mla_use_output_gate": _flag(),
-    "attention_dropout": _real(0, 1, high_open=True),
-    "num_experts": _size(nullable=True, why="null: every layer dense"),
-    "num_experts_per_token": _size(nullable=True),
-    "num_shared_experts": _size(0),
-    "moe_intermediate_size": _size(nullable=True),
-    "routed_expert_hidden_size": _size(nullable=True, why="null: experts at full width"),
-    "latent_moe_use_norm": _flag(),
-    "first_k_dense_replace": _integer(0),
-    "moe_layer_freq": _size(),
-    "moe_router_activation_func": _choice("sigmoid", "softmax"),
-    "moe_renormalize": _flag(),
-    "routed_scaling_factor": _factor(),
-    "topk_method": _choice("noaux_tc", why="the router always selects with the e_score_correction_bias, "
-                                           "DeepSeek-V3's aux-loss-free top-k"),
-    "use_grouped_topk": _flag(),
-    "num_expert_group": _size(),
-    "topk_group": _size(),
-    "router_fp32": _flag(),
-    "output_router_logits": _flag(),
-    "router_aux_loss_coef": _factor(zero_ok=True, why="0: no balance loss"),
-    "num_nextn_predict_layers": _choice(0, why="K3 has no MTP head; this implementation builds none (SGLang skips "
-                                                "those tensors too)"),
-    "attn_res_block_size": _size(nullable=True, why="null: classic residuals"),
-    "linear_attn_config": _Spec("a dict of the KDA settings", lambda v: isinstance(v, dict), nullable=True),
-    "kda_o_norm_eps": _eps(),
-    "mla_latent_norm_eps": _eps(nullable=True, why="null: rms_norm_eps"),
-    "logit_scale": _factor(),
-    "layer_types": _list_of("a list of 'linear_attention' / 'full_attention'",
-                            lambda t: t in ("linear_attention", "full_attention"), nullable=True),
-    "mlp_layer_types": _list_of("a list of 'dense' / 'sparse'", lambda t: t in ("dense", "sparse"), nullable=True),
-}
-
-# The keys of `linear_attn_config` (reported as `linear_attn_config.<key>`).
-_LINEAR_ATTN_SPECS: dict[str, _Spec] = {
-    "num_heads": _size(),
-    "head_dim": _size(),
-    "short_conv_kernel_size": _size(),
-    "use_full_rank_gate": _flag(),
-    "gate_lower_bound": _factor(high_open_zero=True, nullable=True, why="K3: -5.0; null: the softplus forget gate"),
-    "kda_layers": _LAYER_IDS,
-    "full_attn_layers": _LAYER_IDS,
-}
+def _token_ids(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
-    r"""Configuration of the Kimi K3 text decoder (KDA + gated NoPE MLA, Block Attention Residuals,
-    Stable Latent MoE with SiTU-GLU).
+@strict
+class KimiK3TextConfig(_KimiK3ConfigFields, PreTrainedConfig):
+    r"""Configuration of the Kimi K3 text decoder (KDA + gated NoPE MLA, Block Attention Residuals, Stable Latent MoE
+    with SiTU-GLU). Defaults are the values of the official release where K3_SPEC.md reads them from code ([R]/[C]);
+    values the spec marks unknown use its inference ([I]) and are overridden by any real ``config.json``. Fields not
+    listed below mean what they mean in `KimiLinearConfig` / `DeepseekV3Config`.
 
-    Defaults are the values of the official release where K3_SPEC.md reads them from code ([R]/[C]);
-    values the spec marks unknown use its inference ([I]) and are overridden by any real ``config.json``.
+    The K3-only features can each be switched off, which turns the model into transformers' Kimi Linear.
 
-    K3-only features can each be switched off, which turns the model into transformers' Kimi Linear:
-    ``attn_res_block_size=None`` (classic pre-norm residuals), ``routed_expert_hidden_size=None`` (experts
-    at full width), ``hidden_act="silu"`` (SiLU-GLU), ``linear_attn_config.gate_lower_bound=None``
-    (softplus forget gate), ``linear_attn_config.use_full_rank_gate=False`` (low-rank ``g_a``/``g_b``
-    output gate) and ``mla_use_output_gate=False``.
+    Args:
+        hidden_act (`str`, defaults to `"situ"`): the experts' and dense MLPs' GLU activation, `"situ"` or `"silu"`.
+        activation_situ_beta (`float`, *optional*, defaults to 4.0): SiTU's cap of the gate half (null: the default).
+        activation_situ_linear_beta (`float`, *optional*, defaults to 25.0): cap of the up half (null: uncapped).
+        pad_token_id / bos_token_id / eos_token_id (`int`, *optional*): the release's ids (163839 / 163584 / 163586)
+            where they fit `vocab_size`, null otherwise.
+        rope_theta / rope_scaling: not read (the text model has no RoPE); a scaling other than the default is refused.
+        mla_use_nope (`bool`, defaults to `True`): K3's MLA applies no RoPE; only `True` is built.
+        mla_use_output_gate (`bool`, defaults to `True`): the sigmoid output gate of MLA.
+        routed_expert_hidden_size (`int`, *optional*, defaults to 3584): the latent width the routed experts run at
+            (null: the full hidden size).
+        latent_moe_use_norm (`bool`, defaults to `True`): the RMSNorm before the latent down-projection.
+        router_fp32 (`bool`, defaults to `False`): computes the router's logits in float32.
+        router_aux_loss_coef (`float`, defaults to 0.0): DeepSeek-V3's sequence-wise balance loss added to the LM
+            loss (0: off; K3 balances with the selection bias, see `transformers_k3.balancing`).
+        attn_res_block_size (`int`, *optional*, defaults to 12): layers per Block Attention Residuals block (null:
+            the classic residual stream).
+        linear_attn_config (`dict`, *optional*): the KDA settings `num_heads`, `head_dim`, `short_conv_kernel_size`,
+            `use_full_rank_gate` (`False`: the low-rank output gate), `gate_lower_bound` (-5.0; null: the softplus
+            forget gate) and the 1-based layer lists `kda_layers` / `full_attn_layers`; null: the release's.
+        kda_o_norm_eps (`float`, defaults to 1e-5): eps of the KDA gated output norm (SGLang and vLLM hard-code it).
+        mla_latent_norm_eps (`float`, *optional*, defaults to 1e-6): eps of the MLA `q_a` / `kv_a` norms, as the
+            release's remote code builds them (SGLang, vLLM and llama.cpp use `rms_norm_eps`; null: that).
+        logit_scale (`float`, defaults to 1.0): multiplies the LM head's logits.
+        layer_types / mlp_layer_types (`list[str]`, *optional*): derived from `linear_attn_config` and from
+            `num_experts` / `first_k_dense_replace` / `moe_layer_freq`; saved for transformers' masking utilities.
 
-    Extra keys of ours (not in the official config, all defaulting to the official behaviour):
-    ``kda_o_norm_eps`` (eps of the KDA gated output norm; 1e-5: SGLang and vLLM hard-code it, the release's
-    modeling code passes ``rms_norm_eps``, 1e-5) and ``mla_latent_norm_eps`` (eps of the MLA ``q_a``/``kv_a``
-    norms; default 1e-6, the release's own ``modeling_kimi_linear.py`` builds them without an eps argument, as
-    do mlx-lm and transformers' Kimi Linear; SGLang, vLLM and llama.cpp use ``rms_norm_eps``, 1e-5;
-    ``None`` = ``rms_norm_eps``).
-
-    The special-token ids default to the release's (pad 163839, bos 163584, eos 163586) when they fit
-    ``vocab_size`` and to ``None`` otherwise (a small config that sets no ids). A config re-saved by
-    transformers 5 from the release's remote code loads: its ``head_dim`` and ``rope_parameters`` are dropped
-    (debug log), other keys the model does not read are kept as attributes (debug log).
+    A config re-saved by transformers 5 from the release's remote code loads: its ``head_dim`` and ``rope_parameters``
+    are dropped (debug log), other keys the model does not read are kept as attributes (debug log).
     """
 
     model_type: ClassVar[str] = "kimi_k3_text"
@@ -411,7 +345,6 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         "norm_topk_prob": "moe_renormalize",
         "n_group": "num_expert_group",
     }
-    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _TEXT_SPECS
     # Tensor / expert / pipeline parallel plans, keyed by our module names (checked against the model in tests).
     # TP splits the experts (~98% of the weights: their partial outputs are summed by "moe_tp_experts"), the shared
     # experts and dense MLP (colwise, then rowwise with an all-reduce); the attention projections' weights are split
@@ -444,66 +377,74 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
-    vocab_size: int = 163840
-    hidden_size: int = 7168
-    intermediate_size: int = 33792
-    num_hidden_layers: int = 93
-    num_attention_heads: int = 96
-    num_key_value_heads: int | None = None
-    hidden_act: str = "situ"
-    activation_situ_beta: float | None = 4.0
-    activation_situ_linear_beta: float | None = 25.0
-    rms_norm_eps: float = 1e-5
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 1048576
-    use_cache: bool = True
-    pad_token_id: int | None = _ReleaseTokenId(163839)
-    bos_token_id: int | None = _ReleaseTokenId(163584)
-    eos_token_id: int | list[int] | None = _ReleaseTokenId(163586)
-    rope_theta: float | None = None
-    rope_scaling: dict | None = None
+    # Null is allowed where it has a meaning or where the field is not read in some configurations (the MoE sizes of
+    # a dense model, `intermediate_size` of an all-MoE one); `validate_architecture` requires them where they are read.
+    vocab_size: int = _integer()(163840)
+    hidden_size: int = _integer()(7168)
+    intermediate_size: int | None = _integer(nullable=True)(33792)
+    num_hidden_layers: int = _layers()(93)
+    num_attention_heads: int = _integer()(96)
+    num_key_value_heads: int | None = _integer(maximum=None, nullable=True)(None)
+    hidden_act: str = _choice("situ", "silu")("situ")
+    activation_situ_beta: float | None = _factor(nullable=True, why="null: the SiTU default cap")(4.0)
+    activation_situ_linear_beta: float | None = _factor(nullable=True, why="null: the up half is not capped")(25.0)
+    rms_norm_eps: float = _eps()(1e-5)
+    initializer_range: float = _real(0, 1, why="the std of the normal initialisation; K3: 0.02")(0.02)
+    tie_word_embeddings: bool = _flag()(False)
+    max_position_embeddings: int = _integer(maximum=None)(1048576)
+    use_cache: bool = _flag()(True)
+    pad_token_id: int | None = _integer(0, maximum=None, nullable=True)(_ReleaseTokenId(163839))
+    bos_token_id: int | None = _integer(0, maximum=None, nullable=True)(_ReleaseTokenId(163584))
+    eos_token_id: int | list[int] | None = _Accepts("a token id >= 0 or a list of them", lambda v: (
+        _is_int(v) and v >= 0) or (isinstance(v, (list, tuple)) and all(_is_int(i) and i >= 0 for i in v)),
+        nullable=True)(_ReleaseTokenId(163586))
+    rope_theta: float | None = _real(0, low_open=True, nullable=True, why="not read: the text model has no RoPE")(None)
+    rope_scaling: dict | None = _Accepts("a dict", lambda v: isinstance(v, dict), nullable=True)(None)
     # MLA
-    q_lora_rank: int | None = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    mla_use_nope: bool = True
-    mla_use_output_gate: bool = True
-    attention_dropout: float = 0.0
+    q_lora_rank: int | None = _integer(nullable=True, why="null: a full-rank q_proj")(1536)
+    kv_lora_rank: int = _integer()(512)
+    qk_nope_head_dim: int = _integer()(128)
+    qk_rope_head_dim: int = _integer(0)(64)
+    v_head_dim: int = _integer()(128)
+    mla_use_nope: bool = _choice(True, why="K3's MLA has no positional encoding and this implementation applies no "
+                                           "RoPE")(True)
+    mla_use_output_gate: bool = _flag()(True)
+    attention_dropout: float = _real(0, 1, high_open=True)(0.0)
     # MoE
-    num_experts: int | None = 896
-    num_experts_per_token: int | None = 16
-    num_shared_experts: int = 2
-    moe_intermediate_size: int | None = 3072
-    routed_expert_hidden_size: int | None = 3584
-    latent_moe_use_norm: bool = True
-    first_k_dense_replace: int = 1
-    moe_layer_freq: int = 1
-    moe_router_activation_func: str = "sigmoid"
-    moe_renormalize: bool = True
-    routed_scaling_factor: float = 1.0
-    topk_method: str = "noaux_tc"
-    use_grouped_topk: bool = True
-    num_expert_group: int = 1
-    topk_group: int = 1
-    router_fp32: bool = False
-    output_router_logits: bool = False
-    # Optional DeepSeek-V3 sequence-wise balance loss added to the LM loss (0 = off; K3 balances with the
-    # selection bias instead, see transformers_k3.balancing).
-    router_aux_loss_coef: float = 0.0
-    num_nextn_predict_layers: int = 0
-    # Block Attention Residuals (None: classic residual stream, as in Kimi Linear)
-    attn_res_block_size: int | None = 12
+    num_experts: int | None = _integer(nullable=True, why="null: every layer dense")(896)
+    num_experts_per_token: int | None = _integer(nullable=True)(16)
+    num_shared_experts: int = _integer(0)(2)
+    moe_intermediate_size: int | None = _integer(nullable=True)(3072)
+    routed_expert_hidden_size: int | None = _integer(nullable=True, why="null: experts at full width")(3584)
+    latent_moe_use_norm: bool = _flag()(True)
+    first_k_dense_replace: int = _integer(0, maximum=None)(1)
+    moe_layer_freq: int = _integer()(1)
+    moe_router_activation_func: str = _choice("sigmoid", "softmax")("sigmoid")
+    moe_renormalize: bool = _flag()(True)
+    routed_scaling_factor: float = _factor()(1.0)
+    topk_method: str = _choice("noaux_tc", why="the router always selects with the e_score_correction_bias, "
+                                               "DeepSeek-V3's aux-loss-free top-k")("noaux_tc")
+    use_grouped_topk: bool = _flag()(True)
+    num_expert_group: int = _integer()(1)
+    topk_group: int = _integer()(1)
+    router_fp32: bool = _flag()(False)
+    output_router_logits: bool = _flag()(False)
+    router_aux_loss_coef: float = _factor(zero_ok=True, why="0: no balance loss")(0.0)
+    num_nextn_predict_layers: int = _choice(0, why="K3 has no MTP head; this implementation builds none (SGLang "
+                                                   "skips those tensors too)")(0)
+    # Block Attention Residuals
+    attn_res_block_size: int | None = _integer(nullable=True, why="null: classic residuals")(12)
     # KDA
-    linear_attn_config: dict | None = None
-    kda_o_norm_eps: float = 1e-5
-    mla_latent_norm_eps: float | None = 1e-6
-    logit_scale: float = 1.0
+    linear_attn_config: dict | None = _Accepts("a dict of the KDA settings", lambda v: isinstance(v, dict),
+                                               nullable=True)(None)
+    kda_o_norm_eps: float = _eps()(1e-5)
+    mla_latent_norm_eps: float | None = _eps(nullable=True, why="null: rms_norm_eps")(1e-6)
+    logit_scale: float = _factor()(1.0)
     # Derived (filled in __post_init__; saved so the in-tree masking utilities can read them)
-    layer_types: list[str] | None = None
-    mlp_layer_types: list[str] | None = None
+    layer_types: list[str] | None = _list_of("a list of 'linear_attention' / 'full_attention'", lambda t: t in (
+        "linear_attention", "full_attention"), nullable=True)(None)
+    mlp_layer_types: list[str] | None = _list_of("a list of 'dense' / 'sparse'", lambda t: t in ("dense", "sparse"),
+                                                 nullable=True)(None)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
@@ -513,7 +454,7 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         text = config_dict.get("text_config")
         if config_dict.get("model_type") == KimiK3Config.model_type:
-            _COMPOSITE_SPECS["text_config"].check("text_config", text)
+            KimiK3Config.__dataclass_fields__["text_config"].metadata["accepts"].check("text_config", text)
             text = dict(text or {})  # (null: the release's text config, as the composite reads it)
             for key in ("quantization_config", "dtype"):
                 if key in config_dict and key not in text:
@@ -547,7 +488,7 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         given = {name for name in ("layer_types", "mlp_layer_types") if getattr(self, name) is not None}
         self._refresh_derived({"linear_attn_config"} | given)
         _drop_dequantized_on_load_quantization(self)
-        self.validate_k3()
+        self.validate_architecture()  # (before the derived keys are compared with what it checks)
         for key, value in derived_given.items():
             name = _DERIVED_KEYS[key]
             derived = getattr(self, name)
@@ -577,11 +518,25 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
 
     def _derived_layer_types(self) -> dict[str, list[str]]:
         """``layer_types`` (from the 1-based lists of `linear_attn_config`) and ``mlp_layer_types`` (from
-        num_experts / first_k_dense_replace / moe_layer_freq, which the layers read; informational, but the
-        in-tree masking utilities and a saved config carry it)."""
+        num_experts / first_k_dense_replace / moe_layer_freq, which the layers read)."""
+        lac = self.linear_attn_config
+        _check(isinstance(lac, dict), "linear_attn_config",
+               f"must be a dict of the KDA settings (null only when constructing: the release's), got {_shown(lac)}")
+        for key in ("kda_layers", "full_attn_layers"):
+            _check(key in lac, f"linear_attn_config.{key}", "is required (1-based layer ids)")
+            _LINEAR_ATTN_ACCEPTS[key].check(f"linear_attn_config.{key}", lac[key])
+        kda, full, n = list(lac["kda_layers"]), list(lac["full_attn_layers"]), self.num_hidden_layers
+        bad = [i for i in kda + full if not 1 <= i <= n]
+        _check(not bad, "linear_attn_config", f"layer ids {bad} are outside 1..num_hidden_layers={n} (ids are 1-based)")
+        both = sorted(set(kda) & set(full))
+        _check(not both, "linear_attn_config", f"layers {both} are listed as both KDA and full attention")
+        missing = sorted(set(range(1, n + 1)) - set(kda) - set(full))
+        _check(not missing, "linear_attn_config",
+               f"layers {missing} are in neither `kda_layers` nor `full_attn_layers`; every layer 1..{n} needs a type")
+        kda = set(kda)
         return {
-            "layer_types": self._layer_types_from_lists(),
-            "mlp_layer_types": ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)],
+            "layer_types": ["linear_attention" if i + 1 in kda else "full_attention" for i in range(n)],
+            "mlp_layer_types": ["sparse" if self.is_moe_layer(i) else "dense" for i in range(n)],
         }
 
     def _check_agrees(self, name: str, derived: list[str]) -> None:
@@ -633,33 +588,7 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         return math.ceil(self.num_hidden_layers / self.attn_res_block_size) if self.use_attn_res else 0
 
     def is_moe_layer(self, idx: int) -> bool:
-        return (
-            self.num_experts is not None
-            and idx >= self.first_k_dense_replace
-            and idx % self.moe_layer_freq == 0
-        )
-
-    def _layer_types_from_lists(self) -> list[str]:
-        lac = self.linear_attn_config
-        _check(isinstance(lac, dict), "linear_attn_config",
-               f"must be a dict of the KDA settings (null only when constructing: the release's), got {_shown(lac)}")
-        for key in ("kda_layers", "full_attn_layers"):
-            _check(key in lac, f"linear_attn_config.{key}", "is required (1-based layer ids)")
-            _LINEAR_ATTN_SPECS[key].check(f"linear_attn_config.{key}", lac[key])
-        kda, full = list(lac["kda_layers"]), list(lac["full_attn_layers"])
-        n = self.num_hidden_layers
-        bad = [i for i in kda + full if not 1 <= i <= n]
-        _check(not bad, "linear_attn_config", f"layer ids {bad} are outside 1..num_hidden_layers={n} (ids are 1-based)")
-        both = sorted(set(kda) & set(full))
-        _check(not both, "linear_attn_config", f"layers {both} are listed as both KDA and full attention")
-        missing = sorted(set(range(1, n + 1)) - set(kda) - set(full))
-        _check(
-            not missing,
-            "linear_attn_config",
-            f"layers {missing} are in neither `kda_layers` nor `full_attn_layers`; every layer 1..{n} needs a type",
-        )
-        kda_set = set(kda)
-        return ["linear_attention" if i + 1 in kda_set else "full_attention" for i in range(n)]
+        return self.num_experts is not None and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
 
     def parameter_count(self) -> int:
         """The parameters of the model this config builds, computed from the fields alone (nothing is built): every
@@ -686,16 +615,10 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         return total
 
     # ----------------------------------------------------------------------------------------------
-    def validate_k3(self) -> None:
-        """Checks every field and the relations between them; raises `KimiK3ConfigError` naming the first bad
-        one, its value and what it accepts."""
+    # Validation (run by `@strict` after construction and by transformers before saving)
+    def validate_architecture(self):
+        """Every field (a list or dict may have been changed in place) and the relations between them."""
         self._check_fields()
-        vocab = self.vocab_size
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            ids = value if isinstance(value, (list, tuple)) else [value]
-            _check(all(i is None or i < vocab for i in ids), name,
-                   f"must be a token id in [0, vocab_size={vocab}) (or null), got {_shown(value)}")
         _check(self.num_key_value_heads in (None, self.num_attention_heads), "num_key_value_heads",
                f"must equal num_attention_heads ({self.num_attention_heads}) or be null: MLA has one key/value head "
                f"per query head (no grouped-query attention); got {self.num_key_value_heads!r}")
@@ -705,18 +628,16 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         _check(scaling is None or scaling.get("rope_type", scaling.get("type")) == "default", "rope_scaling",
                f"must be null (or {{'rope_type': 'default'}}, no scaling): the K3 text model has no positional "
                f"encoding (NoPE MLA), so a RoPE scaling (and its yarn mscale) cannot be honoured; got {scaling!r}")
-
         # KDA
         lac = self.linear_attn_config
         derived = self._derived_layer_types()  # also checks the layer lists
-        unknown = sorted(set(lac) - set(_LINEAR_ATTN_SPECS))
-        _check(not unknown, "linear_attn_config", f"unknown keys {unknown}; the keys are {sorted(_LINEAR_ATTN_SPECS)}")
-        for key, spec in _LINEAR_ATTN_SPECS.items():
-            _check(key in lac, f"linear_attn_config.{key}", f"is required ({spec.allowed})")
-            spec.check(f"linear_attn_config.{key}", lac[key])
+        unknown = sorted(set(lac) - set(_LINEAR_ATTN_ACCEPTS))
+        _check(not unknown, "linear_attn_config", f"unknown keys {unknown}; the keys are {sorted(_LINEAR_ATTN_ACCEPTS)}")
+        for key, accepts in _LINEAR_ATTN_ACCEPTS.items():
+            _check(key in lac, f"linear_attn_config.{key}", f"is required ({accepts.allowed})")
+            accepts.check(f"linear_attn_config.{key}", lac[key])
         for name, value in derived.items():
             self._check_agrees(name, value)
-
         # MoE
         if self.num_experts is not None:
             for name in ("num_experts_per_token", "moe_intermediate_size"):
@@ -743,9 +664,15 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         if "dense" in derived["mlp_layer_types"]:
             _check(self.intermediate_size is not None, "intermediate_size",
                    "is required: the dense layers' MLP width (an integer >= 1)")
-        _check_parameter_count(self)
+        self._check_parameter_count()
 
-    # ----------------------------------------------------------------------------------------------
+    def validate_token_ids(self):
+        """Every special-token id inside the vocabulary (transformers' own check only warns)."""
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            _check(all(i is None or i < self.vocab_size for i in _token_ids(value)), name,
+                   f"must be a token id in [0, vocab_size={self.vocab_size}) (or null), got {_shown(value)}")
+
     @classmethod
     def tiny(cls, **overrides) -> "KimiK3TextConfig":
         """A few-hundred-kilobyte config with every K3 feature on, for tests and demos (K3_SPEC.md
@@ -776,44 +703,33 @@ class KimiK3TextConfig(_FieldChecks, PreTrainedConfig):
         return cls(**values)
 
 
-# What each field of `KimiK3VisionConfig` accepts. An enum with a single value names the one architecture this
-# implementation builds: the tower and projector do not read it, so any other value would be silently ignored.
-_VISION_SPECS: dict[str, _Spec] = {
-    "patch_size": _size(),
-    "init_pos_emb_height": _size(),
-    "init_pos_emb_width": _size(),
-    "init_pos_emb_time": _size(why="the most frames one video chunk can have"),
-    "pos_emb_type": _choice("divided_fixed"),
-    # (F.interpolate with align_corners=False: only the interpolating modes)
-    "pos_emb_interpolation_mode": _choice("bilinear", "bicubic"),
-    "vt_num_attention_heads": _size(),
-    "vt_num_hidden_layers": _layers(),
-    "vt_hidden_size": _size(2, multiple_of=2, why="the video time embedding is sin/cos pairs"),
-    "vt_intermediate_size": _size(),
-    "qkv_hidden_size": _size(),
-    "norm_type": _choice("rmsnorm"),
-    "attn_bias": _flag(),
-    "linear_bias": _flag(),
-    "patch_embed_proj_bias": _flag(),
-    "mlp_type": _choice("mlp2"),
-    "activation_func": _choice("gelu_pytorch_tanh", "gelu"),
-    "merge_kernel_size": _Spec("two integers >= 1 ([height, width] of a merged window)", lambda v: isinstance(
-        v, (list, tuple)) and len(v) == 2 and all(_is_int(k) and k >= 1 for k in v)),
-    "merge_type": _choice("sd2_tpool"),
-    "video_attn_type": _choice("spatial_temporal"),
-    "mm_projector_type": _choice("patchmergerv2"),
-    "mm_hidden_size": _size(nullable=True, why="null: vt_hidden_size"),
-    "projector_hidden_act": _choice("gelu", why="the projector's GELU is the exact (erf) one"),
-    "projector_ln_eps": _eps(),
-    "text_hidden_size": _size(),
-    "initializer_range": _real(0, 1, why="the std of the normal initialisation; K3: 0.02"),
-}
 
 
-class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
-    """Configuration of the MoonViT3d vision tower and PatchMergerV2 projector (K3_SPEC.md 1.4). Official
-    keys load unchanged; the ``vt_*`` names are the checkpoint's, the generic names are aliases. Every field is
-    checked as strictly as the text config's."""
+# --------------------------------------------------------------------------------------------------
+# Vision
+@strict
+class KimiK3VisionConfig(_KimiK3ConfigFields, PreTrainedConfig):
+    r"""Configuration of the MoonViT3d vision tower and PatchMergerV2 projector (K3_SPEC.md 1.4). Official keys load
+    unchanged; the ``vt_*`` names are the checkpoint's, the generic names (``hidden_size``...) are aliases. An enum
+    with a single value names the one architecture this implementation builds: the tower and projector do not read it,
+    so any other value would be silently ignored.
+
+    Args:
+        patch_size (`int`, defaults to 14): side of a square patch, in pixels.
+        init_pos_emb_height / init_pos_emb_width (`int`, defaults to 64): the grid of learned position embeddings,
+            interpolated (`pos_emb_interpolation_mode`, `"bilinear"` or `"bicubic"`) to each image's grid.
+        init_pos_emb_time (`int`, defaults to 4): the most frames one video chunk can have.
+        vt_num_attention_heads / vt_num_hidden_layers / vt_hidden_size / vt_intermediate_size: the tower's sizes
+            (`vt_hidden_size` even: the video time embedding is sin/cos pairs).
+        qkv_hidden_size (`int`, defaults to 1536): the attention width; its head dim is a multiple of 4 (2-D RoPE).
+        attn_bias / linear_bias / patch_embed_proj_bias (`bool`, defaults to `False`): biases of those projections.
+        activation_func (`str`, defaults to `"gelu_pytorch_tanh"`): the tower MLP's activation (or `"gelu"`).
+        merge_kernel_size (`list[int]`, defaults to `[2, 2]`): `[height, width]` of the patches merged per token.
+        mm_hidden_size (`int`, *optional*): the projector's input width per patch, `vt_hidden_size` (null: that).
+        projector_hidden_act (`str`, defaults to `"gelu"`): the projector's exact (erf) GELU.
+        projector_ln_eps (`float`, defaults to 1e-5): eps of the projector's norm.
+        text_hidden_size (`int`): the text model's width the projector writes; the composite sets it.
+    """
 
     model_type: ClassVar[str] = "kimi_k3_vision"
     attribute_map: ClassVar[dict[str, str]] = {
@@ -822,40 +738,41 @@ class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
         "hidden_size": "vt_hidden_size",
         "intermediate_size": "vt_intermediate_size",
     }
-    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _VISION_SPECS
 
-    patch_size: int = 14
-    init_pos_emb_height: int = 64
-    init_pos_emb_width: int = 64
-    init_pos_emb_time: int = 4
-    pos_emb_type: str = "divided_fixed"
-    pos_emb_interpolation_mode: str = "bilinear"
-    vt_num_attention_heads: int = 12
-    vt_num_hidden_layers: int = 27
-    vt_hidden_size: int = 1024
-    vt_intermediate_size: int = 4096
-    qkv_hidden_size: int = 1536
-    norm_type: str = "rmsnorm"
-    attn_bias: bool = False
-    linear_bias: bool = False
-    patch_embed_proj_bias: bool = False
-    mlp_type: str = "mlp2"
-    activation_func: str = "gelu_pytorch_tanh"
-    merge_kernel_size: list[int] | tuple[int, int] = (2, 2)
-    merge_type: str = "sd2_tpool"
-    video_attn_type: str = "spatial_temporal"
-    mm_projector_type: str = "patchmergerv2"
-    mm_hidden_size: int | None = None
-    projector_hidden_act: str = "gelu"
-    projector_ln_eps: float = 1e-5
-    text_hidden_size: int = 2304
-    initializer_range: float = 0.02
+    patch_size: int = _integer()(14)
+    init_pos_emb_height: int = _integer()(64)
+    init_pos_emb_width: int = _integer()(64)
+    init_pos_emb_time: int = _integer(why="the most frames one video chunk can have")(4)
+    pos_emb_type: str = _choice("divided_fixed")("divided_fixed")
+    # (F.interpolate with align_corners=False: only the interpolating modes)
+    pos_emb_interpolation_mode: str = _choice("bilinear", "bicubic")("bilinear")
+    vt_num_attention_heads: int = _integer()(12)
+    vt_num_hidden_layers: int = _layers()(27)
+    vt_hidden_size: int = _integer(2, multiple_of=2, why="the video time embedding is sin/cos pairs")(1024)
+    vt_intermediate_size: int = _integer()(4096)
+    qkv_hidden_size: int = _integer()(1536)
+    norm_type: str = _choice("rmsnorm")("rmsnorm")
+    attn_bias: bool = _flag()(False)
+    linear_bias: bool = _flag()(False)
+    patch_embed_proj_bias: bool = _flag()(False)
+    mlp_type: str = _choice("mlp2")("mlp2")
+    activation_func: str = _choice("gelu_pytorch_tanh", "gelu")("gelu_pytorch_tanh")
+    merge_kernel_size: list[int] | tuple[int, int] = _Accepts(
+        "two integers >= 1 ([height, width] of a merged window)",
+        lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(k) and k >= 1 for k in v))((2, 2))
+    merge_type: str = _choice("sd2_tpool")("sd2_tpool")
+    video_attn_type: str = _choice("spatial_temporal")("spatial_temporal")
+    mm_projector_type: str = _choice("patchmergerv2")("patchmergerv2")
+    mm_hidden_size: int | None = _integer(nullable=True, why="null: vt_hidden_size")(None)
+    projector_hidden_act: str = _choice("gelu", why="the projector's GELU is the exact (erf) one")("gelu")
+    projector_ln_eps: float = _eps()(1e-5)
+    text_hidden_size: int = _integer()(2304)
+    initializer_range: float = _real(0, 1, why="the std of the normal initialisation; K3: 0.02")(0.02)
 
     def __post_init__(self, **kwargs):
         kwargs.pop("model_type", None)
         super().__post_init__(**kwargs)
         self._refresh_derived(set())
-        self.validate_k3()
 
     def _refresh_derived(self, updated: set[str]) -> None:
         self.merge_kernel_size = list(self.merge_kernel_size)
@@ -870,11 +787,10 @@ class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
         return (3 * self.patch_size**2 * hidden + self.init_pos_emb_height * self.init_pos_emb_width * hidden
                 + self.vt_num_hidden_layers * per_layer + merged * merged + merged * self.text_hidden_size)
 
-    def validate_k3(self) -> None:
-        """Checks every field and the relations between them; raises `KimiK3ConfigError` naming the first bad
-        one, its value and what it accepts."""
+    def validate_architecture(self):
+        """Every field and the relations between them."""
         self._check_fields()
-        _check_parameter_count(self)
+        self._check_parameter_count()
         heads, qkv = self.vt_num_attention_heads, self.qkv_hidden_size
         _check(qkv % heads == 0, "qkv_hidden_size",
                f"({qkv}) must be divisible by vt_num_attention_heads ({heads})")
@@ -886,41 +802,46 @@ class KimiK3VisionConfig(_FieldChecks, PreTrainedConfig):
                f"must equal vt_hidden_size ({self.vt_hidden_size}) or be null, got {self.mm_hidden_size!r}")
 
 
+# --------------------------------------------------------------------------------------------------
+# Composite
 MXFP4_GROUP_SIZE = 32  # the release's MXFP4 scheme: one E8M0 scale per 32 weights
 _RELEASE_MEDIA_PLACEHOLDER_ID = 163605  # the release's <|media_pad|>
 
-_COMPOSITE_SPECS: dict[str, _Spec] = {
-    "text_config": _Spec("a dict or a KimiK3TextConfig", lambda v: isinstance(v, (dict, KimiK3TextConfig)),
-                         nullable=True, why="null: the release's"),
-    "vision_config": _Spec("a dict or a KimiK3VisionConfig", lambda v: isinstance(v, (dict, KimiK3VisionConfig)),
-                           nullable=True, why="null: a text-only composite"),
-    "media_placeholder_token_id": _integer(0, nullable=True),
-    "pad_token_id": _integer(0, nullable=True, why="null: the text config's"),
-    "ignore_index": _choice(-100, why="the loss ignores the label -100, transformers' default; it does not read "
-                                      "this field"),
-    "image_placeholder": _Spec("a non-empty string", lambda v: isinstance(v, str) and v != ""),
-    "tie_word_embeddings": _flag(),
-}
 
+@strict
+class KimiK3Config(_KimiK3ConfigFields, PreTrainedConfig):
+    r"""The composite K3 config (``model_type: "kimi_k3"``): a text decoder and an optional vision tower.
 
-class KimiK3Config(_FieldChecks, PreTrainedConfig):
-    """The composite K3 config (``model_type: "kimi_k3"``): ``text_config`` (built as `KimiK3TextConfig`
-    whatever its ``model_type`` key says) and an optional ``vision_config``. ``media_placeholder_token_id``
-    defaults to the release's ``<|media_pad|>`` (163605) where it fits the text vocabulary, and to ``None``
-    otherwise (set it to your tokenizer's ``<|media_pad|>`` id to pass images)."""
+    Args:
+        text_config (`dict` or `KimiK3TextConfig`, *optional*): built as `KimiK3TextConfig` whatever its
+            ``model_type`` key says; null: the release's.
+        vision_config (`dict` or `KimiK3VisionConfig`, *optional*): null: a text-only composite.
+        media_placeholder_token_id (`int`, *optional*): the token every image slot of a prompt holds; defaults to
+            the release's ``<|media_pad|>`` (163605) where it fits the text vocabulary and to null otherwise (set it
+            to your tokenizer's ``<|media_pad|>`` id to pass images).
+        pad_token_id (`int`, *optional*): null: the text config's.
+        ignore_index (`int`, defaults to -100): the label the loss ignores, transformers' default (not read).
+        image_placeholder (`str`, defaults to `"<|kimi_image_placeholder|>"`): the prompt text of an image.
+        tie_word_embeddings (`bool`, defaults to `False`).
+    """
 
     model_type: ClassVar[str] = "kimi_k3"
     sub_configs_defaults: ClassVar[dict] = {"text_config": KimiK3TextConfig, "vision_config": KimiK3VisionConfig}
-    _FIELD_SPECS: ClassVar[dict[str, _Spec]] = _COMPOSITE_SPECS
 
-    text_config: dict | PreTrainedConfig | None = None
-    vision_config: dict | PreTrainedConfig | None = None
-    media_placeholder_token_id: int | None = _ReleaseTokenId(_RELEASE_MEDIA_PLACEHOLDER_ID)
-    # None: the text config's (the release's 163839 by default)
-    pad_token_id: int | None = None
-    ignore_index: int = -100
-    image_placeholder: str = "<|kimi_image_placeholder|>"
-    tie_word_embeddings: bool = False
+    text_config: dict | PreTrainedConfig | None = _Accepts(
+        "a dict or a KimiK3TextConfig", lambda v: isinstance(v, (dict, KimiK3TextConfig)), nullable=True,
+        why="null: the release's")(None)
+    vision_config: dict | PreTrainedConfig | None = _Accepts(
+        "a dict or a KimiK3VisionConfig", lambda v: isinstance(v, (dict, KimiK3VisionConfig)), nullable=True,
+        why="null: a text-only composite")(None)
+    media_placeholder_token_id: int | None = _integer(0, maximum=None, nullable=True)(
+        _ReleaseTokenId(_RELEASE_MEDIA_PLACEHOLDER_ID))
+    pad_token_id: int | None = _integer(0, maximum=None, nullable=True, why="null: the text config's")(None)
+    ignore_index: int = _choice(-100, why="the loss ignores the label -100, transformers' default; it does not read "
+                                          "this field")(-100)
+    image_placeholder: str = _Accepts("a non-empty string", lambda v: isinstance(v, str) and v != "")(
+        "<|kimi_image_placeholder|>")
+    tie_word_embeddings: bool = _flag()(False)
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
@@ -952,7 +873,6 @@ class KimiK3Config(_FieldChecks, PreTrainedConfig):
         if getattr(text, "quantization_config", None) is not None and not hasattr(self, "quantization_config"):
             self.quantization_config = text.quantization_config
         self._refresh_derived(set())
-        self.validate_k3()
 
     def _refresh_derived(self, updated: set[str]) -> None:
         text = self.text_config
@@ -961,33 +881,34 @@ class KimiK3Config(_FieldChecks, PreTrainedConfig):
         if self.vision_config is not None:
             self.vision_config.text_hidden_size = text.hidden_size
 
-    def validate_k3(self) -> None:
-        """Checks the composite's own fields and both sub-configs; raises `KimiK3ConfigError` naming the first bad
-        field, its value and what it accepts."""
+    def validate_architecture(self):
+        """The composite's own fields, both sub-configs (all their validators) and the relations between them."""
         self._check_fields()
         text, vision = self.text_config, self.vision_config
         _check(isinstance(text, KimiK3TextConfig), "text_config", f"must be a KimiK3TextConfig, got {_shown(text)}")
         _check(vision is None or isinstance(vision, KimiK3VisionConfig), "vision_config",
                f"must be a KimiK3VisionConfig or null, got {_shown(vision)}")
-        text.validate_k3()
-        vocab = text.vocab_size
-        for name in ("media_placeholder_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            _check(value is None or value < vocab, name,
-                   f"must be a token id in [0, text_config.vocab_size={vocab}) (or null), got {value!r}")
-        media = self.media_placeholder_token_id
-        if media is not None:
-            eos = text.eos_token_id if isinstance(text.eos_token_id, (list, tuple)) else [text.eos_token_id]
-            special = {self.pad_token_id, text.pad_token_id, text.bos_token_id, *eos} - {None}
-            # every occurrence of the id is an image slot: a pad, bos or eos token there would take an image's place
-            _check(media not in special, "media_placeholder_token_id",
-                   f"({media}) must differ from the pad / bos / eos token ids {sorted(special)}")
+        text.validate()
         if vision is not None:
-            vision.validate_k3()
+            vision.validate()
             _check(vision.text_hidden_size == text.hidden_size, "vision_config.text_hidden_size",
                    f"({vision.text_hidden_size}) must equal text_config.hidden_size ({text.hidden_size}): the "
                    f"projector writes into the text model's embeddings")
-        _check_parameter_count(self, field="text_config")
+        self._check_parameter_count(field="text_config")
+
+    def validate_token_ids(self):
+        """The media placeholder and pad ids inside the text vocabulary, and the placeholder no other special token."""
+        text = self.text_config
+        for name in ("media_placeholder_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            _check(value is None or value < text.vocab_size, name,
+                   f"must be a token id in [0, text_config.vocab_size={text.vocab_size}) (or null), got {value!r}")
+        media = self.media_placeholder_token_id
+        if media is not None:
+            special = {self.pad_token_id, text.pad_token_id, text.bos_token_id, *_token_ids(text.eos_token_id)} - {None}
+            # every occurrence of the id is an image slot: a pad, bos or eos token there would take an image's place
+            _check(media not in special, "media_placeholder_token_id",
+                   f"({media}) must differ from the pad / bos / eos token ids {sorted(special)}")
 
     def parameter_count(self) -> int:
         """`KimiK3TextConfig.parameter_count` plus the vision tower's, from the fields alone."""

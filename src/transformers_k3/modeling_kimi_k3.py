@@ -300,7 +300,7 @@ class KimiK3ModelMixin:
 
     def __init__(self, config, *args, **kwargs):
         # an assignment checks its own field only: the relations between fields are checked here, before building
-        validate = getattr(config, "validate_k3", None)
+        validate = getattr(config, "validate", None)
         if validate is not None:
             validate()
             # the dtype being built in (from_pretrained / from_config set it): a factor must not vanish there

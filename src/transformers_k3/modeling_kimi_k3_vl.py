@@ -87,7 +87,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
             config = copy.deepcopy(config_for_from_pretrained(cls, pretrained_model_name_or_path, kwargs))
             for key, value in text_fields.items():
                 setattr(config.text_config, key, value)
-            config.text_config.validate_k3()
+            config.text_config.validate()
             kwargs["config"] = config
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
