@@ -202,6 +202,7 @@ def test_image_pipeline_parses_tool_calls_only_from_the_tools_channel(monkeypatc
                  text('argument key="x" type="number"') + marker("<|sep|>") + text("2") + marker("<|close|>") + text("argument") + marker("<|sep|><|close|>") +
                  text("call") + marker("<|sep|><|close|>") + text("tools") + marker("<|sep|><|close|>") +
                  text("message") + marker("<|sep|><|end_of_msg|>"))
+    # why: a random tiny model cannot write this answer; what is tested is the pipeline's reading of it
     monkeypatch.setattr(pipe.model, "generate",
                         lambda *args, **kwargs: torch.cat([kwargs["input_ids"], torch.tensor([generated])], 1))
     messages = [{"role": "user", "content": [{"type": "image", "image": data.draw_shape("circle", "red", 56)},

@@ -1,13 +1,12 @@
-"""What a GPU would run, exercised on CPU (issue 30): the attention implementation switched by config (the
-flash-attention family gets transformers' 2-D padding mask, which the absorbed decode path must read right), and
-the chunk-after-cache path when the model and the MLA layer decide it on different devices."""
+"""What a GPU would run, exercised on CPU (issue 30): no CPU kernel build off the CPU, fla's kernels asked for
+what they take, the cache's state following each layer's device without copies at every step. (MLA's GPU paths,
+the flash-attention masks and CUDA's log-sum-exp kernel, are in test_mla.py.)"""
 
 import types
 
 import pytest
 import torch
 
-import transformers_k3.layers.mla as mla
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
 from references import randomize_
@@ -21,134 +20,51 @@ def model():
     return randomize_(KimiK3ForCausalLM(config)).eval()
 
 
-@pytest.fixture
-def implementation(model):
-    """Sets ``config._attn_implementation`` for a test and restores it."""
-    before = model.config._attn_implementation
-
-    def use(name):
-        model.config._attn_implementation = name
-
-    yield use
-    model.config._attn_implementation = before
-
-
-# flash_attention_2 / 3 run on CPU here as far as MLA goes: a decode step of <= 16 tokens after a cache takes the
-# absorbed path, which never calls flash-attn; transformers then hands the layers its 2-D [B, S] padding mask
-@pytest.mark.parametrize("attention", ["flash_attention_2", "flash_attention_3", "eager", "sdpa"])
-@pytest.mark.parametrize("new_tokens", [1, 2, 3, 16])
-def test_padded_decode_equals_the_unpadded_rows(model, implementation, attention, new_tokens):
-    gen = torch.Generator().manual_seed(new_tokens)
-    ids = torch.randint(3, 400, (2, 6), generator=gen)
-    new = torch.randint(3, 400, (2, new_tokens), generator=gen)
-    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+_MOE_ON_META = """
+import sys, torch
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3.layers.moe import KimiK3SparseMoE
+config = KimiK3TextConfig.tiny()
+for dtype in (torch.float32, torch.bfloat16):  # (fp32: off the CPU the grouped GEMM kernel takes bf16 only)
+    with torch.device("meta"):
+        model = KimiK3ForCausalLM(config).to(dtype).eval()
+    layer = next(m for m in model.modules() if isinstance(m, KimiK3SparseMoE))
     with torch.no_grad():
-        implementation("sdpa")
-        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
-        alone = [model(torch.cat([ids[:1], new[:1]], 1)).logits[:, -new_tokens:],
-                 model(torch.cat([ids[1:, 2:], new[1:]], 1)).logits[:, -new_tokens:]]
-        implementation(attention)
-        step = model(new, attention_mask=torch.cat([mask, torch.ones(2, new_tokens, dtype=torch.long)], 1),
-                     past_key_values=cache).logits
-    torch.testing.assert_close(step[:1], alone[0], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(step[1:], alone[1], atol=2e-5, rtol=1e-5)
-
-
-def test_the_2d_padding_mask_is_causal_aligned_to_the_end():
-    scores = torch.zeros(2, 1, 3, 5)
-    out = mla._apply_mask(scores, torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]))
-    kept = out > torch.finfo(out.dtype).min
-    assert kept[0, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
-    assert kept[1, 0].tolist() == [[False, True, True, False, False], [False, True, True, True, False],
-                                   [False] + [True] * 4]
-
-
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("layer_takes_blockwise", [True, False])
-def test_a_chunk_after_the_cache_agrees_whatever_device_each_module_sees(model, implementation, monkeypatch,
-                                                                         attention, layer_takes_blockwise):
-    """The model drops the [T, context] mask when it expects the layers' blockwise path (CPU SDPA); a layer on a
-    GPU (here: told it is not on CPU) does not take that path and must still attend causally to the cache's end."""
-    implementation(attention)
-    ids = torch.randint(3, 400, (1, 30), generator=torch.Generator().manual_seed(3))
+        for tokens in (1, 2, 40, 300):
+            out = layer(torch.zeros(1, tokens, config.hidden_size, device="meta", dtype=dtype))
+            assert out.shape == (1, tokens, config.hidden_size) and out.device.type == "meta"
+print("ON META", flush=True)
+if sys.argv[1] == "then-on-cpu":  # the control: a CPU decode step builds them
     with torch.no_grad():
-        full = model(ids).logits
-        if not layer_takes_blockwise:
-            monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
-        cache = model(ids[:, :6], use_cache=True).past_key_values
-        chunk = model(ids[:, 6:], past_key_values=cache).logits  # 24 tokens: more than the absorbed path takes
-    torch.testing.assert_close(chunk, full[:, 6:], atol=2e-5, rtol=1e-5)
+        KimiK3ForCausalLM(config).eval()(torch.tensor([[3, 4]]))
+"""
 
 
-def _efficient_attention_like_cuda(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
-                                   is_causal=False, *, scale=None):
-    """CUDA's memory-efficient kernel as its schema and PyTorch's kernel give it, in plain math on the CPU: the
-    output, and the log-sum-exp with its rows padded to a multiple of 32 (garbage in the padding)."""
-    assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
-    scores = query.float() @ key.float().transpose(-1, -2) * scale
-    if is_causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
-    lse = scores.logsumexp(-1)
-    out = (scores - lse[..., None]).exp() @ value.float()
-    rows = -(-query.shape[-2] // 32) * 32
-    padded = torch.full((*lse.shape[:-1], rows), 123.0)
-    padded[..., : lse.shape[-1]] = lse
-    return out.to(query.dtype), padded, torch.empty(()), torch.empty(())
-
-
-def test_the_blockwise_chunk_attention_takes_cudas_log_sum_exp_kernel(model, implementation, monkeypatch):
-    """On CUDA a chunk after cached tokens attends blockwise too (it expanded K/V for the whole context: ~10 GB at
-    128K), through the memory-efficient kernel's log-sum-exp. Emulated: the CPU path routed through the CUDA
-    wrapper with that kernel's documented outputs (padded log-sum-exp rows), context blocks of 8 tokens so that
-    several merge; the chunks equal one forward over everything."""
-    implementation("sdpa")
-    calls = []
-
-    def efficient(*args, **kwargs):
-        calls.append(args[0].shape)
-        return _efficient_attention_like_cuda(*args, **kwargs)
-
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", efficient)
-    monkeypatch.setitem(mla.LSE_KERNELS, "cpu", mla._cuda_efficient_attention)
-    monkeypatch.setattr(mla, "CONTEXT_BLOCK", 8)
-    ids = torch.randint(3, 400, (1, 60), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        full = model(ids).logits
-        cache = model(ids[:, :20], use_cache=True).past_key_values
-        chunks = [full[:, :20]]
-        for start in (20, 40):  # 20 tokens each: past the absorbed path's 16
-            chunks.append(model(ids[:, start:start + 20], past_key_values=cache).logits)
-    assert calls, "the blockwise path did not run"
-    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=2e-5, rtol=1e-5)
-    on_cuda = types.SimpleNamespace(device=torch.device("cuda"), requires_grad=False)  # what the check reads
-    assert mla.uses_blockwise_attention(model.config, on_cuda)
-
-
-def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(monkeypatch):
+@pytest.mark.parametrize("then_on_cpu", [False, True])
+def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(tmp_path, then_on_cpu):
     """The MoE layer asked the CPU kernel library for its decode limits before looking at the device: the first
-    no-grad MoE step on CUDA compiled it (~15 s, needing g++). Meta tensors stand in for the GPU's."""
-    from transformers_k3.layers.moe import KimiK3SparseMoE
-    from transformers_k3.ops import cpu_kernel
+    no-grad MoE step on CUDA compiled it (needing g++). Meta tensors stand in for the GPU's, in a fresh process
+    with an empty kernel cache and a compiler that leaves a mark when run; the control, a CPU step, runs it."""
+    import os
+    import subprocess
+    import sys
 
-    def built(*args, **kwargs):
-        raise AssertionError("the CPU kernel library was asked for on a non-CPU device")
-
-    monkeypatch.setattr(cpu_kernel, "library", built)
-    monkeypatch.setattr(cpu_kernel, "moe_decode_max_tokens", built)
-    config = KimiK3TextConfig.tiny()
-    for dtype in (torch.float32, torch.bfloat16):  # (fp32: off the CPU the grouped GEMM kernel takes bf16 only)
-        with torch.device("meta"):
-            model = KimiK3ForCausalLM(config).to(dtype).eval()
-        layers = [m for m in model.modules() if isinstance(m, KimiK3SparseMoE)]
-        with torch.no_grad():
-            for tokens in (1, 2, 40, 300):
-                out = layers[0](torch.zeros(1, tokens, config.hidden_size, device="meta", dtype=dtype))
-                assert out.shape == (1, tokens, config.hidden_size) and out.device.type == "meta"
+    mark = tmp_path / "compiler-ran"
+    compiler = tmp_path / "cxx"
+    compiler.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {**os.environ, "CXX": str(compiler), "TRANSFORMERS_K3_CACHE": str(tmp_path / "cache"),
+           "TRANSFORMERS_K3_CPU_KERNEL": "1"}
+    result = subprocess.run([sys.executable, "-c", _MOE_ON_META, "then-on-cpu" if then_on_cpu else "meta"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and "ON META" in result.stdout, result.stderr[-3000:]
+    assert mark.exists() == then_on_cpu, result.stderr[-3000:]
 
 
 def test_kda_on_cuda_without_fla_says_so_once(monkeypatch, caplog):
     from transformers_k3.ops import kda
 
+    # why: an install without fla (it is installed here)
     monkeypatch.setattr(kda, "_load_fla", lambda: (None, "ModuleNotFoundError: No module named 'fla'"))
     kda._warn_no_fla.cache_clear()
     try:
@@ -165,11 +81,11 @@ def test_kda_on_cuda_without_fla_says_so_once(monkeypatch, caplog):
 def test_forced_fla_on_cpu_tensors_only_under_the_triton_interpreter(monkeypatch):
     from transformers_k3.ops import kda
 
-    monkeypatch.setattr(kda, "_load_fla", lambda: ((object(), object()), None))
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kda, "_load_fla", lambda: ((object(), object()), None))  # why: fla's kernels need Triton
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # why: the environment variable under test
     with pytest.raises(ValueError, match="need CUDA tensors"):
         kda._select_backend("fla", torch.device("cpu"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # why: the environment variable under test
     assert kda._select_backend("fla", torch.device("cpu")) == "fla"
     assert kda._select_backend(None, torch.device("cpu")) == "torch"  # automatic choice: never Triton on CPU
 
@@ -353,9 +269,10 @@ def test_the_fla_decode_step_updates_the_state_in_place(monkeypatch, contiguous)
         initial_state.add_(1)
         return torch.zeros_like(v), initial_state
 
+    # why: stand-ins for fla's Triton kernels (no Triton here), their keywords checked against fla's source
     monkeypatch.setattr(kda, "_load_fla", lambda: ((public, public), None))
-    monkeypatch.setattr(kda, "_load_fla_inplace_recurrent", lambda: forward)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kda, "_load_fla_inplace_recurrent", lambda: forward)  # why: as above
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # why: lets fla's kernels take CPU tensors
     q, k, v, g = (torch.randn(2, 1, 3, 8) for _ in range(4))
     state = torch.zeros(2, 3, 8, 8) if contiguous else torch.zeros(2, 3, 8, 8).transpose(-1, -2)
     with torch.no_grad():
@@ -435,8 +352,8 @@ def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatc
         state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
         return torch.zeros_like(v), state if output_final_state else None
 
-    monkeypatch.setattr(kda, "_load_fla", lambda: ((chunk, chunk), None))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kda, "_load_fla", lambda: ((chunk, chunk), None))  # why: fla's Triton kernel, stood in for
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # why: lets fla's kernels take CPU tensors
     config = KimiK3TextConfig.tiny(linear_attn_config={"gate_lower_bound": lower_bound})
     model = KimiK3ForCausalLM(config).eval()
     with torch.no_grad(), kda.kda_backend("fla"):

@@ -1,0 +1,345 @@
+"""The gated NoPE MLA layer (layers/mla.py) by its values: against a float64 transcription of K3_SPEC.md section 5
+and against transformers' in-tree Kimi Linear MLA (``KimiLinearAttention``, the same weights; K3's output gate off,
+where the two layers are the same function). Each path the layer has is checked against those references, never
+against another of its own paths: a prefill, decode steps on a cache (attended in latent space), a chunk of tokens on
+a cache (blockwise under SDPA, merged over context blocks by log-sum-exp; expanded and masked otherwise), padded
+rows, and the flash-attention family's 2-D padding mask."""
+
+import types
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
+
+import transformers_k3.layers.mla as mla
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+from transformers_k3.layers.mla import KimiK3MLA, uses_blockwise_attention
+
+from references import k3_config_matching, kimi_linear_config, randomize_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IMPLEMENTATIONS = ["eager", "sdpa"]
+
+
+def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """K3_SPEC.md section 5 in float64 over a whole sequence ``x [B, S, H]``, causal (``mask [B, S]``: 1 = a token,
+    0 = padding, which no query attends to). Weights read by name from the checkpoint layout; eps as the config says
+    (``mla_latent_norm_eps``, null: ``rms_norm_eps``)."""
+    config = layer.config
+    eps = config.mla_latent_norm_eps if config.mla_latent_norm_eps is not None else config.rms_norm_eps
+    n, dn, dr, dv, r = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
+                        config.v_head_dim, config.kv_lora_rank)  # fmt: skip
+    w = {name: p.detach().double() for name, p in layer.named_parameters()}
+    x = x.double()
+    batch, seq, _ = x.shape
+
+    def rms(v, weight):
+        return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    c_q = rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"])                     # step 1
+    q = (c_q @ w["q_b_proj.weight"].T).view(batch, seq, n, dn + dr)                       # step 2
+    q_nope, q_pe = q[..., :dn], q[..., dn:]
+    kv = x @ w["kv_a_proj_with_mqa.weight"].T                                             # step 3
+    c_kv, k_pe = kv[..., :r], kv[..., r:]
+    c = rms(c_kv, w["kv_a_layernorm.weight"])                                             # step 4
+    kvb = (c @ w["kv_b_proj.weight"].T).view(batch, seq, n, dn + dv)                      # step 5
+    k_nope, v = kvb[..., :dn], kvb[..., dn:]
+    scores = (torch.einsum("bthd,bshd->bhts", q_nope, k_nope)
+              + torch.einsum("bthd,bsd->bhts", q_pe, k_pe)) * (dn + dr) ** -0.5           # steps 6-7: no rotation
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+    if mask is not None:
+        allowed = allowed & mask.bool()[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    o = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).reshape(batch, seq, n * dv)  # step 8
+    if config.mla_use_output_gate:
+        o = o * torch.sigmoid(x @ w["g_proj.weight"].T)                                   # step 9
+    return o @ w["o_proj.weight"].T                                                       # step 10
+
+
+def additive_causal(q_len: int, seq: int) -> torch.Tensor:
+    """``[1, 1, q_len, seq]`` additive mask: the last ``q_len`` of ``seq`` tokens, each attending to those before it."""
+    keep = torch.ones(q_len, seq, dtype=torch.bool).tril(seq - q_len)
+    return torch.zeros(q_len, seq).masked_fill(~keep, torch.finfo(torch.float32).min)[None, None]
+
+
+def k3_layer(implementation: str, **overrides) -> KimiK3MLA:
+    config = KimiK3TextConfig.tiny(**overrides)
+    config._attn_implementation = implementation
+    layer_idx = config.layer_types.index("full_attention")
+    return randomize_(KimiK3MLA(config, layer_idx).eval(), seed=3)
+
+
+def hidden(batch: int, seq: int, width: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(seed))
+
+
+def steps_on_a_cache(layer: KimiK3MLA, x: torch.Tensor, splits, masked: bool) -> torch.Tensor:
+    """The layer run over ``x`` in pieces of ``splits`` tokens on one cache, concatenated. ``masked``: each piece
+    gets its end-aligned causal mask (as the model builds for eager); otherwise none (the model leaves it out for a
+    chunk that takes the blockwise path, and for a single token)."""
+    cache = KimiK3HybridCache(layer.config)
+    outs, start = [], 0
+    for size in splits:
+        mask = additive_causal(size, start + size) if masked else None
+        outs.append(layer(x[:, start:start + size], attention_mask=mask, past_key_values=cache)[0])
+        start += size
+    return torch.cat(outs, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Against the float64 formula
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_prefill_matches_the_float64_formula(implementation, gate):
+    layer = k3_layer(implementation, mla_use_output_gate=gate)
+    x = hidden(2, 13, layer.config.hidden_size)
+    want = reference_mla(layer, x)
+    with torch.no_grad():
+        got = layer(x, attention_mask=additive_causal(13, 13))[0]
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_output_gate_multiplies_the_heads_before_o_proj():
+    """The gate is not an identity in these weights: the layer with and without it differ as the formula says."""
+    layer = k3_layer("eager")
+    x = hidden(1, 6, layer.config.hidden_size, seed=1)
+    with torch.no_grad():
+        gated = layer(x, attention_mask=additive_causal(6, 6))[0]
+        layer.config.mla_use_output_gate = False
+        plain = layer(x, attention_mask=additive_causal(6, 6))[0]
+        torch.testing.assert_close(plain.double(), reference_mla(layer, x), atol=1e-5, rtol=1e-5)
+    assert (gated - plain).abs().max() > 1e-3
+
+
+# (eager attention attends where its mask says: the model always gives it one; SDPA's steps run with and without)
+MASKINGS = [("eager", True), ("sdpa", True), ("sdpa", False)]
+
+
+@pytest.mark.parametrize("implementation, masked", MASKINGS)
+@pytest.mark.parametrize("splits", [(5, 1, 1, 1), (5, 3, 1), (7, 20), (4, 1, 17, 2)],
+                         ids=["decode", "short-chunk", "long-chunk", "mixed"])
+def test_steps_on_a_cache_match_the_float64_formula(implementation, masked, splits):
+    """Single tokens and chunks of up to 16 attend in latent space; longer chunks expand the latent (eager: with
+    the mask; SDPA without one: blockwise against the cached context). Every one the formula over the whole
+    sequence, at the step's positions."""
+    layer = k3_layer(implementation)
+    x = hidden(2, sum(splits), layer.config.hidden_size, seed=2)
+    with torch.no_grad():
+        got = steps_on_a_cache(layer, x, splits, masked)
+    torch.testing.assert_close(got.double(), reference_mla(layer, x), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context_block", [8, 16, 50])
+def test_blockwise_chunks_equal_the_masked_path_and_the_formula(monkeypatch, context_block):
+    """A chunk on a cache under CPU SDPA without a mask attends to the cached context `CONTEXT_BLOCK` tokens at a
+    time and merges the blocks by log-sum-exp; with a mask it expands everything. Both equal the formula, and each
+    other, with the context split into several blocks, one, or a ragged last one."""
+    # why: the context is cut into 16,384-token blocks; a tiny one makes several blocks out of 40 cached tokens
+    monkeypatch.setattr(mla, "CONTEXT_BLOCK", context_block)
+    layer = k3_layer("sdpa")
+    x = hidden(2, 64, layer.config.hidden_size, seed=4)
+    with torch.no_grad():
+        assert uses_blockwise_attention(layer.config, x)  # the scenario: CPU SDPA without autograd
+        blockwise = steps_on_a_cache(layer, x, (40, 24), masked=False)
+        masked = steps_on_a_cache(layer, x, (40, 24), masked=True)
+    want = reference_mla(layer, x)
+    torch.testing.assert_close(blockwise.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(masked.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(blockwise, masked, atol=2e-5, rtol=1e-5)
+
+
+def test_a_chunk_with_autograd_on_a_cache_matches_the_formula():
+    """Under autograd the chunk takes no fused kernel's log-sum-exp (it has no backward): expanded and masked
+    causally to the cache's end even when the caller gave no mask; the gradient is the formula's."""
+    layer = k3_layer("sdpa")
+    x = hidden(1, 30, layer.config.hidden_size, seed=5).requires_grad_()
+    cache = KimiK3HybridCache(layer.config)
+    with torch.no_grad():
+        first = layer(x[:, :10].detach(), past_key_values=cache)[0]
+    assert not uses_blockwise_attention(layer.config, x)
+    chunk = layer(x[:, 10:], past_key_values=cache)[0]
+    probe = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(6))
+    (chunk * probe).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    want = reference_mla(layer, x64)
+    (want[:, 10:] * probe.double()).sum().backward()
+    torch.testing.assert_close(torch.cat([first, chunk.detach()], 1).double(), want.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad[:, 10:].double(), x64.grad[:, 10:], atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Against transformers' in-tree Kimi Linear MLA
+def in_tree_pair(implementation: str) -> tuple[KimiLinearAttention, KimiK3MLA]:
+    """transformers' ``KimiLinearAttention`` with random weights, and K3's layer with those weights (the same
+    names: the checkpoint layout), from matching configs (K3's output gate off, latent norms at Kimi Linear's eps)."""
+    kl_config = kimi_linear_config()
+    kl_config._attn_implementation = implementation
+    reference = KimiLinearAttention(kl_config, layer_idx=0).eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for name, param in reference.named_parameters():
+            scale = 0.1 if name.endswith("norm.weight") else 0.08
+            param.copy_((1.0 if name.endswith("norm.weight") else 0.0) + scale * torch.randn(param.shape, generator=gen))
+    k3_config = k3_config_matching(kl_config)
+    k3_config._attn_implementation = implementation
+    layer = KimiK3MLA(k3_config, k3_config.layer_types.index("full_attention")).eval()
+    layer.load_state_dict(reference.state_dict(), strict=True)
+    return reference, layer
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_prefill_matches_in_tree_kimi_linear(implementation):
+    reference, layer = in_tree_pair(implementation)
+    x = hidden(2, 11, layer.config.hidden_size, seed=8)
+    mask = additive_causal(11, 11)
+    with torch.no_grad():
+        want = reference(x, mask)[0]
+        got = layer(x, attention_mask=mask)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), reference_mla(layer, x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation, masked", MASKINGS)
+def test_steps_on_a_cache_match_in_tree_kimi_linear(implementation, masked):
+    """Prefill, three decode steps, a chunk of 2 and one of 20, on K3's cache and on transformers' DynamicCache."""
+    reference, layer = in_tree_pair(implementation)
+    splits = (6, 1, 1, 1, 2, 20)
+    x = hidden(1, sum(splits), layer.config.hidden_size, seed=9)
+    theirs = DynamicCache()
+    want, start = [], 0
+    with torch.no_grad():
+        for size in splits:
+            want.append(reference(x[:, start:start + size], additive_causal(size, start + size), theirs)[0])
+            start += size
+        got = steps_on_a_cache(layer, x, splits, masked)
+    torch.testing.assert_close(got, torch.cat(want, 1), atol=2e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# In the model: padded rows, the flash-attention family's 2-D mask, a chunk decided on another device
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = KimiK3TextConfig.tiny()
+    config.logit_scale = 0.5
+    return randomize_(KimiK3ForCausalLM(config)).eval()
+
+
+@pytest.fixture
+def implementation(model):
+    """Sets ``config._attn_implementation`` for a test and restores it."""
+    before = model.config._attn_implementation
+
+    def use(name):
+        model.config._attn_implementation = name
+
+    yield use
+    model.config._attn_implementation = before
+
+
+# flash_attention_2 / 3 run on CPU here as far as MLA goes: a decode step of <= 16 tokens after a cache attends in
+# latent space, which never calls flash-attn; transformers then hands the layers its 2-D [B, S] padding mask
+@pytest.mark.parametrize("attention", ["flash_attention_2", "flash_attention_3", "eager", "sdpa"])
+@pytest.mark.parametrize("new_tokens", [1, 2, 3, 16])
+def test_padded_decode_equals_the_unpadded_rows(model, implementation, attention, new_tokens):
+    gen = torch.Generator().manual_seed(new_tokens)
+    ids = torch.randint(3, 400, (2, 6), generator=gen)
+    new = torch.randint(3, 400, (2, new_tokens), generator=gen)
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        implementation("sdpa")
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        alone = [model(torch.cat([ids[:1], new[:1]], 1)).logits[:, -new_tokens:],
+                 model(torch.cat([ids[1:, 2:], new[1:]], 1)).logits[:, -new_tokens:]]
+        implementation(attention)
+        step = model(new, attention_mask=torch.cat([mask, torch.ones(2, new_tokens, dtype=torch.long)], 1),
+                     past_key_values=cache).logits
+    torch.testing.assert_close(step[:1], alone[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(step[1:], alone[1], atol=2e-5, rtol=1e-5)
+
+
+def test_padded_rows_match_the_float64_formula():
+    """A left-padded row through prefill and decode steps: its tokens are the formula's with the padding masked."""
+    layer = k3_layer("eager")
+    x = hidden(2, 9, layer.config.hidden_size, seed=10)
+    padding = torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])
+    want = reference_mla(layer, x, padding)
+    cache = KimiK3HybridCache(layer.config)
+    outs, start = [], 0
+    with torch.no_grad():
+        for size in (5, 1, 3):
+            keep = additive_causal(size, start + size) == 0
+            keep = keep & padding[:, None, None, : start + size].bool()
+            outs.append(layer(x[:, start:start + size], attention_mask=keep, past_key_values=cache)[0])
+            start += size
+    got = torch.cat(outs, 1).double()
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], atol=2e-5, rtol=1e-5)  # (padding slots: any value)
+
+
+def test_the_2d_padding_mask_is_causal_aligned_to_the_end():
+    scores = torch.zeros(2, 1, 3, 5)
+    out = mla._apply_mask(scores, torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]))
+    kept = out > torch.finfo(out.dtype).min
+    assert kept[0, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, False], [True] * 5]
+    assert kept[1, 0].tolist() == [[False, True, True, False, False], [False, True, True, True, False],
+                                   [False] + [True] * 4]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("layer_takes_blockwise", [True, False])
+def test_a_chunk_after_the_cache_agrees_whatever_device_each_module_sees(model, implementation, monkeypatch,
+                                                                         attention, layer_takes_blockwise):
+    """The model drops the [T, context] mask when it expects the layers' blockwise path (CPU SDPA); a layer on a
+    GPU (here: told it is not on CPU) does not take that path and must still attend causally to the cache's end."""
+    implementation(attention)
+    ids = torch.randint(3, 400, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids).logits
+        if not layer_takes_blockwise:
+            # why: a layer placed on another device than the model's embedding (no second device here)
+            monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        chunk = model(ids[:, 6:], past_key_values=cache).logits  # 24 tokens: more than the latent-space path takes
+    torch.testing.assert_close(chunk, full[:, 6:], atol=2e-5, rtol=1e-5)
+
+
+def _efficient_attention_like_cuda(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                                   is_causal=False, *, scale=None):
+    """CUDA's memory-efficient kernel as its schema and PyTorch's kernel give it, in plain math on the CPU: the
+    output, and the log-sum-exp with its rows padded to a multiple of 32 (garbage in the padding)."""
+    assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
+    scores = query.float() @ key.float().transpose(-1, -2) * scale
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = (scores - lse[..., None]).exp() @ value.float()
+    rows = -(-query.shape[-2] // 32) * 32
+    padded = torch.full((*lse.shape[:-1], rows), 123.0)
+    padded[..., : lse.shape[-1]] = lse
+    return out.to(query.dtype), padded, torch.empty(()), torch.empty(())
+
+
+def test_the_blockwise_chunk_attention_through_cudas_log_sum_exp_kernel(model, implementation, monkeypatch):
+    """On CUDA a chunk after cached tokens attends blockwise too (expanding K/V for the whole context would not fit
+    at long contexts), through the memory-efficient kernel's log-sum-exp, whose rows come padded. Emulated: the CPU
+    path given the CUDA wrapper over that kernel's documented outputs, context blocks of 8 tokens so that several
+    merge; the chunks equal one forward over everything."""
+    implementation("sdpa")
+    # why: CUDA's kernel (no GPU here) as its documented outputs, on CPU tensors, behind the CUDA wrapper
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", _efficient_attention_like_cuda)
+    monkeypatch.setitem(mla.LSE_KERNELS, "cpu", mla._cuda_efficient_attention)  # why: the same, its dispatch
+    monkeypatch.setattr(mla, "CONTEXT_BLOCK", 8)  # why: several context blocks out of 20-40 cached tokens
+    ids = torch.randint(3, 400, (1, 60), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = model(ids[:, :20], use_cache=True).past_key_values
+        chunks = [full[:, :20]]
+        for start in (20, 40):  # 20 tokens each: past the latent-space path's 16
+            assert uses_blockwise_attention(model.config, full)  # the scenario: SDPA without autograd, a CPU tensor
+            chunks.append(model(ids[:, start:start + 20], past_key_values=cache).logits)
+    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=2e-5, rtol=1e-5)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"), requires_grad=False)  # what the check reads
+    assert uses_blockwise_attention(model.config, on_cuda)
