@@ -235,14 +235,10 @@ def ref_experts(experts, x, idx, w, probe):
 
 def modules_path(moe, x):
     """The layer through its modules (the decode kernel turned off)."""
-    limit = cpu_kernel.moe_decode_max_tokens
-    # why: the reference is the modules with the other CPU kernels as they are; no public switch for this one
-    cpu_kernel.moe_decode_max_tokens = lambda: 0
-    try:
-        with torch.no_grad():
-            return moe(x)
-    finally:
-        cpu_kernel.moe_decode_max_tokens = limit  # why: restores the above
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        # why: the modules with the other CPU kernels as they are; no public switch turns this one off alone
+        patch.setattr(cpu_kernel, "moe_decode_max_tokens", lambda: 0)
+        return moe(x)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -177,11 +177,12 @@ def test_pipeline_returns_a_parsed_tool_call_and_takes_it_back(pipe):
 
 
 @needs_small
-def test_image_pipeline_parses_tool_calls_only_from_the_tools_channel(monkeypatch):
-    """pipeline("image-text-to-text") on an answer (generate's ids written here) whose reasoning spells a call and
-    whose tools channel holds a real one: the message has the real call only, the spelled one stays reasoning."""
+def test_image_pipeline_parses_tool_calls_only_from_the_tools_channel():
+    """pipeline("image-text-to-text") on an answer (written here, and made the model's by a logits processor: a
+    random small model cannot write it) whose reasoning spells a call and whose tools channel holds a real one: the
+    message has the real call only, the spelled one stays reasoning."""
     import torch
-    from transformers import pipeline
+    from transformers import LogitsProcessor, LogitsProcessorList, pipeline
 
     from transformers_k3.small import data
 
@@ -202,12 +203,21 @@ def test_image_pipeline_parses_tool_calls_only_from_the_tools_channel(monkeypatc
                  text('argument key="x" type="number"') + marker("<|sep|>") + text("2") + marker("<|close|>") + text("argument") + marker("<|sep|><|close|>") +
                  text("call") + marker("<|sep|><|close|>") + text("tools") + marker("<|sep|><|close|>") +
                  text("message") + marker("<|sep|><|end_of_msg|>"))
-    # why: a random tiny model cannot write this answer; what is tested is the pipeline's reading of it
-    monkeypatch.setattr(pipe.model, "generate",
-                        lambda *args, **kwargs: torch.cat([kwargs["input_ids"], torch.tensor([generated])], 1))
+
+    class Writes(LogitsProcessor):
+        """Leaves the model only the next token of ``generated`` to choose."""
+
+        def __call__(self, input_ids, scores):
+            self.prompt = getattr(self, "prompt", input_ids.shape[1])
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, generated[input_ids.shape[1] - self.prompt]] = 0.0
+            return forced
+
     messages = [{"role": "user", "content": [{"type": "image", "image": data.draw_shape("circle", "red", 56)},
                                              {"type": "text", "text": "what?"}]}]
-    answer = pipe(text=messages, max_new_tokens=5)[0]["generated_text"][-1]
+    answer = pipe(text=messages, max_new_tokens=len(generated),
+                  generate_kwargs={"logits_processor": LogitsProcessorList([Writes()]), "do_sample": False}
+                  )[0]["generated_text"][-1]
     assert answer == {"role": "assistant", "content": "A circle.", "reasoning_content": spelled,
                       "tool_calls": [{"id": "zoom:1", "type": "function",
                                       "function": {"name": "zoom", "arguments": {"x": 2}}}]}

@@ -5,6 +5,7 @@ against another of its own paths: a prefill, decode steps on a cache (attended i
 a cache (blockwise under SDPA, merged over context blocks by log-sum-exp; expanded and masked otherwise), padded
 rows, and the flash-attention family's 2-D padding mask."""
 
+import copy
 import types
 
 import pytest
@@ -23,10 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 IMPLEMENTATIONS = ["eager", "sdpa"]
 
 
-def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None = None,
+                  last: int | None = None) -> torch.Tensor:
     """K3_SPEC.md section 5 in float64 over a whole sequence ``x [B, S, H]``, causal (``mask [B, S]``: 1 = a token,
-    0 = padding, which no query attends to). Weights read by name from the checkpoint layout; eps as the config says
-    (``mla_latent_norm_eps``, null: ``rms_norm_eps``)."""
+    0 = padding, which no query attends to); the outputs of the ``last`` tokens only, if given. Weights read by name
+    from the checkpoint layout; eps as the config says (``mla_latent_norm_eps``, null: ``rms_norm_eps``)."""
     config = layer.config
     eps = config.mla_latent_norm_eps if config.mla_latent_norm_eps is not None else config.rms_norm_eps
     n, dn, dr, dv, r = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
@@ -38,8 +40,10 @@ def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None =
     def rms(v, weight):
         return v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight
 
-    c_q = rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"])                     # step 1
-    q = (c_q @ w["q_b_proj.weight"].T).view(batch, seq, n, dn + dr)                       # step 2
+    rows = seq if last is None else last
+    queries = x[:, seq - rows:]
+    c_q = rms(queries @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"])               # step 1
+    q = (c_q @ w["q_b_proj.weight"].T).view(batch, rows, n, dn + dr)                      # step 2
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     kv = x @ w["kv_a_proj_with_mqa.weight"].T                                             # step 3
     c_kv, k_pe = kv[..., :r], kv[..., r:]
@@ -48,13 +52,13 @@ def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None =
     k_nope, v = kvb[..., :dn], kvb[..., dn:]
     scores = (torch.einsum("bthd,bshd->bhts", q_nope, k_nope)
               + torch.einsum("bthd,bsd->bhts", q_pe, k_pe)) * (dn + dr) ** -0.5           # steps 6-7: no rotation
-    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+    allowed = torch.ones(rows, seq, dtype=torch.bool).tril(seq - rows)[None, None]
     if mask is not None:
         allowed = allowed & mask.bool()[:, None, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    o = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).reshape(batch, seq, n * dv)  # step 8
+    o = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v).reshape(batch, rows, n * dv)  # step 8
     if config.mla_use_output_gate:
-        o = o * torch.sigmoid(x @ w["g_proj.weight"].T)                                   # step 9
+        o = o * torch.sigmoid(queries @ w["g_proj.weight"].T)                             # step 9
     return o @ w["o_proj.weight"].T                                                       # step 10
 
 
@@ -75,14 +79,16 @@ def hidden(batch: int, seq: int, width: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch, seq, width, generator=torch.Generator().manual_seed(seed))
 
 
-def steps_on_a_cache(layer: KimiK3MLA, x: torch.Tensor, splits, masked: bool) -> torch.Tensor:
+def steps_on_a_cache(layer: KimiK3MLA, x: torch.Tensor, splits, masked: bool, cache=None) -> torch.Tensor:
     """The layer run over ``x`` in pieces of ``splits`` tokens on one cache, concatenated. ``masked``: each piece
-    gets its end-aligned causal mask (as the model builds for eager); otherwise none (the model leaves it out for a
-    chunk that takes the blockwise path, and for a single token)."""
-    cache = KimiK3HybridCache(layer.config)
+    gets its end-aligned causal mask (as the model builds for eager); otherwise none, as the model leaves it out for
+    a chunk it expects to go blockwise, which a layer that decides otherwise (eager; another device; autograd) must
+    still attend causally to the cache's end. (An eager prefill always gets its mask: eager attends where it says.)"""
+    cache = KimiK3HybridCache(layer.config) if cache is None else cache
     outs, start = [], 0
     for size in splits:
-        mask = additive_causal(size, start + size) if masked else None
+        first = start == 0 and layer.config._attn_implementation == "eager"
+        mask = additive_causal(size, start + size) if masked or first else None
         outs.append(layer(x[:, start:start + size], attention_mask=mask, past_key_values=cache)[0])
         start += size
     return torch.cat(outs, 1)
@@ -113,17 +119,14 @@ def test_the_output_gate_multiplies_the_heads_before_o_proj():
     assert (gated - plain).abs().max() > 1e-3
 
 
-# (eager attention attends where its mask says: the model always gives it one; SDPA's steps run with and without)
-MASKINGS = [("eager", True), ("sdpa", True), ("sdpa", False)]
-
-
-@pytest.mark.parametrize("implementation, masked", MASKINGS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
 @pytest.mark.parametrize("splits", [(5, 1, 1, 1), (5, 3, 1), (7, 20), (4, 1, 17, 2)],
                          ids=["decode", "short-chunk", "long-chunk", "mixed"])
 def test_steps_on_a_cache_match_the_float64_formula(implementation, masked, splits):
-    """Single tokens and chunks of up to 16 attend in latent space; longer chunks expand the latent (eager: with
-    the mask; SDPA without one: blockwise against the cached context). Every one the formula over the whole
-    sequence, at the step's positions."""
+    """Single tokens and chunks of up to 16 attend in latent space; longer chunks expand the latent (with the mask,
+    or causal to the cache's end without one) or, under SDPA without a mask, go blockwise against the cached
+    context. Every one the formula over the whole sequence, at the step's positions."""
     layer = k3_layer(implementation)
     x = hidden(2, sum(splits), layer.config.hidden_size, seed=2)
     with torch.no_grad():
@@ -131,23 +134,35 @@ def test_steps_on_a_cache_match_the_float64_formula(implementation, masked, spli
     torch.testing.assert_close(got.double(), reference_mla(layer, x), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("context_block", [8, 16, 50])
-def test_blockwise_chunks_equal_the_masked_path_and_the_formula(monkeypatch, context_block):
-    """A chunk on a cache under CPU SDPA without a mask attends to the cached context `CONTEXT_BLOCK` tokens at a
-    time and merges the blocks by log-sum-exp; with a mask it expands everything. Both equal the formula, and each
-    other, with the context split into several blocks, one, or a ragged last one."""
-    # why: the context is cut into 16,384-token blocks; a tiny one makes several blocks out of 40 cached tokens
-    monkeypatch.setattr(mla, "CONTEXT_BLOCK", context_block)
+@pytest.fixture(scope="module")
+def long_context():
+    """An SDPA layer, its input, and a cache holding all but its last 24 tokens: `CONTEXT_BLOCK` + 40, so that the
+    cached context is two blocks, a full and a ragged one."""
     layer = k3_layer("sdpa")
-    x = hidden(2, 64, layer.config.hidden_size, seed=4)
+    x = hidden(1, mla.CONTEXT_BLOCK + 64, layer.config.hidden_size, seed=4)
+    cache = KimiK3HybridCache(layer.config)
+    with torch.no_grad():
+        layer(x[:, :-24], past_key_values=cache)
+    return layer, x, cache
+
+
+def test_a_chunk_after_a_long_context_matches_the_formula_blockwise_and_masked(long_context):
+    """A chunk on a cache under CPU SDPA without a mask attends to the cached context `CONTEXT_BLOCK` tokens at a
+    time and merges the blocks by log-sum-exp; with a mask it expands everything. Both are the formula, and agree;
+    decode steps after it (latent space, in blocks as well) too."""
+    layer, x, prefilled = long_context
+    want = reference_mla(layer, x, last=24)
     with torch.no_grad():
         assert uses_blockwise_attention(layer.config, x)  # the scenario: CPU SDPA without autograd
-        blockwise = steps_on_a_cache(layer, x, (40, 24), masked=False)
-        masked = steps_on_a_cache(layer, x, (40, 24), masked=True)
-    want = reference_mla(layer, x)
-    torch.testing.assert_close(blockwise.double(), want, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(masked.double(), want, atol=2e-5, rtol=1e-5)
+        cache = copy.deepcopy(prefilled)
+        blockwise = layer(x[:, -24:-4], past_key_values=cache)[0]
+        decoded = [layer(x[:, t:t + 1], past_key_values=cache)[0] for t in range(x.shape[1] - 4, x.shape[1])]
+        masked = layer(x[:, -24:-4], attention_mask=additive_causal(20, x.shape[1] - 4),
+                       past_key_values=copy.deepcopy(prefilled))[0]
+    torch.testing.assert_close(blockwise.double(), want[:, :20], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(masked.double(), want[:, :20], atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(blockwise, masked, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(decoded, 1).double(), want[:, 20:], atol=2e-5, rtol=1e-5)
 
 
 def test_a_chunk_with_autograd_on_a_cache_matches_the_formula():
@@ -201,7 +216,8 @@ def test_prefill_matches_in_tree_kimi_linear(implementation):
     torch.testing.assert_close(got.double(), reference_mla(layer, x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("implementation, masked", MASKINGS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
 def test_steps_on_a_cache_match_in_tree_kimi_linear(implementation, masked):
     """Prefill, three decode steps, a chunk of 2 and one of 20, on K3's cache and on transformers' DynamicCache."""
     reference, layer = in_tree_pair(implementation)
@@ -289,18 +305,14 @@ def test_the_2d_padding_mask_is_causal_aligned_to_the_end():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("layer_takes_blockwise", [True, False])
-def test_a_chunk_after_the_cache_agrees_whatever_device_each_module_sees(model, implementation, monkeypatch,
-                                                                         attention, layer_takes_blockwise):
-    """The model drops the [T, context] mask when it expects the layers' blockwise path (CPU SDPA); a layer on a
-    GPU (here: told it is not on CPU) does not take that path and must still attend causally to the cache's end."""
+def test_a_chunk_after_the_cache_equals_one_forward(model, implementation, attention):
+    """The model drops the [T, context] mask when it expects the layers' blockwise path (CPU SDPA). (A layer that
+    decides otherwise, on another device, gets no mask and attends causally to the cache's end: the no-mask steps
+    above.)"""
     implementation(attention)
     ids = torch.randint(3, 400, (1, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(ids).logits
-        if not layer_takes_blockwise:
-            # why: a layer placed on another device than the model's embedding (no second device here)
-            monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
         cache = model(ids[:, :6], use_cache=True).past_key_values
         chunk = model(ids[:, 6:], past_key_values=cache).logits  # 24 tokens: more than the latent-space path takes
     torch.testing.assert_close(chunk, full[:, 6:], atol=2e-5, rtol=1e-5)
@@ -322,24 +334,16 @@ def _efficient_attention_like_cuda(query, key, value, attn_bias, compute_log_sum
     return out.to(query.dtype), padded, torch.empty(()), torch.empty(())
 
 
-def test_the_blockwise_chunk_attention_through_cudas_log_sum_exp_kernel(model, implementation, monkeypatch):
+def test_the_blockwise_chunk_through_cudas_log_sum_exp_kernel(long_context, monkeypatch):
     """On CUDA a chunk after cached tokens attends blockwise too (expanding K/V for the whole context would not fit
-    at long contexts), through the memory-efficient kernel's log-sum-exp, whose rows come padded. Emulated: the CPU
-    path given the CUDA wrapper over that kernel's documented outputs, context blocks of 8 tokens so that several
-    merge; the chunks equal one forward over everything."""
-    implementation("sdpa")
+    at long contexts), through the memory-efficient kernel's log-sum-exp, whose rows come padded to a multiple of 32.
+    Emulated: that kernel's documented outputs in plain math, behind the CUDA wrapper; the chunk is the formula's."""
+    layer, x, prefilled = long_context
     # why: CUDA's kernel (no GPU here) as its documented outputs, on CPU tensors, behind the CUDA wrapper
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", _efficient_attention_like_cuda)
     monkeypatch.setitem(mla.LSE_KERNELS, "cpu", mla._cuda_efficient_attention)  # why: the same, its dispatch
-    monkeypatch.setattr(mla, "CONTEXT_BLOCK", 8)  # why: several context blocks out of 20-40 cached tokens
-    ids = torch.randint(3, 400, (1, 60), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        full = model(ids).logits
-        cache = model(ids[:, :20], use_cache=True).past_key_values
-        chunks = [full[:, :20]]
-        for start in (20, 40):  # 20 tokens each: past the latent-space path's 16
-            assert uses_blockwise_attention(model.config, full)  # the scenario: SDPA without autograd, a CPU tensor
-            chunks.append(model(ids[:, start:start + 20], past_key_values=cache).logits)
-    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=2e-5, rtol=1e-5)
+        chunk = layer(x[:, -24:], past_key_values=copy.deepcopy(prefilled))[0]
+    torch.testing.assert_close(chunk.double(), reference_mla(layer, x, last=24), atol=2e-5, rtol=1e-5)
     on_cuda = types.SimpleNamespace(device=torch.device("cuda"), requires_grad=False)  # what the check reads
-    assert uses_blockwise_attention(model.config, on_cuda)
+    assert uses_blockwise_attention(layer.config, on_cuda)
