@@ -171,6 +171,7 @@ def test_review_a_concurrent_plain_call_makes_prompt_tokenization_fail(tok):
             thread.start()
             thread.join()
 
+    # why: places the other thread's call at one point of the encode (a race is not reproducible otherwise)
     tokenizer._tokenizer = _Backend(real, other_thread_runs_now)
     assert tokenizer(prompt)["input_ids"] == expected
 

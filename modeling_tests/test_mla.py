@@ -42,8 +42,11 @@ def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None =
 
     rows = seq if last is None else last
     queries = x[:, seq - rows:]
-    c_q = rms(queries @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"])               # step 1
-    q = (c_q @ w["q_b_proj.weight"].T).view(batch, rows, n, dn + dr)                      # step 2
+    if config.q_lora_rank is None:  # (a full-rank query, as DeepSeek-V2-Lite's)
+        q = (queries @ w["q_proj.weight"].T).view(batch, rows, n, dn + dr)
+    else:
+        c_q = rms(queries @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"])           # step 1
+        q = (c_q @ w["q_b_proj.weight"].T).view(batch, rows, n, dn + dr)                  # step 2
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     kv = x @ w["kv_a_proj_with_mqa.weight"].T                                             # step 3
     c_kv, k_pe = kv[..., :r], kv[..., r:]
@@ -97,9 +100,10 @@ def steps_on_a_cache(layer: KimiK3MLA, x: torch.Tensor, splits, masked: bool, ca
 # --------------------------------------------------------------------------------------------------
 # Against the float64 formula
 @pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("q_lora_rank", [32, None])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_prefill_matches_the_float64_formula(implementation, gate):
-    layer = k3_layer(implementation, mla_use_output_gate=gate)
+def test_prefill_matches_the_float64_formula(implementation, q_lora_rank, gate):
+    layer = k3_layer(implementation, mla_use_output_gate=gate, q_lora_rank=q_lora_rank)
     x = hidden(2, 13, layer.config.hidden_size)
     want = reference_mla(layer, x)
     with torch.no_grad():
@@ -123,11 +127,12 @@ def test_the_output_gate_multiplies_the_heads_before_o_proj():
 @pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
 @pytest.mark.parametrize("splits", [(5, 1, 1, 1), (5, 3, 1), (7, 20), (4, 1, 17, 2)],
                          ids=["decode", "short-chunk", "long-chunk", "mixed"])
-def test_steps_on_a_cache_match_the_float64_formula(implementation, masked, splits):
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_steps_on_a_cache_match_the_float64_formula(implementation, masked, splits, q_lora_rank):
     """Single tokens and chunks of up to 16 attend in latent space; longer chunks expand the latent (with the mask,
     or causal to the cache's end without one) or, under SDPA without a mask, go blockwise against the cached
     context. Every one the formula over the whole sequence, at the step's positions."""
-    layer = k3_layer(implementation)
+    layer = k3_layer(implementation, q_lora_rank=q_lora_rank)
     x = hidden(2, sum(splits), layer.config.hidden_size, seed=2)
     with torch.no_grad():
         got = steps_on_a_cache(layer, x, splits, masked)
