@@ -81,7 +81,7 @@ SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(
     SOURCE_DIR / name
     for name in ("kda_cpu.cpp", "moe_cpu.cpp", "router_cpu.cpp", "amx_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp",
-                 "moe_decode_cpu.cpp", "attention_cpu.cpp", "torch_ops.cpp")
+                 "moe_decode_cpu.cpp", "attention_cpu.cpp", "mxfp4_cpu.cpp", "torch_ops.cpp")
 )
 HEADERS = tuple(
     SOURCE_DIR / name for name in ("common.h", "simd.h", "small_gemm.h", "glu_simd.h", "bf16_rows.h", "amx_tiles.h",
@@ -951,8 +951,9 @@ def _register_python_parts() -> None:
     autograd(ns + "gemm_bf16_f32", _gemm_backward, setup_context=_gemm_setup)
     autograd(ns + "selected_scores", _selected_backward, setup_context=_selected_setup)
     autograd(ns + "moe_experts", _experts_backward, setup_context=_experts_setup)
-    from . import reference
+    from . import mxfp4_torch, reference
 
+    mxfp4_torch.register()  # (the packed MXFP4 experts' operators)
     reference.register()  # (every other device: the operators in PyTorch)
 
 

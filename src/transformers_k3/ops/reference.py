@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .mxfp4_torch import mxfp4_grouped_mm, mxfp4_grouped_mm_backward  # (the packed MXFP4 experts' operators)
+
 
 def _none(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0, dtype=torch.float32)  # (an output not asked for)
@@ -242,6 +244,7 @@ OPERATORS = (
     "kda_chunk_forward", "router_topk", "router_sigmoid_topk", "sigmoid", "selected_scores", "router_backward",
     "router_screened_topk", "gemm_bf16_f32", "latent_scores", "latent_attention", "linear_bf16", "glu",
     "glu_backward", "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode",
+    "mxfp4_grouped_mm", "mxfp4_grouped_mm_backward",
 )  # fmt: skip
 
 

@@ -56,6 +56,12 @@ int k3_linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_t* bi
 int k3_rms_norm_backward(const float* x, const float* w, const float* grad, int64_t rows, int hidden, float eps,
                          float* grad_x, float* grad_w, int n_threads);
 
+int k3_mxfp4_grouped_mm(const void* x, int x_bf16, int64_t rows, int k, const uint8_t* codes, const uint8_t* scales,
+                        int64_t n_experts, int n, const int64_t* offsets, void* out, int n_threads);
+int k3_mxfp4_grouped_mm_backward(const void* grad, int grad_bf16, int64_t rows, int n, const uint8_t* codes,
+                                 const uint8_t* scales, int64_t n_experts, int k, const int64_t* offsets,
+                                 void* grad_x, int n_threads);
+
 int k3_moe_decode_max_tokens();
 int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64_t n_tokens, void* out);
 

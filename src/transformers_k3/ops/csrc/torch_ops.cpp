@@ -535,6 +535,53 @@ int64_t amx_available() { return k3_amx_available(); }
 int64_t linear_bf16_available() { return k3_linear_bf16_available(); }
 int64_t moe_decode_max_tokens() { return k3_moe_decode_max_tokens(); }
 
+// Packed MXFP4 experts (mxfp4_cpu.cpp): rows [M, K] sorted by expert, offsets [E] each expert's end row,
+// packed [E, N, K/2] and scale [E, N, K/32] uint8. The forward gives [M, N], the backward [M, K] (grad [M, N]).
+Tensor mxfp4_call(const Tensor& rows, const Tensor& packed, const Tensor& scale, const Tensor& offsets, bool forward) {
+  const char* op = forward ? "mxfp4_grouped_mm" : "mxfp4_grouped_mm_backward";
+  TORCH_CHECK(rows.device().is_cpu(), op, ": ", forward ? "x" : "grad", " must be on the CPU, got ", rows.device());
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16, op, ": ",
+              forward ? "x" : "grad", " must be float32 or bfloat16, got ", rows.scalar_type());
+  TORCH_CHECK(rows.dim() == 2, op, ": ", forward ? "x" : "grad", " must be 2-D, got shape ", rows.sizes());
+  check_tensor(packed, op, "packed", at::kByte, 3);
+  check_tensor(scale, op, "scale", at::kByte, 3);
+  const int64_t experts = packed.size(0), out_rows = packed.size(1), k = packed.size(2) * 2;
+  TORCH_CHECK(k % 32 == 0, op, ": packed [E, N, K/2] needs K a multiple of 32, got K = ", k);
+  check_shape(scale, op, "scale", {experts, out_rows, k / 32});
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.dim() == 1 && offsets.size(0) == experts &&
+                  (offsets.scalar_type() == at::kInt || offsets.scalar_type() == at::kLong),
+              op, ": offsets must be a 1-D int32 or int64 CPU tensor of ", experts, " end rows, got ",
+              offsets.scalar_type(), " ", offsets.sizes());
+  const int64_t width = forward ? k : out_rows;
+  TORCH_CHECK(rows.size(1) == width, op, ": ", forward ? "x" : "grad", " has ", rows.size(1), " columns, the "
+              "weight needs ", width);
+  const Tensor ends = offsets.to(at::kLong).contiguous();
+  const int64_t* e = ends.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < experts; ++i)
+    TORCH_CHECK(e[i] >= (i ? e[i - 1] : 0) && e[i] <= rows.size(0), op, ": offsets must be non-decreasing end rows "
+                "within the ", rows.size(0), " rows, got offsets[", i, "] = ", e[i]);
+  const Tensor r = rows.contiguous(), p = packed.contiguous(), s = scale.contiguous();
+  const bool bf16 = rows.scalar_type() == at::kBFloat16;
+  Tensor out = at::empty({rows.size(0), forward ? out_rows : k}, rows.options());
+  const auto* codes = static_cast<const uint8_t*>(p.const_data_ptr());
+  const auto* scales = static_cast<const uint8_t*>(s.const_data_ptr());
+  const int status =
+      forward ? k3_mxfp4_grouped_mm(r.const_data_ptr(), bf16, rows.size(0), as_int(k, op, "K"), codes, scales, experts,
+                                    as_int(out_rows, op, "N"), e, out.mutable_data_ptr(), threads())
+              : k3_mxfp4_grouped_mm_backward(r.const_data_ptr(), bf16, rows.size(0), as_int(out_rows, op, "N"), codes,
+                                             scales, experts, as_int(k, op, "K"), e, out.mutable_data_ptr(), threads());
+  check_status(status, op);
+  return out;
+}
+
+Tensor mxfp4_grouped_mm(const Tensor& x, const Tensor& packed, const Tensor& scale, const Tensor& offsets) {
+  return mxfp4_call(x, packed, scale, offsets, true);
+}
+
+Tensor mxfp4_grouped_mm_backward(const Tensor& grad, const Tensor& packed, const Tensor& scale, const Tensor& offsets) {
+  return mxfp4_call(grad, packed, scale, offsets, false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(transformers_k3, m) {
@@ -575,6 +622,8 @@ TORCH_LIBRARY(transformers_k3, m) {
   m.def("moe_decode(Tensor y, Tensor router, Tensor bias, int top_k, bool renormalize, float scale, "
         "Tensor? down_latent, Tensor? norm, float eps, Tensor? up_latent, Tensor gate_up, Tensor down, int kind, "
         "float beta, float linear_beta, Tensor? shared_gate, Tensor? shared_up, Tensor? shared_down) -> Tensor");
+  m.def("mxfp4_grouped_mm(Tensor x, Tensor packed, Tensor scale, Tensor offsets) -> Tensor");
+  m.def("mxfp4_grouped_mm_backward(Tensor grad, Tensor packed, Tensor scale, Tensor offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(transformers_k3, CPU, m) {
@@ -596,4 +645,6 @@ TORCH_LIBRARY_IMPL(transformers_k3, CPU, m) {
   m.impl("moe_experts", &moe_experts);
   m.impl("moe_experts_backward", &moe_experts_backward);
   m.impl("moe_decode", &moe_decode);
+  m.impl("mxfp4_grouped_mm", &mxfp4_grouped_mm);
+  m.impl("mxfp4_grouped_mm_backward", &mxfp4_grouped_mm_backward);
 }
