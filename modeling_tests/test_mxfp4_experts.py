@@ -174,13 +174,20 @@ def situ64(gate_up, beta=4.0, linear_beta=25.0):
     return situ_glu(*gate_up.chunk(2, dim=-1), beta=beta, linear_beta=linear_beta)
 
 
-def experts64(x, index, weights, gate_up64, down64):
-    out = torch.zeros(x.shape[0], down64.shape[1], dtype=torch.float64)
+def experts64(x, index, weights, stacks):
+    """The experts' weighted sum in float64 from each routed expert's dequantized weights."""
+    gu_p, gu_s, dn_p, dn_s = stacks
+    out = torch.zeros(x.shape[0], dn_p.shape[1], dtype=torch.float64)
+    used = {}
     for t in range(x.shape[0]):
         for j in range(index.shape[1]):
             e = int(index[t, j])
-            if 0 <= e < gate_up64.shape[0]:
-                out[t] += weights[t, j] * (down64[e] @ situ64(gate_up64[e] @ x[t]))
+            if 0 <= e < gu_p.shape[0]:
+                if e not in used:
+                    used[e] = (dequantize_mxfp4(gu_p[e], gu_s[e], torch.float64),
+                               dequantize_mxfp4(dn_p[e], dn_s[e], torch.float64))  # fmt: skip
+                gate_up, down = used[e]
+                out[t] += weights[t, j] * (down @ situ64(gate_up @ x[t]))
     return out
 
 
@@ -200,14 +207,13 @@ def moe_weights(experts, hidden, inter, seed):
 def test_experts_forward_and_backward_match_float64(dtype, experts, tokens, top_k, kernel_on):
     hidden, inter = 64, 32
     stacks = moe_weights(experts, hidden, inter, seed=experts)
-    gate_up64, down64 = weights64(*stacks[:2]), weights64(*stacks[2:])
     x = torch.randn(tokens, hidden, generator=gen(20)).to(dtype).requires_grad_()
     index = torch.stack([torch.randperm(experts, generator=gen(21 + t))[:top_k] for t in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen(22)).requires_grad_()
     with cpu_kernel.use_cpu_kernel(kernel_on):
         out = mxfp4.mxfp4_experts(x, index, weights, *stacks, lambda gu: situ64(gu))
     x64, w64 = x.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
-    want = experts64(x64, index, w64, gate_up64, down64)
+    want = experts64(x64, index, w64, stacks)
     assert out.dtype == dtype and out.shape == (tokens, hidden)
     rtol = 1e-5 if dtype == torch.float32 else 2e-2  # (bf16: the GLU's input, output and the result rounded)
     scale = float(want.detach().abs().max())
@@ -227,7 +233,7 @@ def test_out_of_range_ids_contribute_nothing():
     index = torch.tensor([[0, 4], [-1, 2], [3, 7]])
     weights = torch.rand(3, 2, generator=gen(32))
     got = mxfp4.mxfp4_experts(x, index, weights, *stacks, lambda gu: situ64(gu))
-    want = experts64(x.double(), index, weights.double(), weights64(*stacks[:2]), weights64(*stacks[2:]))
+    want = experts64(x.double(), index, weights.double(), stacks)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
