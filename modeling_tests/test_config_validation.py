@@ -161,6 +161,25 @@ def test_save_pretrained_refuses_an_inconsistent_config(tmp_path):
         config.save_pretrained(tmp_path)
 
 
+def test_validate_runs_the_relation_checks_and_errors_are_strict_dataclass_errors():
+    """The configs are ``@strict``: ``validate()`` (which transformers runs before saving, and the composite runs on its
+    sub-configs) checks the relations between fields, and `KimiK3ConfigError` reaches the caller as itself, a
+    `StrictDataclassError` like the errors of transformers' own configs."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    config = KimiK3TextConfig.tiny()
+    config.num_experts = 1  # top-k 2 of 1 expert
+    with pytest.raises(StrictDataclassError, match="`num_experts_per_token`") as error:
+        config.validate()
+    assert type(error.value) is KimiK3ConfigError
+    config = composite()
+    config.vision_config.vt_num_attention_heads = 3
+    with pytest.raises(KimiK3ConfigError, match="`qkv_hidden_size`"):
+        config.validate()
+    with pytest.raises(KimiK3ConfigError, match="`vocab_size`.*'512'"):  # a wrong type too
+        KimiK3TextConfig.tiny(vocab_size="512")
+
+
 def test_round_trips_and_internal_constructions_still_work(tmp_path):
     small = AutoConfig.from_pretrained(transformers_k3.__path__[0] + "/assets/small")  # the shipped model's
     configs = [KimiK3TextConfig(), KimiK3TextConfig.tiny(), KimiK3VisionConfig(), KimiK3Config(), KimiK3Config.tiny(),

@@ -100,8 +100,7 @@ def _integer(minimum: int = 1, maximum: int | None = MAX_DIMENSION, nullable: bo
                     and v % multiple_of == 0, nullable, why)
 
 
-def _layers() -> _Accepts:
-    return _integer(1, MAX_LAYERS, why="the layer lists and modules are built from it")
+_LAYERS = _integer(1, MAX_LAYERS, why="the layer lists and modules are built from it")
 
 
 def _real(low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False,
@@ -167,8 +166,8 @@ class _KimiK3ConfigFields:
             if "accepts" in field.metadata:
                 field.metadata["accepts"].check(field.name, getattr(self, field.name))
 
-    def _check_parameter_count(self, count: int | None = None, field: str | None = None) -> None:
-        count = self.parameter_count() if count is None else count
+    def _check_parameter_count(self, field: str | None = None) -> None:
+        count = self.parameter_count()
         if field is None:  # the size field furthest above its default (the release's): the likeliest culprit
             ratios = {f.name: getattr(self, f.name) / f.default for f in dataclasses.fields(self)
                       if "<=" in getattr(f.metadata.get("accepts"), "allowed", "")
@@ -382,7 +381,7 @@ class KimiK3TextConfig(_KimiK3ConfigFields, PreTrainedConfig):
     vocab_size: int = _integer()(163840)
     hidden_size: int = _integer()(7168)
     intermediate_size: int | None = _integer(nullable=True)(33792)
-    num_hidden_layers: int = _layers()(93)
+    num_hidden_layers: int = _LAYERS(93)
     num_attention_heads: int = _integer()(96)
     num_key_value_heads: int | None = _integer(maximum=None, nullable=True)(None)
     hidden_act: str = _choice("situ", "silu")("situ")
@@ -747,7 +746,7 @@ class KimiK3VisionConfig(_KimiK3ConfigFields, PreTrainedConfig):
     # (F.interpolate with align_corners=False: only the interpolating modes)
     pos_emb_interpolation_mode: str = _choice("bilinear", "bicubic")("bilinear")
     vt_num_attention_heads: int = _integer()(12)
-    vt_num_hidden_layers: int = _layers()(27)
+    vt_num_hidden_layers: int = _LAYERS(27)
     vt_hidden_size: int = _integer(2, multiple_of=2, why="the video time embedding is sin/cos pairs")(1024)
     vt_intermediate_size: int = _integer()(4096)
     qkv_hidden_size: int = _integer()(1536)
