@@ -3,6 +3,11 @@
 weighted sum over it, forward and backward with respect to the activations, against float64 references of the
 dequantized math (each expert's weight from `conversion.quant.dequantize_mxfp4`), for fp32 and bf16 activations."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._C import DispatchKey
@@ -312,3 +317,16 @@ def test_stacking_keeps_the_release_bytes():
         assert torch.equal(gu_p[e, :32], ex["w1"][0]) and torch.equal(gu_p[e, 32:], ex["w3"][0])
         assert torch.equal(gu_s[e, :32], ex["w1"][1]) and torch.equal(gu_s[e, 32:], ex["w3"][1])
         assert torch.equal(dn_p[e], ex["w2"][0]) and torch.equal(dn_s[e], ex["w2"][1])
+
+
+def test_bench_runs_at_a_tiny_size():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "bench/bench_mxfp4.py", "--threads", "1", "--experts", "16", "--top-k", "4", "--latent", "64",
+         "--intermediate", "32", "--prefill-tokens", "8", "--decode-calls", "2", "--reps", "1"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| decode |") or line.startswith("| prefill |")]
+    assert len(rows) == 12, result.stdout  # two tables, two steps, three rows each

@@ -44,6 +44,12 @@ constexpr int kBlock = 32;          // values per scale
 constexpr int kRegisterRows = 4;    // an expert with up to this many rows multiplies in registers
 constexpr int kRowBlock = 64;       // rows of x that share a dequantized tile
 constexpr int kTileFloats = 16384;  // the dequantized tile (fp32), sized for a core's L1 / L2
+constexpr int64_t kMacsPerThread = 1 << 18;  // less work than this a thread: fewer threads (a fork costs more)
+
+// Threads for `macs` multiply-adds: one per kMacsPerThread, at most `threads`.
+inline int threads_for(int64_t macs, int threads) {
+  return (int)std::max<int64_t>(1, std::min<int64_t>(threads, macs / kMacsPerThread));
+}
 
 inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -195,7 +201,7 @@ const float* as_f32(const void* x, bool bf16, int64_t count, std::vector<float>&
   copy.resize(count);
   const uint16_t* src = static_cast<const uint16_t*>(x);
   float* dst = copy.data();
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads_for(count * 16, threads))
   for (int64_t i = 0; i < count; ++i) dst[i] = k3::to_float(src[i]);
   return dst;
 }
@@ -243,7 +249,7 @@ int k3_mxfp4_grouped_mm(const void* x, int x_bf16, int64_t rows, int k, const ui
     }
   }
   int status = 0;
-#pragma omp parallel num_threads(n_threads)
+#pragma omp parallel num_threads(threads_for(end * n * (int64_t)k, n_threads))
   {
     auto scratch = k3::new_scratch<k3::aligned_vector<float>>(status, (size_t)(tile * k));
 #pragma omp for schedule(dynamic, 1)
@@ -327,7 +333,7 @@ int k3_mxfp4_grouped_mm_backward(const void* grad, int grad_bf16, int64_t rows, 
         work.push_back({e, r, std::min(r1, r + kRowBlock), b, std::min(blocks, b + span)});
   }
   int status = 0;
-#pragma omp parallel num_threads(n_threads)
+#pragma omp parallel num_threads(threads_for(end * n * (int64_t)k, n_threads))
   {
     auto scratch = k3::new_scratch<k3::aligned_vector<float>>(status, (size_t)n * kBlock);
     float sums[3 * kBlock];
