@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it (imported on first access)
 _EXPORTS = {
     "register": "auto",
+    "kernelize": "ops.kernel_layers",
     "load_small": "small",
     "KIMI_K3_RESPONSE_TEMPLATE": "chat",
     "KimiK3ParseError": "chat",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
     from .media_kimi_k3 import KimiK3MediaError
     from .generation_kimi_k3 import KimiK3InputError
     from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
+    from .ops.kernel_layers import kernelize
     from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
     from .processing_kimi_k3 import KimiK3Processor, KimiK3ProcessorError
     from .small import load_small

@@ -90,6 +90,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layers.moe import KimiK3Router, router_aux_loss
+from .ops.torch_internals import in_backward
 
 __all__ = [
     "QuantileBalancingCallback",
@@ -190,11 +191,6 @@ def router_entropy(scores: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. gradient checkpointing re-running a forward)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class _LayerStats:
     """What one router saw during the current optimizer step."""
 
@@ -268,7 +264,13 @@ class RouterBalancer:
         self._handles = [
             module.register_forward_hook(self._make_hook(key)) for key, module in self.routers.items()
         ]
+        self._count_observers(+1)  # (the routers' kernels keep their logits while the hooks read them)
         self.last_metrics: dict[str, float] = {}
+
+    def _count_observers(self, step: int) -> None:
+        for module in self.routers.values():
+            if isinstance(getattr(module, "logits_observers", None), int):
+                module.logits_observers += step
 
     @staticmethod
     def _layer_key(module_name: str, position: int) -> str:
@@ -278,7 +280,7 @@ class RouterBalancer:
     # -- recording ---------------------------------------------------------------------------------
     def _make_hook(self, key: str):
         def hook(module, args, output):
-            if not (self.enabled and module.training) or _in_backward():
+            if not (self.enabled and module.training) or in_backward():
                 return
             router_logits, _, topk_indices = output
             self.observe(key, router_logits, topk_indices)
@@ -403,6 +405,8 @@ class RouterBalancer:
 
     def remove(self) -> None:
         """Detach the hooks."""
+        if self._handles:
+            self._count_observers(-1)
         for handle in self._handles:
             handle.remove()
         self._handles = []

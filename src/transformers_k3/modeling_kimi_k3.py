@@ -26,7 +26,6 @@ from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_
 from .layers.attn_res import KimiK3AttnResRead
 from .layers.casting import apply_keeping_fp32
 from .layers.kda import KimiK3DeltaAttention
-from .ops.linear import use_linear_forward
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
 from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
@@ -417,10 +416,6 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         "attentions": OutputRecorder(KimiK3MLA, index=1),
         "attn_res_weights": OutputRecorder(KimiK3AttnResRead, index=1),
     }
-
-    def post_init(self):
-        super().post_init()
-        use_linear_forward(self)  # (the linear layers' forward with the bf16 CPU kernels; still plain nn.Linear)
 
     @torch.no_grad()
     def _init_weights(self, module):

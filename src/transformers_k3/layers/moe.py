@@ -15,21 +15,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import initialization as init
 from transformers.integrations import use_experts_implementation
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 from ..ops import moe as moe_ops
-from .activations import get_gate_act_fn, get_glu_fn, get_packed_glu_fn, glu_spec
+from ..ops.experts import K3_GROUPED_MM  # noqa: F401  (the name configs select; registered there)
+from ..ops.kernel_layers import kernel_layer
+from ..ops.torch_internals import recording
+from .activations import GLU
 from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
 
+@kernel_layer("k3_mlp")
 class KimiK3MLP(nn.Module):
     """``down(glu(gate(x), up(x)))`` with the configured GLU (SiTU for K3).
 
     The dense layer-0 FFN (width ``intermediate_size``) and the fused shared experts (width
-    ``num_shared_experts * moe_intermediate_size``).
+    ``num_shared_experts * moe_intermediate_size``). Its kernel (`kernelize`): SiTU in one CPU kernel call.
     """
 
     def __init__(self, config, intermediate_size: int | None = None, hidden_size: int | None = None) -> None:
@@ -39,25 +41,22 @@ class KimiK3MLP(nn.Module):
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
-        self.glu_fn = get_glu_fn(config)
-        self.glu = glu_spec(config)
+        self.glu = GLU.from_config(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
-        return self.down_proj(moe_ops.glu(gate, up, self.glu, self.glu_fn))  # (SiTU: one CPU kernel)
+        act = None if self.kernel is None else self.kernel(gate, up)
+        return self.down_proj(self.glu(gate, up) if act is None else act)
 
 
+@kernel_layer("k3_router")
 class KimiK3Router(nn.Module):
     """Sigmoid (or softmax) top-k router with a selection-only correction bias (spec 6.3, step 1).
 
     ``e_score_correction_bias`` is the aux-loss-free balancing bias: it shifts which experts are chosen
-    but never the weight a chosen expert receives. Everything is computed in fp32. On CPU the ungrouped
-    top-k selection runs in a fused kernel (the same ranking as ``torch.topk``, in descending order, ties to the
-    lower expert id): for sigmoid scores `cpu_kernel.router_sigmoid_topk` computes them from the logits (bitwise
-    ``torch.sigmoid``'s), selects and returns the chosen ones without writing ``[N, E]`` scores, otherwise
-    `cpu_kernel.router_topk` selects from torch's scores; the chosen sigmoid scores' backward touches only the
-    chosen logits (`cpu_kernel.selected_scores`). With the kernels off, ``torch.topk`` and dense autograd. Which
-    path runs is decided in `moe_ops.router_select`.
+    but never the weight a chosen expert receives. Everything is computed in fp32. Its kernel (`kernelize`): the
+    ungrouped top-k selection on CPU in the fused kernels (`moe_ops.router_select`). ``logits_observers``: how many
+    readers of its logits (Quantile Balancing's hooks) are attached; while any is, no kernel skips the logits.
     """
 
     def __init__(self, config) -> None:
@@ -76,6 +75,7 @@ class KimiK3Router(nn.Module):
         weight_dtype = torch.float32 if self.weight_fp32 else None
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.logits_observers = 0
 
     def _apply(self, fn, recurse=True):
         """``model.to(torch.bfloat16)`` / ``.half()`` leave the selection bias (and, with ``router_fp32``, the
@@ -90,15 +90,20 @@ class KimiK3Router(nn.Module):
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
         topk_indices [N, k] int64)`` with ``N`` the number of tokens.
 
-        ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so where nothing else
-        observes this call's output (`moe_ops.logits_observed`: a forward hook, or transformers'
-        ``output_router_logits`` recording), an fp32 router on a CPU with the AMX tile unit, given at least
-        `moe_ops.SCREEN_MIN_TOKENS` tokens, selects without the ``[N, E]`` fp32 GEMM (`moe_ops.router_select`: the
-        same selection and scores as from fp32 logits) and returns None in place of the logits."""
+        ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so with the kernel
+        attached and nothing else reading the logits (``logits_observers``, transformers' ``output_router_logits``
+        recording), an fp32 router on a CPU with the AMX tile unit, given at least `moe_ops.SCREEN_MIN_TOKENS`
+        tokens, selects without the ``[N, E]`` fp32 GEMM (the same selection and scores as from fp32 logits) and
+        returns None in place of the logits."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
-        router_logits, selected, topk_indices = moe_ops.router_select(
+        kernel = self.kernel
+        screen = (
+            kernel is not None and not need_logits and hidden_states.shape[0] >= moe_ops.SCREEN_MIN_TOKENS
+            and not self.logits_observers and not recording("router_logits")
+        )  # fmt: skip
+        router_logits, selected, topk_indices = (kernel or moe_ops.router_select)(
             hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self.use_softmax,
-            self.num_expert_group, self._keep_best_groups, need_logits, self,
+            self.num_expert_group, self._keep_best_groups, screen=screen,
         )  # fmt: skip
         return router_logits, self._final_weights(selected), topk_indices
 
@@ -125,102 +130,6 @@ class KimiK3Router(nn.Module):
         )
 
 
-K3_GROUPED_MM = "k3_grouped_mm"
-# `k3_grouped_mm` gathers each (token, expert) assignment's weights instead of running the grouped GEMM while
-# assignments x weights per expert <= this many elements x the number of experts (see `_gathered_experts`).
-# A CPU cost model from bench measurements (bench/RESULTS.md): the grouped GEMM pays a fixed cost per expert, hit
-# or not, the gather one per copied weight element; the rule keeps a safety factor of about 2.
-GATHER_MAX_ELEMENTS_PER_EXPERT = 6144
-
-
-def _grouped_gemm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped GEMM; off the CPU its kernel takes bf16 only (an fp32 model on a GPU raised
-    "Expected inputs of BF16 type"), so other dtypes there take transformers' per-expert fallback."""
-    if weight.device.type != "cpu" and weight.dtype != torch.bfloat16:
-        return torch.ops.transformers.grouped_mm_fallback(inputs.to(weight.dtype), weight, offs=offsets)
-    return _grouped_mm(inputs, weight, offsets)
-
-
-def k3_grouped_mm_experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """The ``"k3_grouped_mm"`` experts implementation: transformers' ``"grouped_mm"`` (the same grouped-GEMM
-    kernel dispatch) with less data movement around the two GEMMs, registered in transformers'
-    `ALL_EXPERTS_FUNCTIONS` so that ``experts_implementation="k3_grouped_mm"`` selects it.
-
-    The (token, slot) pairs are sorted by expert, the token rows gathered once (``index_select``) and the two
-    grouped GEMMs run over the contiguous per-expert segments. The routing weight multiplies the ``I``-wide GLU
-    output instead of the ``D``-wide expert output, and the expert outputs are summed straight into their tokens
-    with ``index_add_`` (in fp32), so no ``[N * k, D]`` tensor is reordered, weighted or kept for backward:
-    faster than "grouped_mm" and about half its forward memory at K3's routing scale (bench/bench_moe.py), where
-    the two GEMMs themselves take most of the time. Plain autograd: gradients reach the inputs, the routing
-    weights and both expert tensors. Under expert parallelism, sentinel ids (``>= num_experts``, zero weight) are
-    dropped after the sort, which costs one host sync; otherwise the function is free of data-dependent shapes.
-    """
-    if self.has_bias or not self.has_gate or self.has_post_expert_norm:
-        raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
-    expert_parallel = getattr(self, "_is_expert_parallel", False)
-    return moe_ops.experts(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.is_transposed,
-        getattr(self, "glu_activation", None), expert_parallel,
-        lambda: _torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, expert_parallel),
-    )  # fmt: skip
-
-
-def _torch_grouped_experts(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-    expert_parallel: bool,
-) -> torch.Tensor:
-    """`k3_grouped_mm` in PyTorch: gathered weights for few assignments, else the sorted grouped GEMMs."""
-    num_tokens, top_k = top_k_index.shape
-    per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
-    if num_tokens * top_k * per_expert <= GATHER_MAX_ELEMENTS_PER_EXPERT * self.num_experts and not expert_parallel:
-        return _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
-    sorted_ids, perm = torch.sort(top_k_index.reshape(-1))
-    # histc, not bincount: a static output shape, so torch.compile traces the step without a graph break. CPU's
-    # histc wants floats (exact for expert ids < 2**24). Ids >= num_experts fall outside the bins.
-    histc_input = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
-    counts = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offsets = counts.cumsum(0, dtype=torch.int32)
-    if expert_parallel:
-        perm = perm[: int(offsets[-1])]  # sentinel ids (other ranks' experts) sort last: drop them (a host sync)
-    token_ids = perm // top_k
-
-    gate_up_proj, down_proj = _in_out(self, self.gate_up_proj, self.down_proj)  # the kernel takes [E, in, out]
-    gate_up = _grouped_gemm(hidden_states.index_select(0, token_ids), gate_up_proj, offsets)
-    routing_weights = top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    expert_out = _grouped_gemm(self._apply_gate(gate_up) * routing_weights, down_proj, offsets)
-
-    out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
-    return out.index_add_(0, token_ids, expert_out.float()).to(hidden_states.dtype)
-
-
-def _gathered_experts(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """`k3_grouped_mm`'s path for few (token, expert) assignments, e.g. a decode step: each assignment's expert
-    weights are gathered and the two products run as batched ``[1, D] x [D, 2I]`` / ``[1, I] x [I, D]``
-    GEMMs. Its cost follows the assignments, while the grouped GEMM visits every expert, hit or not (on CPU
-    most of a one-token layer's time at 896 experts). Assignments stay in token order, so the
-    ``k`` outputs of a token are summed without a scatter. Static shapes (compile-friendly); plain autograd."""
-    num_tokens, top_k = top_k_index.shape
-    ids = top_k_index.reshape(-1)
-    gate_up_proj, down_proj = _in_out(self, self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids))
-    rows = hidden_states.unsqueeze(1).expand(num_tokens, top_k, hidden_states.shape[-1]).reshape(-1, 1, hidden_states.shape[-1])
-    glu = self._apply_gate(torch.bmm(rows, gate_up_proj)) * top_k_weights.reshape(-1, 1, 1).to(rows.dtype)
-    expert_out = torch.bmm(glu, down_proj).view(num_tokens, top_k, -1)
-    return expert_out.float().sum(1).to(hidden_states.dtype)
-
-
-def _in_out(self: nn.Module, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert weight stacks (all experts or gathered ones) as ``[*, in, out]``: transposed views, no copy, unless
-    the module already stores them that way (``is_transposed``)."""
-    if self.is_transposed:
-        return gate_up_proj, down_proj
-    return gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
-
-
-ALL_EXPERTS_FUNCTIONS.register(K3_GROUPED_MM, k3_grouped_mm_experts_forward)
 
 
 def _fuse_per_expert_weights(module, state_dict, prefix, *args) -> None:
@@ -270,6 +179,7 @@ def _copy_expert_blocks(module, state_dict, prefix) -> None:
             target.copy_(block)
 
 
+@kernel_layer("k3_experts")
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
     """The routed experts as fused 3-D weights (transformers' experts interface layout).
@@ -278,7 +188,7 @@ class KimiK3Experts(nn.Module):
     (``w3``), not interleaved; ``down_proj [E, D, I]`` is ``w2``. ``D`` is the latent width
     ``routed_expert_hidden_size`` for the latent MoE, else ``hidden_size``.
     ``config._experts_implementation`` selects this eager forward, transformers' "grouped_mm" / "batched_mm" or
-    our "k3_grouped_mm" (`k3_grouped_mm_experts_forward`); all of them apply the GLU through `_apply_gate`.
+    our "k3_grouped_mm" (`ops.experts`); all of them apply the GLU through `_apply_gate`.
     """
 
     def __init__(self, config) -> None:
@@ -289,15 +199,11 @@ class KimiK3Experts(nn.Module):
         self.intermediate_dim = config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-        self.glu_fn = get_packed_glu_fn(config)  # of the packed gate/up GEMM output
-        self.glu_activation = glu_spec(config)  # the same GLU for the fused CPU kernel (`cpu_kernel`)
-        # Only the gate half's activation; kept because the experts interface expects an `act_fn`.
-        # The gated paths never use it: they call `_apply_gate`, which also caps the up half.
-        self.act_fn = get_gate_act_fn(config)
+        self.glu = GLU.from_config(config)
         self.register_load_state_dict_pre_hook(_fuse_per_expert_weights)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        return self.glu_fn(gate_up_out)
+        return self.glu.packed(gate_up_out)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -338,11 +244,13 @@ class KimiK3Experts(nn.Module):
         return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
 
 
+@kernel_layer("k3_sparse_moe")
 class KimiK3SparseMoE(nn.Module):
     """The FFN of every MoE layer: router + routed experts (in the latent space when
     ``routed_expert_hidden_size`` is set) + full-width shared experts (spec 6.3).
 
-    Returns only the FFN output; the router logits are recorded by the model from ``self.gate``.
+    Returns only the FFN output; the router logits are recorded by the model from ``self.gate``. Its kernel
+    (`kernelize`): a decode step on CPU, the whole layer in one call (`moe_ops.moe_decode`).
     """
 
     def __init__(self, config) -> None:
@@ -372,8 +280,9 @@ class KimiK3SparseMoE(nn.Module):
         """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
-        # a decode step on CPU: the whole layer in one kernel call where it computes what the modules would
-        out = moe_ops.sparse_moe(self, y, self._modules_forward)
+        out = None if self.kernel is None else self.kernel(y)
+        if out is None:
+            out = self._modules_forward(y)
         return out.view(*orig_shape)  # (unpacked: a torch.Size argument costs more to parse, every step)
 
     def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
@@ -432,23 +341,3 @@ def router_aux_loss(
         has_tokens = tokens > 0
         losses.append(per_sequence[has_tokens].mean() if has_tokens.any() else per_sequence.sum() * 0)
     return torch.stack(losses).mean()
-
-
-@torch.no_grad()
-def init_moe_weights(module: nn.Module, std: float) -> bool:
-    """Initialise the MoE parameters that are not plain `nn.Linear`s (router weight and bias, fused
-    expert weights) the way transformers' Kimi Linear does: normal(0, std), zero bias. Returns whether
-    ``module`` was one of them. Respects transformers' ``_is_hf_initialized`` flags (loaded weights)."""
-    if isinstance(module, KimiK3Router):
-        init.normal_(module.weight, mean=0.0, std=std)
-        init.zeros_(module.e_score_correction_bias)
-        return True
-    if isinstance(module, KimiK3Experts):
-        init.normal_(module.gate_up_proj, mean=0.0, std=std)
-        init.normal_(module.down_proj, mean=0.0, std=std)
-        return True
-    return False
-
-
-# The plain modules the fused decode step computes, handed to ops (which never import layers).
-moe_ops.register_plain_modules(KimiK3Router, KimiK3Experts, KimiK3RMSNorm, KimiK3MLP, K3_GROUPED_MM)

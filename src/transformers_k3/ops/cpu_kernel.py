@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from .._locks import pid_alive, try_flock
+from .torch_internals import below_autograd
 
 logger = logging.getLogger(__name__)
 
@@ -868,7 +869,7 @@ def _below_autograd():
     guard object): there it is a no-op."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    return torch._C._AutoDispatchBelowAutograd()
+    return below_autograd()
 
 
 def _rms_norm_setup(ctx, inputs, output):

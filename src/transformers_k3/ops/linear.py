@@ -1,95 +1,53 @@
-"""`linear_forward`: the forward K3's linear layers run (``nn.Linear``'s, with a bf16 decode step on CPU computed in
-a kernel); `products_f32`: a bf16 batched product with exact products and fp32 sums; `latent_attention`: the
-softmax-weighted sum over an MLA latent that those products' logits feed (one pass on CPU); `blocks`: a length's
-blocks.
+"""`KernelLinear`: an `nn.Linear` whose bf16 few-row products on CPU run in a kernel, put in place of the plain
+`nn.Linear` layers by `transformers_k3.ops.kernel_layers.kernelize`; `products_f32`: a bf16 batched product with
+exact products and fp32 sums; `latent_attention`: the softmax-weighted sum over an MLA latent that those products'
+logits feed (one pass on CPU); `blocks`: a length's blocks.
 
-torch's CPU matmul in bf16 has a fixed cost per call far above fp32's whatever the size, so a bf16 model's decode
-step, dozens of one-row products, ran slower than the same model in fp32, and a bf16 MoE layer's decode step slower
-than transformers' in-tree one (it has two more projections). For bf16 inputs of a few rows on CPU (up to 4, or up
-to 15 for small products: where it is the faster) with no gradient wanted, `cpu_kernel.linear_bf16` computes the
-same quantity (exact products of the bf16 values, fp32 sums, one rounding to bf16) at a fraction of that cost. On a
-CPU without bf16 dot-product instructions (AVX2 machines; AVX-512 ones before Cooper Lake), where torch's bf16
-matmul runs at a small fraction of its fp32 rate, more rows (a prefill) without autograd go through
-`cpu_kernel.linear_bf16_upcast`: the fp32 GEMM on fp32 copies of the bf16 values, rounded once (the same quantity,
-in a fraction of the time; timings in bench/RESULTS.md).
-
-The layers stay plain `nn.Linear` modules, called as modules (``self.q_proj(x)``): `use_linear_forward` sets this
-forward on the instance, so its type stays exactly `nn.Linear` (transformers' bitsandbytes, fp8 and GGUF
-integrations replace only that type, and the replacement runs its own forward), and hooks (accelerate's offload,
-tensor parallelism's) run around it as around any module. A PEFT LoRA layer calls it as its base layer.
+torch's CPU matmul in bf16 has a fixed cost per call far above fp32's, so a bf16 decode step (dozens of one-row
+products) ran slower than the same model in fp32. `cpu_kernel.linear_bf16` computes the same quantity (exact
+products of the bf16 values, fp32 sums, one rounding to bf16) for a few rows; on a CPU without bf16 dot-product
+instructions `cpu_kernel.linear_bf16_upcast` takes more rows (docs/kernels.md).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 
 from . import cpu_kernel
+from .torch_internals import MISSING, parameter
 
 
-def linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, layer.weight, layer.bias)``; on bf16 ``x`` that `cpu_kernel.linear_bf16` takes (CPU, a few rows,
-    no autograd, plain tensors, kernels on), or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without bf16
-    instructions), their result: the same quantity."""
-    # (from the parameters' dict: `layer.weight` goes through Module.__getattr__, slow on every step; a
-    # weight or bias that is not a plain parameter there, e.g. a parametrization's, is read the usual way)
-    params = layer._parameters
-    weight, bias = params.get("weight"), params.get("bias", _MISSING)
-    if weight is None:
-        weight = layer.weight
-    if bias is _MISSING:
-        bias = layer.bias
-    if x.dtype is torch.bfloat16:
-        out = cpu_kernel.linear_bf16(x, weight, bias)
-        if out is None:
-            out = cpu_kernel.linear_bf16_upcast(x, weight, bias)
-        if out is not None:
-            return out
-    return F.linear(x, weight, bias)
+class KernelLinear(nn.Linear):
+    """``F.linear(x, weight, bias)``; for bf16 ``x`` that `cpu_kernel.linear_bf16` takes (CPU, a few rows, no
+    autograd) or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without bf16 instructions), their result: the
+    same quantity. Its state dict is `nn.Linear`'s; PEFT wraps it as it wraps `nn.Linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = parameter(self, "weight"), parameter(self, "bias")
+        if weight is MISSING:  # (a parametrized weight or bias)
+            weight = self.weight
+        if bias is MISSING:
+            bias = self.bias
+        if x.dtype is torch.bfloat16:
+            out = cpu_kernel.linear_bf16(x, weight, bias)
+            if out is None:
+                out = cpu_kernel.linear_bf16_upcast(x, weight, bias)
+            if out is not None:
+                return out
+        return F.linear(x, weight, bias)
 
 
-_MISSING = object()
-
-
-def use_linear_forward(model: nn.Module) -> None:
-    """Give every plain `nn.Linear` in ``model`` (exactly that type, its class's forward) `linear_forward`."""
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
-            module.forward = functools.partial(linear_forward, module)
-
-
-def plain_linears(modules) -> bool:
-    """Whether each of ``modules`` is exactly an `nn.Linear` without bias and `unhooked`, so that `linear_forward`
-    computes what calling it would. (Loops, not any(): this runs on every decode step of every MoE layer.)"""
-    for m in modules:
-        if type(m) is not nn.Linear or m._parameters.get("bias", m) is not None:
-            return False
-    return unhooked(modules)
-
-
-def unhooked(modules) -> bool:
-    """Whether none of ``modules`` (None entries skipped) has hooks of its own or a forward set on the instance
-    other than `linear_forward` (accelerate's offload wraps it that way); global hooks are checked apart."""
-    for m in modules:
-        if m is None:
-            continue
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return False
-        forward = m.__dict__.get("forward")
-        if forward is not None and (type(forward) is not functools.partial or forward.func is not linear_forward):
-            return False
-    return True
-
-
-def _any_global_hooks() -> bool:
-    return bool(
-        _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
-        or _module._global_backward_pre_hooks
-    )  # fmt: skip
+def swap_linear(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
+    """A ``cls`` module holding ``linear``'s own parameters (tied weights stay tied), in its training mode."""
+    new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    new.weight = linear.weight
+    if linear.bias is not None:
+        new.bias = linear.bias
+    if "_is_hf_initialized" in linear.__dict__:
+        new._is_hf_initialized = linear._is_hf_initialized
+    return new.train(linear.training)
 
 
 def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,19 +1,22 @@
-"""RMSNorm as one call: the fused CPU kernel where it applies (`cpu_kernel.rms_norm`: fp32 under autograd, one
-kernel pass per row backward), the PyTorch formula everywhere else; the two give the same bits forward."""
+"""RMSNorm as one call (`rms_norm`, PyTorch), and its fused CPU kernel `attach_rms_norm` attaches: the same bits
+forward, one kernel pass per row backward (`cpu_kernel.rms_norm`)."""
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import cpu_kernel
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * w`` in fp32, rounded to the input dtype once."""
-    fused = cpu_kernel.rms_norm(hidden_states, weight, eps)
-    if fused is not None:
-        return fused
-    # ``x * rsqrt(mean(x^2) + eps)`` in fp32 as one op (F.rms_norm without a weight: bitwise the three-op form
-    # ``x.pow(2).mean(-1)``, ``+ eps``, ``x * rsqrt(.)`` that transformers' norms write, tested; one call where
-    # those take five, whose call overhead is most of a decode step's norm)
+    # (F.rms_norm without a weight: bitwise the three-op form transformers' norms write, tested; one call)
     normed = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],), eps=eps)
     return (normed * weight.to(torch.float32)).to(hidden_states.dtype)
+
+
+def attach_rms_norm(norm: nn.Module) -> Callable | None:
+    """The norm's kernel: ``(hidden_states, weight, eps) -> out`` under autograd on fp32 CPU tensors, else None."""
+    return cpu_kernel.rms_norm

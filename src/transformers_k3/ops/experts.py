@@ -1,0 +1,111 @@
+"""The routed experts as transformers' experts interface functions (`ALL_EXPERTS_FUNCTIONS`), one per backend:
+``"k3_grouped_mm"`` (`k3_grouped_mm_experts_forward`) runs the fused CPU experts kernel (`cpu_kernel.moe_experts`)
+on CPU tensors it takes, else the PyTorch grouped GEMMs (`torch_grouped_experts`) on any device. Each takes the
+experts module as transformers' experts functions do (``self``: its weights, ``glu`` and settings)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from . import cpu_kernel
+from .torch_internals import grouped_mm
+
+K3_GROUPED_MM = "k3_grouped_mm"
+# `k3_grouped_mm` gathers each (token, expert) assignment's weights instead of running the grouped GEMM while
+# assignments x weights per expert <= this many elements x the number of experts (see `_gathered_experts`).
+# A CPU cost model from bench measurements (bench/RESULTS.md): the grouped GEMM pays a fixed cost per expert, hit
+# or not, the gather one per copied weight element; the rule keeps a safety factor of about 2.
+GATHER_MAX_ELEMENTS_PER_EXPERT = 6144
+
+
+def _grouped_gemm(inputs: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped GEMM; off the CPU its kernel takes bf16 only (an fp32 model on a GPU raised
+    "Expected inputs of BF16 type"), so other dtypes there take transformers' per-expert fallback."""
+    if weight.device.type != "cpu" and weight.dtype != torch.bfloat16:
+        return torch.ops.transformers.grouped_mm_fallback(inputs.to(weight.dtype), weight, offs=offsets)
+    return grouped_mm(inputs, weight, offsets)
+
+
+def k3_grouped_mm_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"k3_grouped_mm"`` experts implementation: transformers' ``"grouped_mm"`` (the same grouped-GEMM
+    kernel dispatch) with less data movement around the two GEMMs, registered in transformers'
+    `ALL_EXPERTS_FUNCTIONS` so that ``experts_implementation="k3_grouped_mm"`` selects it.
+
+    The (token, slot) pairs are sorted by expert, the token rows gathered once (``index_select``) and the two
+    grouped GEMMs run over the contiguous per-expert segments. The routing weight multiplies the ``I``-wide GLU
+    output instead of the ``D``-wide expert output, and the expert outputs are summed straight into their tokens
+    with ``index_add_`` (in fp32), so no ``[N * k, D]`` tensor is reordered, weighted or kept for backward:
+    faster than "grouped_mm" and about half its forward memory at K3's routing scale (bench/bench_moe.py), where
+    the two GEMMs themselves take most of the time. Plain autograd: gradients reach the inputs, the routing
+    weights and both expert tensors. Under expert parallelism, sentinel ids (``>= num_experts``, zero weight) are
+    dropped after the sort, which costs one host sync; otherwise the function is free of data-dependent shapes.
+    """
+    if self.has_bias or not self.has_gate or self.has_post_expert_norm:
+        raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
+    expert_parallel = getattr(self, "_is_expert_parallel", False)
+    if not expert_parallel and cpu_kernel.experts_applies(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj):
+        out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                     self.is_transposed, self.glu)  # fmt: skip
+        if out is not None:
+            return out
+    return torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, expert_parallel)
+
+
+def torch_grouped_experts(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    expert_parallel: bool,
+) -> torch.Tensor:
+    """`k3_grouped_mm` in PyTorch: gathered weights for few assignments, else the sorted grouped GEMMs."""
+    num_tokens, top_k = top_k_index.shape
+    per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
+    if num_tokens * top_k * per_expert <= GATHER_MAX_ELEMENTS_PER_EXPERT * self.num_experts and not expert_parallel:
+        return _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
+    sorted_ids, perm = torch.sort(top_k_index.reshape(-1))
+    # histc, not bincount: a static output shape, so torch.compile traces the step without a graph break. CPU's
+    # histc wants floats (exact for expert ids < 2**24). Ids >= num_experts fall outside the bins.
+    histc_input = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
+    counts = torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    if expert_parallel:
+        perm = perm[: int(offsets[-1])]  # sentinel ids (other ranks' experts) sort last: drop them (a host sync)
+    token_ids = perm // top_k
+
+    gate_up_proj, down_proj = _in_out(self, self.gate_up_proj, self.down_proj)  # the kernel takes [E, in, out]
+    gate_up = _grouped_gemm(hidden_states.index_select(0, token_ids), gate_up_proj, offsets)
+    routing_weights = top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    expert_out = _grouped_gemm(self._apply_gate(gate_up) * routing_weights, down_proj, offsets)
+
+    out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
+    return out.index_add_(0, token_ids, expert_out.float()).to(hidden_states.dtype)
+
+
+def _gathered_experts(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """`k3_grouped_mm`'s path for few (token, expert) assignments, e.g. a decode step: each assignment's expert
+    weights are gathered and the two products run as batched ``[1, D] x [D, 2I]`` / ``[1, I] x [I, D]``
+    GEMMs. Its cost follows the assignments, while the grouped GEMM visits every expert, hit or not (on CPU
+    most of a one-token layer's time at 896 experts). Assignments stay in token order, so the
+    ``k`` outputs of a token are summed without a scatter. Static shapes (compile-friendly); plain autograd."""
+    num_tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    gate_up_proj, down_proj = _in_out(self, self.gate_up_proj.index_select(0, ids), self.down_proj.index_select(0, ids))
+    rows = hidden_states.unsqueeze(1).expand(num_tokens, top_k, hidden_states.shape[-1]).reshape(-1, 1, hidden_states.shape[-1])
+    glu = self._apply_gate(torch.bmm(rows, gate_up_proj)) * top_k_weights.reshape(-1, 1, 1).to(rows.dtype)
+    expert_out = torch.bmm(glu, down_proj).view(num_tokens, top_k, -1)
+    return expert_out.float().sum(1).to(hidden_states.dtype)
+
+
+def _in_out(self: nn.Module, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weight stacks (all experts or gathered ones) as ``[*, in, out]``: transposed views, no copy, unless
+    the module already stores them that way (``is_transposed``)."""
+    if self.is_transposed:
+        return gate_up_proj, down_proj
+    return gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
+
+
+ALL_EXPERTS_FUNCTIONS.register(K3_GROUPED_MM, k3_grouped_mm_experts_forward)
