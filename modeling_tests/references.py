@@ -30,7 +30,6 @@ from transformers_k3.conversion.export import official_config_dict
 from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_state_dict, release_quantization_config
 from transformers_k3.conversion.streaming import write_state_dict
 from transformers_k3.layers.moe import KimiK3SparseMoE
-from transformers_k3.ops import cpu_kernel
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,11 +233,9 @@ def ref_experts(experts, x, idx, w, probe):
 
 
 def modules_path(moe, x):
-    """The layer through its modules (the decode kernel turned off)."""
-    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-        # why: the modules with the other CPU kernels as they are; no public switch turns this one off alone
-        patch.setattr(cpu_kernel, "moe_decode_max_tokens", lambda: 0)
-        return moe(x)
+    """The layer through its modules (no whole-layer decode kernel)."""
+    with torch.no_grad():
+        return moe._modules_forward(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 # --------------------------------------------------------------------------------------------------

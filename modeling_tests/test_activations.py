@@ -7,16 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_k3.layers.activations import (
-    SITU_BETA_WHEN_NONE,
-    get_gate_act_fn,
-    get_glu_fn,
-    get_packed_glu_fn,
-    silu_glu,
-    situ_gate,
-    situ_glu,
-    situ_glu_packed,
-)
+from transformers_k3.layers.activations import GLU, SITU_BETA_WHEN_NONE, situ_glu
+
+
+def situ_glu_packed(gate_up, beta=4.0, linear_beta=25.0):
+    return GLU("situ", beta, linear_beta).packed(gate_up)
 
 BETA, LINEAR_BETA = 4.0, 25.0
 
@@ -132,43 +127,42 @@ def test_half_precision_is_computed_in_fp32_and_cast_back():
     assert torch.equal(out, situ_glu(a.float(), u.float()).bfloat16())
 
 
-def test_situ_gate_is_the_gate_factor():
-    a = torch.linspace(-20, 20, 101)
-    torch.testing.assert_close(situ_gate(a) * LINEAR_BETA, situ_glu(a, torch.full_like(a, math.inf)))
-    assert situ_gate(a).abs().max() < BETA
+def test_the_gate_factor_is_a_capped_silu():
+    a = torch.linspace(-20, 20, 101, dtype=torch.float64)
+    gate = situ_glu(a, torch.full_like(a, math.inf)) / LINEAR_BETA  # (the up half capped at linear_beta)
+    torch.testing.assert_close(gate, BETA * torch.tanh(a / BETA) * torch.sigmoid(a))
+    assert gate.abs().max() < BETA
 
 
-def test_get_glu_fn_situ_reads_the_betas():
+def test_glu_from_config_reads_the_betas():
     gen = torch.Generator().manual_seed(6)
     a, u = torch.randn(64, generator=gen) * 8, torch.randn(64, generator=gen) * 80
-    torch.testing.assert_close(get_glu_fn(_cfg(beta=2.0, linear_beta=10.0))(a, u), situ_glu(a, u, 2.0, 10.0))
-    torch.testing.assert_close(get_glu_fn(_cfg(linear_beta=None))(a, u), situ_glu(a, u, BETA, None))
+    torch.testing.assert_close(GLU.from_config(_cfg(beta=2.0, linear_beta=10.0))(a, u), situ_glu(a, u, 2.0, 10.0))
+    torch.testing.assert_close(GLU.from_config(_cfg(linear_beta=None))(a, u), situ_glu(a, u, BETA, None))
     # beta None -> SITU_BETA_WHEN_NONE (1.0) for every FFN
     assert SITU_BETA_WHEN_NONE == 1.0
-    torch.testing.assert_close(get_glu_fn(_cfg(beta=None))(a, u), situ_glu(a, u, 1.0, LINEAR_BETA))
-    torch.testing.assert_close(get_gate_act_fn(_cfg(beta=None))(a), situ_gate(a, 1.0))
+    torch.testing.assert_close(GLU.from_config(_cfg(beta=None))(a, u), situ_glu(a, u, 1.0, LINEAR_BETA))
+    assert GLU.from_config(_cfg(beta=None)) == GLU("situ", 1.0, LINEAR_BETA)
 
 
-def test_get_glu_fn_silu_matches_transformers_bitwise():
+def test_glu_silu_matches_transformers_bitwise():
     from transformers.activations import ACT2FN
 
     gen = torch.Generator().manual_seed(7)
     a, u = torch.randn(4, 64, generator=gen).bfloat16(), torch.randn(4, 64, generator=gen).bfloat16()
-    fn = get_glu_fn(_cfg("silu", beta=None, linear_beta=None))
-    assert fn is silu_glu
+    fn = GLU.from_config(_cfg("silu", beta=None, linear_beta=None))
+    assert fn.kind == "silu"
     out = fn(a, u)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, ACT2FN["silu"](a) * u)
-    assert get_gate_act_fn(_cfg("silu")) is F.silu
+    assert torch.equal(fn.packed(torch.cat([a, u], -1)), out)
 
 
 @pytest.mark.parametrize("act", ["gelu", "swish", "SiTU", None])
 def test_unknown_hidden_act_raises(act):
     with pytest.raises(ValueError, match="hidden_act") as err:
-        get_glu_fn(_cfg(act))
+        GLU.from_config(_cfg(act))
     assert "situ" in str(err.value) and "silu" in str(err.value)
-    with pytest.raises(ValueError, match="hidden_act"):
-        get_gate_act_fn(_cfg(act))
 
 
 def _packed(a, u):
@@ -217,12 +211,13 @@ def test_packed_no_nan_for_huge_or_infinite_inputs(dtype):
     assert torch.isfinite(gate_up.grad).all()
 
 
-def test_packed_odd_width_and_get_packed_glu_fn():
+def test_packed_odd_width_and_from_config():
     for linear_beta in (LINEAR_BETA, None):
         with pytest.raises(ValueError, match="even"):
             situ_glu_packed(torch.zeros(2, 5), BETA, linear_beta)
     gate_up = torch.randn(7, 8)
-    torch.testing.assert_close(get_packed_glu_fn(_cfg())(gate_up), situ_glu(*gate_up.chunk(2, -1)))
-    torch.testing.assert_close(get_packed_glu_fn(_cfg(beta=2.0, linear_beta=10.0))(gate_up),
+    torch.testing.assert_close(GLU.from_config(_cfg()).packed(gate_up), situ_glu(*gate_up.chunk(2, -1)))
+    torch.testing.assert_close(GLU.from_config(_cfg(beta=2.0, linear_beta=10.0)).packed(gate_up),
                                situ_glu(*gate_up.chunk(2, -1), 2.0, 10.0))
-    assert torch.equal(get_packed_glu_fn(_cfg("silu"))(gate_up), silu_glu(*gate_up.chunk(2, -1)))
+    a, u = gate_up.chunk(2, -1)
+    assert torch.equal(GLU.from_config(_cfg("silu")).packed(gate_up), F.silu(a) * u)

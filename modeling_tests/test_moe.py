@@ -6,16 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_k3.layers import moe as moe_module
+from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE
 from transformers_k3.ops import cpu_kernel
-from transformers_k3.layers.moe import (
-    K3_GROUPED_MM,
-    KimiK3Experts,
-    KimiK3MLP,
-    KimiK3Router,
-    KimiK3SparseMoE,
-    init_moe_weights,
-)
+from transformers_k3.ops import experts as experts_module
+from transformers_k3.ops.kernel_layers import kernelize
 
 from references import make_config, make_moe, modules_path, randomize, ref_experts, ref_glu
 
@@ -37,7 +31,7 @@ def k3_path(request, monkeypatch):
             yield request.param
         return
     limit = 1e18 if request.param == "gathered" else -1
-    monkeypatch.setattr(moe_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", limit)
+    monkeypatch.setattr(experts_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", limit)
     with cpu_kernel.use_cpu_kernel(False):
         yield request.param
 
@@ -377,7 +371,7 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
             monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
             with torch.no_grad():
                 outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
-                                                   experts.glu_activation))  # fmt: skip
+                                                   experts.glu))  # fmt: skip
         assert all(torch.equal(o, outs[0]) for o in outs[1:]) and outs[0].dtype == dtype
         return outs[0]
 
@@ -455,14 +449,14 @@ def test_experts_silu_match_transformers_kimi_linear_experts():
     torch.testing.assert_close(ours(x, idx, w), theirs(x, idx, w), atol=1e-6, rtol=1e-6)
 
 
-def test_act_fn_and_apply_gate():
+def test_apply_gate_is_the_configured_glu():
     cfg = make_config()
     experts = KimiK3Experts(cfg)
     gate_up = inputs(4, 64) * 10
     gate, up = gate_up[:, :32], gate_up[:, 32:]
     torch.testing.assert_close(experts._apply_gate(gate_up), ref_glu(gate, up, cfg))
-    torch.testing.assert_close(experts.act_fn(gate), 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate))
-    assert KimiK3Experts(make_config(hidden_act="silu")).act_fn(gate).allclose(F.silu(gate))
+    silu = make_config(hidden_act="silu")
+    torch.testing.assert_close(KimiK3Experts(silu)._apply_gate(gate_up), ref_glu(gate, up, silu))
 
 
 @pytest.mark.parametrize("hidden_act", ["situ", "silu"])
@@ -600,19 +594,6 @@ def test_moe_runs_in_bf16():
     assert ((out.double() - ref).norm() / ref.norm()) < 2e-2
 
 
-def test_init_moe_weights():
-    cfg = make_config()
-    moe = KimiK3SparseMoE(cfg)
-    with torch.no_grad():
-        moe.gate.e_score_correction_bias.fill_(3.0)
-    torch.manual_seed(0)
-    handled = [name for name, m in moe.named_modules() if init_moe_weights(m, std=0.02)]
-    assert handled == ["gate", "experts"]
-    assert torch.count_nonzero(moe.gate.e_score_correction_bias) == 0
-    for p in (moe.gate.weight, moe.experts.gate_up_proj, moe.experts.down_proj):
-        assert abs(p.std().item() - 0.02) < 0.002 and abs(p.mean().item()) < 0.002
-
-
 def test_default_experts_implementation_is_k3_grouped_mm_and_all_are_selectable():
     """Without an explicit `experts_implementation` the model runs `k3_grouped_mm`, the fastest correct one
     (bench/bench_moe.py); an explicit choice, transformers' three included, is kept."""
@@ -638,8 +619,8 @@ def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
                       moe_intermediate_size=8, _experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg))
     calls = []
-    gathered = moe_module._gathered_experts
-    monkeypatch.setattr(moe_module, "_gathered_experts", lambda *a: calls.append(a[2].shape[0]) or gathered(*a))
+    gathered = experts_module._gathered_experts
+    monkeypatch.setattr(experts_module, "_gathered_experts", lambda *a: calls.append(a[2].shape[0]) or gathered(*a))
     gen = torch.Generator().manual_seed(0)
     for tokens in (1, 2048):
         x = inputs(tokens, 32)
@@ -653,8 +634,14 @@ def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Decode step: the whole layer in one kernel call (KimiK3SparseMoE._decode_step, cpu_kernel.MoeDecode)
+# Decode step: the whole layer in one kernel call (kernelize: KimiK3SparseMoE's kernel, cpu_kernel.MoeDecode)
 # ----------------------------------------------------------------------------------------------------
+
+
+def kernel_moe(**overrides):
+    """`make_moe` with the fused kernels attached (`kernelize`)."""
+    cfg, moe = make_moe(**overrides)
+    return cfg, kernelize(moe)
 
 
 def decode_kernel_or_skip():
@@ -703,7 +690,7 @@ def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype
     of a bf16 rounding tie (about 1 token in 400 in a 1,200-token review sample; none in these inputs, where a
     flip would show as a few ulp), else within a bf16 rounding."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM, **DECODE_CASES[case])
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM, **DECODE_CASES[case])
     moe = moe.to(dtype)
     for n in (1, 2, 4):
         x = inputs(1, n, cfg.hidden_size, seed=100 + n).to(dtype)
@@ -729,7 +716,7 @@ def test_decode_step_reads_the_weights_at_each_call(decode_calls):
     """In-place updates (an optimizer step, Quantile Balancing's bias), replaced parameters and a cast to another
     dtype and back all reach the next decode step."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
     x = inputs(1, 1, cfg.hidden_size)
     outs = []
 
@@ -752,12 +739,12 @@ def test_decode_step_reads_the_weights_at_each_call(decode_calls):
 
 
 def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
-    """The modules run (and give their own result) with autograd, more than 4 tokens, a hook on any submodule
-    (its own or global; a router hook reads the logits), transformers' experts implementations, a softmax or
-    grouped router, a layer too large for the one-thread kernel, and another submodule class (a LoRA layer); no
-    tokens give an empty result."""
+    """The modules run (and give their own result) with autograd, more than 4 tokens, a hook on any submodule when
+    the kernels are attached (its own or global; a router hook reads the logits), a softmax or grouped router, a
+    layer too large for the one-thread kernel, and another submodule class set after `kernelize` (a LoRA layer);
+    transformers' experts implementations give the modules' values; no tokens give an empty result."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
     x = inputs(1, 3, cfg.hidden_size)
     expected = modules_path(moe, x)
 
@@ -773,27 +760,29 @@ def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
     torch.testing.assert_close(out.detach(), expected, atol=1e-6, rtol=1e-5)
     check(inp=inputs(1, 5, cfg.hidden_size))
     seen = []
-    for module in (moe, moe.gate, moe.experts, moe.routed_expert_norm, moe.shared_experts.down_proj):
+    for module in (moe.gate, moe.experts, moe.routed_expert_norm, moe.shared_experts.down_proj):
         handle = module.register_forward_hook(lambda *args: seen.append(1))
-        torch.testing.assert_close(check(), expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(check(kernelize(moe)), expected, atol=1e-6, rtol=1e-5)
         handle.remove()
-    assert len(seen) == 5
+    assert len(seen) == 4
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
-    check()
+    check(kernelize(moe))
     handle.remove()
+    kernelize(moe)
     for impl in ("eager", "grouped_mm", "batched_mm"):
         cfg._experts_implementation = impl
-        torch.testing.assert_close(check(), expected, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)
     cfg._experts_implementation = K3_GROUPED_MM
     for overrides in ({"moe_router_activation_func": "softmax"}, {"num_experts": 16, "num_expert_group": 4,
                                                                   "topk_group": 2}):
-        other_cfg, other = make_moe(_experts_implementation=K3_GROUPED_MM, **overrides)
+        other_cfg, other = kernel_moe(_experts_implementation=K3_GROUPED_MM, **overrides)
         torch.testing.assert_close(check(other), ref_moe(other, x, other_cfg).float(), atol=1e-5, rtol=1e-5)
 
     class Wrapped(torch.nn.Linear):  # (a LoRA or quantized layer is another class)
         pass
 
-    big_cfg, big = make_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=512, routed_expert_hidden_size=256,
+    big_cfg, big = kernel_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=512, routed_expert_hidden_size=256,
                             num_experts=64, num_experts_per_tok=16, moe_intermediate_size=64)  # 1.18M MACs
     check(big, inputs(1, 1, 512))  # fp32: beyond the one-thread kernel's limit
     with torch.no_grad():
@@ -814,7 +803,7 @@ def test_decode_step_drops_its_plan_when_pickled(decode_calls):
     import io
 
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
     x = inputs(1, 2, cfg.hidden_size)
     with torch.no_grad():
         out = moe(x)
@@ -834,7 +823,7 @@ def test_decode_step_follows_settings_changed_on_a_built_layer(decode_calls):
     renormalization, another eps, a softmax or grouped router) reach the next decode step, which then computes
     what the modules compute, or steps aside where they no longer fit the kernel."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM, latent_moe_use_norm=False)  # (the norm hides the scale)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM, latent_moe_use_norm=False)  # (the norm hides the scale)
     x = inputs(1, 2, cfg.hidden_size)
     changes = [(moe.gate, "top_k", 1, True), (moe.gate, "routed_scaling_factor", 7.0, True),
                (moe.gate, "renormalize", False, True), (moe.gate, "use_softmax", True, False),
@@ -851,7 +840,7 @@ def test_decode_step_follows_settings_changed_on_a_built_layer(decode_calls):
         expected = modules_path(moe, x)
         torch.testing.assert_close(out, expected, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
         setattr(module, name, before)
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
     with torch.no_grad():
         moe(x)
     moe.routed_expert_norm.variance_epsilon = 10.0
@@ -860,9 +849,9 @@ def test_decode_step_follows_settings_changed_on_a_built_layer(decode_calls):
 
 
 def test_decode_step_steps_aside_for_weights_that_are_not_parameters(decode_calls):
-    """A weight parametrized after a decode step (torch.nn.utils.parametrize moves it out of the module's
-    parameters) or held as a plain tensor attribute (FSDP's views of its flat parameter) runs the modules, with
-    their result, instead of failing on the missing parameter."""
+    """A weight parametrized after `kernelize` (torch.nn.utils.parametrize moves it out of the module's parameters:
+    the kernel is detached) or held as a plain tensor attribute (FSDP's views of its flat parameter) runs the
+    modules, with their result, instead of failing on the missing parameter."""
     import torch.nn.utils.parametrize as parametrize
 
     decode_kernel_or_skip()
@@ -874,7 +863,7 @@ def test_decode_step_steps_aside_for_weights_that_are_not_parameters(decode_call
     x = inputs(1, 1, 64)
     for module_name, name in (("routed_expert_down_proj", "weight"), ("gate", "weight"),
                               ("experts", "gate_up_proj"), ("routed_expert_norm", "weight")):  # fmt: skip
-        cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+        cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
         with torch.no_grad():
             moe(x)
         module = getattr(moe, module_name)
@@ -884,6 +873,7 @@ def test_decode_step_steps_aside_for_weights_that_are_not_parameters(decode_call
             torch.testing.assert_close(moe(x), modules_path(moe, x), atol=0, rtol=0)
         assert decode_calls == [], module_name
         parametrize.remove_parametrizations(module, name)  # (the negated weight, a new parameter)
+        kernelize(moe)  # (the module tree changed: attach again)
         with torch.no_grad():
             torch.testing.assert_close(moe(x), modules_path(moe, x), atol=1e-6, rtol=1e-5)
         assert decode_calls == [1], module_name
@@ -900,7 +890,7 @@ def test_decode_step_replans_when_a_weight_changes_shape_in_place(decode_calls):
     """Experts pruned in place (``param.data = param.data[:4]``: the same tensors and data pointers, fewer
     experts) reach the next decode step."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
     x = inputs(1, 1, cfg.hidden_size, seed=3)
     with torch.no_grad():
         moe(x)
@@ -916,7 +906,7 @@ def test_decode_step_replans_when_a_weight_changes_shape_in_place(decode_calls):
 def test_decode_step_steps_aside_under_autocast(decode_calls):
     """Under CPU autocast the modules' linear layers compute in bf16 (and return bf16): the modules run."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
     x = inputs(1, 2, cfg.hidden_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.no_grad():
@@ -930,7 +920,7 @@ def test_bf16_decode_step_steps_aside_for_experts_the_experts_kernel_does_not_ta
     """bf16 experts larger than the experts kernel takes (3 D I > SMALL_EXPERT_FLOATS) run torch's bf16 products in
     the modules, rounded at each step: not the decode kernel's quantity, so the modules run (their bits)."""
     decode_kernel_or_skip()
-    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=128, routed_expert_hidden_size=512,
+    cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=128, routed_expert_hidden_size=512,
                         moe_intermediate_size=256)  # 3 x 512 x 256 = 393,216 > 196,608; 1.02M MACs a token
     moe = moe.bfloat16()
     x = inputs(1, 2, cfg.hidden_size).bfloat16()

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "transformers_k3"
 FOREIGN = ("transformers", "torch", "accelerate", "huggingface_hub", "safetensors", "peft", "fla", "tokenizers")
 # Replacements owned by another slice of issue 45 (kernels plugged in by name), removed there: file -> target
-KNOWN_ELSEWHERE = {("ops/linear.py", "module.forward")}
+KNOWN_ELSEWHERE: set = set()
 
 
 def _root(expr: ast.AST) -> str | None:

@@ -144,6 +144,8 @@ def moe_decode(modules: tuple, y: torch.Tensor) -> torch.Tensor | None:
     gate, experts, norm, linears, latent, has_shared = modules
     if torch.is_autocast_enabled("cpu") or gate.logits_observers or recording("router_logits"):
         return None
+    if gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16:  # (settings changed on a built layer)
+        return None
     router, bias = parameter(gate, "weight"), buffer(gate, "e_score_correction_bias")
     gate_up, down_w = parameter(experts, "gate_up_proj"), parameter(experts, "down_proj")
     norm_w = None if norm is None else parameter(norm, "weight")

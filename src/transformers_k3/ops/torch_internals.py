@@ -24,16 +24,22 @@ def recording(key: str) -> bool:
 
 
 def bare(module: nn.Module) -> bool:
-    """Whether ``module`` has no hooks of its own and no forward set on the instance (accelerate's offload sets one),
+    """Whether ``module`` has no hooks (its own or global ones) and no forward set on the instance (accelerate's offload sets one),
     so a kernel computes what calling it computes; read when kernels are attached, never per step.
     move to: a public ``Module.has_hooks()`` (torch has none)."""
     return not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        _global_hooks() or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
         or "forward" in module.__dict__ or "_hf_hook" in module.__dict__
     )  # fmt: skip
 
 
 MISSING = object()
+
+
+def _global_hooks() -> bool:
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)  # fmt: skip
 
 
 def parameter(module: nn.Module, name: str):
