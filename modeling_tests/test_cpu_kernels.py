@@ -17,8 +17,9 @@ import torch
 
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops import kda as kda_ops
-from transformers_k3.layers import moe as moe_module
+from transformers_k3.ops import experts as experts_module
 from transformers_k3.ops import moe as moe_ops
+from transformers_k3.ops.kernel_layers import kernelize
 from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops.kda import chunk_kda
 
@@ -206,8 +207,8 @@ def _forbid_pytorch_experts(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the PyTorch path ran")
 
-    monkeypatch.setattr(moe_module, "_grouped_mm", fail)
-    monkeypatch.setattr(moe_module, "_gathered_experts", fail)
+    monkeypatch.setattr(experts_module, "grouped_mm", fail)
+    monkeypatch.setattr(experts_module, "_gathered_experts", fail)
 
 
 def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
@@ -260,16 +261,16 @@ def test_experts_kernel_reads_transposed_weights(experts_kernel, width):
     idx, w = _routing(40, 4, 16)
     x = torch.randn(40, latent, generator=torch.Generator().manual_seed(6))
     expected = cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj.data, experts.down_proj.data, False,
-                                              experts.glu_activation)  # fmt: skip
+                                              experts.glu)  # fmt: skip
     ref, _ = ref_experts(experts, x, idx, w, torch.zeros(40, latent))
     torch.testing.assert_close(expected.double(), ref, atol=1e-5, rtol=1e-5)
     gate_up_t = experts.gate_up_proj.data.transpose(1, 2).contiguous()
     down_t = experts.down_proj.data.transpose(1, 2).contiguous()
-    out = cpu_kernel.moe_experts(x, idx, w, gate_up_t, down_t, True, experts.glu_activation)
+    out = cpu_kernel.moe_experts(x, idx, w, gate_up_t, down_t, True, experts.glu)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
     # non-contiguous weights are not copied per call: the caller falls back to the PyTorch path
     assert cpu_kernel.moe_experts(x, idx, w, gate_up_t.transpose(1, 2), down_t, False,
-                                          experts.glu_activation) is None  # fmt: skip
+                                          experts.glu) is None  # fmt: skip
 
 
 def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
@@ -278,7 +279,7 @@ def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(9, 2, 8)
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(7))
-    args = (experts.gate_up_proj.data, experts.down_proj.data, False, experts.glu_activation)
+    args = (experts.gate_up_proj.data, experts.down_proj.data, False, experts.glu)
     out = cpu_kernel.moe_experts(x, idx, w, *args)
     with_sentinels = cpu_kernel.moe_experts(
         x, torch.cat([idx, torch.full((9, 1), 8), torch.full((9, 1), -1)], 1),
@@ -358,9 +359,9 @@ def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatc
     idx, w = _routing(37, 4, 16)
     x = torch.randn(37, 32, generator=torch.Generator().manual_seed(9))
     calls = []
-    grouped = moe_module._grouped_mm
-    monkeypatch.setattr(moe_module, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
-    monkeypatch.setattr(moe_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", -1)  # always the grouped GEMM
+    grouped = experts_module.grouped_mm
+    monkeypatch.setattr(experts_module, "grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    monkeypatch.setattr(experts_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", -1)  # always the grouped GEMM
     with torch.no_grad():
         experts(x, idx, w)
         assert calls == []
@@ -428,7 +429,7 @@ def test_experts_kernel_backward_transposed_weights_and_partial_needs(experts_ke
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         gate_up, down = gate_up.contiguous().requires_grad_(), down.contiguous().requires_grad_()
         xs, ws = x.clone().requires_grad_(inputs_need_grad), w.clone().requires_grad_(inputs_need_grad)
-        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu_activation)
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu)
         (out * probe).sum().backward()
         if transposed:
             return xs.grad, ws.grad, gate_up.grad.transpose(1, 2), down.grad.transpose(1, 2)
@@ -457,7 +458,7 @@ def test_experts_kernel_thread_counts_and_repeatability(experts_kernel, threads)
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
         down = experts.down_proj.detach().clone().requires_grad_()
-        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu_activation)
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu)
         (out * probe).sum().backward()
         return out.detach(), xs.grad, ws.grad, gate_up.grad, down.grad
 
@@ -488,7 +489,7 @@ def test_experts_kernel_backward_from_saved_products(experts_kernel, monkeypatch
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
         down = experts.down_proj.detach().clone().requires_grad_()
-        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu_activation)
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu)
         between()
         (out * probe).sum().backward()
         return xs.grad, ws.grad, gate_up.grad, down.grad
@@ -527,7 +528,7 @@ def _bf16_experts_run(experts, x, idx, w, probe, dtype, transposed):
     gate_up = gate_up.to(dtype).contiguous().requires_grad_()
     down = down.to(dtype).contiguous().requires_grad_()
     xs, ws = x.to(dtype).detach().requires_grad_(), w.clone().requires_grad_()  # (x itself left as it was)
-    out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu_activation)
+    out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu)
     (out * probe.to(dtype)).sum().backward()
     grad_gate_up, grad_down = gate_up.grad, down.grad
     if transposed:
@@ -610,7 +611,7 @@ def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel, monke
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0, msg=lambda m: f"{name}: {m}")
     monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)
     assert cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
-                                  experts.glu_activation) is None  # fmt: skip
+                                  experts.glu) is None  # fmt: skip
     for got, want in zip(run(), reference):
         torch.testing.assert_close(got, want, atol=0, rtol=0)  # the PyTorch path itself
 
@@ -1109,7 +1110,7 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     from transformers_k3.layers.moe import KimiK3SparseMoE
 
     layer = KimiK3SparseMoE(moe_config(num_experts=48, num_experts_per_tok=6, _experts_implementation=K3_GROUPED_MM))
-    randomize(layer, seed=9)
+    kernelize(randomize(layer, seed=9))
     layer.gate.e_score_correction_bias.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
     tokens = moe_ops.SCREEN_MIN_TOKENS + 8
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(10))
@@ -1127,8 +1128,9 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
 
     got = run()
     assert len(calls) == 1 and calls[0] is not None
-    with cpu_kernel.use_cpu_kernel(False):
-        want = run()
+    kernelize(layer, False)
+    want = run()
+    kernelize(layer)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -1138,9 +1140,17 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     seen = []
     handle = layer.gate.register_forward_hook(lambda module, args, output: seen.append(output[0]))
     with torch.no_grad():
-        layer(x)
+        kernelize(layer)(x)  # (a hook present when the kernels are attached: the router keeps its own forward)
     handle.remove()
     assert calls == [] and seen[0].shape == (tokens, 48)
+    from transformers_k3 import RouterBalancer
+
+    kernelize(layer)
+    with RouterBalancer(layer, router_class=type(layer.gate)) as balancer, torch.no_grad():
+        layer.train()
+        layer(x)  # (Quantile Balancing's hooks, attached after kernelize, read the logits)
+        layer.eval()
+    assert calls == [] and balancer is not None
     with torch.no_grad():
         layer(x)
     assert len(calls) == 1
@@ -1152,12 +1162,14 @@ def test_model_records_router_logits_with_the_screen_on(amx):
     from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
     torch.manual_seed(0)
-    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    model = kernelize(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
     ids = torch.randint(0, model.config.vocab_size, (1, moe_ops.SCREEN_MIN_TOKENS + 8))
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
+        kernelize(model, False)
         with cpu_kernel.use_cpu_kernel(False):
             ref = model(ids, output_router_logits=True)
+        kernelize(model)
     assert len(out.router_logits) == len(ref.router_logits) > 0
     for a, b in zip(out.router_logits, ref.router_logits):
         assert a.shape == (ids.shape[1], model.config.num_experts)
@@ -1260,70 +1272,58 @@ def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16, monkeyp
         assert cpu_kernel.linear_bf16(x, w) is None
 
 
-def test_linear_forward_runs_the_kernel_inside_a_plain_nn_linear(linear_bf16, monkeypatch):
-    """`use_linear_forward` gives a plain nn.Linear (still exactly that type, which transformers' quantizers look for)
-    the forward that runs linear_bf16 on a bf16 decode step without autograd (within one bf16 rounding of
-    F.linear); fp32 inputs and training are F.linear, bitwise, gradients included. Hooks of its own and global ones
-    run around it as around any module, and the kernel still computes it; a forward already set on the instance
-    (accelerate's hooks) is left as it is; a PEFT LoRA layer calls it as its base layer, with the adapter taking
-    part; a deep copy or a pickled model calls its own weights."""
+def test_kernelize_puts_kernel_linears_in_place_of_plain_ones(linear_bf16):
+    """`kernelize` replaces each plain nn.Linear without hooks by a KernelLinear holding the same parameters (still
+    an nn.Linear to PEFT): fp32 inputs and training are F.linear, bitwise, gradients included; a bf16 decode step
+    without autograd is linear_bf16's value (within one bf16 rounding of F.linear). A layer with hooks or a forward
+    set on the instance (accelerate's) stays as it is; a PEFT LoRA layer wraps it as its base layer, with the
+    adapter taking part; a deep copy or a pickled model calls its own weights; ``kernelize(model, False)`` puts
+    plain nn.Linear layers back."""
     import copy
     import pickle
 
-    from transformers_k3.ops.linear import use_linear_forward
+    from transformers_k3.ops.linear import KernelLinear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 24, bias=True)
+    hooked, instance = torch.nn.Linear(48, 24), torch.nn.Linear(48, 24)
+    hooked.register_forward_hook(lambda *args: None)
+    instance.forward = lambda inp: torch.nn.functional.linear(inp, instance.weight)
     model = torch.nn.Sequential()
     model.add_module("proj", layer)
-    use_linear_forward(model)
-    assert type(layer) is torch.nn.Linear
-    calls = []
-    original = cpu_kernel.linear_bf16
-    monkeypatch.setattr(cpu_kernel, "linear_bf16", lambda *a: calls.append(original(*a)) or calls[-1])
+    model.add_module("hooked", hooked)
+    model.add_module("instance", instance)
+    kernelize(model)
+    proj = model.proj
+    assert type(proj) is KernelLinear and proj.weight is layer.weight and proj.bias is layer.bias
+    assert model.hooked is hooked and model.instance is instance
     x = torch.randn(3, 48, requires_grad=True)
-    y = layer(x)
-    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias)) and calls == []
+    y = proj(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones(3, 24) @ layer.weight)
-    layer.bfloat16()
+    model.bfloat16()
     xb = x.detach().bfloat16()
-    plain = torch.nn.functional.linear(xb, layer.weight, layer.bias)
+    plain = torch.nn.functional.linear(xb, proj.weight, proj.bias)
     with torch.no_grad():
-        out = layer(xb)
-        assert len(calls) == 1 and calls[0] is out
+        out = proj(xb)
+        assert torch.equal(out, cpu_kernel.linear_bf16(xb, proj.weight, proj.bias))
         torch.testing.assert_close(out, plain, atol=0, rtol=2**-7)  # (one bf16 rounding apart at most)
-    xg = xb.clone().requires_grad_()
-    assert torch.equal(layer(xg), torch.nn.functional.linear(xg, layer.weight, layer.bias)) and calls[-1] is None
-    calls.clear()
-    seen = []
-    with torch.no_grad():
-        handle = layer.register_forward_hook(lambda module, args, output: seen.append(("hook", output)))
-        hooked = layer(xb)
-        handle.remove()
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: seen.append("global"))
-        layer(xb)
-        handle.remove()
-        assert seen[0][0] == "hook" and seen[0][1] is hooked and seen[1] == "global" and len(calls) == 2
-        other = torch.nn.Linear(48, 24).bfloat16()
-        other.forward = lambda inp: seen.append("instance") or torch.nn.functional.linear(inp, other.weight)
-        use_linear_forward(other)
-        other(xb)
-        assert seen[-1] == "instance" and len(calls) == 2
         twin = copy.deepcopy(model)
         twin.proj.weight.zero_(), twin.proj.bias.zero_()
-        assert not twin(xb).any() and torch.equal(model(xb), out)
+        assert not twin.proj(xb).any() and torch.equal(model.proj(xb), out)
         revived = pickle.loads(pickle.dumps(model))
-        assert torch.equal(revived(xb), out)
+        assert torch.equal(revived.proj(xb), out)
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False))
     wrapped = lora.base_model.model.proj
-    assert wrapped.base_layer is layer and type(wrapped) is not torch.nn.Linear
-    calls.clear()
+    assert wrapped.base_layer is proj
     with torch.no_grad():
         adapted = wrapped(xb)
-    assert len(calls) == 1  # (the base layer's product in the kernel)
+        assert torch.equal(wrapped.base_layer(xb), out)
     assert not torch.allclose(adapted.float(), out.float(), atol=1e-2)  # the adapter took part
+    kernelize(model, False)
+    assert type(wrapped.base_layer) is torch.nn.Linear and wrapped.base_layer.weight is layer.weight
 
 
 # (x shape, N, UPCAST_BLOCK): a prefill's rows, leading dimensions kept, the fewest rows it takes (48), and blocks
@@ -1354,9 +1354,9 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
 def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
     """None (then F.linear) for: up to 15 rows, and up to 47 where linear_bf16's kernel runs (it is the faster
     there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, the
-    kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); `linear_forward` takes it for a
+    kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); `KernelLinear` takes it for a
     plain bf16 nn.Linear on a prefill without autograd."""
-    from transformers_k3.ops.linear import linear_forward
+    from transformers_k3.ops.linear import KernelLinear
 
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     w = torch.randn(8, 32).bfloat16()
@@ -1374,18 +1374,16 @@ def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
         assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is not None
     with cpu_kernel.use_cpu_kernel(False):
         assert cpu_kernel.linear_bf16_upcast(x, w) is None
-    layer = torch.nn.Linear(32, 8).bfloat16()
-    calls = []
-    original = cpu_kernel.linear_bf16_upcast
-    monkeypatch.setattr(cpu_kernel, "linear_bf16_upcast", lambda *a: calls.append(original(*a)) or calls[-1])
+    layer = KernelLinear(32, 8).bfloat16()
+    plain = lambda inp: torch.nn.functional.linear(inp, layer.weight, layer.bias)  # noqa: E731
     with torch.no_grad():
-        out = linear_forward(layer, x)
-        assert len(calls) == 1 and calls[0] is out
-        torch.testing.assert_close(out, layer(x), atol=0, rtol=2**-7)
+        out = layer(x)
+        assert torch.equal(out, cpu_kernel.linear_bf16_upcast(x, layer.weight, layer.bias))
+        torch.testing.assert_close(out, plain(x), atol=0, rtol=2**-7)
     monkeypatch.setattr(cpu_kernel, "_native_bf16", [True])
-    assert original(x, w) is None
+    assert cpu_kernel.linear_bf16_upcast(x, w) is None
     with torch.no_grad():
-        assert torch.equal(linear_forward(layer, x), layer(x))
+        assert torch.equal(layer(x), plain(x))
 
 
 @pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 2.5, None), ("silu",)])
@@ -1394,7 +1392,7 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
     """cpu_kernel.glu (the routed experts' vector GLU on separate gate and up tensors) against situ_glu / silu_glu
     in float64: values within 2e-6 relative and gradients within 2e-6 of the largest, at a decode step's, a prompt's
     and odd widths, with an infinite gate and a large up (the caps); bf16 inputs give the fp32 result rounded."""
-    from transformers_k3.layers.activations import silu_glu, situ_glu
+    from transformers_k3.layers.activations import situ_glu
 
     if not kernel.small_gemm_available():
         pytest.skip("no vector GLU in this build (no AVX-512 or AVX2)")
@@ -1403,7 +1401,7 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
     a.view(-1)[0] = float("inf")
     if activation[0] == "silu":
         a.view(-1)[0] = 3.0  # (silu(inf) * u is inf, no cap)
-        reference = silu_glu
+        reference = lambda a, u: torch.nn.functional.silu(a) * u  # noqa: E731
     else:
         reference = functools.partial(situ_glu, beta=activation[1], linear_beta=activation[2])
     ad, ud = a.double().requires_grad_(), u.double().requires_grad_()
@@ -1426,33 +1424,27 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
 
 
 def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
-    """KimiK3MLP (the dense MLP and the shared experts) runs SiTU through cpu_kernel.glu, forward and backward,
-    matching the torch path to fp32 rounding; a SiLU MLP keeps torch's own ops (bit for bit Kimi Linear)."""
+    """A kernelized KimiK3MLP (the dense MLP and the shared experts) gets the SiTU kernel (cpu_kernel.glu), forward
+    and backward matching the module without kernels to fp32 rounding; a SiLU MLP gets none (torch's own ops, bit
+    for bit Kimi Linear)."""
     from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3MLP
 
     if not kernel.small_gemm_available():
         pytest.skip("no vector GLU in this build (no AVX-512 or AVX2)")
-    calls = []
-    original = cpu_kernel.glu
-    monkeypatch.setattr(cpu_kernel, "glu", lambda *a: calls.append(original(*a)) or calls[-1])
     for act, expect_kernel in (("situ", True), ("silu", False)):
         torch.manual_seed(0)
-        mlp = KimiK3MLP(moe_config(hidden_act=act), intermediate_size=24)
+        mlp = kernelize(KimiK3MLP(moe_config(hidden_act=act), intermediate_size=24))
+        assert (mlp.kernel is not None) == expect_kernel
         x = torch.randn(5, mlp.hidden_size, requires_grad=True)
-        calls.clear()
         out = mlp(x)
-        if expect_kernel:
-            assert len(calls) == 1 and calls[0] is not None
-        else:
-            assert calls == []
         out.square().sum().backward()
         grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
         x.grad = None
         mlp.zero_grad()
-        with cpu_kernel.use_cpu_kernel(False):
-            ref = mlp(x)
-            ref.square().sum().backward()
+        kernelize(mlp, False)
+        ref = mlp(x)
+        ref.square().sum().backward()
         ref_grads = [x.grad] + [p.grad for p in mlp.parameters()]
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         for g, r in zip(grads, ref_grads):
@@ -1470,7 +1462,7 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
     from transformers_k3.layers.norm import KimiK3RMSNorm
 
     gen = torch.Generator().manual_seed(shape[-1])
-    norm = KimiK3RMSNorm(shape[-1], eps=1e-6)
+    norm = kernelize(KimiK3RMSNorm(shape[-1], eps=1e-6))
     with torch.no_grad():
         norm.weight.copy_(torch.randn(shape[-1], generator=gen))
     x, probe = torch.randn(shape, generator=gen) * scale, torch.randn(shape, generator=gen)
@@ -1512,12 +1504,12 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_forward_reads_a_parametrized_weight_and_bias(dtype):
-    """`linear_forward` reads plain parameters from the module's dict, and a parametrized weight or bias (not in that
+def test_kernel_linear_reads_a_parametrized_weight_and_bias(dtype):
+    """`KernelLinear` reads plain parameters from the module's dict, and a parametrized weight or bias (not in that
     dict: torch.nn.utils.parametrize moves it) the usual way, so it computes F.linear of the parametrized values."""
     from torch.nn.utils import parametrize
 
-    from transformers_k3.ops.linear import linear_forward
+    from transformers_k3.ops.linear import KernelLinear
 
     class Double(torch.nn.Module):
         def forward(self, w):
@@ -1526,7 +1518,7 @@ def test_linear_forward_reads_a_parametrized_weight_and_bias(dtype):
     torch.manual_seed(0)
     x = torch.randn(3, 16).to(dtype)
     for names in (["weight"], ["bias"], ["weight", "bias"]):
-        layer = torch.nn.Linear(16, 8).to(dtype)
+        layer = KernelLinear(16, 8).to(dtype)
         plain_weight, plain_bias = layer.weight.detach().clone(), layer.bias.detach().clone()
         for name in names:
             parametrize.register_parametrization(layer, name, Double())
@@ -1534,10 +1526,10 @@ def test_linear_forward_reads_a_parametrized_weight_and_bias(dtype):
             x, plain_weight * (2 if "weight" in names else 1), plain_bias * (2 if "bias" in names else 1)
         )
         with torch.no_grad():
-            torch.testing.assert_close(linear_forward(layer, x), want, atol=0, rtol=2**-7)
-    no_bias = torch.nn.Linear(16, 8, bias=False).to(dtype)
+            torch.testing.assert_close(layer(x), want, atol=0, rtol=2**-7)
+    no_bias = KernelLinear(16, 8, bias=False).to(dtype)
     with torch.no_grad():
-        torch.testing.assert_close(linear_forward(no_bias, x), torch.nn.functional.linear(x, no_bias.weight))
+        torch.testing.assert_close(no_bias(x), torch.nn.functional.linear(x, no_bias.weight))
 
 
 def test_latent_attention_kernel_is_clean_under_sanitizers(tmp_path):

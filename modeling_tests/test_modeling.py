@@ -425,49 +425,53 @@ def test_bf16_forward_and_generate(tiny_model):
     assert greedy(model, ids, 4).shape == (1, 16)
 
 
-def test_bf16_decode_step_runs_every_linear_in_the_kernel(tiny_model, monkeypatch):
-    """A bf16 decode step (one token after a cached prefill) on CPU computes every projection it calls (KDA, MLA,
-    the dense MLP, lm_head) through cpu_kernel.linear_bf16, the MoE layers' (latent and shared) inside the layer's
-    decode kernel (cpu_kernel.MoeDecode, the same products), and its logits match the step with the kernel
-    declining (torch's bf16 matmul) to bf16 accuracy; the prefill (2 x 30 = 60 rows: more than 15, and than the 47
-    it takes in calls of 15 on a CPU without bf16 instructions) does not use it."""
-    from transformers_k3 import KimiK3HybridCache
-    from transformers_k3.ops import cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernelized_model_computes_the_plain_models_values(tiny_model, dtype):
+    """`kernelize` (every fused CPU kernel attached: the MoE decode step, router, SiTU, RMSNorm, bf16 few-row
+    linear) gives the plain model's logits on a cached prefill and the decode step after it, with
+    ``output_router_logits`` recorded alike (fp32: 1e-4 of the largest; bf16: bf16 accuracy, as torch's bf16 matmul
+    and the kernels' fp32 sums round apart). LoRA put on after `kernelize` (the shared experts' projections and,
+    through `target_parameters`, the fused expert weights) changes the kernelized model's logits as it changes the
+    plain model's."""
+    import copy
 
-    if cpu_kernel.library() is None or not cpu_kernel.library().linear_bf16_available():
-        pytest.skip("no bf16 few-row linear kernel in this build")
-    model = tiny_model.to(torch.bfloat16)
-    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    from transformers_k3 import KimiK3HybridCache, kernelize
+
+    tol = 1e-4 if dtype is torch.float32 else 0.05
+    plain = copy.deepcopy(tiny_model).to(dtype).eval()
+    fused = kernelize(copy.deepcopy(plain))
+    assert any(m.kernel is not None for m in fused.modules() if type(m).__name__ == "KimiK3SparseMoE")
     ids = torch.randint(3, 512, (2, 31), generator=torch.Generator().manual_seed(0))
-    original, calls = cpu_kernel.linear_bf16, []
-    steps = {}
-    moe_layers = [name for name, m in model.named_modules() if type(m).__name__ == "KimiK3SparseMoE"]
-    moe_linears = sum(type(m) is torch.nn.Linear and name.startswith(tuple(p + "." for p in moe_layers))
-                      for name, m in model.named_modules())  # fmt: skip
-    decode, decoded = cpu_kernel.MoeDecode.__call__, []
-    monkeypatch.setattr(cpu_kernel.MoeDecode, "__call__", lambda self, y: decoded.append(1) or decode(self, y))
-    for use_kernel in (True, False):
-        def counted(*args, use_kernel=use_kernel):
-            out = original(*args) if use_kernel else None
-            calls.append(out is not None)
-            return out
 
-        monkeypatch.setattr(cpu_kernel, "linear_bf16", counted)
+    def run(model, **kwargs):
         cache = KimiK3HybridCache(model.config)
         with torch.no_grad():
-            model(ids[:, :30], past_key_values=cache, use_cache=True)
-            assert not any(calls)
-            calls.clear()
-            steps[use_kernel] = model(ids[:, 30:], past_key_values=cache, use_cache=True).logits.float()
-        if use_kernel:
-            # every linear layer once, but the AttnRes projections (their weights are read, never called) and
-            # kv_b_proj (absorbed MLA decode folds its weight into the query and output)
-            called = linears - moe_linears - sum(type(m) is torch.nn.Linear and name.endswith(("res_proj", "kv_b_proj"))
-                                                 for name, m in model.named_modules())  # fmt: skip
-            assert all(calls) and len(calls) == called, (len(calls), called)
-            assert moe_layers and moe_linears and len(decoded) == len(moe_layers)
-        calls.clear()
-    torch.testing.assert_close(steps[True], steps[False], atol=0.05 * steps[False].abs().max().item(), rtol=0)
+            prefill = model(ids[:, :30], past_key_values=cache, use_cache=True, **kwargs)
+            step = model(ids[:, 30:], past_key_values=cache, use_cache=True, **kwargs)
+        return prefill, step
+
+    def close(got, want):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * want.float().abs().max().item(), rtol=0)
+
+    for recorded in (False, True):
+        got, want = run(fused, output_router_logits=recorded), run(plain, output_router_logits=recorded)
+        for a, b in zip(got, want):
+            close(a.logits, b.logits)
+            if recorded:
+                assert len(a.router_logits) == len(b.router_logits) > 0
+                for x, y in zip(a.router_logits, b.router_logits):
+                    close(x, y)
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"], init_lora_weights=False,
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    before = run(fused)[1].logits
+    torch.manual_seed(1)
+    adapted_plain = peft.get_peft_model(plain, copy.deepcopy(config)).eval()
+    torch.manual_seed(1)
+    adapted_fused = peft.get_peft_model(fused, copy.deepcopy(config)).eval()
+    after = run(adapted_fused)[1].logits
+    assert not torch.allclose(after.float(), before.float(), atol=tol * before.float().abs().max().item())
+    close(after, run(adapted_plain)[1].logits)
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from transformers_k3.layers.activations import situ_glu
 from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3SparseMoE
 from transformers_k3.ops import cpu_kernel, reference
-from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kda_naive import naive_recurrent_kda
 
 from references import make_config, randomize
@@ -200,7 +199,7 @@ def test_routed_experts_and_their_backward_against_the_module(dtype, transposed)
         gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     operands = [t.to(dtype) for t in (x, weights, gate_up, down)]
     args = (operands[0], index, operands[1], operands[2], operands[3], transposed, *cpu_kernel._activation_args(
-        experts.glu_activation))  # fmt: skip
+        experts.glu))  # fmt: skip
     out, products = on_gpu(OPS.moe_experts.default, *args, True, True)
     assert out.dtype is dtype and products.shape == (27, 2 * cfg.moe_intermediate_size)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype is torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -233,13 +232,15 @@ def test_moe_decode_is_the_layer_as_its_modules_compute_it(dtype, variant):
     cfg = make_config(num_experts=16, num_experts_per_tok=4, _experts_implementation=K3_GROUPED_MM, **variant)
     layer = randomize(KimiK3SparseMoE(cfg), seed=40).to(dtype)
     y = torch.randn(3, cfg.hidden_size, generator=gen(41)).to(dtype)
-    gate, experts, down, norm, up, shared, linears = moe_ops.plain_modules(layer)
+    gate, experts, shared = layer.gate, layer.experts, layer.shared_experts
+    down, norm, up = layer.routed_expert_down_proj, layer.routed_expert_norm, layer.routed_expert_up_proj
+    linears = (() if down is None else (down, up)) + (() if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj))
     weights = [m.weight for m in linears]
     decode = cpu_kernel.MoeDecode(
         dtype, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,
         weights[0] if down is not None else None, None if norm is None else norm.weight,
         0.0 if norm is None else norm.variance_epsilon, weights[1] if down is not None else None,
-        experts.gate_up_proj, experts.down_proj, experts.glu_activation,
+        experts.gate_up_proj, experts.down_proj, experts.glu,
         tuple(weights[-3:]) if shared is not None else None,
     )  # fmt: skip
     if not decode.usable:

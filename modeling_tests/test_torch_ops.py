@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers_k3.layers.activations import situ_glu
 from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops import cpu_kernel
-from transformers_k3.ops import moe as moe_ops
+from transformers_k3.ops.kernel_layers import kernelize
 from transformers_k3.ops.kda import chunk_kda
 
 from references import make_config, make_inputs, make_moe, modules_path, randomize, ref_experts
@@ -303,7 +303,7 @@ def test_moe_experts(small, transposed):
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if transposed:
         gate_up, down = (p.detach().transpose(1, 2).contiguous().requires_grad_() for p in (gate_up, down))
-    kind, beta, linear_beta = cpu_kernel._activation_args(experts.glu_activation)
+    kind, beta, linear_beta = cpu_kernel._activation_args(experts.glu)
     args = (x, idx, w, gate_up, down, transposed, kind, beta, linear_beta, small)
     for save in (False, True):
         opcheck(ops.moe_experts.default, (*args, save))
@@ -332,8 +332,9 @@ def test_moe_decode(dtype, monkeypatch):
         original(self, *args, **kwargs)
         made.append(self)
 
-    monkeypatch.setattr(cpu_kernel.MoeDecode, "__init__", recording)
+    monkeypatch.setattr(cpu_kernel.MoeDecode, "__init__", recording)  # (to get the arguments the layer hands it)
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    kernelize(moe)
     moe = moe.to(dtype)
     y = rand(3, cfg.hidden_size, seed=7, dtype=dtype)
     with torch.no_grad():
@@ -357,7 +358,9 @@ def test_moe_decode_declines_weights_it_does_not_take(dtype):
         pytest.skip("the fused decode step needs AVX-512 or AVX2")
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
     moe = moe.to(dtype)
-    gate, experts, down, norm, up, shared, linears = moe_ops.plain_modules(moe)
+    gate, experts, shared = moe.gate, moe.experts, moe.shared_experts
+    down, norm, up = moe.routed_expert_down_proj, moe.routed_expert_norm, moe.routed_expert_up_proj
+    linears = (() if down is None else (down, up)) + (() if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj))
     weights = {"router": gate.weight, "bias": gate.e_score_correction_bias, "down_latent": down.weight,
                "norm": norm.weight, "up_latent": up.weight, "gate_up": experts.gate_up_proj, "down": experts.down_proj,
                "shared_gate": shared.gate_proj.weight}  # fmt: skip
@@ -367,7 +370,7 @@ def test_moe_decode_declines_weights_it_does_not_take(dtype):
         shared_weights = (w["shared_gate"], shared.up_proj.weight.detach(), shared.down_proj.weight.detach())
         return cpu_kernel.MoeDecode(dtype, w["router"], w["bias"], gate.top_k, gate.renormalize,
                                     gate.routed_scaling_factor, w["down_latent"], w["norm"], norm.variance_epsilon,
-                                    w["up_latent"], w["gate_up"], w["down"], experts.glu_activation,
+                                    w["up_latent"], w["gate_up"], w["down"], experts.glu,
                                     shared_weights).usable  # fmt: skip
 
     class Marked(torch.Tensor):
@@ -420,7 +423,7 @@ def test_compiled_graph_calls_the_kernel_without_a_graph_break(name):
 def test_layers_do_not_reach_the_kernel_module():
     """Whether a fused kernel runs is decided in ops/: no module of layers/ imports `ops.cpu_kernel` or names it
     in code (docstrings may), and none inspects modules' hooks (the checks before the fused whole-layer step live
-    in `ops.moe.plain_modules`)."""
+    in `ops.moe.attach_sparse_moe`, run once by `kernelize`)."""
     import ast
     import pathlib
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..ops.linear import blocks, end_aligned_causal, latent_attention
+from ..ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
 from .norm import KimiK3RMSNorm
 
 # Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
@@ -241,7 +241,7 @@ class KimiK3MLA(nn.Module):
             # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
             # or a quantized layer (bitsandbytes) computes something else, which the expanded path gets by calling it.
             absorb = (has_past and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
-                      and type(self.kv_b_proj) is nn.Linear)
+                      and type(self.kv_b_proj) in PLAIN_LINEARS)
         attn_weights = None
         implementation = self.config._attn_implementation
         flash = str(implementation).startswith(("flash_attention", "kernels-community/flash"))

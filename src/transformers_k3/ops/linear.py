@@ -39,6 +39,10 @@ class KernelLinear(nn.Linear):
         return F.linear(x, weight, bias)
 
 
+# the linear layers whose product is ``F.linear(x, weight, bias)``: a layer may read their weight instead of calling them
+PLAIN_LINEARS = (nn.Linear, KernelLinear)
+
+
 def swap_linear(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
     """A ``cls`` module holding ``linear``'s own parameters (tied weights stay tied), in its training mode."""
     new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
