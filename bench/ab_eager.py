@@ -64,7 +64,14 @@ def _moe_layer(pkg, dtype):
         if getattr(sub, "config", None) is not None and hasattr(sub, "gate_up_proj"):
             sub.config._experts_implementation = moe.K3_GROUPED_MM
     assert isinstance(layer, nn.Module)
-    return layer.to(dtype)
+    return _kernelized(pkg, layer.to(dtype))
+
+
+def _kernelized(pkg, model):
+    """``model`` with the fused CPU kernels attached the way the README says (trees from before `kernelize` had
+    them on by default)."""
+    kernelize = getattr(importlib.import_module(pkg), "kernelize", None)
+    return model if kernelize is None else kernelize(model)
 
 
 def make_row(row: str, pkg: str = "transformers_k3"):
@@ -133,6 +140,7 @@ def make_row(row: str, pkg: str = "transformers_k3"):
         small = importlib.import_module(pkg + ".small")
         dtype = torch.bfloat16 if row.endswith("bf16") else torch.float32
         model, processor = small.load_small(dtype=dtype)
+        model = _kernelized(pkg, model)
         ids = processor.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
         new = 17
 
@@ -150,7 +158,7 @@ def make_row(row: str, pkg: str = "transformers_k3"):
     if row == "k3_decode":
         pkg_module = importlib.import_module(pkg)
         torch.manual_seed(0)
-        model = pkg_module.KimiK3ForCausalLM(pkg_module.KimiK3TextConfig(**k3_config_dict())).eval()
+        model = _kernelized(pkg, pkg_module.KimiK3ForCausalLM(pkg_module.KimiK3TextConfig(**k3_config_dict())).eval())
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(3, model.config.vocab_size, (1, K3_PREFILL), generator=gen)
         token = torch.tensor([[7]])

@@ -92,7 +92,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = build(0)
+    from transformers_k3 import kernelize
+
+    model = kernelize(build(0))  # (the fused CPU kernels, as the README says; use_cpu_kernel switches them below)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt + args.steps),
                         generator=torch.Generator().manual_seed(0))
     from transformers_k3.ops import cpu_kernel

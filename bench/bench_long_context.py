@@ -101,8 +101,10 @@ def k3_config_dict() -> dict:
 
 def build(kind: str, model_kind: str = "kimi-linear"):
     """The model of `kind` with the shared seeded weights (``model_kind="k3"``: ours is the K3-featured model, with
-    its own seeded weights)."""
+    its own seeded weights); ours with the fused CPU kernels attached (`kernelize`, as the README says)."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
+
+    from transformers_k3 import kernelize
 
     torch.manual_seed(0)
     if kind == "ours" and model_kind == "k3":
@@ -110,7 +112,7 @@ def build(kind: str, model_kind: str = "kimi-linear"):
 
         config = KimiK3TextConfig(**k3_config_dict())
         config._attn_implementation = "sdpa"
-        return KimiK3ForCausalLM(config).eval()
+        return kernelize(KimiK3ForCausalLM(config).eval())
     kl_config = kimi_linear_config()
     kl_config._attn_implementation = "sdpa"
     reference = KimiLinearForCausalLM(kl_config).eval()
@@ -144,7 +146,7 @@ def build(kind: str, model_kind: str = "kimi-linear"):
     config._attn_implementation = "sdpa"
     model = KimiK3ForCausalLM(config).eval()
     model.load_state_dict(kimi_linear_to_k3_state_dict(reference.state_dict(), HEADS), strict=True)
-    return model
+    return kernelize(model)
 
 
 def fill_cache(kind: str, model, n: int):

@@ -6,7 +6,7 @@ in-tree MoE layers at the same shape, in one process.
     python bench/bench_moe.py --dtype bfloat16      # every module's weights and activations in bf16
 
 Two tables. Our modules run under every experts implementation: transformers' eager / grouped_mm / batched_mm
-and our ``k3_grouped_mm`` (`transformers_k3.layers.moe.k3_grouped_mm_experts_forward`; on CPU in fp32 it runs
+and our ``k3_grouped_mm`` (`transformers_k3.ops.experts.k3_grouped_mm_experts_forward`; on CPU in fp32 it runs
 the fused experts kernel, ``csrc/moe_cpu.cpp``, forward and backward, and in the whole layer the router's top-k
 and sparse backward run ``csrc/router_cpu.cpp``; there an fp32 router on a CPU with the AMX tile unit selects through
 its screen, approximate logits with an error bound and exact fp32 logits only for the experts the bound cannot rule
@@ -166,7 +166,7 @@ def build(args):
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    from transformers_k3 import KimiK3TextConfig
+    from transformers_k3 import KimiK3TextConfig, kernelize
     from transformers_k3.layers.moe import KimiK3SparseMoE
 
     E, k, D, I = args.experts, args.top_k, args.latent, args.intermediate
@@ -188,6 +188,7 @@ def build(args):
     }
     for seed, layer in enumerate(layers.values()):
         init_(layer, seed).to(args.dtype)
+    kernelize(layers["K3 latent MoE (ours)"])  # (the fused CPU kernels, as the README says)
     return layers
 
 

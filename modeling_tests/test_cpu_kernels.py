@@ -771,7 +771,7 @@ def test_router_sparse_backward_matches_dense_autograd(kernel, hidden):
 
 
 def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch):
-    """KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
+    """A kernelized KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
     the same experts and weights as with the kernels off; under autograd the chosen scores' sparse backward
     gives the dense path's gradients for the input and the router weight (<= 1e-5), and the returned logits
     keep their own graph (an auxiliary loss on them still reaches the router); grouped routing keeps
@@ -779,7 +779,7 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
     from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3Router
 
-    router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
+    router = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6)))
     torch.nn.init.normal_(router.weight, std=0.5)
     router.e_score_correction_bias.normal_(std=0.1)
     gen = torch.Generator().manual_seed(16)
@@ -796,8 +796,9 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
         (logits * logit_probe).sum().backward()  # as an auxiliary loss on the recorded logits would
         return order.values, weights.gather(1, order.indices).detach(), grads, router.weight.grad.clone()
 
-    with cpu_kernel.use_cpu_kernel(False):
-        ref_index, ref_weights, ref_grads, ref_aux = run()
+    kernelize(router, False)
+    ref_index, ref_weights, ref_grads, ref_aux = run()
+    kernelize(router)
     calls, fused = [], []
     topk, sigmoid_topk = torch.topk, cpu_kernel.router_sigmoid_topk
     monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(1) or topk(*a, **k))
@@ -821,7 +822,8 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
         with torch.no_grad():
             _, weights_no_grad, index_no_grad = router(x)
         assert torch.equal(index_no_grad.sort(-1).values, ref_index)
-    grouped = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4, topk_group=2))
+    grouped = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4,
+                                                topk_group=2)))  # fmt: skip
     grouped(x)
     assert calls != []
 
@@ -895,7 +897,7 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     from references import make_config as moe_config
     from transformers_k3.layers.moe import KimiK3Router
 
-    router = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6))
+    router = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6)))
     torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(42))
     router.bfloat16()
     x = torch.randn(tokens, router.hidden_size, generator=torch.Generator().manual_seed(41)).bfloat16()
@@ -915,7 +917,7 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     clear = biased[:, 5] - biased[:, 6] > 1e-5
     assert clear.float().mean() > 0.99
     assert torch.equal(index.sort(-1).values[clear], ref_index.sort(-1).values[clear])
-    kept = KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, router_fp32=True))
+    kept = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, router_fp32=True)))
     torch.nn.init.normal_(kept.weight, std=0.5, generator=torch.Generator().manual_seed(43))
     assert kept.weight.dtype == torch.float32
     calls.clear()

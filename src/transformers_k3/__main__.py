@@ -38,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+    from . import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, kernelize
 
     _register()
 
@@ -53,6 +53,7 @@ def _demo(args: argparse.Namespace) -> int:
             model.save_pretrained(tmp)
             model = AutoModelForCausalLM.from_pretrained(tmp).eval()
         source = "KimiK3TextConfig.tiny() (saved and reloaded with AutoModelForCausalLM)"
+    kernelize(model)  # (the fused CPU kernels, docs/kernels.md)
     config = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {type(model).__name__} from {source}: {n_params:,} parameters, "

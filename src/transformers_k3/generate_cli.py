@@ -186,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
+    from .ops.kernel_layers import kernelize
+
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     torch.manual_seed(args.seed)
     start = time.perf_counter()
@@ -193,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompt and not args.image:
         raise SystemExit("the prompt read from stdin is empty: give a prompt")
     model, tokenizer, processor = load(args.model)
+    kernelize(model)  # (the fused CPU kernels, docs/kernels.md)
     special = tokenizer.convert_tokens_to_ids
     stop_ids = [i for i in {tokenizer.eos_token_id, special("<|end_of_msg|>")} if i is not None and i >= 0]
     chat = bool(args.image or args.chat or args.thinking or args.no_thinking or args.thinking_effort)
