@@ -1314,8 +1314,8 @@ def test_kernelize_puts_kernel_linears_in_place_of_plain_ones(linear_bf16):
         twin = copy.deepcopy(model)
         twin.proj.weight.zero_(), twin.proj.bias.zero_()
         assert not twin.proj(xb).any() and torch.equal(model.proj(xb), out)
-        revived = pickle.loads(pickle.dumps(model))
-        assert torch.equal(revived.proj(xb), out)
+        revived = pickle.loads(pickle.dumps(proj))
+        assert torch.equal(revived(xb), out)
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["proj"], init_lora_weights=False))
     wrapped = lora.base_model.model.proj
