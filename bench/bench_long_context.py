@@ -391,8 +391,8 @@ def main():
                         help="which model 'ours' is: kimi-linear (K3 features off, the in-tree model loads its "
                              "weights) and/or k3 (every K3 feature on, as the release config has them)")
     parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads in each measuring process (on a machine shared with other work, 1 "
-                             "keeps a parallel region from waiting on a descheduled thread)")
+                        help="torch threads in each measuring process (on a machine shared with other work, 1, or "
+                             "OMP_WAIT_POLICY=PASSIVE, keeps a parallel region from spinning on a descheduled thread)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
