@@ -23,6 +23,7 @@ reach the activations and the routing weights, not the packed bytes.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -46,7 +47,9 @@ def packed_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     zeros. Differentiable with respect to ``x``. Shapes that do not fit raise `QuantFormatError`."""
     mxfp4_torch.check_operands(x, packed, scale, offsets)
     if x.dtype in _KERNEL_DTYPES and _operator_applies(x):
-        return torch.ops.transformers_k3.mxfp4_grouped_mm.default(x, packed, scale, offsets)
+        grad = torch.is_grad_enabled() and x.requires_grad
+        with contextlib.nullcontext() if grad else cpu_kernel._below_autograd():
+            return torch.ops.transformers_k3.mxfp4_grouped_mm.default(x, packed, scale, offsets)
     return mxfp4_torch.mxfp4_grouped_mm(x, packed, scale, offsets)  # (plain autograd through the products)
 
 
