@@ -8,9 +8,8 @@ What it prints:
 
 1. ``torch._dynamo.explain`` of one decode step (one new token per row, `KimiK3HybridCache` holding the prompt):
    the number of graphs and graph breaks, and every break with its reason and user-code location. The decode path
-   has none (measured with torch 2.13 / transformers 5.23). The one break there was, the KDA backend choice reading
-   a ``ContextVar`` (``ops/kda.py::_select_backend``, 2 per KDA layer and step), is gone since that function is
-   marked ``torch.compiler.assume_constant_result``: the backend is picked once, at trace time.
+   has none (measured with torch 2.13 / transformers 5.23): the KDA layers choose their kernels by the tensors'
+   device, which a graph fixes at trace time.
 2. A table: the decode step eager and compiled (``fullgraph=True``), each with the fused CPU kernels on (inside
    the graph, as operators) and off, milliseconds per step (best of ``--reps``), the one-off compile time and the
    largest relative logit difference against eager with the kernels over all steps.

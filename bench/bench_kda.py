@@ -195,7 +195,7 @@ def _load_method(name: str):
         safe_gate = name == "ours_chunk_pytorch_compiled"  # (the PyTorch path reads it only inside a graph)
 
         def core(q, k, v, g, b, s):
-            return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True, backend="torch",
+            return chunk_kda(q, k, v, g, b, initial_state=s, output_final_state=True,
                              safe_gate=safe_gate)
 
         if "_compiled" in name:  # (one graph per shape: the timed shape is warmed up before timing)
@@ -212,7 +212,7 @@ def _load_method(name: str):
         # Decode as the KDA layer runs it: the state is updated in place.
         inplace = name == "ours_decode"
         return lambda q, k, v, g, b, s: fused_recurrent_kda(q, k, v, g, b, initial_state=s, output_final_state=True,
-                                                            backend="torch", inplace_final_state=inplace)  # fmt: skip
+                                                            inplace_final_state=inplace)  # fmt: skip
     if name in ("intree_chunk", "intree_recurrent", "intree_decode"):
         fn = _intree("chunk_kimi_delta_attention" if name == "intree_chunk" else "recurrent_kimi_delta_attention")
         return lambda q, k, v, g, b, s: fn(q, k, v, g, b, initial_state=s, output_final_state=True)

@@ -2,9 +2,8 @@
 
 Run it through ``bash bench/gpu_check.sh`` (one command, wrapped in ``timeout 290``). Sections:
 
-a. ops: ``transformers_k3.ops.kda.chunk_kda`` / ``fused_recurrent_kda`` with ``backend="torch"`` (our PyTorch
-   path) against ``backend="fla"`` (our dispatcher calling fla's ``chunk_kda`` / ``fused_recurrent_kda``
-   Triton kernels, the path the model takes on CUDA), on CUDA tensors: fp32 and bf16; T in {1, 63, 64, 65,
+a. ops: ``transformers_k3.ops.kda.chunk_kda`` / ``fused_recurrent_kda`` (our PyTorch path, "torch") against fla's
+   ``chunk_kda`` / ``fused_recurrent_kda`` Triton kernels ("fla", what the KDA layers call on CUDA), on CUDA tensors: fp32 and bf16; T in {1, 63, 64, 65,
    1000, 4097}; H in {4, 32}; D = 128; initial_state + output_final_state; packed batches (cu_seqlens);
    use_qk_l2norm_in_kernel; the K3 layer's gate (precomputed ``-5 sigmoid(.)`` log-decays, fp32 g and beta
    next to bf16 q/k/v) and the in-kernel gate options (lower_bound=-5 with safe_gate, Kimi Linear's softplus
@@ -60,8 +59,10 @@ import os
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
@@ -252,33 +253,81 @@ class KernelCalls:
             return recurrent(*args, **kwargs)
 
         self.kernels = (counted_chunk, counted_recurrent)
+        self.raw = kernels
 
     def total(self) -> int:
         return self.chunk + self.recurrent
 
 
-def install_kernels(kda_ops, dry: bool, fault: float) -> KernelCalls:
-    """Route our dispatcher's ``backend="fla"`` to counted kernels: fla's real ones, or the dry adapter
-    (then the dispatcher must also accept CPU tensors for "fla", which the real one rightly refuses)."""
+class KdaSides:
+    """The two sides every check compares: ``"torch"``, our KDA operators (``transformers_k3.ops.kda``; options they do
+    not take, fla's in-kernel gate and beta sigmoid and the transposed state layout, applied around the call with our
+    own gate), and ``"fla"``, fla's kernels (the real ones, or the dry adapter), counted. ``kda_backend`` switches the
+    KDA layers of a model between them, where the layers choose their kernels for a device."""
+
+    def __init__(self, calls: KernelCalls):
+        from transformers_k3.layers import kda as kda_layer
+        from transformers_k3.ops import kda as ours
+
+        self.calls, self._layer, self._ours = calls, kda_layer, ours
+
+    def _ours_call(self, fn, q, k, v, g, beta, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                   allow_neg_eigval=False, lower_bound=None, state_v_first=False, initial_state=None, A_log=None,
+                   dt_bias=None, **options):  # fmt: skip
+        if use_gate_in_kernel:
+            g = self._ours.kda_gate(g, A_log, dt_bias, lower_bound)
+        if use_beta_sigmoid_in_kernel:
+            beta = beta.float().sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+        if initial_state is not None and state_v_first:
+            initial_state = initial_state.transpose(-1, -2)
+        if fn is self._ours.fused_recurrent_kda:
+            options.pop("safe_gate", None)
+        o, final = fn(q, k, v, g, beta, initial_state=initial_state, **options)
+        if final is not None and state_v_first:
+            final = final.transpose(-1, -2).contiguous()
+        return o, final
+
+    def chunk_kda(self, *args, backend: str, **kwargs):
+        if backend == "fla":
+            return self.calls.kernels[0](*args, **kwargs)
+        return self._ours_call(self._ours.chunk_kda, *args, **kwargs)
+
+    def fused_recurrent_kda(self, *args, backend: str, **kwargs):
+        if backend == "fla":
+            return self.calls.kernels[1](*args, **kwargs)
+        return self._ours_call(self._ours.fused_recurrent_kda, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def kda_backend(self, backend: str):
+        def fla_side(counted, kernel):
+            names = set(inspect.signature(kernel).parameters) - {"kwargs"}
+
+            def call(*args, **kwargs):  # (as transformers' hub fallback hands fla only the arguments it names)
+                return counted(*args, **{key: value for key, value in kwargs.items() if key in names})
+
+            return call
+
+        kernels = ((self._ours.chunk_kda, self._ours.fused_recurrent_kda) if backend == "torch" else
+                   tuple(fla_side(*pair) for pair in zip(self.calls.kernels, self.calls.raw)))  # fmt: skip
+        original = self._layer._delta_rule_kernels
+        self._layer._delta_rule_kernels = lambda device: kernels
+        try:
+            yield
+        finally:
+            self._layer._delta_rule_kernels = original
+
+
+def install_kernels(dry: bool, fault: float) -> KdaSides:
+    """fla's kernels, counted: the real ones, or the dry adapter (fla's naive reference, on any device)."""
     if dry:
         calls = KernelCalls(dry_fla_kernels(fault))
-
-        def select(backend, device):
-            name = kda_ops._normalise_backend(backend, "backend")
-            if name is None:
-                name = kda_ops._forced_backend.get()
-            if name is None:
-                name = kda_ops._normalise_backend(os.environ.get(kda_ops.BACKEND_ENV_VAR), "env")
-            return name or "torch"
-
-        kda_ops._select_backend = select
     else:
-        kernels, error = kda_ops._load_fla()
-        if kernels is None:
-            raise RuntimeError(f"fla's KDA kernels do not import: {error}")
-        calls = KernelCalls(kernels)
-    kda_ops._load_fla = lambda: (calls.kernels, None)
-    return calls
+        try:
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        except Exception as error:  # noqa: BLE001
+            raise RuntimeError(f"fla's KDA kernels do not import: {type(error).__name__}: {error}") from error
+        calls = KernelCalls((chunk_kda, fused_recurrent_kda))
+    return KdaSides(calls)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -523,11 +572,6 @@ def section_model(kda_ops, calls: KernelCalls, report: Report, device, sizes: di
     import transformers_k3
 
     print("\n== b. model: tiny K3, KDA layers on fla vs forced onto our PyTorch path", flush=True)
-    if not dry:
-        chosen = kda_ops._select_backend(None, device)
-        forced = os.environ.get(kda_ops.BACKEND_ENV_VAR)
-        report.add("model", "PASS" if chosen == "fla" or forced else "FAIL", "automatic KDA backend on CUDA",
-                   f"{chosen!r}" + (f" (forced by ${kda_ops.BACKEND_ENV_VAR}={forced})" if forced else ""))
     lac = {"head_dim": sizes["model_head_dim"]}
     full = transformers_k3.KimiK3TextConfig.tiny(linear_attn_config=lac)
     dense = transformers_k3.KimiK3TextConfig.tiny(linear_attn_config=lac, first_k_dense_replace=full.num_hidden_layers)
@@ -1011,7 +1055,6 @@ def main(argv=None) -> int:
                  "speed": start + args.budget}
     try:
         import transformers_k3
-        from transformers_k3.ops import kda as kda_ops
     except Exception as error:  # noqa: BLE001
         print(f"FAIL: cannot import transformers_k3 ({type(error).__name__}: {error}); run from the repository root, "
               "or pip install -e . (bench/gpu_check.sh sets PYTHONPATH=src)")
@@ -1031,7 +1074,8 @@ def main(argv=None) -> int:
     print(f"  {', '.join(versions)}; TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT')}; "
           f"mode {'DRY (fla side = naive reference on CPU)' if args.dry else 'CUDA kernels'}; budget {args.budget:.0f} s")
     try:
-        calls = install_kernels(kda_ops, args.dry, args.dry_fault)
+        kda_ops = install_kernels(args.dry, args.dry_fault)
+        calls = kda_ops.calls
     except Exception as error:  # noqa: BLE001
         print(f"FAIL: {error}")
         return 1

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from transformers_k3.ops import cpu_kernel
-from transformers_k3.ops import kda as kda_ops
+from transformers_k3.ops.kda import chunk as kda_chunk
+from transformers_k3.ops.kda import interface as kda_interface
 from transformers_k3.ops import experts as experts_module
 from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kernel_layers import kernelize
@@ -45,13 +46,14 @@ def fresh_build(monkeypatch, tmp_path):
 
 def _count_pytorch_chunked(monkeypatch):
     calls = []
-    original = kda_ops._chunked
+    original = kda_chunk.chunked
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(kda_ops, "_chunked", counting)
+    for module in (kda_chunk, kda_interface):  # (the entry points and the autograd recomputation)
+        monkeypatch.setattr(module, "chunked", counting)
     return calls
 
 

@@ -61,35 +61,6 @@ def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(tmp_path, then_on_
     assert mark.exists() == then_on_cpu, result.stderr[-3000:]
 
 
-def test_kda_on_cuda_without_fla_says_so_once(monkeypatch, caplog):
-    from transformers_k3.ops import kda
-
-    # why: an install without fla (it is installed here)
-    monkeypatch.setattr(kda, "_load_fla", lambda: (None, "ModuleNotFoundError: No module named 'fla'"))
-    kda._warn_no_fla.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger=kda.__name__):
-            assert [kda._select_backend(None, torch.device("cuda")) for _ in range(3)] == ["torch"] * 3
-            assert kda._select_backend(None, torch.device("cpu")) == "torch"
-        warnings = [r.getMessage() for r in caplog.records if "flash-linear-attention" in r.getMessage()]
-        assert len(warnings) == 1 and "pip install 'transformers-k3[fla]'" in warnings[0]
-        assert "No module named 'fla'" in warnings[0]
-    finally:
-        kda._warn_no_fla.cache_clear()
-
-
-def test_forced_fla_on_cpu_tensors_only_under_the_triton_interpreter(monkeypatch):
-    from transformers_k3.ops import kda
-
-    monkeypatch.setattr(kda, "_load_fla", lambda: ((object(), object()), None))  # why: fla's kernels need Triton
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # why: the environment variable under test
-    with pytest.raises(ValueError, match="need CUDA tensors"):
-        kda._select_backend("fla", torch.device("cpu"))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # why: the environment variable under test
-    assert kda._select_backend("fla", torch.device("cpu")) == "fla"
-    assert kda._select_backend(None, torch.device("cpu")) == "torch"  # automatic choice: never Triton on CPU
-
-
 def _state_devices(cache):
     """Layer index -> the set of device types its cached tensors are on."""
     devices = {}
@@ -235,57 +206,6 @@ def test_a_half_precision_router_off_the_cpu_makes_no_fp32_copy_of_its_weight():
     assert tuple(router.weight.shape) not in casts.shapes
 
 
-def _fla_function_parameters(relative_path: str, name: str) -> set[str]:
-    """The parameter names of fla's function `name` in `fla/<relative_path>`, read from its source (importing it
-    needs Triton)."""
-    import ast
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("flash-linear-attention is not installed (pip install -e '.[dev]')")
-    with open(os.path.join(list(spec.submodule_search_locations)[0], relative_path)) as source:
-        tree = ast.parse(source.read())
-    function = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
-    return {a.arg for a in (*function.args.args, *function.args.kwonlyargs)}
-
-
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_the_fla_decode_step_updates_the_state_in_place(monkeypatch, contiguous):
-    """fla's public fused_recurrent_kda always allocates a new final state, which the wrapper then copied into the
-    cache's: its forward's inplace_final_state writes the cache's state directly. (Stand-ins for fla's kernels:
-    no Triton here; the call's arguments are checked against fla 0.6.0's source.)"""
-    from transformers_k3.ops import kda
-
-    calls = {}
-
-    def public(q, k, v, g, beta, initial_state=None, **kwargs):
-        calls["public"] = kwargs
-        return torch.zeros_like(v), initial_state + 1
-
-    def forward(q, k, v, g, beta, initial_state=None, **kwargs):
-        calls["in_place"] = kwargs
-        initial_state.add_(1)
-        return torch.zeros_like(v), initial_state
-
-    # why: stand-ins for fla's Triton kernels (no Triton here), their keywords checked against fla's source
-    monkeypatch.setattr(kda, "_load_fla", lambda: ((public, public), None))
-    monkeypatch.setattr(kda, "_load_fla_inplace_recurrent", lambda: forward)  # why: as above
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # why: lets fla's kernels take CPU tensors
-    q, k, v, g = (torch.randn(2, 1, 3, 8) for _ in range(4))
-    state = torch.zeros(2, 3, 8, 8) if contiguous else torch.zeros(2, 3, 8, 8).transpose(-1, -2)
-    with torch.no_grad():
-        out, final = kda.fused_recurrent_kda(q, k, v, g, torch.rand(2, 1, 3), initial_state=state,
-                                             output_final_state=True, inplace_final_state=True, backend="fla")
-    assert final is state and torch.equal(state, torch.ones(2, 3, 8, 8))
-    assert set(calls) == ({"in_place"} if contiguous else {"public"})
-    if contiguous:
-        assert calls["in_place"]["inplace_final_state"] is True
-        parameters = _fla_function_parameters("ops/kda/fused_recurrent.py", "fused_recurrent_kda_fwd")
-        assert set(calls["in_place"]) <= parameters
-
-
 def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(model):
     """The three short-convolution filters were concatenated at every decode step of every KDA layer (a launch and
     a copy each); kept between steps, the concatenation must still follow a filter changed in place (an optimizer
@@ -341,7 +261,7 @@ def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatc
     """K3's gate is ``lower_bound * sigmoid(.)``, inside (lower_bound, 0): with the bound in [-5, 0) the layer's
     prefill asks fla's chunk_kda for safe_gate (its faster path for bounded gates, which it never used); Kimi
     Linear's unbounded softplus gate does not. fla stubbed (no Triton here), the call's keywords recorded."""
-    from transformers_k3.ops import kda
+    from transformers_k3.layers import kda as kda_layers
 
     seen = []
 
@@ -352,10 +272,10 @@ def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatc
         state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
         return torch.zeros_like(v), state if output_final_state else None
 
-    monkeypatch.setattr(kda, "_load_fla", lambda: ((chunk, chunk), None))  # why: fla's Triton kernel, stood in for
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # why: lets fla's kernels take CPU tensors
+    # why: the KDA layers' kernels for CUDA tensors (fla's) stood in for on CPU tensors (no Triton here)
+    monkeypatch.setattr(kda_layers, "_delta_rule_kernels", lambda device: (chunk, chunk))
     config = KimiK3TextConfig.tiny(linear_attn_config={"gate_lower_bound": lower_bound})
     model = KimiK3ForCausalLM(config).eval()
-    with torch.no_grad(), kda.kda_backend("fla"):
+    with torch.no_grad():
         model(torch.randint(3, 400, (1, 40)))
     assert seen and all(flag == (lower_bound is not None) for flag in seen), seen

@@ -20,9 +20,6 @@ ALLOWED_EDGES: dict[tuple[str, str], str] = {
     # save_pretrained writes the release layout by running the exporter in place (_export_in_place,
     # _write_release_config); it moves out when release-format saving gets its own module above the model.
     (f"{PKG}.modeling_kimi_k3", f"{PKG}.conversion.export"): "save_pretrained runs the offline exporter",
-    # The KDA autograd formula recomputes ops/kda.py's PyTorch chunked path (_Layout, _chunked, _host_bounds),
-    # while ops/kda.py dispatches to the autograd operator: gone when ops/kda.py is split fla's way (chunk file).
-    (f"{PKG}.ops.kda_autograd", f"{PKG}.ops.kda"): "autograd recomputes kda's chunked path",
     # Loading the C++ library registers the operators' PyTorch implementations for other devices (a lazy import
     # after the schemas exist); the registration can move to one module above both.
     (f"{PKG}.ops.cpu_kernel", f"{PKG}.ops.reference"): "the library loader registers the reference operators",

@@ -1,4 +1,4 @@
-"""KDA training on CPU through the fused forward kernel (``transformers_k3::kda_chunk``, ops/kda_autograd.py): the
+"""KDA training on CPU through the fused forward kernel (``transformers_k3::kda_chunk``, ops/kda/autograd.py): the
 operator passes opcheck; its forward is the inference kernel's, bitwise; its gradient is the PyTorch chunked path's
 (bitwise for the same cotangents, since the backward recomputes that path), agrees with fla's naive recurrence and
 with the float64 PyTorch path within fp32 tolerance; a tiny model's training step runs it and gets the gradients
@@ -7,8 +7,9 @@ of the kernels-off run."""
 import pytest
 import torch
 
-from transformers_k3.ops import cpu_kernel, kda_autograd
-from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
+from transformers_k3.ops import cpu_kernel
+from transformers_k3.ops.kda import autograd as kda_autograd
+from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
 
 from references import _load_fla_naive, make_inputs
 
@@ -27,7 +28,7 @@ def kernels():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many times kda.py calls the differentiable operator."""
+    """How many times the KDA entry points call the differentiable operator."""
     count = [0]
     real = kda_autograd.kda_chunk
 
@@ -102,8 +103,7 @@ CASES = {
     "l2norm": dict(state=True, kwargs=dict(use_qk_l2norm_in_kernel=True)),
     "varlen": dict(state=True, cu=[0, 37, 37, 100, 140]),
     "varlen_no_state": dict(cu=[0, 5, 70, 140]),
-    "gva_v_first_beta_sigmoid": dict(state=True, v_heads=4,
-                                     kwargs=dict(state_v_first=True, use_beta_sigmoid_in_kernel=True)),
+    "gva": dict(state=True, v_heads=4),
     "chunk_64": dict(state=True, kwargs=dict(chunk_size=64)),
 }
 
@@ -116,8 +116,6 @@ def case_inputs(case, length=140):
     q, k, v, g, beta, _ = make_inputs(batch, length, 2, 16, 16, "k3", seed=9, v_heads=v_heads,
                                       normalise="use_qk_l2norm_in_kernel" not in spec.get("kwargs", {}))  # fmt: skip
     kwargs = dict(spec.get("kwargs", {}))
-    if "use_beta_sigmoid_in_kernel" in kwargs:
-        beta = torch.logit(beta.clamp(0.01, 0.99))
     n_seq = len(cu) - 1 if cu else batch
     inputs = [q, k, v, g, beta]
     if spec.get("state"):
@@ -142,9 +140,9 @@ def test_gradient_is_the_pytorch_paths(case, calls):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"grad {name}")
 
 
-def test_gate_in_kernel_gradient_reaches_gate_parameters(calls):
-    """use_gate_in_kernel: the gate (A_log, dt_bias, lower_bound) is computed before the operator in PyTorch, so
-    its parameters get their gradient through ordinary autograd, equal to the kernels-off run."""
+def test_gate_gradient_reaches_gate_parameters(calls):
+    """The gate (A_log, dt_bias, lower_bound; ops/kda/gate.py) is computed before the operator in PyTorch, as the
+    layer does, so its parameters get their gradient through ordinary autograd, equal to the kernels-off run."""
     q, k, v, _, beta, h0 = make_inputs(1, 80, 2, 8, 8, seed=2)
     gen = torch.Generator().manual_seed(3)
     raw, a_log, dt_bias = (torch.randn(*shape, generator=gen) for shape in ((1, 80, 2, 8), (2,), (16,)))
@@ -153,8 +151,9 @@ def test_gate_in_kernel_gradient_reaches_gate_parameters(calls):
     for kernel in (True, False):
         leaves = [x.clone().requires_grad_() for x in (q, k, v, raw, beta, h0, a_log, dt_bias)]
         with cpu_kernel.use_cpu_kernel(kernel):
-            o, s = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, use_gate_in_kernel=True,
-                             A_log=leaves[6], dt_bias=leaves[7], lower_bound=-5.0, safe_gate=True)  # fmt: skip
+            g = kda_gate(leaves[3], leaves[6], leaves[7], lower_bound=-5.0)
+            o, s = chunk_kda(*leaves[:3], g, leaves[4], initial_state=leaves[5], output_final_state=True,
+                             safe_gate=True)
         ((o * cotangents[0]).sum() + (s * cotangents[1]).sum()).backward()
         results.append([x.grad for x in leaves])
     assert calls[0] == 1

@@ -1,7 +1,7 @@
 """Tests for the KDA core (spec section 4.6): our chunked and recurrent PyTorch paths against fla's
 naive recurrent reference (loaded by file path so fla's Triton-importing package init never runs) and
 against our own naive twin. Every test runs twice: with the fused CPU kernel (which computes fp32 calls, under
-autograd through the differentiable operator of ops/kda_autograd.py, see test_kda_autograd.py) and with it turned
+autograd through the differentiable operator of ops/kda/autograd.py, see test_kda_autograd.py) and with it turned
 off (the pure PyTorch path)."""
 
 import importlib.util
@@ -12,16 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from transformers_k3.ops import cpu_kernel
-from transformers_k3.ops import kda as kda_ops
-from transformers_k3.ops.kda import (
-    BACKEND_ENV_VAR,
-    chunk_kda,
-    fused_recurrent_kda,
-    kda,
-    kda_backend,
-    kda_gate,
-)
-from transformers_k3.ops.kda_naive import naive_recurrent_kda
+from transformers_k3.ops.kda import chunk as kda_ops
+from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from transformers_k3.ops.kda.naive import naive_recurrent_kda
 
 from references import assert_close, make_inputs
 
@@ -121,19 +114,13 @@ def test_whole_decays_inside_sub_chunks(fla_naive, monkeypatch, decay):
 
 
 def test_grouped_values_and_options(fla_naive):
-    """GVA (HV = 2H), state_v_first, beta sigmoid in kernel, a chunk of three 16-token sub-chunks."""
+    """GVA (HV = 2H), a chunk of three 16-token sub-chunks."""
     q, k, v, g, beta, h0 = make_inputs(2, 90, 2, 16, 8, "k3", seed=3, v_heads=4)
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     for fn in OURS:
         o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         assert_close(o, ref_o)
         assert_close(s, ref_s)
-        o, s = fn(
-            q, k, v, g, torch.logit(beta), initial_state=h0.transpose(-1, -2), output_final_state=True,
-            state_v_first=True, use_beta_sigmoid_in_kernel=True,
-        )  # fmt: skip
-        assert_close(o, ref_o, atol=2e-5)
-        assert_close(s.transpose(-1, -2), ref_s, atol=2e-5)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=48)
     assert_close(o, ref_o)
     assert_close(s, ref_s)
@@ -312,8 +299,8 @@ def test_gradcheck_float64(monkeypatch, factored):
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_gate_in_kernel_equals_gate_outside(lower_bound):
-    q, k, v, _, beta, h0 = make_inputs(1, 80, 2, 8, 8)
+def test_gate_formula(lower_bound):
+    """The one KDA gate (ops/kda/gate.py) is spec 4.4's formula, in fp32 from a bf16 projection."""
     gen = torch.Generator().manual_seed(6)
     raw = torch.randn(1, 80, 2, 8, generator=gen).bfloat16()
     A_log = torch.randn(2, generator=gen)
@@ -324,15 +311,31 @@ def test_gate_in_kernel_equals_gate_outside(lower_bound):
     else:  # spec 4.4, K3 safe gate
         explicit = lower_bound * torch.sigmoid(A_log.exp()[:, None] * (f + b))
     torch.testing.assert_close(kda_gate(raw, A_log, dt_bias, lower_bound), explicit, atol=1e-6, rtol=1e-6)
-    for fn in OURS:
-        extra = {"safe_gate": True} if fn is chunk_kda and lower_bound is not None else {}
-        fused = fn(
-            q, k, v, raw, beta, initial_state=h0, output_final_state=True, use_gate_in_kernel=True,
-            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **extra,
-        )  # fmt: skip
-        outside = fn(q, k, v, explicit, beta, initial_state=h0, output_final_state=True)
-        assert_close(fused[0], outside[0], atol=1e-6)
-        assert_close(fused[1], outside[1], atol=1e-6)
+    assert kda_gate(raw, A_log, dt_bias, lower_bound).dtype == torch.float32
+    gate64 = kda_gate(raw.double(), A_log.double(), dt_bias.double(), lower_bound)
+    assert gate64.dtype == torch.float64
+    torch.testing.assert_close(gate64, explicit.double(), atol=1e-6, rtol=1e-6)
+
+
+def test_state_history_matches_fla_naive(fla_naive):
+    """``output_state_history``: the state before the window and after each of its tokens, each fla's naive
+    recurrence run to that token, and none aliasing another (a cache keeps them all to roll back)."""
+    q, k, v, g, beta, h0 = make_inputs(2, 6, 2, 8, 8, "k3", seed=4)
+    o, final, history = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                            output_state_history=True)
+    assert len(history) == 7 and history[0] is h0 and history[-1] is final
+    assert len({x.data_ptr() for x in history}) == 7
+    ref_o, _ = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close(o, ref_o)
+    for t in range(7):
+        window = [x[:, :t] for x in (q, k, v, g, beta)]
+        ref_s = h0 if t == 0 else fla_naive(*window, initial_state=h0, output_final_state=True)[1]
+        assert_close(history[t], ref_s)
+    _, _, from_zero = fused_recurrent_kda(q, k, v, g, beta, output_state_history=True)
+    assert torch.equal(from_zero[0], torch.zeros_like(h0))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        fused_recurrent_kda(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([0, 6]),
+                            output_state_history=True)
 
 
 def test_recurrent_leaves_initial_state_untouched():
@@ -343,27 +346,25 @@ def test_recurrent_leaves_initial_state_untouched():
     torch.testing.assert_close(h0, before, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("state_v_first", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (2, 4)])
-def test_single_token_step_in_place_matches_fla_naive(fla_naive, state_v_first, heads):
+def test_single_token_step_in_place_matches_fla_naive(fla_naive, heads):
     """A decode step (T = 1) takes the lean single-token path; with ``inplace_final_state`` it writes the new
     state into the caller's buffer (returning that very tensor), else it leaves it alone. Both equal fla's naive
-    reference (<= 1e-5), with grouped values (HV > H) and the transposed state layout too."""
+    reference (<= 1e-5), with grouped values (HV > H) too."""
     h, hv = heads
     q, k, v, g, beta, h0 = make_inputs(3, 1, h, 16, 16, v_heads=hv, seed=3)
     q_ref, k_ref = (x.repeat_interleave(hv // h, dim=2) for x in (q, k))
     ref_o, ref_s = fla_naive(q_ref, k_ref, v, g, beta, initial_state=h0, output_final_state=True)
-    given = h0.transpose(-1, -2).contiguous() if state_v_first else h0.clone()
+    given = h0.clone()
     before = given.clone()
     with torch.no_grad():
-        o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=given, output_final_state=True,
-                                   state_v_first=state_v_first)
+        o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=given, output_final_state=True)
         assert torch.equal(given, before)
         o2, s2 = fused_recurrent_kda(q, k, v, g, beta, initial_state=given, output_final_state=True,
-                                     state_v_first=state_v_first, inplace_final_state=True)
+                                     inplace_final_state=True)
     assert s2 is given and torch.equal(o2, o) and torch.equal(s2, s)
     assert_close(o, ref_o)
-    assert_close(s.transpose(-1, -2) if state_v_first else s, ref_s)
+    assert_close(s, ref_s)
     with pytest.raises(ValueError, match="inplace_final_state"):
         fused_recurrent_kda(q, k, v, g, beta, output_final_state=True, inplace_final_state=True)
     with pytest.raises(ValueError, match="cannot be differentiated"):
@@ -386,54 +387,6 @@ def test_loops_restore_thread_count():
         torch.set_num_threads(1)
 
 
-def test_kda_helper_picks_form(monkeypatch):
-    calls = []
-    for name in ("chunk_kda", "fused_recurrent_kda"):
-        original = getattr(kda_ops, name)
-
-        def spy(*args, _name=name, _original=original, **kwargs):
-            calls.append(_name)
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(kda_ops, name, spy)
-    q, k, v, g, beta, h0 = make_inputs(1, 100, 2, 8, 8)
-    short = kda(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], initial_state=h0[:1], chunk_size=64)
-    long = kda(q, k, v, g, beta, initial_state=h0[:1], chunk_size=64)
-    assert calls == ["fused_recurrent_kda", "chunk_kda"]
-    head = [x[:, :4] for x in (q, k, v, g, beta)]
-    assert_close(short[0], fused_recurrent_kda(*head, initial_state=h0[:1])[0], 0)
-    assert_close(long[0], chunk_kda(q, k, v, g, beta, initial_state=h0[:1], chunk_size=64)[0], 0)
-
-
-def test_dispatch_on_cpu(monkeypatch):
-    q, k, v, g, beta, _ = make_inputs(1, 5, 2, 8, 8)
-
-    def no_fla():
-        raise AssertionError("CPU tensors must not even try to import fla")
-
-    monkeypatch.setattr(kda_ops, "_load_fla", no_fla)
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
-    for fn in OURS:
-        fn(q, k, v, g, beta)  # automatic -> torch path
-        with pytest.raises(ValueError, match="CUDA"):
-            fn(q, k, v, g, beta, backend="fla")
-        with kda_backend("fla"):
-            with pytest.raises(ValueError, match="CUDA"):
-                fn(q, k, v, g, beta)
-            fn(q, k, v, g, beta, backend="torch")  # explicit argument wins
-        monkeypatch.setenv(BACKEND_ENV_VAR, "fla")
-        with pytest.raises(ValueError, match="CUDA"):
-            fn(q, k, v, g, beta)
-        with kda_backend("torch"):
-            fn(q, k, v, g, beta)  # context manager beats the environment
-        monkeypatch.setenv(BACKEND_ENV_VAR, "cuda-please")
-        with pytest.raises(ValueError, match=BACKEND_ENV_VAR):
-            fn(q, k, v, g, beta)
-        monkeypatch.delenv(BACKEND_ENV_VAR)
-    with pytest.raises(ValueError, match="backend"):
-        chunk_kda(q, k, v, g, beta, backend="triton")
-
-
 def test_argument_errors():
     q, k, v, g, beta, h0 = make_inputs(2, 5, 2, 8, 8)
     cu = torch.tensor([0, 2, 5])
@@ -445,10 +398,6 @@ def test_argument_errors():
         (dict(v=v[:, :3]), "v must be"),
         (dict(initial_state=h0[:1]), "initial_state must be"),
         (dict(q=q.long()), "floating-point"),
-        (dict(use_gate_in_kernel=True), "A_log"),
-        (dict(use_gate_in_kernel=True, A_log=torch.zeros(3)), "A_log must have"),
-        (dict(allow_neg_eigval=True), "use_beta_sigmoid_in_kernel"),
-        (dict(cp_context=object()), "only apply to fla"),
     ]
     for fn in OURS:
         for overrides, message in cases:
@@ -475,41 +424,17 @@ def _fla_parameters(relative_path, function):
     return {a.arg for a in node.args.args + node.args.kwonlyargs}
 
 
-def test_fla_dispatch_forwards_known_arguments(monkeypatch):
-    """No GPU here: fake fla's kernels and check what the CUDA path would hand them."""
-    calls = {}
+def test_the_cuda_path_hands_fla_only_its_own_arguments():
+    """No GPU here: on CUDA tensors the layer calls fla's kernels through transformers' hub fallback, which drops
+    arguments fla does not name; every argument the layer's functions take must be one of fla's (but the in-place
+    state update, which fla's public recurrent entry point does not take: the cache stores the state it returns)."""
+    import inspect
 
-    def fake(name):
-        def kernel(*args, **kwargs):
-            calls[name] = (args, kwargs)
-            return args[2], None
+    from transformers_k3.layers.kda import _hub_chunk_kda, _hub_fused_recurrent_kda
 
-        return kernel
-
-    monkeypatch.setattr(kda_ops, "_load_fla", lambda: ((fake("chunk"), fake("recurrent")), None))
-    monkeypatch.setattr(kda_ops, "_select_backend", lambda backend, device: "fla")
-    q, k, v, g, beta, h0 = make_inputs(1, 5, 2, 8, 8)
-    gate = dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(16), lower_bound=-5.0)
-    chunk_kda(q, k, v, g, beta, initial_state=h0[:1].double(), safe_gate=True, **gate)
-    fused_recurrent_kda(q, k, v, g, beta, initial_state=h0[:1], **gate)
-
-    chunk_args = _fla_parameters("ops/kda/chunk.py", "chunk_kda") | {"A_log", "dt_bias", "chunk_size"}
+    chunk_args = _fla_parameters("ops/kda/chunk.py", "chunk_kda")
     recurrent_args = _fla_parameters("ops/kda/fused_recurrent.py", "fused_recurrent_kda")
-    assert set(calls["chunk"][1]) <= chunk_args, set(calls["chunk"][1]) - chunk_args
-    assert set(calls["recurrent"][1]) <= recurrent_args, set(calls["recurrent"][1]) - recurrent_args
-    assert calls["chunk"][1]["chunk_size"] == 64 and calls["chunk"][1]["initial_state"].dtype == torch.float32
-    assert calls["chunk"][1]["lower_bound"] == -5.0 and calls["recurrent"][1]["A_log"] is gate["A_log"]
-    with pytest.raises(ValueError, match="no backward"):
-        fused_recurrent_kda(q.requires_grad_(), k, v, g, beta)
-
-
-def test_backend_selection_for_cuda_tensors(monkeypatch):
-    cuda = torch.device("cuda")
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setattr(kda_ops, "_load_fla", lambda: ((None, None), None))
-    assert kda_ops._select_backend(None, cuda) == "fla"
-    assert kda_ops._select_backend("torch", cuda) == "torch"
-    monkeypatch.setattr(kda_ops, "_load_fla", lambda: (None, "ModuleNotFoundError: No module named 'triton'"))
-    assert kda_ops._select_backend(None, cuda) == "torch"
-    with pytest.raises(ValueError, match="triton"):
-        kda_ops._select_backend("fla", cuda)
+    ours_chunk = set(inspect.signature(_hub_chunk_kda).parameters)
+    ours_recurrent = set(inspect.signature(_hub_fused_recurrent_kda).parameters) - {"inplace_final_state"}
+    assert ours_chunk <= chunk_args, ours_chunk - chunk_args
+    assert ours_recurrent <= recurrent_args, ours_recurrent - recurrent_args

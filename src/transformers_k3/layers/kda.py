@@ -1,21 +1,23 @@
 """The Kimi Delta Attention layer, K3 variant (K3_SPEC.md section 4).
 
 Projections, three depthwise causal short convolutions, the per-channel forget gate, beta, the delta-rule
-recurrence (delegated to `transformers_k3.ops.kda`, which picks fla's kernels on CUDA and our PyTorch path
-elsewhere) and the gated per-head output norm. The state lives in the cache; this layer only reads and
-writes it through `KimiK3HybridCache`.
+recurrence and the gated per-head output norm. The recurrence is `transformers_k3.ops.kda` on CPU tensors (the fused
+CPU operator or the PyTorch algorithm) and, on CUDA tensors, fla's Triton kernels through transformers'
+`use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state lives in the cache;
+this layer only reads and writes it through `KimiK3HybridCache`.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 from ..ops.conv import causal_conv1d, causal_conv1d_update
-from ..ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda
+from ..ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_gate
 from .norm import KimiK3GatedRMSNorm
 
 # New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'
@@ -23,18 +25,30 @@ from .norm import KimiK3GatedRMSNorm
 RECURRENT_MAX_LEN = RECURRENT_MAX_TOKENS
 
 
-def kda_forget_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-                    head_dim: int) -> torch.Tensor:
-    """Log-space per-channel decay ``g`` ``[B, T, H, K]`` in fp32 from the low-rank gate pre-activation ``f``.
+def _hub_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, safe_gate=False, cu_seqlens=None):
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, safe_gate=safe_gate)
 
-    K3 (``lower_bound`` set): ``g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias))``, so ``g`` lies in ``(lb, 0)``.
-    Kimi Linear (``lower_bound`` None): ``g = -exp(A_log[h]) * softplus(f + dt_bias)``.
-    """
-    x = f.float().unflatten(-1, (-1, head_dim)) + dt_bias.float().view(-1, head_dim)
-    a = A_log.float().reshape(-1)[: x.shape[-2]].exp().view(-1, 1)  # [H, 1]; robust to [1,1,H,1] storage
-    if lower_bound is not None:
-        return lower_bound * torch.sigmoid(a * x)
-    return -a * F.softplus(x, threshold=20.0)
+
+def _hub_fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                             use_qk_l2norm_in_kernel=False, inplace_final_state=False, cu_seqlens=None):
+    return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               cu_seqlens=cu_seqlens, inplace_final_state=inplace_final_state)
+
+
+@functools.cache
+def _cuda_kernels():
+    """(chunked, recurrent) for CUDA tensors: fla's kernels when fla imports, else ours. Built on the first CUDA call
+    (importing fla loads Triton, which CPU-only runs never need)."""
+    return (use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")(_hub_chunk_kda),
+            use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")(_hub_fused_recurrent_kda))
+
+
+def _delta_rule_kernels(device: torch.device):
+    """fla's Triton kernels run on CUDA only: other devices always take ours."""
+    return _cuda_kernels() if device.type == "cuda" else (chunk_kda, fused_recurrent_kda)
 
 
 # layer -> (its filters' versions, weak references to them, their concatenation) for decode steps; outside the
@@ -140,23 +154,17 @@ class KimiK3DeltaAttention(nn.Module):
     def _recorded_delta_rule(self, q, k, v, g, beta, state, recorded: int):
         """The delta rule with the recurrent state kept after each of the last `recorded` tokens, so that the
         cache can roll back to any of them (assisted / prompt-lookup decoding). Earlier tokens run chunked."""
-        seq_len = q.shape[1]
-        head = seq_len - recorded
+        head = q.shape[1] - recorded
+        common = dict(scale=self.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
         outputs = []
-        common = dict(scale=self.head_dim ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True)
         if head > 0:
             out, state = chunk_kda(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
-                                   initial_state=state, **common, **self._chunk_options())
+                                   initial_state=state, output_final_state=True, **common, **self._chunk_options())
             outputs.append(out)
-        if state is None:
-            state = q.new_zeros(q.shape[0], self.num_heads, self.head_dim, self.head_dim, dtype=torch.float32)
-        states = [state.clone()]
-        for t in range(head, seq_len):
-            out, state = fused_recurrent_kda(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                             beta[:, t:t + 1], initial_state=state, **common)
-            outputs.append(out)
-            states.append(state.clone())
-        return torch.cat(outputs, dim=1), states
+        out, _, states = fused_recurrent_kda(q[:, head:], k[:, head:], v[:, head:], g[:, head:], beta[:, head:],
+                                             initial_state=state, output_state_history=True, **common)
+        outputs.append(out)
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else out, states
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
@@ -178,7 +186,7 @@ class KimiK3DeltaAttention(nn.Module):
         q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim)
                    for t in self._short_convs(projections, cache_layer, cu_seqlens))
         f = self.f_b_proj(self.f_a_proj(hidden_states))
-        g = kda_forget_gate(f, self.A_log, self.dt_bias, self.lower_bound, self.head_dim)
+        g = kda_gate(f.unflatten(-1, (self.num_heads, self.head_dim)), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
 
         state = cache_layer.recurrent_state if cache_layer is not None and cache_layer.has_state else None
@@ -187,11 +195,16 @@ class KimiK3DeltaAttention(nn.Module):
             cache_layer.record(raw_inputs, states, window_before)
             final_state = states[-1]
         else:
-            kda = fused_recurrent_kda if state is not None and seq_len <= RECURRENT_MAX_LEN else chunk_kda
+            chunked, recurrent = _delta_rule_kernels(q.device)
+            differentiable = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, g, beta, state))
+            # (fla's recurrent kernel has no backward: CUDA training takes the chunked form)
+            use_recurrent = state is not None and seq_len <= RECURRENT_MAX_LEN and not (
+                differentiable and q.device.type == "cuda")
+            kda = recurrent if use_recurrent else chunked
             # A decode step without autograd updates the cached state in place (no new state per token).
-            options = {"inplace_final_state": True} if kda is fused_recurrent_kda and not (
-                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))) else {}
-            if kda is chunk_kda:
+            options = {"inplace_final_state": True} if use_recurrent and not differentiable else {}
+            if not use_recurrent:
                 options = self._chunk_options()
             core, final_state = kda(
                 q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
@@ -206,4 +219,4 @@ class KimiK3DeltaAttention(nn.Module):
         return self.o_proj(out.to(hidden_states.dtype))
 
 
-__all__ = ["KimiK3DeltaAttention", "kda_forget_gate"]
+__all__ = ["KimiK3DeltaAttention"]

@@ -2,7 +2,7 @@
 use, each with a fake implementation (FakeTensor, torch.compile, export) and, where differentiable, an autograd
 formula whose backward is itself an operator.
 
-* ``kda_cpu.cpp``: chunked KDA. The PyTorch path (:func:`transformers_k3.ops.kda._chunked`) spends most of
+* ``kda_cpu.cpp``: chunked KDA. The PyTorch path (:func:`transformers_k3.ops.kda.chunk.chunked`) spends most of
   its time in element-wise passes, one kernel launch each, over tensors that the C++ kernel keeps in cache
   per (sequence, head).
 * ``router_cpu.cpp``: the sigmoid router's top-k selection (torch.topk's general partial sort cost more than
@@ -23,7 +23,7 @@ formula whose backward is itself an operator.
   latent twice in skinny products that run far below the memory bandwidth.
 
 Each computes the same algorithm as the PyTorch code it replaces, in fp32 (under autograd the KDA kernel computes
-the forward through ``transformers_k3::kda_chunk``, :mod:`transformers_k3.ops.kda_autograd`, whose backward is the
+the forward through ``transformers_k3::kda_chunk``, :mod:`transformers_k3.ops.kda.autograd`, whose backward is the
 PyTorch chunked path's gradient). The experts kernel also takes bf16 weights and activations (small-GEMM path:
 read exactly as fp32, computed in fp32, rounded once at the end). Other dtypes and machines where the kernels
 cannot be built use the PyTorch path. Under torch.compile the operators are traced through their fake

@@ -10,20 +10,43 @@ backward operators differentiate these forwards with autograd, so their gradient
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from .mxfp4_torch import mxfp4_grouped_mm, mxfp4_grouped_mm_backward  # (the packed MXFP4 experts' operators)
 
 
+
 def _none(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0, dtype=torch.float32)  # (an output not asked for)
 
 
-def _autograd():
-    from .kda_autograd import _autograd_inside_operator
+@contextlib.contextmanager
+def autograd_inside_operator() -> Iterator[None]:
+    """Record autograd inside an operator's implementation. The dispatcher runs an operator's CPU kernel with the
+    autograd keys excluded (the operator's own autograd formula has already run), and a compiled graph calls it
+    with ADInplaceOrView and other keys excluded as well (then in-place writes into views, which the PyTorch path
+    makes, would be differentiated wrongly): the block runs with a fresh thread's dispatch keys instead (autocast
+    off, so the recomputation is in the inputs' dtype, as the kernel's forward was)."""
+    include, exclude = _default_dispatch_keys()
+    with torch._C._ForceDispatchKeyGuard(include, exclude):
+        yield
 
-    return _autograd_inside_operator()
+
+@functools.cache
+def _default_dispatch_keys():
+    """The thread-local dispatch key sets a new thread starts with (included, excluded)."""
+    found = []
+    reader = threading.Thread(target=lambda: found.append(
+        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))  # fmt: skip
+    reader.start()
+    reader.join()
+    return found[0]
 
 
 def _grads(outputs, cotangents, inputs, mask):
@@ -48,7 +71,7 @@ def _grads(outputs, cotangents, inputs, mask):
 def kda_chunk_forward(q, k, v, g, beta, state, starts, lengths, chunk: int, scale: float) -> torch.Tensor:
     """Each sequence ``i`` (tokens ``starts[i] : starts[i] + lengths[i]`` of the ``B T`` flattened ones) from
     ``state[i]``, which receives its final state; ``q`` not yet scaled. Tokens in no sequence give zeros."""
-    from .kda_autograd import _reference
+    from .kda.chunk import chunked_reference  # (imported when it runs: the KDA package imports this module)
 
     batch, length, heads, _ = q.shape
     flat = [x.reshape(1, batch * length, *x.shape[2:]) for x in (q, k, v, g, beta)]
@@ -60,7 +83,7 @@ def kda_chunk_forward(q, k, v, g, beta, state, starts, lengths, chunk: int, scal
         if n == 0:
             continue
         part = [x[:, start : start + n] for x in flat]
-        o, final = _reference(*part, state[i : i + 1], None, scale, chunk)
+        o, final = chunked_reference(*part, state[i : i + 1], None, scale, chunk)
         out[:, start : start + n] = o
         state[i].copy_(final[0])
     return out.view(batch, length, heads, v.shape[-1])
@@ -90,7 +113,7 @@ def selected_scores(hidden_states, weight, top_k_index, selected) -> torch.Tenso
 
 def router_backward(grad, hidden_states, weight, top_k_index, selected, need_hidden: bool, need_weight: bool):
     """The gradient of ``sigmoid(hidden_states weight^T)`` gathered at ``top_k_index``."""
-    with _autograd(), torch.enable_grad():
+    with autograd_inside_operator(), torch.enable_grad():
         h = hidden_states.detach().requires_grad_(need_hidden)
         w = weight.detach().requires_grad_(need_weight)
         chosen = torch.sigmoid(h @ w.t()).gather(1, top_k_index)
@@ -131,7 +154,7 @@ def glu(gate, up, kind: int, beta: float, linear_beta: float) -> torch.Tensor:
 
 
 def glu_backward(grad, gate, up, kind: int, beta: float, linear_beta: float):
-    with _autograd(), torch.enable_grad():
+    with autograd_inside_operator(), torch.enable_grad():
         a, u = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()
         grad_a, grad_u = torch.autograd.grad(_glu32(a, u, kind, beta, linear_beta), [a, u], grad.float())
     return grad_a.to(gate.dtype), grad_u.to(gate.dtype)
@@ -142,7 +165,7 @@ def rms_norm(hidden_states, weight, eps: float) -> torch.Tensor:
 
 
 def rms_norm_backward(grad, hidden_states, weight, eps: float):
-    with _autograd(), torch.enable_grad():
+    with autograd_inside_operator(), torch.enable_grad():
         x, w = hidden_states.detach().requires_grad_(), weight.detach().requires_grad_()
         grad_x, grad_w = torch.autograd.grad(rms_norm(x, w, eps), [x, w], grad.float())
     return grad_x.contiguous(), grad_w.contiguous()
@@ -189,7 +212,7 @@ def moe_experts_backward(grad_out, x, index, weights, gate_up, down, products, t
                          beta: float, linear_beta: float, small: bool, output_mask: list[bool]):  # fmt: skip
     """The gradients for ``x, weights, gate_up, down`` (each in its own dtype: fp32 sums, rounded once) that
     ``output_mask`` asks for; ``products`` is recomputed."""
-    with _autograd(), torch.enable_grad():
+    with autograd_inside_operator(), torch.enable_grad():
         leaves = [t.detach().requires_grad_(m) for t, m in zip((x, weights, gate_up, down), output_mask)]
         out = _experts32(leaves[0], index, *leaves[1:], transposed, kind, beta, linear_beta)
         if not out.requires_grad:

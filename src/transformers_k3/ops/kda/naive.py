@@ -1,7 +1,7 @@
 """Slow, obviously-correct Kimi Delta Attention: the recurrence of spec section 4.6 written token by
 token, one sequence at a time, with no algebraic rewriting.
 
-It exists so the fast paths in :mod:`transformers_k3.ops.kda` can be checked against something whose
+It exists so the fast paths in :mod:`transformers_k3.ops.kda.interface` can be checked against something whose
 correctness is evident from reading it (in addition to fla's own naive reference). Do not use it for
 real work.
 """

@@ -2,7 +2,7 @@
 
 ``transformers_k3::kda_chunk`` is a functional operator (no input is written) whose CPU implementation is the fused
 kernel (:func:`transformers_k3.ops.cpu_kernel.chunk_forward`, ``inplace=False``). Its autograd formula recomputes
-the PyTorch chunked path (:func:`transformers_k3.ops.kda._chunked`, the code CPU training ran before) on the saved
+the PyTorch chunked path (:func:`transformers_k3.ops.kda.chunk.chunked`, the code CPU training ran before) on the saved
 inputs and returns that computation's vector-Jacobian product, so CPU training and CPU inference evaluate the same
 function (the kernel's forward) and the gradient is exactly the PyTorch path's for the same cotangents (the
 forward values differ from the PyTorch path's by fp32 rounding only).
@@ -11,12 +11,11 @@ The backward is itself an operator, ``transformers_k3::kda_chunk_backward`` (fak
 PyTorch path reads host values (the gate's largest magnitude, the sequence layout) that a traced graph
 (AOTAutograd, torch.compile) cannot hold, so the recomputation stays inside an opaque call.
 
-Both take the tensors as :func:`transformers_k3.ops.kda._torch_kda` hands them to the kernel: ``q, k, g``
+Both take the tensors as :func:`transformers_k3.ops.kda.interface._torch_kda` hands them to the kernel: ``q, k, g``
 ``[B, T, H, K]`` (``q`` not yet scaled), ``v`` ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, ``state`` ``[N, H, K, V]`` in
 sequence order, ``cu_seqlens`` the packed bounds as a tensor (then ``B == 1``; read and checked when the operator
 runs, so a compiled graph holds it without a host read) or None, ``scale`` the query scale and ``chunk`` the chunk
-size. L2 normalisation, grouped-value repetition, the in-kernel gate and the beta sigmoid happen before, in ordinary
-differentiable PyTorch.
+size. L2 normalisation and grouped-value repetition happen before, in ordinary differentiable PyTorch.
 
 Both run on any device: the fused kernel where it applies (fp32 CPU tensors, kernels on and built), the PyTorch
 chunked path (the same function) everywhere else, so a graph holding them also runs where the kernels do not.
@@ -24,32 +23,16 @@ chunked path (the same function) everywhere else, so a graph holding them also r
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Iterator
-
 import torch
 
-from . import cpu_kernel
+from .. import cpu_kernel
+from ..reference import autograd_inside_operator
+from .chunk import chunked_reference
+from .layout import host_bounds
 
 
 def _bounds(cu_seqlens: torch.Tensor | None, length: int) -> list[int] | None:
-    from . import kda as _kda  # (kda imports this module)
-
-    return None if cu_seqlens is None else _kda._host_bounds(cu_seqlens, length)
-
-
-def _reference(q, k, v, g, beta, state, bounds, scale, chunk):
-    """The PyTorch chunked path on the operator's arguments (``bounds`` read from the host): ``(o [B, T, H, V],
-    final [N, H, K, V])``, sequence order. Differentiable when its inputs require grad (then it runs the
-    autograd-friendly, out-of-place code)."""
-    from . import kda as _kda
-
-    batch, length = q.shape[:2]
-    layout = _kda._Layout(batch, length, bounds, chunk, q.device)
-    o, final = _kda._chunked(q, k, v, g, beta[..., None], layout.sort_states(state.contiguous()), layout, scale)
-    return o, layout.unsort_states(final)
+    return None if cu_seqlens is None else host_bounds(cu_seqlens, length)
 
 
 @torch.library.custom_op("transformers_k3::kda_chunk", mutates_args=())
@@ -63,7 +46,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if cpu_kernel.applies(q, k, v, g, beta, state, differentiable=True):
         fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, chunk, inplace=False)
     if fused is None:  # (kernels unavailable or out of memory: the PyTorch path, same function)
-        o, final = _reference(q, k, v, g, beta, state, bounds, scale, chunk)
+        o, final = chunked_reference(q, k, v, g, beta, state, bounds, scale, chunk)
         return o.contiguous(), final.contiguous()
     return fused
 
@@ -101,9 +84,9 @@ def kda_chunk_backward(grad_o: torch.Tensor | None, grad_state: torch.Tensor | N
     inputs. ``mask`` says which of the six are wanted; the others come back as empty tensors."""
     inputs = (q, k, v, g, beta, state)
     bounds = _bounds(cu_seqlens, q.shape[1])
-    with _autograd_inside_operator(), torch.enable_grad():
+    with autograd_inside_operator(), torch.enable_grad():
         leaves = [x.detach().requires_grad_(m) for x, m in zip(inputs, mask)]
-        o, final = _reference(*leaves, bounds, scale, chunk)
+        o, final = chunked_reference(*leaves, bounds, scale, chunk)
         wanted = [x for x, m in zip(leaves, mask) if m]
         # (an output that depends on no input, as o of an empty input, does not take part)
         outputs = [(y, bar) for y, bar in ((o, grad_o), (final, grad_state)) if bar is not None and y.requires_grad]
@@ -131,29 +114,6 @@ def _(grad_o, grad_state, q, k, v, g, beta, state, cu_seqlens, scale, chunk, mas
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-
-
-@contextlib.contextmanager
-def _autograd_inside_operator() -> Iterator[None]:
-    """Record autograd inside an operator's implementation. The dispatcher runs an operator's CPU kernel with the
-    autograd keys excluded (the operator's own autograd formula has already run), and a compiled graph calls it
-    with ADInplaceOrView and other keys excluded as well (then in-place writes into views, which the PyTorch path
-    makes, would be differentiated wrongly): the block runs with a fresh thread's dispatch keys instead (autocast
-    off, so the recomputation is in the inputs' dtype, as the kernel's forward was)."""
-    include, exclude = _default_dispatch_keys()
-    with torch._C._ForceDispatchKeyGuard(include, exclude):
-        yield
-
-
-@functools.cache
-def _default_dispatch_keys():
-    """The thread-local dispatch key sets a new thread starts with (included, excluded)."""
-    found = []
-    reader = threading.Thread(target=lambda: found.append(
-        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))  # fmt: skip
-    reader.start()
-    reader.join()
-    return found[0]
 
 
 def applies(q, k, v, g, beta, state) -> bool:
