@@ -45,14 +45,10 @@ def test_gpu_check_skips_without_cuda():
 @pytest.fixture
 def gpu_check(monkeypatch):
     """bench/gpu_check.py imported into this process, with everything its main() changes put back afterwards:
-    it reroutes the KDA dispatcher's "fla" backend (two module globals), sets TRITON_F32_DEFAULT and the
-    thread count."""
+    it switches the KDA layers' kernels while a model runs, sets TRITON_F32_DEFAULT and the thread count."""
     _needs_fla_naive()
-    from transformers_k3.ops import kda as kda_ops
 
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
-    for name in ("_load_fla", "_select_backend"):
-        monkeypatch.setattr(kda_ops, name, getattr(kda_ops, name))  # undone after the test
     threads = torch.get_num_threads()
     yield _bench_module("gpu_check")
     torch.set_num_threads(threads)
@@ -84,12 +80,18 @@ def test_gpu_check_budget_exhausted_is_not_a_pass(gpu_check, capsys):
     assert stdout.strip().splitlines()[-1].startswith("INCOMPLETE: 0 passed, 0 failed"), stdout
 
 
-def test_gpu_check_leaves_the_dispatcher_alone(gpu_check):
-    """After the dry runs above (their patches undone), CPU tensors are refused by the real 'fla' backend."""
-    from transformers_k3.ops import kda as kda_ops
+def test_gpu_check_leaves_the_kda_layers_alone(gpu_check):
+    """The model section switches the KDA layers onto fla's side only while a run lasts (also when it raises)."""
+    from transformers_k3.layers import kda as kda_layer
+    from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
-    with pytest.raises(ValueError, match="CUDA"):
-        kda_ops._select_backend("fla", torch.device("cpu"))
+    ours = (chunk_kda, fused_recurrent_kda)
+    sides = gpu_check.install_kernels(True, 0.0)
+    with pytest.raises(RuntimeError, match="inside"):
+        with sides.kda_backend("fla"):
+            assert kda_layer._delta_rule_kernels(torch.device("cpu")) != ours
+            raise RuntimeError("inside")
+    assert kda_layer._delta_rule_kernels(torch.device("cpu")) == ours
 
 
 def test_kda_flop_count_matches_a_counted_naive_run():

@@ -371,26 +371,47 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
         self.__init__(self.conv_width, self.max_rollback, self.static)
         self.record_past = recording
 
-    def rollback_window(self, seq_len: int) -> int:
-        """How many trailing tokens of a forward of `seq_len` tokens must be run token by token and recorded."""
-        return min(seq_len, self.max_rollback) if self.record_past else 0
+    def prepare(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """What a KDA forward of `seq_len` tokens on `device` starts from: ``(conv_window, recurrent_state,
+        recorded)``, the held conv window ``[B, 3P, K-1]`` and recurrent state (None at a sequence start; a decode
+        step may update both in place) and how many trailing tokens' states to hand back to `update` for the
+        rollback window (0 unless past recording is on)."""
+        self.follow(device)
+        recorded = min(seq_len, self.max_rollback) if self.record_past else 0
+        if not recorded:
+            self._past_states = self._past_inputs = None  # (a forward not recorded makes older history unreachable)
+        if not self.has_state:
+            return None, None, recorded
+        if recorded and self._past_inputs is None:
+            # the window before the recorded tokens: the decode convolution updates the held one in place
+            self._past_inputs, self._past_states = self.conv_states[0].clone(), []
+        return self.conv_states[0], self.recurrent_states[0], recorded
 
-    def record(self, raw_inputs: torch.Tensor, states: list[torch.Tensor],
-               window_before: torch.Tensor | None) -> None:
-        """Called by the KDA layer before it stores its new state. `raw_inputs` ``[B, 3P, T]`` are this forward's
-        pre-conv q|k|v inputs; `states` holds the recurrent state before the last ``R = len(states) - 1``
-        tokens of the forward and after each of them (a forward longer than R makes older history unreachable);
-        `window_before` is the conv window before this forward (None at a sequence start)."""
-        if self._past_inputs is None:
-            window = window_before if window_before is not None else raw_inputs.new_zeros(
-                *raw_inputs.shape[:2], self.conv_width)
-            self._past_inputs, self._past_states = window, []
+    def update(self, recurrent_state: torch.Tensor, conv_state: torch.Tensor | None = None,
+               conv_inputs: torch.Tensor | None = None, state_history: list[torch.Tensor] | None = None) -> None:
+        """Store what a KDA forward computed: its final fp32 recurrent state (the held tensor itself when the step
+        updated it in place) and its final conv window (None: the decode convolution updated the held window in
+        place). While recording (`prepare` said so), also the forward's raw q|k|v conv inputs ``[B, 3P, T]`` and
+        `state_history`: the recurrent state before the forward's last ``R = len(state_history) - 1`` tokens and
+        after each of them (a forward longer than R makes older history unreachable)."""
+        if conv_state is not None:
+            self.update_conv_state(conv_state)
+        if state_history is not None:
+            self._record(conv_inputs, state_history)
+        self.update_recurrent_state(recurrent_state)
+
+    def _record(self, raw_inputs: torch.Tensor, states: list[torch.Tensor]) -> None:
+        if self._past_inputs is None:  # (a sequence start: an empty window)
+            self._past_inputs = raw_inputs.new_zeros(*raw_inputs.shape[:2], self.conv_width)
+            self._past_states = []
+        if self.static and states[0] is self.recurrent_states[0]:
+            states = [states[0].clone(), *states[1:]]  # (the held buffer is written in place by the next update)
         if len(states) - 1 < raw_inputs.shape[-1] or not self._past_states:
-            self._past_states = [s.clone() for s in states]
+            self._past_states = list(states)
         else:
-            self._past_states = self._past_states + [s.clone() for s in states[1:]]
+            self._past_states = self._past_states + list(states[1:])
         self._past_states = self._past_states[-(self.max_rollback + 1):]
-        inputs = torch.cat([self._past_inputs, raw_inputs], dim=-1)
+        inputs = torch.cat([self._past_inputs, raw_inputs.to(self._past_inputs.dtype)], dim=-1)
         start = inputs.shape[-1] - (self.conv_width + len(self._past_states) - 1)
         self._past_inputs = inputs[..., start:]
 
@@ -679,9 +700,10 @@ class KimiK3HybridCache(Cache):
     (those tokens, e.g. the ``sequences`` generate() returned with it, then the new ones); a prompt that does not
     start with them raises `KimiK3CacheError` instead of continuing from another conversation's state."""
 
-    # (class defaults: a cache pickled by an earlier version has neither attribute)
+    # (class defaults: a cache pickled by an earlier version has none of these attributes)
     _in_generate: int | None = None
     _loaded_fingerprint: str | None = None
+    media_items: list | None = None
 
     def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_cache_len: int | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None,
@@ -753,6 +775,9 @@ class KimiK3HybridCache(Cache):
         self._generated_step = False  # set by generate() for its decode steps: their inputs need no value checks
         self._in_generate: int | None = None  # the thread whose generate() uses the cache: others are refused
         self._loaded_fingerprint: str | None = None  # the weights fingerprint of the file it was loaded from
+        # The images and videos behind the media slots it holds (the multimodal model's records, one per item:
+        # kind, pixel digest, first slot), None when unknown: a continuation's media must be the same.
+        self.media_items: list | None = None
 
     @contextmanager
     def generating(self):
@@ -979,10 +1004,19 @@ class KimiK3HybridCache(Cache):
         super().crop(tokens_to_remove)
         self._synced_token_count()
 
+    def record_media(self, items: list, new_sequence: bool) -> None:
+        """Remember the media items of the tokens this cache holds (records as the multimodal model makes them):
+        a new sequence holds exactly `items`; a continuation adds them to the known ones (unknown stays unknown)."""
+        if new_sequence:
+            self.media_items = sorted(items)
+        elif self.media_items is not None:
+            self.media_items = sorted(set(self.media_items) | set(items))
+
     def reset(self) -> None:
         super().reset()
         self._token_count = 0
         self._tokens = None
+        self.media_items = None
         self._loaded_fingerprint = None  # (what it held came from the file; it holds nothing now)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -309,8 +309,8 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                     f"the input has {n_slots} media placeholder tokens (`<|media_pad|>`, id "
                     f"{self.config.media_placeholder_token_id}) but no pixel_values / pixel_values_videos were given "
                     "(0 features)")
-        if past_key_values is not None and not held and not has_media:
-            past_key_values.media_items = []  # a new sequence: what the check of a later continuation compares with
+        if isinstance(past_key_values, KimiK3HybridCache) and not held and not has_media:
+            past_key_values.record_media([], new_sequence=True)  # what the check of a later continuation compares with
         # The text model gets embeddings; its cache records the ids behind them (`<|media_pad|>` for media slots),
         # so that generate() can check a later prompt against them (None: inputs_embeds given, ids unknown).
         return self.language_model(
@@ -323,9 +323,9 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
     def _check_held_media(past_key_values, held: int, records: list) -> None:
         """Media of the held part given again must be the ones the cache was built from (a recurrent state cannot be
         matched by the ``<|media_pad|>`` ids alone); the cache then records every item it holds."""
-        if past_key_values is None:
+        if not isinstance(past_key_values, KimiK3HybridCache):
             return
-        known = getattr(past_key_values, "media_items", None)
+        known = past_key_values.media_items
         seen = sorted(record for record in records if record[2] < held)
         if held and known is not None and seen:
             if seen != sorted(known):
@@ -333,10 +333,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                     "this KimiK3HybridCache was built from other images or videos than the ones given for the tokens "
                     "it holds (the same `<|media_pad|>` slots, different pixels): generation would continue from "
                     "another conversation's state. Pass the same media as before, or no past_key_values.")
-        if not held:
-            past_key_values.media_items = sorted(records)
-        elif known is not None:
-            past_key_values.media_items = sorted(set(known) | set(records))
+        past_key_values.record_media(records, new_sequence=not held)
 
 
 __all__ = [

@@ -3,8 +3,8 @@
 Projections, three depthwise causal short convolutions, the per-channel forget gate, beta, the delta-rule
 recurrence and the gated per-head output norm. The recurrence is `transformers_k3.ops.kda` on CPU tensors (the fused
 CPU operator or the PyTorch algorithm) and, on CUDA tensors, fla's Triton kernels through transformers'
-`use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state lives in the cache;
-this layer only reads and writes it through `KimiK3HybridCache`.
+`use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state is the cache's:
+the layer gets its views (`KimiK3KDACacheLayer.prepare`) and hands it what it computed (`update`).
 """
 
 from __future__ import annotations
@@ -122,28 +122,27 @@ class KimiK3DeltaAttention(nn.Module):
         _KEPT_CONV_WEIGHTS.pop(self, None)  # (moved or cast filters may keep their version counters)
         return super()._apply(fn, recurse)
 
-    def _short_convs(self, projections, cache_layer, cu_seqlens) -> list[torch.Tensor]:
-        """q, k, v after their causal convolutions and SiLU, reading/writing the conv window in the cache."""
+    def _short_convs(self, projections, window, cached: bool, cu_seqlens):
+        """q, k, v after their causal convolutions and SiLU, and the new conv window for the cache (None: no cache,
+        or the held `window` [B, 3P, K-1], q's channels then k's then v's, was updated in place)."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        window = cache_layer.conv_state if cache_layer is not None and cache_layer.has_state else None
-        seq_len = projections[0].shape[1]
-        if window is not None and seq_len <= RECURRENT_MAX_LEN:
-            # decode: the cached window [B, 3P, K-1] (q's channels, then k's, then v's) is updated in place by one
-            # call over all three projections (each channel is its own convolution: bitwise the three separate
-            # calls, tested), which costs what one of those did (~8 small ops each)
+        if window is not None and projections[0].shape[1] <= RECURRENT_MAX_LEN:
+            # decode: one step update over all three projections (each channel is its own convolution)
             mixed = causal_conv1d_update(torch.cat(projections, dim=-1), window, self._decode_conv_weight(convs),
                                          activation="silu")
-            return list(mixed.split(self.proj_dim, dim=-1))
+            return mixed.split(self.proj_dim, dim=-1), None
+        if window is not None:  # a longer continuation: the three convolutions as one, from the held window
+            mixed, final = causal_conv1d(torch.cat(projections, dim=-1), self._decode_conv_weight(convs),
+                                         activation="silu", initial_state=window, output_final_state=True,
+                                         cu_seqlens=cu_seqlens)
+            return mixed.split(self.proj_dim, dim=-1), final
         outputs, finals = [], []
-        for i, (z, conv) in enumerate(zip(projections, convs)):
-            initial = None if window is None else window[:, i * self.proj_dim:(i + 1) * self.proj_dim]
-            y, final = causal_conv1d(z, conv.weight.squeeze(1), activation="silu", initial_state=initial,
-                                     output_final_state=cache_layer is not None, cu_seqlens=cu_seqlens)
+        for z, conv in zip(projections, convs):
+            y, final = causal_conv1d(z, conv.weight.squeeze(1), activation="silu", output_final_state=cached,
+                                     cu_seqlens=cu_seqlens)
             outputs.append(y)
             finals.append(final)
-        if cache_layer is not None:
-            cache_layer.update_conv_state(torch.cat(finals, dim=1).to(projections[0].dtype))
-        return outputs
+        return outputs, torch.cat(finals, dim=1) if cached else None
 
     def _chunk_options(self) -> dict:
         # K3's gate lower_bound * sigmoid(.) lies in (lower_bound, 0): with a bound in [-5, 0) fla's chunked kernel
@@ -175,24 +174,22 @@ class KimiK3DeltaAttention(nn.Module):
             # prompt is pre-filled one token at a time: then a one-token step can be a padded position).
             hidden_states = hidden_states * attention_mask[:, -seq_len:, None].to(hidden_states.dtype)
         cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
+        window = state = None
+        recorded = 0
         if cache_layer is not None:
-            cache_layer.follow(hidden_states.device)
-        recorded = cache_layer.rollback_window(seq_len) if cache_layer is not None else 0
+            window, state, recorded = cache_layer.prepare(seq_len, hidden_states.device)
 
         projections = tuple(proj(hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if recorded:
-            raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2)
-            window_before = cache_layer.conv_state.clone() if cache_layer.has_state else None
-        q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim)
-                   for t in self._short_convs(projections, cache_layer, cu_seqlens))
+        raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2) if recorded else None
+        convolved, new_window = self._short_convs(projections, window, cache_layer is not None, cu_seqlens)
+        q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim) for t in convolved)
         f = self.f_b_proj(self.f_a_proj(hidden_states))
         g = kda_gate(f.unflatten(-1, (self.num_heads, self.head_dim)), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(hidden_states).float())
 
-        state = cache_layer.recurrent_state if cache_layer is not None and cache_layer.has_state else None
+        states = None
         if recorded:
             core, states = self._recorded_delta_rule(q, k, v, g, beta, state, recorded)
-            cache_layer.record(raw_inputs, states, window_before)
             final_state = states[-1]
         else:
             chunked, recurrent = _delta_rule_kernels(q.device)
@@ -212,7 +209,8 @@ class KimiK3DeltaAttention(nn.Module):
                 **options,
             )
         if cache_layer is not None:
-            cache_layer.update_recurrent_state(final_state)
+            new_window = None if new_window is None else new_window.to(projections[0].dtype)
+            cache_layer.update(final_state, new_window, raw_inputs, states)
 
         gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
         out = self.o_norm(core, gate).reshape(batch, seq_len, self.proj_dim)
