@@ -31,12 +31,8 @@ from transformers_k3 import (
     KimiK3Model,
     KimiK3TextConfig,
 )
-from transformers_k3.cache import (
-    KimiK3CacheFileError,
-    KimiK3StaticMLACacheLayer,
-    _fingerprint_samples,
-    weights_fingerprint,
-)
+from transformers_k3.cache import KimiK3StaticMLACacheLayer
+from transformers_k3.cache_io import KimiK3CacheFileError, _fingerprint_samples, weights_fingerprint
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.safetensors_header import CheckpointError
 

@@ -153,7 +153,7 @@ def test_a_verified_file_still_continues_exactly(tiny_model, saved, tmp_path):
 
 
 def test_a_signed_file_loads_only_with_its_key_and_a_recomputed_digest_does_not_fool_it(tiny_model, tmp_path):
-    from transformers_k3.cache import _content_digest
+    from transformers_k3.cache_io import _content_digest
 
     sequences, cache = conversation(tiny_model, seed=13)
     key = b"k" * 32
