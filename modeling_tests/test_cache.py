@@ -617,12 +617,13 @@ def test_generate_compiles_the_decode_steps_of_a_static_cache(model, dtype):
                                           cache_implementation="static")
             torch._dynamo.reset()
             counters.clear()
+            # why: each latent's address when the prefill writes it (no hook reaches a cache layer's update)
             KimiK3StaticMLACacheLayer.update = watch
             out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                                  cache_implementation="static", compile_config=compile_config,
                                  return_dict_in_generate=True)
     finally:
-        KimiK3StaticMLACacheLayer.update = original
+        KimiK3StaticMLACacheLayer.update = original  # why: restores the watched method
         model.to(torch.float32)
     compiled = out.sequences
     assert torch.equal(compiled, eager) and torch.equal(eager_static, eager)
