@@ -696,6 +696,11 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         cache: its whole buffer, ``max_cache_len`` rows, of which the first `get_seq_length` hold tokens)."""
         return self.layers[layer_idx].update(latent_states)[0]
 
+    def static_position(self, layer_idx: int) -> torch.Tensor | None:
+        """A static MLA layer's token count as its device tensor (what a compiled step masks by, reading no length),
+        None for a growing one."""
+        return getattr(self.layers[layer_idx], "position", None)
+
     def holds_tokens(self, layer_idx: int | None = None) -> bool:
         """Whether the cache (or MLA layer `layer_idx`) holds any token, without reading a length from the device
         (a static cache's compiled steps leave their length there)."""

@@ -230,8 +230,7 @@ class KimiK3MLA(nn.Module):
         latent = self._latent(hidden_states)
         past_len, has_past, static = 0, False, None
         if past_key_values is not None:
-            cache_layer = past_key_values.layers[self.layer_idx]
-            static = getattr(cache_layer, "position", None)  # a static latent's token count, as a tensor
+            static = past_key_values.static_position(self.layer_idx)
             has_past = past_key_values.holds_tokens(self.layer_idx)
             # (a compiled decode step of a static cache reads no length: the absorbed path masks by `position`)
             past_len = past_key_values.get_seq_length(self.layer_idx) if static is None else 0
