@@ -104,15 +104,13 @@ def build(kind: str, model_kind: str = "kimi-linear"):
     its own seeded weights); ours with the fused CPU kernels attached (`kernelize`, as the README says)."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
-    from transformers_k3 import kernelize
-
     torch.manual_seed(0)
     if kind == "ours" and model_kind == "k3":
         from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
         config = KimiK3TextConfig(**k3_config_dict())
         config._attn_implementation = "sdpa"
-        return kernelize(KimiK3ForCausalLM(config).eval())
+        return kernelized(KimiK3ForCausalLM(config).eval())
     kl_config = kimi_linear_config()
     kl_config._attn_implementation = "sdpa"
     reference = KimiLinearForCausalLM(kl_config).eval()
@@ -146,7 +144,16 @@ def build(kind: str, model_kind: str = "kimi-linear"):
     config._attn_implementation = "sdpa"
     model = KimiK3ForCausalLM(config).eval()
     model.load_state_dict(kimi_linear_to_k3_state_dict(reference.state_dict(), HEADS), strict=True)
-    return kernelize(model)
+    return kernelized(model)
+
+
+def kernelized(model):
+    """``model`` with the fused CPU kernels attached the way the README says; a tree from before `kernelize` (the
+    issue 45 baseline) has them on by default, so this script measures both."""
+    import transformers_k3
+
+    kernelize = getattr(transformers_k3, "kernelize", None)
+    return model if kernelize is None else kernelize(model)
 
 
 def fill_cache(kind: str, model, n: int):
@@ -324,7 +331,7 @@ def child_context(n: int, chunk: int, decode_steps: int, model_dir: str | None, 
 
         # The text part of a saved K3 (the shipped small model by default): AutoModelForCausalLM on a composite
         # checkpoint loads the language model alone.
-        model = AutoModelForCausalLM.from_pretrained(model_dir or SMALL_DIR).eval()
+        model = kernelized(AutoModelForCausalLM.from_pretrained(model_dir or SMALL_DIR).eval())
     # Preallocated for the whole run: the latent buffers are reserved once and never regrown.
     cache = KimiK3HybridCache(model.config, max_cache_len=n + decode_steps, batch_size=1)
     if synthetic:
