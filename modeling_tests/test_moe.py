@@ -125,22 +125,30 @@ def test_router_logits_are_fp32_for_bf16_inputs_and_router_fp32_keeps_fp32_weigh
     assert KimiK3Router(make_config(router_fp32=True)).weight.dtype == torch.float32
 
 
-def test_casting_the_model_keeps_the_selection_bias_and_an_fp32_router_in_fp32():
-    """model.to(bf16) / .half() (not only loading with dtype=) keep the selection bias in fp32 with its values: a
-    bf16 copy would round Quantile Balancing's small updates away (1 + 1e-4 is 1 in bf16). With router_fp32 the
-    weight stays fp32 too; device moves are unaffected."""
-    cfg, router = make_router()
+def test_loading_in_bf16_keeps_the_selection_bias_and_an_fp32_router_in_fp32(tmp_path, tiny_config):
+    """from_pretrained(dtype=bf16) keeps the selection bias in fp32 with its values: a bf16 copy would round Quantile
+    Balancing's small updates away (1 + 1e-4 is 1 in bf16). With router_fp32 the weight stays fp32 too. A later
+    model.to(bf16) casts them, as transformers' `_keep_in_fp32_modules_strict` does for every model."""
+    from transformers import AutoModelForCausalLM
+
+    from transformers_k3 import KimiK3ForCausalLM
+
+    tiny_config.router_fp32 = True
+    model = KimiK3ForCausalLM(tiny_config)
+    routers = [m for m in model.modules() if isinstance(m, KimiK3Router)]
+    assert routers
     with torch.no_grad():
-        router.e_score_correction_bias.copy_(1 + torch.linspace(-1e-4, 1e-4, 8))
-    before = router.e_score_correction_bias.clone()
-    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)):
-        moved = cast(router)
-        assert moved.e_score_correction_bias.dtype == torch.float32
-        assert torch.equal(moved.e_score_correction_bias, before)
-        assert moved.weight.dtype != torch.float32
-        router = moved.float()
-    fp32_router = KimiK3Router(make_config(router_fp32=True)).bfloat16()
-    assert fp32_router.weight.dtype == torch.float32
+        for router in routers:
+            router.e_score_correction_bias.copy_(1 + torch.linspace(-1e-4, 1e-4, router.num_experts))
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded_routers = [m for m in loaded.modules() if isinstance(m, KimiK3Router)]
+    for router, saved in zip(loaded_routers, routers, strict=True):
+        assert router.e_score_correction_bias.dtype == router.weight.dtype == torch.float32
+        assert torch.equal(router.e_score_correction_bias, saved.e_score_correction_bias)
+        assert torch.equal(router.weight, saved.weight)
+    cast = loaded.to(torch.bfloat16)
+    assert all(r.e_score_correction_bias.dtype == torch.bfloat16 for r in cast.modules() if isinstance(r, KimiK3Router))
 
 
 def test_router_selects_k_distinct_experts_and_weights_sum_to_scaling_factor():

@@ -24,7 +24,6 @@ from ._compat import MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .layers.attn_res import KimiK3AttnResRead
-from .layers.casting import apply_keeping_fp32
 from .layers.kda import KimiK3DeltaAttention
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
 from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
@@ -316,16 +315,6 @@ class KimiK3ModelMixin:
         return super().get_correct_experts_implementation(
             K3_GROUPED_MM if requested_experts is None else requested_experts
         )
-
-    def _apply(self, fn, recurse=True):
-        """``model.to(torch.bfloat16)`` / ``.half()`` keep what the release stores in fp32
-        (``_keep_in_fp32_modules_strict``: the KDA decay parameters and convolution filters, the selection biases)
-        in fp32 with their values, as ``from_pretrained(dtype=...)`` does, so that casting a loaded model computes
-        what loading it in that dtype computes (a bf16 A_log / dt_bias changed every KDA decay). Device moves apply
-        as usual."""
-        keys = tuple(getattr(self, "_keep_in_fp32_modules_strict", None) or ())
-        return apply_keeping_fp32(self, lambda: super(KimiK3ModelMixin, self)._apply(fn, recurse),
-                                  lambda name: any(key in name for key in keys))
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = True, **kwargs):
         """transformers' ``save_pretrained``. With ``save_original_format=True`` (transformers' default) the weights

@@ -90,7 +90,7 @@ class KimiK3DeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(self.head_dim, proj, bias=False)
         self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.kda_o_norm_eps)
         # fp32 weight, as the release stores it (K3_SPEC.md 13), also in a model built in bf16
-        # (`_keep_in_fp32_modules_strict` keeps it fp32 when loading and casting)
+        # (`_keep_in_fp32_modules_strict` keeps it fp32 when loading)
         self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim, dtype=torch.float32))
         self.o_proj = nn.Linear(proj, hidden, bias=False)
 
@@ -101,26 +101,24 @@ class KimiK3DeltaAttention(nn.Module):
 
     def _decode_conv_weight(self, convs) -> torch.Tensor:
         """The three filters as one ``[3P, K]`` weight. Without autograd it is kept between decode steps, remade when
-        a filter is replaced, moved or cast (`_apply`: ``.to``, ``.cuda``, ``.half``) or changed in place (its
+        a filter is replaced, moved or cast (``.to``, ``.cuda``, ``.half``: new storage) or changed in place (its
         version counter: optimizer steps, ``load_state_dict``, ``copy_``; a write through ``.data`` bypasses it, so
         such code must replace the parameter instead)."""
         weights = [conv.weight for conv in convs]
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return torch.cat([w.squeeze(1) for w in weights])
         try:
-            key = tuple((w._version, w.dtype, w.device) for w in weights)
+            # (the old storage is kept alive with the result, so a cast's new storage never reuses its address)
+            key = tuple((w._version, w.dtype, w.device, w.data_ptr()) for w in weights)
         except RuntimeError:  # inference tensors keep no version counter: nothing tells a change, so no keeping
             return torch.cat([w.squeeze(1) for w in weights])
         kept = _KEPT_CONV_WEIGHTS.get(self)
         if kept is None or kept[0] != key or any(ref() is not w for ref, w in zip(kept[1], weights)):
             # (weak references: a new parameter at a freed one's address is still a new parameter)
-            kept = (key, [weakref.ref(w) for w in weights], torch.cat([w.detach().squeeze(1) for w in weights]))
+            kept = (key, [weakref.ref(w) for w in weights], torch.cat([w.detach().squeeze(1) for w in weights]),
+                    [w.detach() for w in weights])
             _KEPT_CONV_WEIGHTS[self] = kept
         return kept[2]
-
-    def _apply(self, fn, recurse=True):
-        _KEPT_CONV_WEIGHTS.pop(self, None)  # (moved or cast filters may keep their version counters)
-        return super()._apply(fn, recurse)
 
     def _short_convs(self, projections, window, cached: bool, cu_seqlens):
         """q, k, v after their causal convolutions and SiLU, and the new conv window for the cache (None: no cache,

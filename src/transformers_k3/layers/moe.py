@@ -22,7 +22,6 @@ from ..ops.experts import K3_GROUPED_MM  # noqa: F401  (the name configs select;
 from ..ops.kernel_layers import kernel_layer
 from ..ops.torch_internals import recording
 from .activations import GLU
-from .casting import apply_keeping_fp32
 from .norm import KimiK3RMSNorm
 
 
@@ -69,20 +68,13 @@ class KimiK3Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.num_expert_group = config.num_expert_group
         self.topk_group = config.topk_group
-        # `router_fp32`: the checkpoint stores the router in fp32; the model must also keep it there when
-        # it is cast to a lower dtype. The logits are fp32 either way.
+        # `router_fp32`: the checkpoint stores the router in fp32 (a bf16 load keeps it: the parameter is built
+        # fp32). The logits are fp32 either way.
         self.weight_fp32 = bool(getattr(config, "router_fp32", False))
         weight_dtype = torch.float32 if self.weight_fp32 else None
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
         self.logits_observers = 0
-
-    def _apply(self, fn, recurse=True):
-        """``model.to(torch.bfloat16)`` / ``.half()`` leave the selection bias (and, with ``router_fp32``, the
-        weight) in fp32 with their values unchanged, as loading with ``dtype=`` does: Quantile Balancing's small
-        updates would be rounded away in a bf16 bias. Device moves apply as usual."""
-        names = ("e_score_correction_bias", "weight") if self.weight_fp32 else ("e_score_correction_bias",)
-        return apply_keeping_fp32(self, lambda: super(KimiK3Router, self)._apply(fn, recurse), names.__contains__)
 
     def forward(
         self, hidden_states: torch.Tensor, need_logits: bool = True
