@@ -550,7 +550,7 @@ def test_device_map_auto_with_cpu_and_disk_offload(tmp_path):
     """from_pretrained(device_map="auto") with max_memory below the model size: some decoder layers stay in CPU
     memory, the rest are offloaded to disk; no decoder layer is split (`_no_split_modules`), and the logits and
     greedy tokens equal the in-memory model's exactly. (K3 reads a few child weights without calling the child:
-    `transformers_k3.offload.onloaded` makes accelerate load them; this test fails without it.)"""
+    transformers' `force_accelerate_hooks` on those modules makes accelerate load them; this test fails without it.)"""
     pytest.importorskip("accelerate")
     torch.manual_seed(0)
     base = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())

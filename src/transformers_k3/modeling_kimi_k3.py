@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -30,7 +31,6 @@ from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, K
 from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
 from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_reads_are_free, _input_ids_problem,
                                   _mask_problems, _padding_problem, _position_problems, _raise_problems)
-from .offload import onloaded
 
 
 @dataclass
@@ -106,6 +106,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.use_attn_res = config.use_attn_res
+        self.self_attention_res_norm = self.self_attention_res_proj = self.mlp_res_norm = self.mlp_res_proj = None
         if self.use_attn_res:
             self.self_attention_res_norm = KimiK3RMSNorm(hidden, eps=eps)
             self.self_attention_res_proj = nn.Linear(hidden, 1, bias=False)
@@ -123,6 +124,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.attn_side_read = KimiK3AttnResRead(eps)
         self.mlp_side_read = KimiK3AttnResRead(eps)
 
+    # (the AttnRes reads use these weights without calling their modules: accelerate's offload hooks are fired here)
+    @force_accelerate_hooks(["self_attention_res_proj", "self_attention_res_norm", "mlp_res_proj", "mlp_res_norm"])
     def forward(self, partial: torch.Tensor, *bank: torch.Tensor, attention_mask=None, past_key_values=None,
                 cu_seqlens: torch.LongTensor | None = None, **kwargs) -> tuple[torch.Tensor, ...]:
         """``(partial, *bank) -> (partial, *bank)``; the bank is passed positionally so that gradient
@@ -439,6 +442,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.output_attn_res_norm = self.output_attn_res_proj = None
         if config.use_attn_res:
             self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
@@ -459,6 +463,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
+    # (the final AttnRes read uses these weights without calling their modules: accelerate's hooks are fired here)
+    @force_accelerate_hooks(["output_attn_res_proj", "output_attn_res_norm"])
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
@@ -532,18 +538,15 @@ class KimiK3Model(KimiK3PreTrainedModel):
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:
             mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask
-            with onloaded(layer):  # accelerate offload: weights the layer reads without calling their module
-                state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens,
-                              **kwargs)
+            state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens, **kwargs)
 
         partial, *bank = state
         if self.config.use_attn_res:
-            with onloaded(self, recurse=False):
-                # under a device_map these two weights may sit on another device than the last layer, and no
-                # accelerate hook moves the read's inputs (the read owns no weights)
-                device = self.output_attn_res_proj.weight.device
-                mix = self.output_read([t.to(device) for t in (*bank, partial)], self.output_attn_res_proj.weight,
-                                       self.output_attn_res_norm.weight.to(device))[0]
+            # under a device_map these two weights may sit on another device than the last layer, and no
+            # accelerate hook moves the read's inputs (the read owns no weights)
+            device = self.output_attn_res_proj.weight.device
+            mix = self.output_read([t.to(device) for t in (*bank, partial)], self.output_attn_res_proj.weight,
+                                   self.output_attn_res_norm.weight.to(device))[0]
         else:
             mix = self.output_read([partial])[0]
         return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), **{OUTPUT_CACHE_FIELD: past_key_values})

@@ -14,6 +14,7 @@ import weakref
 
 import torch
 from torch import nn
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 from ..ops.conv import causal_conv1d, causal_conv1d_update
@@ -163,6 +164,8 @@ class KimiK3DeltaAttention(nn.Module):
         outputs.append(out)
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else out, states
 
+    # (the conv ops read the filters without calling their modules: accelerate's offload hooks are fired here)
+    @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
         batch, seq_len, _ = hidden_states.shape

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.accelerate import force_accelerate_hooks
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
@@ -223,6 +224,8 @@ class KimiK3MLA(nn.Module):
             lse = merged
         return out.to(query.dtype).transpose(1, 2)
 
+    # (absorbed decode reads `kv_b_proj.weight` without calling it: accelerate's offload hooks are fired here)
+    @force_accelerate_hooks("kv_b_proj")
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, absorb: bool | None = None, **kwargs):
         batch, q_len, _ = hidden_states.shape
