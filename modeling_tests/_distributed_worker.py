@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize
 
 STEPS, LR = 3, 1e-2
 
@@ -98,7 +98,7 @@ def main() -> None:
 
     cpu_kernel.moe_experts = counting("experts", cpu_kernel.moe_experts)
     cpu_kernel.linear_bf16_f32 = counting("router", cpu_kernel.linear_bf16_f32)
-    model = make_model()
+    model = kernelize(make_model())  # (the fused CPU kernels attached, as the README says)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)

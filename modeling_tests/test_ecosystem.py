@@ -20,7 +20,7 @@ from transformers import (
     pipeline,
 )
 
-from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, build_test_tokenizer
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, build_test_tokenizer, kernelize
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.chat import (
     KIMI_K3_RESPONSE_TEMPLATE,
@@ -633,7 +633,7 @@ def test_compiled_model_runs_the_kernels_in_its_graph(dtype):
     if cpu_kernel.library() is None:
         pytest.skip("the CPU kernels are not built here")
     torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(dtype)
+    model = kernelize(randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(dtype))
     ids = torch.randint(3, 512, (2, 15))
     in_graph: set[str] = set()
 
