@@ -30,6 +30,7 @@ from transformers_k3 import (
     KimiK3HybridCache,
     KimiK3Model,
     KimiK3TextConfig,
+    kernelize,
 )
 from transformers_k3.cache import KimiK3StaticMLACacheLayer
 from transformers_k3.cache_io import KimiK3CacheFileError, _fingerprint_samples, weights_fingerprint
@@ -586,7 +587,7 @@ def test_generate_compiles_the_decode_steps_of_a_static_cache(model, dtype):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    model = model.to(dtype)
+    model = kernelize(model.to(dtype))  # (the fused CPU kernels attached, as the README says)
     ids, mask = padded_prompt()
     in_graph, placeholders = set(), []
 
@@ -624,7 +625,7 @@ def test_generate_compiles_the_decode_steps_of_a_static_cache(model, dtype):
                                  return_dict_in_generate=True)
     finally:
         KimiK3StaticMLACacheLayer.update = original  # why: restores the watched method
-        model.to(torch.float32)
+        kernelize(model, False).to(torch.float32)
     compiled = out.sequences
     assert torch.equal(compiled, eager) and torch.equal(eager_static, eager)
     if dtype is torch.float32:  # (in bf16 a cached step and a whole-sequence forward round differently)
