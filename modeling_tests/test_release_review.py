@@ -307,7 +307,9 @@ def test_tied_embeddings_save_load_and_export(tmp_path):
 
 
 def test_bf16_save_keeps_the_release_fp32_tensors_and_reloads_in_fp32_exactly(tmp_path):
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval(), seed=4).to(torch.bfloat16)
+    # a bf16 model as loaded (a later .to(bf16) casts the fp32 tensors too, as transformers does)
+    randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval(), seed=4).save_pretrained(tmp_path / "fp32")
+    model = KimiK3ForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "bf16")
     tensors = shard_tensors(tmp_path / "bf16")
     check_against_rules(tensors, model.config, False, False)
