@@ -477,7 +477,7 @@ def test_qlora_skip_list_extends_the_users_and_covers_full_size(tmp_path):
     pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
-    from transformers_k3.modeling_kimi_k3 import _narrow_for_bnb_4bit
+    from transformers_k3.conversion.release_format import _narrow_for_bnb_4bit
 
     mine = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["model.layers.0.self_attn.q_proj"])
     got = _narrow_for_bnb_4bit(KimiK3ForCausalLM, None, mine, {"config": KimiK3TextConfig.tiny()})

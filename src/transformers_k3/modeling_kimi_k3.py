@@ -6,11 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.integrations.accelerate import force_accelerate_hooks
@@ -25,6 +23,7 @@ from ._compat import MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .layers.attn_res import KimiK3AttnResRead
+from .conversion.release_format import KimiK3ReleaseFormatMixin
 from .layers.kda import KimiK3DeltaAttention
 from .layers.mla import KimiK3MLA, uses_blockwise_attention
 from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
@@ -154,148 +153,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         return (partial, *bank)
 
 
-def config_for_from_pretrained(cls, path, kwargs) -> PretrainedConfig:
-    """The config a ``cls.from_pretrained(path, **kwargs)`` call will use: ``kwargs["config"]`` if it is one, else
-    ``cls.config_class`` read from ``path`` (with the call's hub arguments), for the overrides that must see it
-    before transformers builds the model."""
-    config = kwargs.get("config")
-    if isinstance(config, PretrainedConfig):
-        return config
-    hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
-    return cls.config_class.from_pretrained(path, **hub)
-
-
-def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
-    """A copy of a bitsandbytes 4-bit ``quantization_config`` whose ``llm_int8_skip_modules`` also holds the linear
-    layers its CPU kernel cannot pack (blocks of 32 output rows x 64 input columns): at full size the 1-wide AttnRes
-    pseudo-query projections (``*_res_proj``), in small configs also narrow KDA / MLA / latent projections. Quantized,
-    they fail at the first forward with a reshape error from inside bitsandbytes; kept in the model dtype they cost a
-    few KB at full size (on any device). transformers' default skips (the LM head) are kept and a user's list is
-    extended, not replaced; the caller's object is left as it was."""
-    import copy
-
-    from transformers.quantizers.base import get_keys_to_not_convert
-
-    config = config_for_from_pretrained(cls, path, kwargs)
-    with torch.device("meta"):
-        skeleton = cls(copy.deepcopy(config))  # (meta tensors: no memory, only the module tree)
-    narrow = [name for name, module in skeleton.named_modules()
-              if type(module) is nn.Linear and (module.in_features % 64 or module.out_features % 32)]
-    if not narrow:
-        return quantization_config
-    quantization_config = copy.deepcopy(quantization_config)
-    skip = quantization_config.llm_int8_skip_modules
-    if skip is None:  # (a list replaces transformers' defaults: keep them)
-        skip = get_keys_to_not_convert(skeleton)
-    quantization_config.llm_int8_skip_modules = sorted(set(skip) | set(narrow))
-    return quantization_config
-
-
-def _saved_names(directory: Path) -> list[str] | None:
-    import json
-
-    from .safetensors_header import read_safetensors_header
-
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}))
-    single = directory / "model.safetensors"
-    return list(read_safetensors_header(single)) if single.is_file() else None
-
-
-def _remove_stale_weights(directory: Path, started: float) -> None:
-    """A save into a directory that held the other form (one file vs an index and shards) leaves the old one,
-    which transformers' loader would prefer (model.safetensors) or which the index no longer describes: remove
-    the form this save did not write."""
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if not (single.is_file() and index.is_file()):
-        return
-    if index.stat().st_mtime >= started > single.stat().st_mtime:
-        single.unlink()
-    elif single.stat().st_mtime >= started > index.stat().st_mtime:
-        import json
-
-        stale = set(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
-        index.unlink()
-        for name in stale:
-            shard = directory / name
-            if shard.parent == directory and shard.is_file() and shard.stat().st_mtime < started:
-                shard.unlink()
-
-
-def _export_in_place(directory: Path, dtype: str) -> None:
-    """Replace the fused-layout weights, index and config in ``directory`` by the exporter's release layout (written
-    next to it first; the directory's other files stay)."""
-    import os
-    import shutil
-
-    from .conversion.export import export_to_official
-
-    exported = directory.with_name(f".{directory.name}.k3export-{os.getpid()}")
-    shutil.rmtree(exported, ignore_errors=True)
-    try:
-        export_to_official(directory, exported, dtype=dtype, max_shard_size="50GB", progress=False)
-        old = set(_weight_files(directory))
-        new = set(_weight_files(exported))
-        for name in sorted(new) + ["config.json"]:
-            os.replace(exported / name, directory / name)
-        for name in old - new:
-            (directory / name).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(exported, ignore_errors=True)
-
-
-def _weight_files(directory: Path) -> list[str]:
-    return [p.name for p in directory.iterdir()
-            if p.is_file() and (p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json")]
-
-
-def _upload_saved_directory(model, directory: Path, started: float, repo_id: str | None = None,
-                            commit_message: str | None = None, create_pr: bool = False, private: bool | None = None,
-                            token=None) -> None:
-    """What transformers' ``save_pretrained(push_to_hub=True)`` does, once the release's files are written: create the
-    repo, add the model card, upload the files this save wrote (huggingface_hub's public ``HfApi``)."""
-    from huggingface_hub import HfApi
-    from transformers.utils.hub import create_and_tag_model_card
-
-    api = HfApi(token=token)
-    repo_id = api.create_repo(repo_id or directory.name, private=private, exist_ok=True).repo_id
-    create_and_tag_model_card(repo_id, model.model_tags, token=token).save(str(directory / "README.md"))
-    written = sorted(p.name for p in directory.iterdir() if p.is_file() and p.stat().st_mtime >= started)
-    api.upload_folder(repo_id=repo_id, folder_path=directory, allow_patterns=written,
-                      commit_message=commit_message or "Upload model", create_pr=create_pr)
-
-
-def _write_release_config(model, directory: Path) -> None:
-    """Rewrite ``directory/config.json`` with the release's keys, atomically, where the config's kind matches what the
-    weights hold (a composite config for the multimodal model, a text config for the text model) and the dtype is
-    one the release's config names (bf16 / fp32); otherwise the file stays as transformers wrote it."""
-    import json
-    import os
-
-    from .configuration_kimi_k3 import KimiK3Config
-    from .conversion.export import official_config_dict
-
-    composite = isinstance(model.config, KimiK3Config)
-    if composite != hasattr(model, "vision_tower") or model.dtype not in (torch.bfloat16, torch.float32):
-        return
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
-        return  # a quantized model's weights need its quantization_config, which the release's config has not
-    names = _saved_names(directory)
-    if names is None:
-        return
-    if any(".experts.gate_up_proj" in n for n in names):
-        # a model loaded from our fused layout: transformers saved it as loaded; the exporter writes the release's
-        _export_in_place(directory, "bf16" if model.dtype == torch.bfloat16 else "fp32")
-        return
-    path = directory / "config.json"
-    data = official_config_dict(model.config, composite=composite, dtype=model.dtype)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
-
-
-class KimiK3ModelMixin:
+class KimiK3ModelMixin(KimiK3ReleaseFormatMixin):
     """Mixed into K3's pretrained-model classes (text and multimodal): how the experts implementation is chosen, and
     which generation modes the hybrid cache allows."""
 
@@ -318,66 +176,6 @@ class KimiK3ModelMixin:
         return super().get_correct_experts_implementation(
             K3_GROUPED_MM if requested_experts is None else requested_experts
         )
-
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = True, **kwargs):
-        """transformers' ``save_pretrained``. With ``save_original_format=True`` (transformers' default) the weights
-        are in the release's layout, and so is ``config.json``: the release's keys (`official_config_dict`: the text
-        config as ``kimi_linear``, ``dtype`` the weights' dtype, no key derived from others). ``False`` writes ours."""
-        import time
-
-        started = time.time()
-        if save_original_format and kwargs.get("push_to_hub") and kwargs.get("is_main_process", True):
-            # transformers uploads inside its save_pretrained, before the release's files exist: save, then upload
-            hub = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "create_pr", "private")
-                   if key in kwargs}
-            kwargs.pop("push_to_hub")
-            out = self.save_pretrained(save_directory, *args, save_original_format=True, **kwargs)
-            _upload_saved_directory(self, Path(save_directory), started, token=kwargs.get("token"), **hub)
-            return out
-        if not kwargs.get("is_main_process", True):
-            return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
-        from .conversion.streaming import staged_save
-
-        with staged_save(save_directory) as staging:  # a failed save (full disk) leaves the directory as it was
-            out = super().save_pretrained(staging, *args, save_original_format=save_original_format, **kwargs)
-            if save_original_format:
-                _write_release_config(self, staging)
-        _remove_stale_weights(Path(save_directory), started)
-        return out
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        """transformers' ``from_pretrained``; when quantizing to bitsandbytes 4-bit (QLoRA), the linear layers its CPU
-        kernel cannot pack are added to ``llm_int8_skip_modules`` first (`_narrow_for_bnb_4bit`). A local directory's
-        index and shard headers are checked first (`checkpoint_checks`: duplicate or unindexed tensors, integer
-        weights, files outside the directory raise `CheckpointError`)."""
-        from .checkpoint_checks import check_pretrained_directory
-
-        check_pretrained_directory(pretrained_model_name_or_path, kwargs)
-        quantization_config = kwargs.get("quantization_config")
-        if isinstance(quantization_config, dict) and quantization_config.get("load_in_4bit"):
-            from transformers import BitsAndBytesConfig
-
-            quantization_config = BitsAndBytesConfig.from_dict(quantization_config)
-        if getattr(quantization_config, "load_in_4bit", False):
-            kwargs["quantization_config"] = _narrow_for_bnb_4bit(cls, pretrained_model_name_or_path,
-                                                                 quantization_config, kwargs)
-        from .checkpoint_checks import check_hub_checkpoint
-
-        from .conversion.hf_mapping import recording_conversion_failures
-        from .safetensors_header import CheckpointError
-
-        kwargs = check_hub_checkpoint(pretrained_model_name_or_path, kwargs)  # a hub id: fetched, checked, pinned
-        with recording_conversion_failures() as failures:
-            try:
-                return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-            except RuntimeError as error:
-                if not failures:
-                    raise
-                shown = "\n  ".join(failures[:10]) + (f"\n  ... and {len(failures) - 10} more" if len(failures) > 10
-                                                     else "")
-                raise CheckpointError(f"{pretrained_model_name_or_path}: {len(failures)} tensor(s) cannot be loaded "
-                                      f"as K3 weights:\n  {shown}") from error
 
 class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     config: KimiK3TextConfig

@@ -34,8 +34,8 @@ from .layers.vision import (
     sincos_time_table,
 )
 from .generation_kimi_k3 import KimiK3GenerationMixin, check_input_ids
-from .modeling_kimi_k3 import (KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3ModelMixin,
-                               config_for_from_pretrained)
+from .conversion.release_format import config_for_from_pretrained
+from .modeling_kimi_k3 import KimiK3CausalLMOutputWithPast, KimiK3ForCausalLM, KimiK3ModelMixin
 
 IMAGE_TYPE_ID, VIDEO_TYPE_ID = 1, 2
 
