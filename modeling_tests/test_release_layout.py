@@ -229,7 +229,11 @@ def test_export_matches_the_release_rules(mode, our_checkpoint, tmp_path):
 
 def test_save_pretrained_of_a_new_model_follows_the_release_rules(tmp_path):
     torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(BF16)
+    # built in bf16 as from_pretrained / from_config build it (the release's fp32 tensors in fp32; a later
+    # .to(bf16) casts them too, as transformers does)
+    from transformers import AutoModelForCausalLM
+
+    model = randomize_(AutoModelForCausalLM.from_config(KimiK3TextConfig.tiny(), dtype=BF16).eval())
     model.save_pretrained(tmp_path / "saved")
     check_against_rules(shard_tensors(tmp_path / "saved"), model.config, False, False)
     model.save_pretrained(tmp_path / "fused", save_original_format=False)  # our layout, unchanged
