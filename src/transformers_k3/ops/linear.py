@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernel
-from .torch_internals import MISSING, parameter
+from .torch_internals import MISSING, parameters
 
 
 class KernelLinear(nn.Linear):
@@ -25,7 +25,8 @@ class KernelLinear(nn.Linear):
     same quantity. Its state dict is `nn.Linear`'s; PEFT wraps it as it wraps `nn.Linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = parameter(self, "weight"), parameter(self, "bias")
+        params = parameters(self)
+        weight, bias = params.get("weight", MISSING), params.get("bias", MISSING)
         if weight is MISSING:  # (a parametrized weight or bias)
             weight = self.weight
         if bias is MISSING:

@@ -49,6 +49,11 @@ def parameter(module: nn.Module, name: str):
     return module._parameters.get(name, MISSING)
 
 
+def parameters(module: nn.Module) -> dict:
+    """``module``'s own registered parameters by name (see `parameter`), read once per call of a hot forward."""
+    return module._parameters
+
+
 def buffer(module: nn.Module, name: str) -> torch.Tensor | None:
     """``module``'s registered buffer ``name`` (see `parameter`)."""
     return module._buffers.get(name, MISSING)
