@@ -700,6 +700,7 @@ def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype
     decode_kernel_or_skip()
     cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM, **DECODE_CASES[case])
     moe = moe.to(dtype)
+    moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.float()  # (fp32, as a bf16 load keeps it)
     for n in (1, 2, 4):
         x = inputs(1, n, cfg.hidden_size, seed=100 + n).to(dtype)
         with torch.no_grad():
@@ -793,8 +794,9 @@ def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
     big_cfg, big = kernel_moe(_experts_implementation=K3_GROUPED_MM, hidden_size=512, routed_expert_hidden_size=256,
                             num_experts=64, num_experts_per_tok=16, moe_intermediate_size=64)  # 1.18M MACs
     check(big, inputs(1, 1, 512))  # fp32: beyond the one-thread kernel's limit
+    big.bfloat16().gate.e_score_correction_bias = big.gate.e_score_correction_bias.float()  # (as a bf16 load keeps it)
     with torch.no_grad():
-        big.bfloat16()(inputs(1, 1, 512).bfloat16())
+        big(inputs(1, 1, 512).bfloat16())
     assert decode_calls == [1]  # bf16: within its larger limit
     lora = Wrapped(cfg.routed_expert_hidden_size, cfg.hidden_size, bias=False)
     lora.weight = moe.routed_expert_up_proj.weight

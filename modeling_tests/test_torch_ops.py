@@ -336,6 +336,7 @@ def test_moe_decode(dtype, monkeypatch):
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
     kernelize(moe)
     moe = moe.to(dtype)
+    moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.float()  # (fp32, as a bf16 load keeps it)
     y = rand(3, cfg.hidden_size, seed=7, dtype=dtype)
     with torch.no_grad():
         moe(y)
@@ -358,6 +359,7 @@ def test_moe_decode_declines_weights_it_does_not_take(dtype):
         pytest.skip("the fused decode step needs AVX-512 or AVX2")
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
     moe = moe.to(dtype)
+    moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.float()  # (fp32, as a bf16 load keeps it)
     gate, experts, shared = moe.gate, moe.experts, moe.shared_experts
     down, norm, up = moe.routed_expert_down_proj, moe.routed_expert_norm, moe.routed_expert_up_proj
     linears = (() if down is None else (down, up)) + (() if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj))

@@ -1004,8 +1004,8 @@ class MoeDecode:
         f32 = torch.float32
         if (dtype is not f32 and dtype is not torch.bfloat16) or (router.dtype is not dtype and router.dtype is not f32):
             return
-        if bias.dtype is not f32:  # (a model cast after loading: the modules add the bias in fp32 too)
-            bias = bias.float()
+        if bias.dtype is not f32:
+            return
         # (one pass over the tensors, not any() or several loops: this runs on every decode step of every MoE layer)
         for t in (router, bias, gate_up, down, down_latent, up_latent, norm, *(shared or ())):
             if t is None:
