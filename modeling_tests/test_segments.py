@@ -1,0 +1,285 @@
+"""Training one segment at a time (issue 47, src/transformers_k3/segments.py).
+
+KDA's initial state is differentiable: a sequence run in two halves, the second from the first's final state, gives
+the one-shot run's outputs and every input's gradient including the initial state's (fla's ``dh0``), on the kernel
+and PyTorch paths, and float64's initial-state gradient is fla's naive recurrence's. On the tiny K3 (KDA, MLA, latent
+MoE, AttnRes): exact mode's gradients over k = 1, 2, 4, 8 segments are full-context backpropagation's; truncated
+mode's are those of ``model(segment, past_key_values=cache, labels=...)`` from a prefix cache filled without
+gradients; a cache a training forward filled continues training once detached.
+
+Tolerances: fp32, the gradient over all parameters within 1e-5 relative (norm of the difference over norm of the
+reference) and each parameter's within 1e-5 of that whole gradient's norm. A per-parameter relative bound is not
+used: the KDA gate parameters' gradients (A_log, dt_bias) are sums with cancellation whose fp32 full-context value
+is itself ~4e-5 (relative) from the float64 model's, so no fp32 computation order meets it.
+"""
+
+import pytest
+import torch
+
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+from transformers_k3.ops import cpu_kernel
+from transformers_k3.ops.kda import chunk_kda
+from transformers_k3.ops.kda.naive import naive_recurrent_kda
+from transformers_k3.segments import (
+    KimiK3SegmentError,
+    boundary_states,
+    detach_cache,
+    segment_backward,
+    segment_bounds,
+)
+
+from references import _load_fla_naive, make_inputs, randomize_
+
+NAMES = "q k v g beta h0".split()
+
+
+def _kernel_modes():
+    return [False] + ([True] if cpu_kernel.library() is not None else [])
+
+
+# --------------------------------------------------------------------------------------------------
+# KDA: the initial state's gradient
+
+
+def _run_kda(inputs, cotangents, pieces, kernel: bool, **kwargs):
+    """``chunk_kda`` over ``pieces`` (consecutive token ranges), each from the state the previous left: the
+    outputs, the final state and the gradients of ``<o, o_bar> + <S_T, s_bar>`` for q, k, v, g, beta, h0."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    state, outs = leaves[5], []
+    with cpu_kernel.use_cpu_kernel(kernel):
+        for start, end in pieces:
+            o, state = chunk_kda(*(x[:, start:end] for x in leaves[:5]), initial_state=state,
+                                 output_final_state=True, **kwargs)  # fmt: skip
+            outs.append(o)
+    o = torch.cat(outs, dim=1)
+    ((o * cotangents[0]).sum() + (state * cotangents[1]).sum()).backward()
+    return o.detach(), state.detach(), [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("kernel", _kernel_modes(), ids=lambda k: "kernel" if k else "pytorch")
+@pytest.mark.parametrize("split", [1, 17, 40, 64])
+def test_kda_split_in_two_equals_one_run(kernel, split):
+    """Two halves chained through the final state = one run: outputs, final state and all six gradients (fp32)."""
+    inputs = make_inputs(2, 90, 2, 16, 16, "k3", seed=4, normalise=False)
+    gen = torch.Generator().manual_seed(5)
+    cotangents = torch.randn(2, 90, 2, 16, generator=gen), torch.randn(2, 2, 16, 16, generator=gen)
+    kwargs = dict(use_qk_l2norm_in_kernel=True)
+    o, s, want = _run_kda(inputs, cotangents, [(0, 90)], kernel, **kwargs)
+    o2, s2, got = _run_kda(inputs, cotangents, [(0, split), (split, 90)], kernel, **kwargs)
+    torch.testing.assert_close(o2, o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s2, s, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(NAMES, got, want):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, scale), f"grad {name}"
+
+
+def test_kda_split_in_two_float64_is_exact():
+    """In float64 (the PyTorch path) the chained halves agree with the one run to float64 rounding."""
+    inputs = [x.double() for x in make_inputs(1, 70, 2, 8, 8, "k3", seed=6)]
+    gen = torch.Generator().manual_seed(7)
+    cotangents = (torch.randn(1, 70, 2, 8, generator=gen, dtype=torch.float64),
+                  torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64))  # fmt: skip
+    _, _, want = _run_kda(inputs, cotangents, [(0, 70)], kernel=False)
+    _, _, got = _run_kda(inputs, cotangents, [(0, 23), (23, 50), (50, 70)], kernel=False)
+    for name, a, b in zip(NAMES, got, want):
+        assert (a - b).abs().max().item() <= 1e-10 * max(1.0, b.abs().max().item()), f"grad {name}"
+
+
+def _naive_grads(naive, inputs, cotangents):
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o, s = naive(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    ((o * cotangents[0]).sum() + (s * cotangents[1]).sum()).backward()
+    return [x.grad for x in leaves]
+
+
+def _cotangents(shape_o, shape_s, dtype):
+    gen = torch.Generator().manual_seed(9)
+    return torch.randn(shape_o, generator=gen, dtype=dtype), torch.randn(shape_s, generator=gen, dtype=dtype)
+
+
+@pytest.mark.parametrize("kernel", _kernel_modes(), ids=lambda k: "kernel" if k else "pytorch")
+def test_kda_initial_state_gradient_is_fla_naive(kernel):
+    """The initial state's gradient (and the others) against fla's naive recurrence under autograd, which computes
+    in fp32 whatever its inputs: fp32 tolerance."""
+    fla, reason = _load_fla_naive()
+    if fla is None:
+        pytest.skip(reason)
+    inputs = make_inputs(2, 50, 2, 8, 8, "k3", seed=8)
+    cotangents = _cotangents((2, 50, 2, 8), (2, 2, 8, 8), torch.float32)
+    _, _, got = _run_kda(inputs, cotangents, [(0, 20), (20, 50)], kernel=kernel)
+    for name, a, b in zip(NAMES, got, _naive_grads(fla.naive_recurrent_kda, inputs, cotangents)):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item()), f"grad {name}"
+
+
+def test_kda_initial_state_gradient_is_the_float64_recurrence():
+    """Float64: the chained halves' gradients against the token-by-token recurrence (ops/kda/naive.py, float64)
+    under autograd, to float64 rounding."""
+    inputs = [x.double() for x in make_inputs(2, 50, 2, 8, 8, "k3", seed=8)]
+    cotangents = _cotangents((2, 50, 2, 8), (2, 2, 8, 8), torch.float64)
+    _, _, got = _run_kda(inputs, cotangents, [(0, 20), (20, 50)], kernel=False)
+    for name, a, b in zip(NAMES, got, _naive_grads(naive_recurrent_kda, inputs, cotangents)):
+        assert (a - b).abs().max().item() <= 1e-10 * max(1.0, b.abs().max().item()), f"grad {name}"
+
+
+def test_kda_gradcheck_initial_state_only():
+    """torch.autograd.gradcheck of the chained halves with respect to the initial state alone (float64)."""
+    q, k, v, g, beta, h0 = (x.double() for x in make_inputs(1, 12, 1, 4, 3, "k3", seed=10))
+    h0 = h0.clone().requires_grad_()
+
+    def run(h):
+        o1, s1 = chunk_kda(q[:, :5], k[:, :5], v[:, :5], g[:, :5], beta[:, :5], initial_state=h,
+                           output_final_state=True)  # fmt: skip
+        o2, s2 = chunk_kda(q[:, 5:], k[:, 5:], v[:, 5:], g[:, 5:], beta[:, 5:], initial_state=s1,
+                           output_final_state=True)  # fmt: skip
+        return torch.cat([o1, o2], 1), s2
+
+    assert torch.autograd.gradcheck(run, (h0,))
+
+
+# --------------------------------------------------------------------------------------------------
+# The model, segment by segment
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).train()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_same_gradients(got: dict, want: dict, tol: float = 1e-5):
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    total = torch.cat([g.flatten() for g in want.values()]).norm()
+    diff = torch.cat([(got[n] - want[n]).flatten() for n in want]).norm()
+    assert diff <= tol * total, f"relative gradient difference {diff / total:.2e}"
+    for name in want:
+        worst = (got[name] - want[name]).norm()
+        assert worst <= tol * total, f"{name}: {worst / total:.2e} of the gradient's norm"
+
+
+@pytest.fixture(scope="module")
+def full_context(model, ids):
+    """Full-context backpropagation: the reference."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_exact_mode_is_full_context_backprop(model, ids, full_context, k):
+    """k segments (64, 32, 16 or 8 tokens: the chunked and the short-step paths of KDA and MLA), recomputed in
+    reverse from the saved boundary states: the loss and every parameter's gradient of full-context backprop."""
+    loss, want = full_context
+    result = segment_backward(model, ids, segment_len=64 // k, mode="exact")
+    assert len(result.segment_losses) == k
+    torch.testing.assert_close(result.loss, loss, atol=1e-5, rtol=1e-5)
+    _assert_same_gradients(_grads(model), want)
+
+
+def test_exact_mode_with_ignored_labels_and_uneven_segments(model, ids):
+    """Labels with ignored tokens (also at a segment boundary) and a last segment shorter than the others."""
+    labels = ids.clone()
+    labels[:, 20:25] = -100
+    labels[0, 40] = -100
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    want = _grads(model)
+    result = segment_backward(model, ids, labels, segment_len=24, mode="exact")
+    assert [len(range(*b)) for b in segment_bounds(64, 24)] == [24, 24, 16]
+    torch.testing.assert_close(result.loss, loss.detach(), atol=1e-5, rtol=1e-5)
+    _assert_same_gradients(_grads(model), want)
+
+
+def test_truncated_mode_is_the_forward_from_a_detached_prefix(model, ids):
+    """Truncated mode over two segments: the first segment's full-context gradient plus the second's from a cache
+    filled by a no-grad forward of the first (the prefix a constant), with the trajectory's shifted labels."""
+    shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+    tokens = int((shift != -100).sum())
+    model.zero_grad(set_to_none=True)
+    first = model(ids[:, :32], labels=ids[:, :32], shift_labels=shift[:, :32].contiguous(),
+                  num_items_in_batch=tokens).loss  # fmt: skip
+    first.backward()
+    cache = KimiK3HybridCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :32], past_key_values=cache, use_cache=True)
+    second = model(ids[:, 32:], past_key_values=cache, labels=ids[:, 32:],
+                   shift_labels=shift[:, 32:].contiguous(), num_items_in_batch=tokens).loss  # fmt: skip
+    second.backward()
+    want = _grads(model)
+
+    result = segment_backward(model, ids, segment_len=32, mode="truncated")
+    got = _grads(model)
+    torch.testing.assert_close(result.loss, (first + second).detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.loss, model(ids, labels=ids).loss.detach(), atol=1e-5, rtol=1e-5)
+    model.zero_grad(set_to_none=True)
+    _assert_same_gradients(got, want)
+
+
+def test_truncated_and_exact_differ_by_the_state_gradient(model, ids, full_context):
+    """The modes are not the same computation: truncated drops the gradient through the boundary state."""
+    segment_backward(model, ids, segment_len=16, mode="truncated")
+    truncated = _grads(model)
+    diff = torch.cat([(truncated[n] - full_context[1][n]).flatten() for n in truncated]).norm()
+    assert diff > 1e-3 * torch.cat([g.flatten() for g in full_context[1].values()]).norm()
+
+
+def test_a_trained_cache_continues_once_detached(model, ids):
+    """A cache a training forward filled holds that forward's graph: the next segment's backward fails through it
+    (freed). detach_cache makes the state a constant, and the continuation's gradient is then truncated mode's."""
+    cache = KimiK3HybridCache(model.config)
+    model.zero_grad(set_to_none=True)
+    model(ids[:, :40], past_key_values=cache, labels=ids[:, :40]).loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        model(ids[:, 40:], past_key_values=cache, labels=ids[:, 40:]).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+    cache = KimiK3HybridCache(model.config)
+    model(ids[:, :40], past_key_values=cache, labels=ids[:, :40]).loss.backward()
+    model.zero_grad(set_to_none=True)
+    loss = model(ids[:, 40:48], past_key_values=detach_cache(cache), labels=ids[:, 40:48]).loss
+    loss.backward()
+    got = _grads(model)
+    fresh = KimiK3HybridCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :40], past_key_values=fresh, use_cache=True)
+    model(ids[:, 40:48], past_key_values=fresh, labels=ids[:, 40:48]).loss.backward()
+    _assert_same_gradients(got, _grads(model))
+
+
+def test_boundary_states_are_the_full_context_caches(model, ids):
+    """The no-grad pass's boundary state at token s is the state a cache holds after the first s tokens."""
+    boundaries, latents = boundary_states(model, ids, 24)
+    assert [b.start for b in boundaries] == [0, 24, 48] and boundaries[0].kda == {}
+    cache = KimiK3HybridCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :48], past_key_values=cache, use_cache=True)
+    for i, (state, window) in boundaries[2].kda.items():
+        torch.testing.assert_close(state, cache.kda_layer(i).recurrent_state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(window, cache.kda_layer(i).conv_state, atol=1e-5, rtol=1e-5)
+    assert sorted(latents) == [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    for i, latent in latents.items():
+        assert latent.shape[1] == 64
+        torch.testing.assert_close(latent[:, :48], cache.layers[i].latent[:, :48], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments_are_named(model, ids):
+    with pytest.raises(KimiK3SegmentError, match="mode"):
+        segment_backward(model, ids, segment_len=8, mode="full")
+    with pytest.raises(KimiK3SegmentError, match="segment_len"):
+        segment_backward(model, ids, segment_len=0)
+    with pytest.raises(KimiK3SegmentError, match="labels"):
+        segment_backward(model, ids, ids[:, :10], segment_len=8)
+    with pytest.raises(KimiK3SegmentError, match="no token has a label"):
+        segment_backward(model, ids, torch.full_like(ids, -100), segment_len=8)

@@ -1,0 +1,221 @@
+"""Training on a trajectory one segment at a time, from the state the earlier segments left (issue 47).
+
+A K3 text model's state across tokens is what `KimiK3HybridCache` holds: each KDA layer's recurrent state and conv
+window, each MLA layer's latents (Block AttnRes mixes layers, never tokens). A segment's forward from that state,
+``model(segment_ids, past_key_values=cache, ...)``, computes exactly what the full-context forward computes for those
+tokens, so a trajectory's loss can be taken segment by segment:
+
+* ``mode="truncated"``: the state entering a segment is a constant. Segments run in order, each forward and backward
+  from the detached state the previous one left; only one segment's activations are alive at a time.
+* ``mode="exact"``: the gradient of full-context backpropagation. A no-grad pass saves the state at every segment
+  boundary (the KDA states and conv windows; the MLA latents of the whole trajectory, each boundary's being their
+  prefix); then the segments are recomputed last to first, each from its saved state made a leaf, and backpropagated
+  with its own loss plus the gradient the later segments sent to the state it left (the KDA states' and windows'
+  gradients, the latents' gradients), which yields the gradient of the state it came from for the segment before.
+
+Both take the labels of the whole trajectory and shift them once, as the full-context loss does (a segment's last
+token predicts the next segment's first), and divide the summed token losses by the trajectory's label count, so
+the loss and gradients are those of ``model(input_ids, labels=labels)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3MLACacheLayer
+
+__all__ = ["KimiK3SegmentError", "SegmentBoundary", "SegmentResult", "boundary_states", "detach_cache", "segment_backward",
+           "segment_bounds"]
+
+IGNORE_INDEX = -100
+MODES = ("exact", "truncated")
+
+
+class KimiK3SegmentError(ValueError):
+    """Arguments a segment run cannot use (the message says what to pass instead)."""
+
+
+@dataclass
+class SegmentBoundary:
+    """The state a segment starts from: ``start`` tokens consumed, each KDA layer's ``(recurrent state [B, H, K, V]
+    fp32, conv window [B, 3P, K-1])`` by layer index (empty at the trajectory's start). The MLA latents are the
+    trajectory's first ``start`` rows (`boundary_states` returns them once for all boundaries)."""
+
+    start: int
+    kda: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class SegmentResult:
+    """``loss``: the trajectory's loss (the full-context ``model(input_ids, labels=labels).loss``), detached;
+    ``segment_losses``: each segment's share of it (they sum to ``loss``); ``tokens``: the label count divided by."""
+
+    loss: torch.Tensor
+    segment_losses: list[torch.Tensor]
+    tokens: int
+
+
+def segment_bounds(length: int, segment_len: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the segments of a ``length``-token trajectory, ``segment_len`` tokens each, the last one
+    possibly shorter."""
+    if not isinstance(segment_len, int) or segment_len < 1:
+        raise KimiK3SegmentError(f"segment_len must be a positive number of tokens, got {segment_len!r}")
+    return [(start, min(start + segment_len, length)) for start in range(0, length, segment_len)]
+
+
+def _layers(cache: KimiK3HybridCache, kind) -> list[int]:
+    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, kind)]
+
+
+def _snapshot(cache: KimiK3HybridCache, start: int) -> SegmentBoundary:
+    """The cache's KDA state as a boundary, copied (a later decode step updates the held tensors in place)."""
+    kda = {}
+    for i in _layers(cache, KimiK3KDACacheLayer):
+        layer = cache.kda_layer(i)
+        if layer.has_state:
+            kda[i] = (layer.recurrent_state.detach().clone(), layer.conv_state.detach().clone())
+    return SegmentBoundary(start, kda)
+
+
+def _latents(cache: KimiK3HybridCache) -> dict[int, torch.Tensor]:
+    """Each MLA layer's held latents ``[B, S, D]`` (a view of its buffer)."""
+    return {i: cache.layers[i].latent[:, : cache.layers[i].length] for i in _layers(cache, KimiK3MLACacheLayer)
+            if cache.layers[i].holds}  # fmt: skip
+
+
+def _check(model, input_ids: torch.Tensor, labels: torch.Tensor | None, mode: str) -> torch.Tensor:
+    if mode not in MODES:
+        raise KimiK3SegmentError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise KimiK3SegmentError("input_ids must be a [batch, tokens] tensor with at least one token")
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise KimiK3SegmentError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got "
+                                 f"{tuple(labels.shape)}")  # fmt: skip
+    if getattr(model.config, "router_aux_loss_coef", 0):
+        raise KimiK3SegmentError("the router's auxiliary loss is a mean over one call's tokens, not a sum over the "
+                                 "trajectory: set config.router_aux_loss_coef = 0 (K3 balances with the selection "
+                                 "bias, QuantileBalancingCallback)")  # fmt: skip
+    return labels
+
+
+def boundary_states(model, input_ids: torch.Tensor, segment_len: int):
+    """Run the trajectory segment by segment without gradients; return ``(boundaries, latents)``: the state each
+    segment starts from (`SegmentBoundary`) and each MLA layer's latents of the whole trajectory ``[B, T, D]``."""
+    bounds = segment_bounds(input_ids.shape[1], segment_len)
+    cache = KimiK3HybridCache(model.config, max_cache_len=input_ids.shape[1])
+    boundaries = []
+    with torch.no_grad():
+        for start, end in bounds:
+            boundaries.append(_snapshot(cache, start))
+            model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return boundaries, {i: t.detach() for i, t in _latents(cache).items()}
+
+
+def _cache_from(model, boundary: SegmentBoundary, latents: dict[int, torch.Tensor], capacity: int, leaves: bool):
+    """A cache holding ``boundary`` and the latents' first ``boundary.start`` rows; with ``leaves`` each of those
+    is a leaf requiring grad, returned as ``{("kda", i): (state, window), ("mla", i): prefix}``."""
+    cache = KimiK3HybridCache(model.config, max_cache_len=capacity)
+    held = {}
+    for i, (state, window) in boundary.kda.items():
+        if leaves:
+            state, window = state.detach().requires_grad_(), window.detach().requires_grad_()
+            held["kda", i] = (state, window)
+        # (a clone: a short segment's convolution updates the held window in place, which a leaf refuses)
+        cache.kda_layer(i).update(state.clone(), window.clone())
+    if boundary.start:
+        for i, latent in latents.items():
+            prefix = latent[:, : boundary.start]
+            if leaves:
+                prefix = prefix.detach().requires_grad_()
+                held["mla", i] = prefix
+            cache.update_latent(prefix, i)
+    return cache, held
+
+
+def _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs):
+    output = model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True,
+                   labels=input_ids[:, start:end], shift_labels=shift_labels[:, start:end].contiguous(),
+                   num_items_in_batch=tokens, **kwargs)  # fmt: skip
+    return output.loss
+
+
+def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, segment_len: int,
+                     mode: str = "exact", **kwargs) -> SegmentResult:
+    """Backpropagate a trajectory's causal-LM loss through ``model`` one segment of ``segment_len`` tokens at a time,
+    accumulating the parameters' ``.grad`` as ``model(input_ids, labels=labels).loss.backward()`` would (``"exact"``)
+    or with each segment's incoming state held constant (``"truncated"``). ``labels`` default to ``input_ids``
+    (``-100`` ignores a token). Extra keyword arguments go to every segment's forward. Returns the loss."""
+    labels = _check(model, input_ids, labels, mode)
+    length = input_ids.shape[1]
+    shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    tokens = int((shift_labels != IGNORE_INDEX).sum())
+    if tokens == 0:
+        raise KimiK3SegmentError("no token has a label to predict: pass labels other than -100 for at least one "
+                                 "token after the first")  # fmt: skip
+    bounds = segment_bounds(length, segment_len)
+    losses = []
+    if mode == "truncated":
+        boundary, latents = SegmentBoundary(0, {}), {}
+        for start, end in bounds:
+            cache, _ = _cache_from(model, boundary, latents, length, leaves=False)
+            loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
+            loss.backward()
+            losses.append(loss.detach())
+            boundary = _snapshot(cache, end)
+            latents = {i: t.detach() for i, t in _latents(cache).items()}
+        return SegmentResult(sum(losses), losses, tokens)
+
+    boundaries, latents = boundary_states(model, input_ids, segment_len)
+    state_grads: dict = {}  # ("kda", i) -> (grad of the state, of the window) the segment after sent back
+    latent_grads = {i: torch.zeros_like(t) for i, t in latents.items()}
+    for (start, end), boundary in zip(reversed(bounds), reversed(boundaries)):
+        cache, held = _cache_from(model, boundary, latents, length, leaves=True)
+        loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
+        outputs, cotangents = [loss], [torch.ones_like(loss)]
+        if end < length:
+            for (kind, i), grads in state_grads.items():
+                layer = cache.kda_layer(i)
+                for value, grad in zip((layer.recurrent_state, layer.conv_state), grads):
+                    if grad is not None and value.requires_grad:
+                        outputs.append(value)
+                        cotangents.append(grad)
+            for i, (mine, grad) in _latent_rows(cache, latent_grads, start, end):
+                outputs.append(mine)
+                cotangents.append(grad)
+        torch.autograd.backward(outputs, cotangents)
+        losses.append(loss.detach())
+        state_grads = {}
+        for key, leaf in held.items():
+            if key[0] == "kda":
+                state_grads[key] = tuple(x.grad for x in leaf)
+            elif leaf.grad is not None:
+                latent_grads[key[1]][:, :start] += leaf.grad
+    losses.reverse()
+    return SegmentResult(sum(losses), losses, tokens)
+
+
+def _latent_rows(cache, latent_grads, start, end):
+    """``(layer, (the segment's latent rows as the cache holds them, their gradient from later segments))``."""
+    for i, grad in latent_grads.items():
+        rows = cache.layers[i].latent[:, start:end]
+        if rows.requires_grad:
+            yield i, (rows, grad[:, start:end])
+
+
+def detach_cache(cache: KimiK3HybridCache) -> KimiK3HybridCache:
+    """Make the state a training forward left in ``cache`` a constant, in place, and return the cache: its KDA states
+    and conv windows and its MLA latents keep their values but no longer lead back into that forward's graph, so the
+    next segment's ``model(ids, past_key_values=cache, labels=...)`` can backpropagate after the previous segment's
+    graph was freed (truncated training with one cache)."""
+    for i in _layers(cache, KimiK3KDACacheLayer):
+        layer = cache.kda_layer(i)
+        if layer.has_state:
+            layer.update(layer.recurrent_state.detach(), layer.conv_state.detach())
+    for i in _layers(cache, KimiK3MLACacheLayer):
+        layer = cache.layers[i]
+        if layer.latent is not None:
+            layer.latent = layer.latent.detach()
+    return cache
