@@ -283,3 +283,29 @@ def test_bad_arguments_are_named(model, ids):
         segment_backward(model, ids, ids[:, :10], segment_len=8)
     with pytest.raises(KimiK3SegmentError, match="no token has a label"):
         segment_backward(model, ids, torch.full_like(ids, -100), segment_len=8)
+
+
+def test_exact_and_truncated_on_the_pytorch_path(model, ids):
+    """With the fused CPU kernels off (the PyTorch KDA and attention paths), exact mode over 4 segments is full-context
+    backprop and truncated mode over 2 is the forward from a no-grad prefix cache."""
+    with cpu_kernel.use_cpu_kernel(False):
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        want = _grads(model)
+        result = segment_backward(model, ids, segment_len=16, mode="exact")
+        torch.testing.assert_close(result.loss, loss.detach(), atol=1e-5, rtol=1e-5)
+        _assert_same_gradients(_grads(model), want)
+
+        shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+        tokens = int((shift != -100).sum())
+        model(ids[:, :32], labels=ids[:, :32], shift_labels=shift[:, :32].contiguous(),
+              num_items_in_batch=tokens).loss.backward()  # fmt: skip
+        cache = KimiK3HybridCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :32], past_key_values=cache, use_cache=True)
+        model(ids[:, 32:], past_key_values=cache, labels=ids[:, 32:], shift_labels=shift[:, 32:].contiguous(),
+              num_items_in_batch=tokens).loss.backward()  # fmt: skip
+        want = _grads(model)
+        segment_backward(model, ids, segment_len=32, mode="truncated")
+        _assert_same_gradients(_grads(model), want)
