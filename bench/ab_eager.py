@@ -52,7 +52,7 @@ def _moe_layer(pkg, dtype):
     from torch import nn
 
     KimiK3TextConfig = importlib.import_module(pkg).KimiK3TextConfig
-    moe = importlib.import_module(pkg + ".layers.moe")
+    moe = importlib.import_module(pkg + ".modeling_kimi_k3")  # (the baseline tree imports these names there too)
     config = KimiK3TextConfig.tiny(hidden_size=256, num_experts=896, num_experts_per_token=16, moe_intermediate_size=32,
                                    routed_expert_hidden_size=128, num_shared_experts=1)  # fmt: skip
     layer = moe.KimiK3SparseMoE(config)

@@ -53,7 +53,7 @@ COMPILED = "K3 latent MoE (ours, compiled)"
 def implementations_for(name: str) -> tuple[str, ...]:
     """The experts implementations a row's module runs under: ours (names with "ours") also `k3_grouped_mm`
     (with the fused CPU kernels) and its PyTorch path alone (kernels off)."""
-    from transformers_k3.layers.moe import K3_GROUPED_MM
+    from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM
 
     if "compiled" in name:  # (torch.compile of our layer: the kernels traced into its graph)
         return (K3_GROUPED_MM,)
@@ -139,7 +139,7 @@ def peak_memory(step) -> float:
 
 
 def set_impl(module: nn.Module, impl: str) -> None:
-    from transformers_k3.layers.moe import K3_GROUPED_MM
+    from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM
     from transformers_k3.ops import cpu_kernel
 
     cpu_kernel.set_enabled(False if impl == K3_PYTORCH else None)
@@ -167,7 +167,7 @@ def build(args):
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
     from transformers_k3 import KimiK3TextConfig, kernelize
-    from transformers_k3.layers.moe import KimiK3SparseMoE
+    from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
 
     E, k, D, I = args.experts, args.top_k, args.latent, args.intermediate
     ours_cfg = KimiK3TextConfig.tiny(

@@ -66,7 +66,7 @@ def quantize_experts(experts, chunk: int = 64):
 
 def build(args):
     from transformers_k3 import KimiK3TextConfig
-    from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3SparseMoE
+    from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3SparseMoE
     from transformers_k3.ops.mxfp4 import MXFP4_EXPERTS
 
     E, k, D, I = args.experts, args.top_k, args.latent, args.intermediate

@@ -266,7 +266,7 @@ class KdaSides:
     KDA layers of a model between them, where the layers choose their kernels for a device."""
 
     def __init__(self, calls: KernelCalls):
-        from transformers_k3.layers import kda as kda_layer
+        import transformers_k3.modeling_kimi_k3 as kda_layer
         from transformers_k3.ops import kda as ours
 
         self.calls, self._layer, self._ours = calls, kda_layer, ours
@@ -776,7 +776,7 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
     name = "chunks after the cache (blockwise attention over the context, log-sum-exp merged) equal one forward"
     if not over(name):
         try:
-            import transformers_k3.layers.mla as mla
+            import transformers_k3.modeling_kimi_k3 as mla
 
             ids = long_row[:, : 3 * 24]
             block, mla.CONTEXT_BLOCK = mla.CONTEXT_BLOCK, 16  # several context blocks to merge

@@ -29,7 +29,7 @@ from transformers_k3.conversion import kimi_linear_to_k3_state_dict  # the in-tr
 from transformers_k3.conversion.export import official_config_dict
 from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_state_dict, release_quantization_config
 from transformers_k3.conversion.streaming import write_state_dict
-from transformers_k3.layers.moe import KimiK3SparseMoE
+from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
 
 
 # --------------------------------------------------------------------------------------------------

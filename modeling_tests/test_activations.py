@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_k3.layers.activations import GLU, SITU_BETA_WHEN_NONE, situ_glu
+from transformers_k3.modeling_kimi_k3 import GLU, SITU_BETA_WHEN_NONE, situ_glu
 
 
 def situ_glu_packed(gate_up, beta=4.0, linear_beta=25.0):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.layers.attn_res import KimiK3AttnResRead
+from transformers_k3.modeling_kimi_k3 import KimiK3AttnResRead
 from transformers_k3.ops import cpu_kernel
 
 from references import load_fla_reference
@@ -27,7 +27,7 @@ def test_read_matches_spec_formula_and_fla_naive(monkeypatch, stacked, seq):
     """Both ways a read is computed (the candidates stacked, as for a decode step's small reads, or one by one, as
     for a long prefill's), at a decode step's and a short prompt's length, against the spec's formula in float64
     and fla's naive AttnRes."""
-    from transformers_k3.layers import attn_res
+    import transformers_k3.modeling_kimi_k3 as attn_res
 
     monkeypatch.setattr(attn_res, "STACKED_MAX_ELEMENTS", 1 << 30 if stacked else 0)
     fla = load_fla_reference("ops/attnres/naive.py")

@@ -18,7 +18,7 @@ from transformers_k3.balancing import (
     sign_balancing_update,
 )
 from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
-from transformers_k3.layers.moe import KimiK3Router, router_aux_loss
+from transformers_k3.modeling_kimi_k3 import KimiK3Router, router_aux_loss
 
 E, K, H = 64, 4, 32
 

@@ -82,7 +82,7 @@ def test_gpu_check_budget_exhausted_is_not_a_pass(gpu_check, capsys):
 
 def test_gpu_check_leaves_the_kda_layers_alone(gpu_check):
     """The model section switches the KDA layers onto fla's side only while a run lasts (also when it raises)."""
-    from transformers_k3.layers import kda as kda_layer
+    import transformers_k3.modeling_kimi_k3 as kda_layer
     from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
     ours = (chunk_kda, fused_recurrent_kda)

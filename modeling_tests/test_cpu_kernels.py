@@ -21,7 +21,7 @@ from transformers_k3.ops.kda import interface as kda_interface
 from transformers_k3.ops import experts as experts_module
 from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kernel_layers import kernelize
-from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
+from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops.kda import chunk_kda
 
 from references import assert_close, make_config, make_inputs, randomize, ref_experts
@@ -779,7 +779,7 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
     keep their own graph (an auxiliary loss on them still reaches the router); grouped routing keeps
     torch.topk."""
     from references import make_config as moe_config
-    from transformers_k3.layers.moe import KimiK3Router
+    from transformers_k3.modeling_kimi_k3 import KimiK3Router
 
     router = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6)))
     torch.nn.init.normal_(router.weight, std=0.5)
@@ -897,7 +897,7 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     fp32 copies is), and the same experts chosen; a router kept in fp32 (`router_fp32`) on bf16 inputs does not
     use it (its weight is no bf16 value)."""
     from references import make_config as moe_config
-    from transformers_k3.layers.moe import KimiK3Router
+    from transformers_k3.modeling_kimi_k3 import KimiK3Router
 
     router = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6)))
     torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(42))
@@ -1111,7 +1111,7 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     whenever they are read: called directly, under a forward hook (Quantile Balancing's), or when the model records
     ``output_router_logits``; then the screen does not run."""
     from references import make_config as moe_config
-    from transformers_k3.layers.moe import KimiK3SparseMoE
+    from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
 
     layer = KimiK3SparseMoE(moe_config(num_experts=48, num_experts_per_tok=6, _experts_implementation=K3_GROUPED_MM))
     kernelize(randomize(layer, seed=9))
@@ -1396,7 +1396,7 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
     """cpu_kernel.glu (the routed experts' vector GLU on separate gate and up tensors) against situ_glu / silu_glu
     in float64: values within 2e-6 relative and gradients within 2e-6 of the largest, at a decode step's, a prompt's
     and odd widths, with an infinite gate and a large up (the caps); bf16 inputs give the fp32 result rounded."""
-    from transformers_k3.layers.activations import situ_glu
+    from transformers_k3.modeling_kimi_k3 import situ_glu
 
     if not kernel.small_gemm_available():
         pytest.skip("no vector GLU in this build (no AVX-512 or AVX2)")
@@ -1432,7 +1432,7 @@ def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
     and backward matching the module without kernels to fp32 rounding; a SiLU MLP gets none (torch's own ops, bit
     for bit Kimi Linear)."""
     from references import make_config as moe_config
-    from transformers_k3.layers.moe import KimiK3MLP
+    from transformers_k3.modeling_kimi_k3 import KimiK3MLP
 
     if not kernel.small_gemm_available():
         pytest.skip("no vector GLU in this build (no AVX-512 or AVX2)")
@@ -1463,7 +1463,7 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
     of float64 autograd through the formula (as close as autograd in fp32 comes), at row widths that are no multiple
     of 16 and rows across the kernel's 64-row blocks; 1 and 3 threads bitwise the same; a frozen weight (LoRA) or a
     frozen input get only the other gradient; without autograd, bf16, or with the kernels off the module's own ops."""
-    from transformers_k3.layers.norm import KimiK3RMSNorm
+    from transformers_k3.modeling_kimi_k3 import KimiK3RMSNorm
 
     gen = torch.Generator().manual_seed(shape[-1])
     norm = kernelize(KimiK3RMSNorm(shape[-1], eps=1e-6))

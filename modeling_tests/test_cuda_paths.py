@@ -23,7 +23,7 @@ def model():
 _MOE_ON_META = """
 import sys, torch
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.layers.moe import KimiK3SparseMoE
+from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
 config = KimiK3TextConfig.tiny()
 for dtype in (torch.float32, torch.bfloat16):  # (fp32: off the CPU the grouped GEMM kernel takes bf16 only)
     with torch.device("meta"):
@@ -185,7 +185,7 @@ def test_a_half_precision_router_off_the_cpu_makes_no_fp32_copy_of_its_weight():
     """The router upcast its whole [E, H] weight to fp32 at every call off the CPU (twice the weight's bytes moved
     per layer per step); the fp32 logits come from the bf16 operands with fp32 accumulation instead. Meta tensors
     stand in for CUDA's (the numbers are a GPU check: bench/gpu_check.sh)."""
-    from transformers_k3.layers.moe import KimiK3Router
+    from transformers_k3.modeling_kimi_k3 import KimiK3Router
 
     class Casts(torch.utils._python_dispatch.TorchDispatchMode):
         def __init__(self):
@@ -210,8 +210,8 @@ def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(mod
     """The three short-convolution filters were concatenated at every decode step of every KDA layer (a launch and
     a copy each); kept between steps, the concatenation must still follow a filter changed in place (an optimizer
     step, load_state_dict) or replaced. Reference: the whole sequence run without a cache, after each change."""
-    from transformers_k3.layers import kda as kda_layers
-    from transformers_k3.layers.kda import KimiK3DeltaAttention
+    import transformers_k3.modeling_kimi_k3 as kda_layers
+    from transformers_k3.modeling_kimi_k3 import KimiK3DeltaAttention
 
     kda_layers._KEPT_CONV_WEIGHTS.clear()  # (other tests decoded with this model)
     layers = [m for m in model.modules() if isinstance(m, KimiK3DeltaAttention)]
@@ -261,7 +261,7 @@ def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatc
     """K3's gate is ``lower_bound * sigmoid(.)``, inside (lower_bound, 0): with the bound in [-5, 0) the layer's
     prefill asks fla's chunk_kda for safe_gate (its faster path for bounded gates, which it never used); Kimi
     Linear's unbounded softplus gate does not. fla stubbed (no Triton here), the call's keywords recorded."""
-    from transformers_k3.layers import kda as kda_layers
+    import transformers_k3.modeling_kimi_k3 as kda_layers
 
     seen = []
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import transformers_k3.layers.mla as mla
+import transformers_k3.modeling_kimi_k3 as mla
 import transformers_k3.modeling_kimi_k3 as modeling
 from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
-from transformers_k3.layers import kda as kda_layer
+import transformers_k3.modeling_kimi_k3 as kda_layer
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 

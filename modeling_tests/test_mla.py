@@ -1,4 +1,4 @@
-"""The gated NoPE MLA layer (layers/mla.py) by its values: against a float64 transcription of K3_SPEC.md section 5
+"""The gated NoPE MLA layer (`KimiK3MLA` in modeling_kimi_k3.py) by its values: against a float64 transcription of K3_SPEC.md section 5
 and against transformers' in-tree Kimi Linear MLA (``KimiLinearAttention``, the same weights; K3's output gate off,
 where the two layers are the same function). Each path the layer has is checked against those references, never
 against another of its own paths: a prefill, decode steps on a cache (attended in latent space), a chunk of tokens on
@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
-import transformers_k3.layers.mla as mla
+import transformers_k3.modeling_kimi_k3 as mla
 from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
-from transformers_k3.layers.mla import KimiK3MLA, uses_blockwise_attention
+from transformers_k3.modeling_kimi_k3 import KimiK3MLA, uses_blockwise_attention
 
 from references import k3_config_matching, kimi_linear_config, randomize_
 

@@ -277,7 +277,7 @@ def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model, monkeypatch):
     bits before the softmax)."""
     import torch.nn.functional as F
 
-    import transformers_k3.layers.mla as mla_module
+    import transformers_k3.modeling_kimi_k3 as mla_module
     from transformers_k3.ops import cpu_kernel
 
     def bf16_logits(latent, queries, scale, value_dim, new_tokens, block, mask=None):
@@ -307,7 +307,7 @@ def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model, monkeypatch):
 def test_blockwise_context_attention_matches_masked_attention(tiny_model, monkeypatch):
     """A chunk after cached tokens attends to the context block by block, merging by log-sum-exp (no [T, context]
     mask): equal to expanded attention under the explicit causal mask, for blocks that split the context unevenly."""
-    import transformers_k3.layers.mla as mla_module
+    import transformers_k3.modeling_kimi_k3 as mla_module
 
     mla = next(layer.self_attn for layer in tiny_model.model.layers if layer.layer_type == "full_attention")
     x = torch.randn(2, 60, tiny_model.config.hidden_size)
@@ -327,7 +327,7 @@ def test_blockwise_context_attention_matches_masked_attention(tiny_model, monkey
 def test_chunked_prefill_builds_no_context_mask(tiny_model, monkeypatch):
     """The model hands MLA no mask for an unpadded chunk after cached tokens (the mask would be [T, context]: 4 GiB
     at a million tokens), takes the blockwise path, and still equals one forward; a padded batch keeps the mask."""
-    import transformers_k3.layers.mla as mla_module
+    import transformers_k3.modeling_kimi_k3 as mla_module
     import transformers_k3.modeling_kimi_k3 as modeling
 
     calls = {"blockwise": 0, "mask": 0}
@@ -767,7 +767,7 @@ def test_rms_norm_is_the_three_op_form_bitwise(dtype):
     """KimiK3RMSNorm and KimiK3GatedRMSNorm (F.rms_norm inside) against the form the reference writes out
     (SGLang's RMSNorm.forward_native: fp32 ``x * rsqrt(mean(x^2) + eps)``, times the weight in fp32, rounded once), at
     decode, prompt and odd widths and magnitudes: the same bits forward, gradients within fp32 rounding."""
-    from transformers_k3.layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
+    from transformers_k3.modeling_kimi_k3 import KimiK3GatedRMSNorm, KimiK3RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     for hidden, shape, scale in [(128, (1, 1), 1.0), (100, (2, 7), 1e3), (7168, (3, 5), 1e-3), (16, (4, 300), 1.0)]:

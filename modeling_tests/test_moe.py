@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE
+from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops import experts as experts_module
 from transformers_k3.ops.kernel_layers import kernelize

@@ -13,8 +13,8 @@ import torch
 from torch._C import DispatchKey
 
 from transformers_k3.conversion.quant import QuantFormatError, dequantize_mxfp4, quantize_mxfp4_release
-from transformers_k3.layers.activations import situ_glu
-from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts
+from transformers_k3.modeling_kimi_k3 import situ_glu
+from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops import cpu_kernel, mxfp4, mxfp4_torch
 
 from references import make_config

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_k3.layers.activations import situ_glu
-from transformers_k3.layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3SparseMoE
+from transformers_k3.modeling_kimi_k3 import situ_glu
+from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3Experts, KimiK3SparseMoE
 from transformers_k3.ops import cpu_kernel, reference
 from transformers_k3.ops.kda.naive import naive_recurrent_kda
 

@@ -430,7 +430,7 @@ def test_the_cuda_path_hands_fla_only_its_own_arguments():
     state update, which fla's public recurrent entry point does not take: the cache stores the state it returns)."""
     import inspect
 
-    from transformers_k3.layers.kda import _hub_chunk_kda, _hub_fused_recurrent_kda
+    from transformers_k3.modeling_kimi_k3 import _hub_chunk_kda, _hub_fused_recurrent_kda
 
     chunk_args = _fla_parameters("ops/kda/chunk.py", "chunk_kda")
     recurrent_args = _fla_parameters("ops/kda/fused_recurrent.py", "fused_recurrent_kda")

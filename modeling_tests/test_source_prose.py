@@ -7,8 +7,8 @@ Deliberately not flagged (each case is in `test_the_pattern_passes_plain_text`):
 - string literals other than docstrings: error messages are behaviour, not prose;
 - shapes and counts ("2x2", "4 x 64 x 64", "16 tokens", "64K multiply-adds", "2 MB"): no time unit, no speed;
 - scientific notation, versions, formulas ("1e-5", "torch 2.13", "sech^2 s"): the number is glued to an operator;
-- count and accuracy ratios ("2x more value heads", "~3x less accurate", layers/mla.py): not a speed;
-- "measured" without a number ("the op's measured crossover", layers/kda.py): a reason, not a measurement;
+- count and accuracy ratios ("2x more value heads", "~3x less accurate", modeling_kimi_k3.py's MLA): not a speed;
+- "measured" without a number ("the op's measured crossover", modeling_kimi_k3.py's KDA): a reason, not a measurement;
 - dates: the review's regex counted them, but a date is not a timing (there are none today).
 """
 

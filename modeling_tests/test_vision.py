@@ -21,7 +21,7 @@ from transformers_k3 import (
     KimiK3VisionConfig,
     build_test_tokenizer,
 )
-from transformers_k3.layers.vision import (
+from transformers_k3.modeling_kimi_k3_vl import (
     KimiK3MultiModalProjector,
     KimiK3VisionInputError,
     KimiK3VisionTower,

@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers.moe import KimiK3Router, router_aux_loss
+from .modeling_kimi_k3 import KimiK3Router, router_aux_loss
 from .ops.torch_internals import in_backward
 
 __all__ = [

@@ -1,37 +1,1073 @@
-"""Kimi K3 text model: composition only. Each idea lives in its own module under `layers/`; this file
-wires them in the order a token flows through the network (K3_SPEC.md section 3.3)."""
+"""Kimi K3 text model: the whole network in one file, top-down in the order of transformers' Kimi Linear: norms,
+the FFN gate (GLU), Kimi Delta Attention, gated MLA, the router, the experts, the sparse MoE, the dense MLP, Block
+Attention Residuals, the decoder layer, then the pretrained-model classes (K3_SPEC.md section 3.3). The ops it calls
+(recurrences, convolutions, fused kernels) live in `ops/`, the cache in `cache.py`."""
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
 from transformers.integrations.accelerate import force_accelerate_hooks
+from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ._compat import MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_cache
 from .cache import KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
-from .layers.attn_res import KimiK3AttnResRead
 from .conversion.release_format import KimiK3ReleaseFormatMixin
-from .layers.kda import KimiK3DeltaAttention
-from .layers.mla import KimiK3MLA, uses_blockwise_attention
-from .layers.moe import K3_GROUPED_MM, KimiK3Experts, KimiK3MLP, KimiK3Router, KimiK3SparseMoE, router_aux_loss
-from .layers.norm import KimiK3GatedRMSNorm, KimiK3RMSNorm
 from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_reads_are_free, _input_ids_problem,
                                   _mask_problems, _padding_problem, _position_problems, _raise_problems)
+from .ops import moe as moe_ops
+from .ops.conv import causal_conv1d, causal_conv1d_update
+from .ops.experts import K3_GROUPED_MM  # (the name configs select; registered there)
+from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_gate
+from .ops.kernel_layers import kernel_layer
+from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
+from .ops.norm import rms_norm
+from .ops.torch_internals import recording
 
 
+# ----- Norms -----
+# RMS norms used across the text stack.
+@kernel_layer("k3_rms_norm")
+class KimiK3RMSNorm(nn.Module):
+    """Weighted RMSNorm ``x * rsqrt(mean(x^2) + eps) * w`` computed in fp32 and rounded to the input dtype once, as
+    the reference K3 implementation (SGLang's RMSNorm, native and CUDA kernel alike) computes it. transformers'
+    Llama / Kimi Linear norms round the normalised value to bf16 before multiplying by the weight, which rounds
+    again (1 ulp apart on about a quarter of the values of a bf16 model); in fp32 the two are the same bits. Its
+    kernel (`kernelize`): an fp32 backward in one pass per row on CPU, the same forward bits."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = None if self.kernel is None else self.kernel(hidden_states, self.weight, self.variance_epsilon)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon) if out is None else out
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class KimiK3GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm followed by a sigmoid gate, all in fp32: ``rmsnorm(x) * w * sigmoid(gate)``.
+    Used on the KDA core output (spec section 4.7)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        # (the normalisation as one F.rms_norm call, bitwise the three-op form: see KimiK3RMSNorm)
+        hidden_states = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],),
+                                   eps=self.variance_epsilon)
+        hidden_states = self.weight.to(torch.float32) * hidden_states * torch.sigmoid(gate.to(torch.float32))
+        return hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+# ----- FFN gates -----
+# GLU activations of the K3 FFNs (spec section 6.1).
+#
+# Every K3 FFN (the dense layer-0 MLP, the shared experts and the routed experts) computes
+# ``down(act(gate(x), up(x)))`` where ``act`` is a gated linear unit of the gate half ``a`` and the up half
+# ``u``. K3 uses SiTU ("SoftCap-GLU"), a SiLU-GLU whose two halves are soft-capped with ``tanh``:
+#
+#     SiTU(a, u) = [beta * tanh(a / beta) * sigmoid(a)] * [linear_beta * tanh(u / linear_beta)]
+#
+# The caps keep every FFN activation inside ``(-beta * linear_beta, beta * linear_beta)`` (100 for K3),
+# which is what lets the routed experts ship in MXFP4. ``hidden_act="silu"`` selects the plain SiLU-GLU
+# ``silu(a) * u`` of the Kimi-Linear lineage.
+
+
+SUPPORTED_HIDDEN_ACTS = ("situ", "silu")
+
+# SGLang is inconsistent when `activation_situ_beta` is None: its dense MLP uses 1.0, its Triton MoE
+# path 4.0 (spec 6.1). K3 always sets 4.0, so the choice never matters for the real model; we pick one
+# value, 1.0, for every FFN so that the dense, shared and routed experts share a single activation.
+SITU_BETA_WHEN_NONE = 1.0
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 for the half-precision model dtypes; float64 stays float64 (gradcheck).
+    return torch.promote_types(dtype, torch.float32)
+
+
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0
+) -> torch.Tensor:
+    """SiTU-GLU of the gate pre-activation ``gate`` and the up pre-activation ``up``.
+
+    Computed in fp32 (as SGLang does; float64 inputs stay float64) and cast back to the inputs' dtype.
+    ``linear_beta=None`` leaves the up half uncapped. Both factors are products of bounded functions (tanh, sigmoid) of finite or
+    infinite inputs, so huge or infinite activations give finite outputs and finite gradients; the only
+    NaN source is ``linear_beta=None`` with an infinite ``up`` times a gate factor of exactly 0.
+    """
+    out_dtype = torch.promote_types(gate.dtype, up.dtype)
+    a = gate.to(_compute_dtype(out_dtype))
+    u = up.to(_compute_dtype(out_dtype))
+    gate_factor = beta * torch.tanh(a / beta) * torch.sigmoid(a)
+    up_factor = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+    return (gate_factor * up_factor).to(out_dtype)
+
+
+def _check_hidden_act(config) -> str:
+    hidden_act = getattr(config, "hidden_act", None)
+    if hidden_act not in SUPPORTED_HIDDEN_ACTS:
+        raise ValueError(
+            f"hidden_act={hidden_act!r} is not supported by Kimi K3 FFNs; expected one of {SUPPORTED_HIDDEN_ACTS}."
+        )
+    return hidden_act
+
+
+class GLU(NamedTuple):
+    """The FFNs' gated linear unit: ``kind`` "situ" (`situ_glu` with caps ``beta`` / ``linear_beta``; None: the up
+    half uncapped) or "silu" (``silu(a) * u`` in the input dtype, bit for bit transformers' Kimi Linear). Plain
+    values, so the fused CPU kernels take it as is."""
+
+    kind: str
+    beta: float = 4.0
+    linear_beta: float | None = 25.0
+
+    @classmethod
+    def from_config(cls, config) -> GLU:
+        """``config.hidden_act`` with ``activation_situ_beta`` (None -> `SITU_BETA_WHEN_NONE`) and
+        ``activation_situ_linear_beta``."""
+        if _check_hidden_act(config) == "silu":
+            return cls("silu", 1.0, None)
+        beta = getattr(config, "activation_situ_beta", None)
+        linear_beta = getattr(config, "activation_situ_linear_beta", None)
+        return cls("situ", SITU_BETA_WHEN_NONE if beta is None else float(beta),
+                   None if linear_beta is None else float(linear_beta))  # fmt: skip
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        return situ_glu(gate, up, self.beta, self.linear_beta)
+
+    def packed(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The GLU of a packed ``gate_up [..., 2I]`` (gate half first), as the fused experts' GEMM produces it. SiTU
+        in six element-wise ops instead of nine: both halves' ``tanh`` as one op over the packed tensor scaled by
+        ``(1 / beta, 1 / linear_beta)``, the two caps one factor at the end; the same values up to fp32 rounding."""
+        if gate_up.shape[-1] % 2:
+            raise ValueError(f"gate_up's last dimension must be even (gate half, then up half), got {gate_up.shape[-1]}")
+        if self.kind == "silu" or self.linear_beta is None:
+            return self(*gate_up.chunk(2, dim=-1))
+        beta, linear_beta = self.beta, self.linear_beta
+        out_dtype = gate_up.dtype
+        x = gate_up.to(_compute_dtype(out_dtype))
+        half = x.shape[-1] // 2
+        scale = x.new_empty(2, half)
+        scale[0], scale[1] = 1.0 / beta, 1.0 / linear_beta
+        tanhs = torch.tanh(x * scale.view(-1))
+        gate_t, up_t = tanhs[..., :half], tanhs[..., half:]
+        if torch.is_grad_enabled() and gate_up.requires_grad:
+            out = torch.sigmoid(x[..., :half]) * gate_t * up_t * (beta * linear_beta)
+        else:
+            out = torch.sigmoid(x[..., :half]).mul_(gate_t).mul_(up_t).mul_(beta * linear_beta)
+        return out.to(out_dtype)
+
+
+# ----- Kimi Delta Attention -----
+# The Kimi Delta Attention layer, K3 variant (K3_SPEC.md section 4).
+#
+# Projections, three depthwise causal short convolutions, the per-channel forget gate, beta, the delta-rule
+# recurrence and the gated per-head output norm. The recurrence is `transformers_k3.ops.kda` on CPU tensors (the fused
+# CPU operator or the PyTorch algorithm) and, on CUDA tensors, fla's Triton kernels through transformers'
+# `use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state is the cache's:
+# the layer gets its views (`KimiK3KDACacheLayer.prepare`) and hands it what it computed (`update`).
+
+
+# New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'
+# step update) instead of the chunked form: the op's measured crossover.
+RECURRENT_MAX_LEN = RECURRENT_MAX_TOKENS
+
+
+def _hub_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, safe_gate=False, cu_seqlens=None):
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, safe_gate=safe_gate)
+
+
+def _hub_fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                             use_qk_l2norm_in_kernel=False, inplace_final_state=False, cu_seqlens=None):
+    return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                               cu_seqlens=cu_seqlens, inplace_final_state=inplace_final_state)
+
+
+@functools.cache
+def _cuda_kernels():
+    """(chunked, recurrent) for CUDA tensors: fla's kernels when fla imports, else ours. Built on the first CUDA call
+    (importing fla loads Triton, which CPU-only runs never need)."""
+    return (use_kernel_func_from_hub_with_fallback("chunk_kda", "fla")(_hub_chunk_kda),
+            use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")(_hub_fused_recurrent_kda))
+
+
+def _delta_rule_kernels(device: torch.device):
+    """fla's Triton kernels run on CUDA only: other devices always take ours."""
+    return _cuda_kernels() if device.type == "cuda" else (chunk_kda, fused_recurrent_kda)
+
+
+# layer -> (its filters' versions, weak references to them, their concatenation) for decode steps; outside the
+# modules so that pickling or copying a model never carries it
+_KEPT_CONV_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class KimiK3DeltaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.linear_num_heads
+        self.head_dim = config.linear_head_dim
+        self.proj_dim = self.num_heads * self.head_dim
+        self.conv_size = config.linear_conv_kernel_size
+        self.lower_bound = config.gate_lower_bound
+        self.use_full_rank_gate = config.use_full_rank_gate
+        hidden, proj = self.hidden_size, self.proj_dim
+
+        self.q_proj = nn.Linear(hidden, proj, bias=False)
+        self.k_proj = nn.Linear(hidden, proj, bias=False)
+        self.v_proj = nn.Linear(hidden, proj, bias=False)
+        # fp32 filters, as the release stores them and the convolution applies them (K3_SPEC.md 2.2, 4.2), also in
+        # a model built in bf16 (`_keep_in_fp32_modules_strict` keeps them fp32 when loading)
+        conv = dict(groups=proj, bias=False, dtype=torch.float32)
+        self.q_conv1d = nn.Conv1d(proj, proj, self.conv_size, **conv)
+        self.k_conv1d = nn.Conv1d(proj, proj, self.conv_size, **conv)
+        self.v_conv1d = nn.Conv1d(proj, proj, self.conv_size, **conv)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, proj, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(proj, dtype=torch.float32))
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, proj, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, proj, bias=False)
+        self.o_norm = KimiK3GatedRMSNorm(self.head_dim, eps=config.kda_o_norm_eps)
+        # fp32 weight, as the release stores it (K3_SPEC.md 13), also in a model built in bf16
+        # (`_keep_in_fp32_modules_strict` keeps it fp32 when loading)
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim, dtype=torch.float32))
+        self.o_proj = nn.Linear(proj, hidden, bias=False)
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_full_rank_gate:
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def _decode_conv_weight(self, convs) -> torch.Tensor:
+        """The three filters as one ``[3P, K]`` weight. Without autograd it is kept between decode steps, remade when
+        a filter is replaced, moved or cast (``.to``, ``.cuda``, ``.half``: new storage) or changed in place (its
+        version counter: optimizer steps, ``load_state_dict``, ``copy_``; a write through ``.data`` bypasses it, so
+        such code must replace the parameter instead)."""
+        weights = [conv.weight for conv in convs]
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+            return torch.cat([w.squeeze(1) for w in weights])
+        try:
+            # (the old storage is kept alive with the result, so a cast's new storage never reuses its address)
+            key = tuple((w._version, w.dtype, w.device, w.data_ptr()) for w in weights)
+        except RuntimeError:  # inference tensors keep no version counter: nothing tells a change, so no keeping
+            return torch.cat([w.squeeze(1) for w in weights])
+        kept = _KEPT_CONV_WEIGHTS.get(self)
+        if kept is None or kept[0] != key or any(ref() is not w for ref, w in zip(kept[1], weights)):
+            # (weak references: a new parameter at a freed one's address is still a new parameter)
+            kept = (key, [weakref.ref(w) for w in weights], torch.cat([w.detach().squeeze(1) for w in weights]),
+                    [w.detach() for w in weights])
+            _KEPT_CONV_WEIGHTS[self] = kept
+        return kept[2]
+
+    def _short_convs(self, projections, window, cached: bool, cu_seqlens):
+        """q, k, v after their causal convolutions and SiLU, and the new conv window for the cache (None: no cache,
+        or the held `window` [B, 3P, K-1], q's channels then k's then v's, was updated in place)."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        if window is not None and projections[0].shape[1] <= RECURRENT_MAX_LEN:
+            # decode: one step update over all three projections (each channel is its own convolution)
+            mixed = causal_conv1d_update(torch.cat(projections, dim=-1), window, self._decode_conv_weight(convs),
+                                         activation="silu")
+            return mixed.split(self.proj_dim, dim=-1), None
+        if window is not None:  # a longer continuation: the three convolutions as one, from the held window
+            mixed, final = causal_conv1d(torch.cat(projections, dim=-1), self._decode_conv_weight(convs),
+                                         activation="silu", initial_state=window, output_final_state=True,
+                                         cu_seqlens=cu_seqlens)
+            return mixed.split(self.proj_dim, dim=-1), final
+        outputs, finals = [], []
+        for z, conv in zip(projections, convs):
+            y, final = causal_conv1d(z, conv.weight.squeeze(1), activation="silu", output_final_state=cached,
+                                     cu_seqlens=cu_seqlens)
+            outputs.append(y)
+            finals.append(final)
+        return outputs, torch.cat(finals, dim=1) if cached else None
+
+    def _chunk_options(self) -> dict:
+        # K3's gate lower_bound * sigmoid(.) lies in (lower_bound, 0): with a bound in [-5, 0) fla's chunked kernel
+        # may take its bounded-gate path (M=16 tensor-core blocks; the same quantity). The PyTorch path ignores it.
+        bound = self.lower_bound
+        return {"safe_gate": True} if bound is not None and -5 <= bound < 0 else {}
+
+    def _recorded_delta_rule(self, q, k, v, g, beta, state, recorded: int):
+        """The delta rule with the recurrent state kept after each of the last `recorded` tokens, so that the
+        cache can roll back to any of them (assisted / prompt-lookup decoding). Earlier tokens run chunked."""
+        head = q.shape[1] - recorded
+        common = dict(scale=self.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
+        outputs = []
+        if head > 0:
+            out, state = chunk_kda(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
+                                   initial_state=state, output_final_state=True, **common, **self._chunk_options())
+            outputs.append(out)
+        out, _, states = fused_recurrent_kda(q[:, head:], k[:, head:], v[:, head:], g[:, head:], beta[:, head:],
+                                             initial_state=state, output_state_history=True, **common)
+        outputs.append(out)
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else out, states
+
+    # (the conv ops read the filters without calling their modules: accelerate's offload hooks are fired here)
+    @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
+        batch, seq_len, _ = hidden_states.shape
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # Left padding: zeroed inputs make q = k = v = 0 at padded positions, so they leave the state at 0
+            # and the first real token sees the same zero history as at a sequence start (also when a padded
+            # prompt is pre-filled one token at a time: then a one-token step can be a padded position).
+            hidden_states = hidden_states * attention_mask[:, -seq_len:, None].to(hidden_states.dtype)
+        cache_layer = past_key_values.kda_layer(self.layer_idx) if past_key_values is not None else None
+        window = state = None
+        recorded = 0
+        if cache_layer is not None:
+            window, state, recorded = cache_layer.prepare(seq_len, hidden_states.device)
+
+        projections = tuple(proj(hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2) if recorded else None
+        convolved, new_window = self._short_convs(projections, window, cache_layer is not None, cu_seqlens)
+        q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim) for t in convolved)
+        f = self.f_b_proj(self.f_a_proj(hidden_states))
+        g = kda_gate(f.unflatten(-1, (self.num_heads, self.head_dim)), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+
+        states = None
+        if recorded:
+            core, states = self._recorded_delta_rule(q, k, v, g, beta, state, recorded)
+            final_state = states[-1]
+        else:
+            chunked, recurrent = _delta_rule_kernels(q.device)
+            differentiable = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (q, k, v, g, beta, state))
+            # (fla's recurrent kernel has no backward: CUDA training takes the chunked form)
+            use_recurrent = state is not None and seq_len <= RECURRENT_MAX_LEN and not (
+                differentiable and q.device.type == "cuda")
+            kda = recurrent if use_recurrent else chunked
+            # A decode step without autograd updates the cached state in place (no new state per token).
+            options = {"inplace_final_state": True} if use_recurrent and not differentiable else {}
+            if not use_recurrent:
+                options = self._chunk_options()
+            core, final_state = kda(
+                q, k, v, g, beta, scale=self.head_dim ** -0.5, initial_state=state,
+                output_final_state=cache_layer is not None, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                **options,
+            )
+        if cache_layer is not None:
+            new_window = None if new_window is None else new_window.to(projections[0].dtype)
+            cache_layer.update(final_state, new_window, raw_inputs, states)
+
+        gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
+        out = self.o_norm(core, gate).reshape(batch, seq_len, self.proj_dim)
+        return self.o_proj(out.to(hidden_states.dtype))
+
+
+# ----- Gated MLA -----
+# Gated multi-head latent attention with no positional encoding (K3_SPEC.md section 5).
+#
+# Keys and values come from a shared latent ``c_kv`` (``kv_lora_rank`` wide, RMS-normed) plus one shared
+# ``k_pe`` per token, which in K3 is never rotated. The cache keeps just these ``kv_lora_rank + rope``
+# numbers per token. Prefill expands the latent through ``kv_b_proj`` and uses the configured attention
+# kernel; decode steps with a cache attend in latent space instead ("weight absorption"), so a step costs
+# O(context x latent) and never materialises per-head K/V for the whole context.
+
+
+# Above this many new tokens (with a cache), expanding K/V for an SDPA kernel beats the absorbed loop.
+ABSORB_MAX_QUERY_LEN = 16
+# A multi-token step on top of a cache (chunked prefill) attends to the cached context this many tokens at a time;
+# see `KimiK3MLA._blockwise_attention`.
+CONTEXT_BLOCK = 16384
+
+
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """Reference attention: fp32 softmax, additive or boolean mask, heads already matched (MLA has no GQA)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = _apply_mask(scores, attention_mask)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``scores [B, n, T, S]`` masked by a 4-D mask (boolean or additive, causality included) or by the 2-D
+    ``[B, S]`` padding mask (1 = a token) that transformers builds for the flash-attention implementations, which
+    leave causality to the kernel: here it is added, aligned to the end (the new tokens are the last ``T``). A 4-D
+    mask wider than the keys (a static cache's, ``max_cache_len`` wide) covers them from its first column, as
+    transformers' SDPA reads it."""
+    mask = _keys_mask(mask, *scores.shape[-2:], scores.device)
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return scores + mask
+
+
+def _keys_mask(mask: torch.Tensor, q_len: int, seq: int, device) -> torch.Tensor:
+    """`_apply_mask`'s mask as a 4-D one over exactly ``seq`` keys (a 2-D padding mask with end-aligned causality)."""
+    mask = mask[..., -seq:] if mask.dim() == 2 else mask[..., :seq]
+    if mask.dim() == 2:
+        mask = mask.to(device=device, dtype=torch.bool)[:, None, None, :] & end_aligned_causal(q_len, seq, device)
+    return mask
+
+
+def static_slots_mask(position: torch.Tensor, q_len: int, capacity: int) -> torch.Tensor:
+    """``[q_len, capacity]`` boolean: the slots of a static latent (`KimiK3StaticMLACacheLayer`) each of the last
+    ``q_len`` written tokens may attend to, ``position`` (a tensor: no host read) being the count after them."""
+    limit = position - q_len + 1 + torch.arange(q_len, device=position.device)
+    return torch.arange(capacity, device=position.device)[None, :] < limit[:, None]
+
+
+def static_attention_mask(slots: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """A 4-D mask over every slot of a static latent: ``slots`` (`static_slots_mask`, causality included) and the
+    model's mask, either the 2-D ``[B, L]`` padding mask (``L`` <= the capacity) or a 4-D one (boolean or additive,
+    at least the capacity wide)."""
+    capacity = slots.shape[-1]
+    if attention_mask is None:
+        return slots[None, None]
+    if attention_mask.dim() == 2:
+        padding = F.pad(attention_mask.to(device=slots.device, dtype=torch.bool),
+                        (0, capacity - attention_mask.shape[-1]))  # fmt: skip
+        return slots[None, None] & padding[:, None, None, :]
+    attention_mask = attention_mask[..., :capacity]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & slots
+    return attention_mask.masked_fill(~slots, torch.finfo(attention_mask.dtype).min)
+
+
+def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
+    """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA, on CPU or CUDA:
+    the devices with a fused kernel that returns its log-sum-exp); the model then builds no ``[T, context]`` mask."""
+    return config._attn_implementation == "sdpa" and hidden_states.device.type in LSE_KERNELS and not (
+        hidden_states.requires_grad and torch.is_grad_enabled())
+
+
+def _cuda_efficient_attention(query, key, value, causal: bool, scale: float):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : query.shape[-2]].float()  # (its log-sum-exp rows come padded to a multiple of 32)
+
+
+def _cpu_flash_attention(query, key, value, causal: bool, scale: float):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, scale=scale)[:2]
+    return out, lse.float()
+
+
+# the fused kernels that return their log-sum-exp, by device type (CUDA's memory-efficient one takes fp32 too)
+LSE_KERNELS = {"cuda": _cuda_efficient_attention, "cpu": _cpu_flash_attention}
+
+
+def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention ``[B, n, T, d]`` and its log-sum-exp ``[B, n, T]`` (fp32) from a fused kernel
+    (`LSE_KERNELS`). ``causal`` aligns the diagonal top-left (used for ``T`` queries over their own keys)."""
+    return LSE_KERNELS[query.device.type](query, key, value, causal, scale)
+
+
+class KimiK3MLA(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        self.scaling = self.qk_head_dim ** -0.5  # no yarn mscale: K3 has no RoPE at all
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.num_key_value_groups = 1
+        hidden = config.hidden_size
+        # the latent norms' eps: 1e-6 by default, as the release's own modeling_kimi_linear.py builds them (no eps
+        # argument; mlx-lm and transformers' Kimi Linear agree), where SGLang / vLLM / llama.cpp use rms_norm_eps
+        # (KimiK3TextConfig.mla_latent_norm_eps; None = rms_norm_eps)
+        latent_eps = config.mla_latent_norm_eps if config.mla_latent_norm_eps is not None else config.rms_norm_eps
+
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiK3RMSNorm(self.q_lora_rank, eps=latent_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = KimiK3RMSNorm(self.kv_lora_rank, eps=latent_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                   bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(hidden, self.num_heads * self.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=False)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim).transpose(1, 2)  # [B, n, T, dn+dr]
+
+    def _latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``[ĉ (normed c_kv), k_pe]`` per token, ``[B, T, kv_lora_rank + rope]``: what the cache stores."""
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+
+    def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys ``[B, n, S, dn+dr]`` and values ``[B, n, S, dv]`` from the latent."""
+        batch, seq, _ = latent.shape
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv)
+        kv = kv.view(batch, seq, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = k_pe[:, None].expand(batch, self.num_heads, seq, self.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), value
+
+    def _absorbed_attention(self, query: torch.Tensor, latent: torch.Tensor,
+                            attention_mask: torch.Tensor | None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention computed against the latent: ``q_nope . (W_kc c) = (W_kc^T q_nope) . c`` and the output
+        ``W_vc (sum p c)``. Returns ``[B, T, n, dv]``. ``slots``: a static latent's `static_slots_mask` (its rows
+        past the tokens are masked here; a padding mask still applies, causality is in ``slots``)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_kc, w_vc = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)  # [n, dn, r], [n, dv, r]
+        q_nope, q_pe = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_latent = torch.matmul(q_nope, w_kc)  # [B, n, T, r]
+        batch, heads, q_len, _ = q_nope.shape
+        seq = latent.shape[1]
+        # One product covers [c_kv | k_pe] against [q_latent | q_pe]; the (long) latent stays its row-major
+        # operand, so no step ever copies or transposes the cache.
+        q_cat = torch.cat([q_latent, q_pe], dim=-1).reshape(batch, heads * q_len, -1)  # [B, n*T, r+dr]
+        if slots is not None:
+            attention_mask = static_attention_mask(slots, attention_mask)
+        if attention_mask is not None:
+            attention_mask = _keys_mask(attention_mask, q_len, seq, latent.device)
+        # The logits, the mask (causality over the new tokens without one), the softmax and the weighted sum. The
+        # logits stay fp32: a bf16 matmul would round each to 8 bits (~0.03 at a logit of 10) before the softmax, a
+        # decode step ~3x less accurate than the prefill's attention (SGLang's K3 decode kernels keep them in fp32).
+        o_latent = latent_attention(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK,
+                                    attention_mask)  # [B, n*T, r]
+        out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
+        return out.transpose(1, 2)
+
+    def _blockwise_attention(self, query: torch.Tensor, latent: torch.Tensor, past_len: int) -> torch.Tensor:
+        """Causal attention of ``T`` new queries to ``past_len`` cached tokens plus themselves, with memory bounded
+        by the step, not the context. Returns ``[B, T, n, dv]``.
+
+        The new tokens attend to each other with a causal kernel; the cached context is expanded through
+        ``kv_b_proj`` `CONTEXT_BLOCK` tokens at a time and attended without a mask; the partial results are merged
+        by their log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context
+        ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs a kernel's
+        log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors)."""
+        pad = self.qk_head_dim - self.v_head_dim
+
+        def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            key, value = self._expand(block)
+            if pad > 0:  # the fused kernel wants v's head dim == q/k's (as the prefill path above)
+                value = F.pad(value, (0, pad))
+            out, lse = attention_with_lse(query, key, value, causal, self.scaling)
+            return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
+
+        out, lse = attend(latent[:, past_len:], causal=True)
+        for start, end in blocks(past_len, CONTEXT_BLOCK):  # (a graph guards on their count, not the length)
+            block_out, block_lse = attend(latent[:, start:end], causal=False)
+            merged = torch.logaddexp(lse, block_lse)
+            out = out * (lse - merged).exp().unsqueeze(-1) + block_out * (block_lse - merged).exp().unsqueeze(-1)
+            lse = merged
+        return out.to(query.dtype).transpose(1, 2)
+
+    # (absorbed decode reads `kv_b_proj.weight` without calling it: accelerate's offload hooks are fired here)
+    @force_accelerate_hooks("kv_b_proj")
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, absorb: bool | None = None, **kwargs):
+        batch, q_len, _ = hidden_states.shape
+        query = self._queries(hidden_states)
+        latent = self._latent(hidden_states)
+        past_len, has_past, static = 0, False, None
+        if past_key_values is not None:
+            static = past_key_values.static_position(self.layer_idx)
+            has_past = past_key_values.holds_tokens(self.layer_idx)
+            # (a compiled decode step of a static cache reads no length: the absorbed path masks by `position`)
+            past_len = past_key_values.get_seq_length(self.layer_idx) if static is None else 0
+            latent = past_key_values.update_latent(latent, self.layer_idx)
+
+        if absorb is None:
+            # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
+            # or a quantized layer (bitsandbytes) computes something else, which the expanded path gets by calling it.
+            absorb = (has_past and q_len <= ABSORB_MAX_QUERY_LEN and not kwargs.get("output_attentions")
+                      and type(self.kv_b_proj) in PLAIN_LINEARS)
+        attn_weights = None
+        implementation = self.config._attn_implementation
+        flash = str(implementation).startswith(("flash_attention", "kernels-community/flash"))
+        if static is not None and not absorb and torch.compiler.is_compiling() and not flash:
+            # a graph reads no length: every row of the static latent, those past its tokens masked
+            attention_mask = static_attention_mask(static_slots_mask(static, q_len, latent.shape[1]), attention_mask)
+        elif static is not None and not absorb:  # the rows past a static latent's tokens are cut (eager steps)
+            past_len = past_key_values.get_seq_length(self.layer_idx) - q_len
+            latent = latent[:, : past_len + q_len]
+            if attention_mask is not None and attention_mask.dim() == 4:
+                attention_mask = attention_mask[..., : past_len + q_len]
+        if absorb:
+            slots = None if static is None else static_slots_mask(static, q_len, latent.shape[1])
+            attn_output = self._absorbed_attention(query, latent, attention_mask, slots)
+        elif attention_mask is None and past_len > 0 and q_len > 1 and uses_blockwise_attention(self.config,
+                                                                                              hidden_states):
+            # The model passes no mask here only when every row is unpadded: causal over past + step.
+            attn_output = self._blockwise_attention(query, latent, past_len)
+        else:
+            key, value = self._expand(latent)
+            interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            if attention_mask is None and past_len > 0 and q_len > 1 and not flash:
+                # No mask because the model expected the blockwise path (decided on another device than this
+                # layer's): SDPA's is_causal would align the diagonal top-left, not to the cached context's end.
+                attention_mask = end_aligned_causal(q_len, past_len + q_len, query.device)[None, None]
+            pad = self.qk_head_dim - self.v_head_dim
+            if interface is not eager_attention_forward and pad > 0:
+                # Fused kernels (SDPA's CPU flash path, flash-attn) need v's head dim == q/k's; zero columns
+                # cost far less than SDPA's math fallback (timings in ANCHORS.md).
+                value = F.pad(value, (0, pad))
+            attn_output, attn_weights = interface(
+                self, query, key, value, attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+            )
+            attn_output = attn_output[..., : self.v_head_dim]
+
+        attn_output = attn_output.reshape(batch, q_len, self.num_heads * self.v_head_dim)
+        if self.config.mla_use_output_gate:
+            attn_output = attn_output * torch.sigmoid(self.g_proj(hidden_states))
+        return self.o_proj(attn_output), attn_weights
+
+
+# ----- Router, experts, sparse MoE, dense MLP -----
+# The K3 feed-forward blocks: dense SiTU MLP, sigmoid router, experts and the Stable Latent MoE.
+#
+# Spec sections 6.2 and 6.3. A MoE layer maps the FFN input ``y [T, H]`` to
+#
+#     routed = up( RMSNorm( sum_{i in topk} w_i * E_i( down(y) ) ) )      (latent MoE)
+#     out    = routed + shared_experts(y)
+#
+# The router decides on the full-width ``y``; the routed experts live in a narrower latent space
+# (``routed_expert_hidden_size``), and the latent RMSNorm is applied to the fully summed expert mixture,
+# which makes ``routed_scaling_factor`` cancel except through the norm's eps.
+
+
+@kernel_layer("k3_router")
+class KimiK3Router(nn.Module):
+    """Sigmoid (or softmax) top-k router with a selection-only correction bias (spec 6.3, step 1).
+
+    ``e_score_correction_bias`` is the aux-loss-free balancing bias: it shifts which experts are chosen
+    but never the weight a chosen expert receives. Everything is computed in fp32. Its kernel (`kernelize`): the
+    ungrouped top-k selection on CPU in the fused kernels (`moe_ops.router_select`). ``logits_observers``: how many
+    readers of its logits (Quantile Balancing's hooks) are attached; while any is, no kernel skips the logits.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.hidden_size = config.hidden_size
+        self.use_softmax = config.moe_router_activation_func == "softmax"
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.num_expert_group = config.num_expert_group
+        self.topk_group = config.topk_group
+        # `router_fp32`: the checkpoint stores the router in fp32 (a bf16 load keeps it: the parameter is built
+        # fp32). The logits are fp32 either way.
+        self.weight_fp32 = bool(getattr(config, "router_fp32", False))
+        weight_dtype = torch.float32 if self.weight_fp32 else None
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, dtype=weight_dtype))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self.logits_observers = 0
+
+    def forward(
+        self, hidden_states: torch.Tensor, need_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
+        topk_indices [N, k] int64)`` with ``N`` the number of tokens.
+
+        ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so with the kernel
+        attached and nothing else reading the logits (``logits_observers``, transformers' ``output_router_logits``
+        recording), an fp32 router on a CPU with the AMX tile unit, given at least `moe_ops.SCREEN_MIN_TOKENS`
+        tokens, selects without the ``[N, E]`` fp32 GEMM (the same selection and scores as from fp32 logits) and
+        returns None in place of the logits."""
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        kernel = self.kernel
+        screen = (
+            kernel is not None and not need_logits and hidden_states.shape[0] >= moe_ops.SCREEN_MIN_TOKENS
+            and not self.logits_observers and not recording("router_logits")
+        )  # fmt: skip
+        router_logits, selected, topk_indices = (kernel or moe_ops.router_select)(
+            hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self.use_softmax,
+            self.num_expert_group, self._keep_best_groups, screen=screen,
+        )  # fmt: skip
+        return router_logits, self._final_weights(selected), topk_indices
+
+    def _final_weights(self, selected: torch.Tensor) -> torch.Tensor:
+        """The chosen (unbiased) scores renormalized over the k and scaled."""
+        if self.renormalize:
+            selected = selected / (selected.sum(dim=-1, keepdim=True) + 1e-20)
+        return selected * self.routed_scaling_factor
+
+    def _keep_best_groups(self, scores_for_choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: rank groups by the sum of their two best (biased) scores, keep the
+        ``topk_group`` best groups and hide every expert of the other groups from the top-k."""
+        num_tokens = scores_for_choice.shape[0]
+        grouped = scores_for_choice.view(num_tokens, self.num_expert_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        kept_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"scoring={'softmax' if self.use_softmax else 'sigmoid'}, groups={self.num_expert_group}/{self.topk_group}"
+        )
+
+
+def router_aux_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    routers: list[KimiK3Router],
+    batch_size: int = 1,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise auxiliary balance loss, averaged over the MoE layers (off by default in
+    K3, which balances with the selection bias instead; see `transformers_k3.balancing`).
+
+    For one layer and one sequence of ``T`` (unpadded) tokens, with ``s`` the router scores, ``E`` experts
+    and top-``k`` selection made exactly as the router does (biased scores, `e_score_correction_bias`)::
+
+        f_e = E / (k T) * #{t : e selected at t}        (load relative to perfect balance; no gradient)
+        P_e = 1/T * sum_t s_{t,e} / sum_j s_{t,j}         (mean normalised score; carries the gradient)
+        L   = sum_e f_e P_e                               (= 1 when the load is perfectly even)
+
+    ``router_logits``: one ``[batch_size * seq, E]`` tensor per MoE layer, in the order of ``routers`` (as
+    recorded with ``output_router_logits=True``). ``attention_mask [batch, seq]``: padding is left out.
+    Returns the mean over layers and sequences (a scalar with gradient to the router weights).
+    """
+    if len(router_logits) != len(routers):
+        raise ValueError(f"got router logits for {len(router_logits)} MoE layers but {len(routers)} routers")
+    losses = []
+    for logits, router in zip(router_logits, routers):
+        logits = logits.float().reshape(batch_size, -1, router.num_experts)
+        scores = logits.softmax(dim=-1) if router.use_softmax else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + router.e_score_correction_bias.float(), router.top_k, dim=-1).indices
+        mask = (
+            torch.ones(scores.shape[:2], device=scores.device)
+            if attention_mask is None
+            else attention_mask[:, -scores.shape[1] :].to(scores.device, torch.float32)
+        )
+        tokens = mask.sum(dim=1)  # [B]
+        picks = torch.zeros_like(scores).scatter_(-1, chosen, 1.0)  # [B, T, E]
+        f = (picks * mask[..., None]).sum(dim=1) * router.num_experts / (router.top_k * tokens.clamp_min(1))[:, None]
+        p = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        P = (p * mask[..., None]).sum(dim=1) / tokens.clamp_min(1)[:, None]
+        per_sequence = (f * P).sum(dim=-1)  # [B]
+        has_tokens = tokens > 0
+        losses.append(per_sequence[has_tokens].mean() if has_tokens.any() else per_sequence.sum() * 0)
+    return torch.stack(losses).mean()
+
+
+def _fuse_per_expert_weights(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook of `KimiK3Experts`: per-expert ``{e}.w1/w2/w3.weight`` (the official layout, which
+    ``save_pretrained`` writes for a model built from a config) become ``gate_up_proj`` / ``down_proj``, as
+    ``from_pretrained`` fuses them. transformers' Trainer restores checkpoints (``resume_from_checkpoint``,
+    ``load_best_model_at_end``) with a plain ``load_state_dict``, which otherwise left the experts as they were
+    (only a missing / unexpected keys warning)."""
+    if f"{prefix}gate_up_proj" in state_dict or f"{prefix}down_proj" in state_dict:
+        return
+    n = module.num_experts
+    if not any(f"{prefix}{e}.{w}.weight" in state_dict for e in range(n) for w in ("w1", "w2", "w3")):
+        return
+    names = [f"{prefix}{e}.{w}.weight" for e in range(n) for w in ("w1", "w2", "w3")]
+    if not all(name in state_dict for name in names):
+        # Part of the experts (a sharded checkpoint is loaded one shard per call, Trainer's resume): each block
+        # goes into its slice of the fused weights now; load_state_dict then sees no unexpected keys for them.
+        _copy_expert_blocks(module, state_dict, prefix)
+        return
+    w1, w2, w3 = ([state_dict.pop(f"{prefix}{e}.{w}.weight") for e in range(n)] for w in ("w1", "w2", "w3"))
+    gate_up = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(w1, w3)])  # [E, 2I, D]
+    down = torch.stack(w2)  # [E, D, I]
+    if getattr(module, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    state_dict[f"{prefix}gate_up_proj"], state_dict[f"{prefix}down_proj"] = gate_up, down
+
+
+@torch.no_grad()
+def _copy_expert_blocks(module, state_dict, prefix) -> None:
+    inter = module.intermediate_dim
+    transposed = getattr(module, "is_transposed", False)
+    for e in range(module.num_experts):
+        for proj in ("w1", "w2", "w3"):
+            name = f"{prefix}{e}.{proj}.weight"
+            if name not in state_dict:
+                continue
+            block = state_dict.pop(name)
+            if proj == "w2":
+                target = module.down_proj[e]
+            else:
+                rows = slice(0, inter) if proj == "w1" else slice(inter, 2 * inter)
+                target = module.gate_up_proj[e][:, rows] if transposed else module.gate_up_proj[e][rows]
+            block = block.t() if transposed else block
+            if tuple(block.shape) != tuple(target.shape):
+                raise RuntimeError(f"{name}: shape {tuple(block.shape)} does not fit the model's expert block "
+                                   f"{tuple(target.shape)}")
+            target.copy_(block)
+
+
+@kernel_layer("k3_experts")
+@use_experts_implementation
+class KimiK3Experts(nn.Module):
+    """The routed experts as fused 3-D weights (transformers' experts interface layout).
+
+    ``gate_up_proj [E, 2I, D]`` holds each expert's gate rows (checkpoint ``w1``) then its up rows
+    (``w3``), not interleaved; ``down_proj [E, D, I]`` is ``w2``. ``D`` is the latent width
+    ``routed_expert_hidden_size`` for the latent MoE, else ``hidden_size``.
+    ``config._experts_implementation`` selects this eager forward, transformers' "grouped_mm" / "batched_mm" or
+    our "k3_grouped_mm" (`ops.experts`); all of them apply the GLU through `_apply_gate`.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        latent = config.routed_expert_hidden_size
+        self.hidden_dim = config.hidden_size if latent is None else latent
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.glu = GLU.from_config(config)
+        self.register_load_state_dict_pre_hook(_fuse_per_expert_weights)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return self.glu.packed(gate_up_out)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden_states [N, D]``, ``top_k_index [N, k]``, ``top_k_weights [N, k]`` -> ``[N, D]``:
+        ``out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_states[t])``."""
+        num_tokens, top_k = top_k_index.shape
+        expert_ids = top_k_index.reshape(-1)
+
+        # Sort the (token, slot) pairs by expert so that each hit expert reads one contiguous slice.
+        sorted_ids, perm = torch.sort(expert_ids, stable=True)
+        routed_states = hidden_states[perm // top_k]
+        counts = torch.bincount(sorted_ids, minlength=self.num_experts)[: self.num_experts].tolist()  # one sync
+        # Ids >= num_experts (expert-parallel sentinels, zero weight) sort last and contribute nothing.
+        num_valid = sum(counts)
+        counts.append(expert_ids.numel() - num_valid)
+
+        # `split` / `unbind` rather than slicing and indexing: their backward assembles one gradient for the
+        # whole tensor, where a slice or `weight[e]` per expert would each materialise a full-size gradient.
+        chunks = routed_states.split(counts)
+        gate_up_proj, down_proj = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        outputs = [
+            F.linear(self._apply_gate(F.linear(chunks[expert], gate_up_proj[expert])), down_proj[expert])
+            for expert, count in enumerate(counts[:-1])
+            if count > 0
+        ]
+        if counts[-1] > 0 or not outputs:
+            outputs.append(routed_states.new_zeros(counts[-1], self.hidden_dim))
+        expert_out = torch.cat(outputs)
+
+        # Weights are fp32, so the weighted sum over the k slots accumulates in fp32 (as the
+        # grouped_mm / batched_mm paths do).
+        weighted = expert_out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
+        return unsorted.view(num_tokens, top_k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"
+
+
+@kernel_layer("k3_sparse_moe")
+class KimiK3SparseMoE(nn.Module):
+    """The FFN of every MoE layer: router + routed experts (in the latent space when
+    ``routed_expert_hidden_size`` is set) + full-width shared experts (spec 6.3).
+
+    Returns only the FFN output; the router logits are recorded by the model from ``self.gate``. Its kernel
+    (`kernelize`): a decode step on CPU, the whole layer in one call (`moe_ops.moe_decode`).
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.gate = KimiK3Router(config)
+        self.experts = KimiK3Experts(config)
+
+        latent_size = config.routed_expert_hidden_size
+        self.is_latent = latent_size is not None
+        self.routed_expert_down_proj = None
+        self.routed_expert_norm = None
+        self.routed_expert_up_proj = None
+        if self.is_latent:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent_size, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = KimiK3RMSNorm(latent_size, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(latent_size, config.hidden_size, bias=False)
+
+        self.shared_experts = None
+        if config.num_shared_experts > 0:
+            self.shared_experts = KimiK3MLP(
+                config, intermediate_size=config.num_shared_experts * config.moe_intermediate_size
+            )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
+        orig_shape = hidden_states.shape
+        y = hidden_states.reshape(-1, self.hidden_size)
+        out = None if self.kernel is None else self.kernel(y)
+        if out is None:
+            out = self._modules_forward(y)
+        return out.view(*orig_shape)  # (unpacked: a torch.Size argument costs more to parse, every step)
+
+    def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer through its modules, ``y [N, H]`` -> ``[N, H]``."""
+        _, topk_weights, topk_indices = self.gate(y, need_logits=False)  # decided on the full-width input
+        z = self.routed_expert_down_proj(y) if self.is_latent else y
+        routed = self.experts(z, topk_indices, topk_weights)
+        if self.routed_expert_norm is not None:
+            routed = self.routed_expert_norm(routed)  # on the fully summed latent
+        if self.is_latent:
+            routed = self.routed_expert_up_proj(routed)
+
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(y)
+        return routed
+
+
+@kernel_layer("k3_mlp")
+class KimiK3MLP(nn.Module):
+    """``down(glu(gate(x), up(x)))`` with the configured GLU (SiTU for K3).
+
+    The dense layer-0 FFN (width ``intermediate_size``) and the fused shared experts (width
+    ``num_shared_experts * moe_intermediate_size``). Its kernel (`kernelize`): SiTU in one CPU kernel call.
+    """
+
+    def __init__(self, config, intermediate_size: int | None = None, hidden_size: int | None = None) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size if hidden_size is None else hidden_size
+        self.intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.glu = GLU.from_config(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
+        act = None if self.kernel is None else self.kernel(gate, up)
+        return self.down_proj(self.glu(gate, up) if act is None else act)
+
+
+# ----- Block Attention Residuals -----
+# Block Attention Residuals (K3_SPEC.md section 3).
+#
+# K3 has no ``h = h + f(norm(h))`` residual. Each sublayer reads a softmax mixture over a bank of
+# block snapshots of the residual stream plus the running partial sum of the current block; the
+# mixing scores come from a per-sublayer pseudo-query ``w`` dotted with each RMS-normalised candidate.
+
+
+def attn_res_scores(candidates: Sequence[torch.Tensor], query: torch.Tensor, key_norm: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """Softmax mixing weights ``[m, *batch]`` (fp32) of ``m`` candidates ``[*batch, H]``.
+
+    ``s_j = sum_d r_jd / sqrt(mean_d r_j^2 + eps) * n_d * w_d``, softmax over ``j``. Only ``n * w``
+    matters, so it is formed once instead of normalising every candidate with ``n`` first.
+    """
+    nw = key_norm.float() * query.float().reshape(-1)
+    scores = []
+    for r in candidates:
+        r = r.float()
+        inv_rms = torch.rsqrt(r.pow(2).mean(-1) + eps)
+        scores.append((r @ nw) * inv_rms)
+    return torch.stack(scores, dim=0).softmax(dim=0)
+
+
+def attn_res_mix(candidates: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j alpha_j r_j`` accumulated in fp32 over the un-normalised candidates, cast to their dtype."""
+    out = candidates[0].float() * weights[0].unsqueeze(-1)
+    for r, a in zip(candidates[1:], weights[1:]):
+        out = out + r.float() * a.unsqueeze(-1)
+    return out.to(candidates[0].dtype)
+
+
+# A read whose candidates hold at most this many elements in all (a decode step's: m x batch x H) is computed on
+# them stacked into one [m, *batch, H] fp32 tensor: ~9 ops in all where the loops above take ~8 per candidate, each
+# a few microseconds at this size (the shipped small model's bf16 decode step: 12 reads of 2-7 candidates).
+# Larger reads loop over the candidates, so that no stacked copy of a long prefill's residual stream is made.
+STACKED_MAX_ELEMENTS = 1 << 16
+
+
+def attn_res_read_stacked(candidates: Sequence[torch.Tensor], query: torch.Tensor, key_norm: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_res_scores` and `attn_res_mix` of the same read, computed on the stacked candidates: the same fp32
+    quantities (the sums over H and over the candidates in another order)."""
+    nw = key_norm.float() * query.float().reshape(-1)
+    stacked = torch.stack(list(candidates)).float()
+    weights = ((stacked @ nw) * torch.rsqrt(stacked.pow(2).mean(-1) + eps)).softmax(dim=0)
+    return (stacked * weights.unsqueeze(-1)).sum(0).to(candidates[0].dtype), weights
+
+
+class KimiK3AttnResRead(nn.Module):
+    """One AttnRes read point. It holds no weights (the checkpoint keeps ``*_res_proj``/``*_res_norm`` on
+    the decoder layer under their official names); it exists so that transformers' output recorders can
+    capture the pre-norm mixture (``output_hidden_states``) and the depth weights
+    (``output_attn_res_weights``) at every read.
+
+    Returns ``(mix, weights)`` with ``weights`` of shape ``[num_candidates, batch, seq]``.
+    """
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, candidates: Sequence[torch.Tensor], query: torch.Tensor | None = None,
+                key_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(candidates) == 1:
+            # A single candidate has weight 1 (the first layer, or AttnRes switched off): no work.
+            only = candidates[0]
+            return only, only.new_ones(1, *only.shape[:-1], dtype=torch.float32)
+        if sum(r.numel() for r in candidates) <= STACKED_MAX_ELEMENTS:
+            return attn_res_read_stacked(candidates, query, key_norm, self.eps)
+        weights = attn_res_scores(candidates, query, key_norm, self.eps)
+        return attn_res_mix(candidates, weights), weights
+
+
+# ----- Decoder layer and model -----
 @dataclass
 class KimiK3ModelOutputWithPast(MoeModelOutputWithPast):
     r"""attn_res_weights (`tuple[torch.FloatTensor]`, *optional*, returned with `output_attn_res_weights=True`):
@@ -56,7 +1092,6 @@ class KimiK3StoredWeight(nn.Module):
         super().__init__()
         self.register_buffer("weight", torch.full(shape, initial))
         self._initial = initial
-
 
 
 def packed_sequence_boundaries(position_ids, cu_seq_lens_q, attention_mask, past_key_values,
@@ -168,7 +1203,7 @@ class KimiK3ModelMixin(KimiK3ReleaseFormatMixin):
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
-        # transformers looks for the decorator's text in the model's own file; ours sits in layers/moe.py.
+        # transformers looks for the decorator's text in the model's own file; the multimodal model's file has none.
         return True
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

@@ -1,5 +1,5 @@
 """Every private torch / transformers API the MoE kernels and kernel attachment read, one per function, each with
-the public API to move to once it exists. Nothing else in ops/ or layers/ reads these."""
+the public API to move to once it exists. Nothing else in ops/ or the modeling files reads these."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 the options the model passes. They run on any device: the fused CPU kernel (fp32 CPU tensors,
 :mod:`transformers_k3.ops.cpu_kernel`), under autograd through ``transformers_k3::kda_chunk`` (:mod:`.autograd`), and
 the PyTorch algorithms (:mod:`.chunk`, :mod:`.fused_recurrent`) everywhere else. fla's Triton kernels come in on the
-model side (``use_kernel_func_from_hub_with_fallback`` in ``layers/kda.py``), for CUDA tensors.
+model side (``use_kernel_func_from_hub_with_fallback`` in ``modeling_kimi_k3.py``), for CUDA tensors.
 
 The recurrence (spec section 4.6), per sequence and head, with state ``S`` of shape ``[K, V]``::
 
