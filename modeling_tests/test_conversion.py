@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import transformers_k3
-from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig, export_release
 from transformers_k3.conversion import (
     CheckpointError,
     convert_official_checkpoint,
@@ -236,8 +236,8 @@ def test_multimodal_official_checkpoint(official_vl, vl_model, tmp_path):
 
 def test_save_pretrained_layouts_round_trip(text_model, official_mxfp4, tmp_path):
     """save_pretrained reverses the registered conversions: a model built from a config or loaded from an
-    official directory saves the official per-expert names, and so does one loaded from our fused layout;
-    `save_original_format=False` always saves fused. Each loads back to identical logits."""
+    official directory saves the official per-expert names; one loaded from our fused layout saves it as loaded, and
+    export_release writes it in the release's; `save_original_format=False` always saves fused. Each loads back to identical logits."""
     ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(2))
     want = logits(text_model, ids)
 
@@ -255,10 +255,16 @@ def test_save_pretrained_layouts_round_trip(text_model, official_mxfp4, tmp_path
     assert "model.layers.1.mlp.experts.gate_up_proj" in names
     fused = load(KimiK3ForCausalLM, tmp_path / "fused")
     assert torch.equal(logits(fused, ids), want)
-    # saved from our fused layout with save_original_format=True: the release's layout too (exported in place)
+    # saved from our fused layout with save_original_format=True: transformers saves it as loaded (fused, our config)
     names = saved_names(fused, tmp_path / "fused_again")
-    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names and not any("gate_up_proj" in n for n in names)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names
+    assert json.loads((tmp_path / "fused_again" / "config.json").read_text())["model_type"] == "kimi_k3_text"
     assert torch.equal(logits(load(KimiK3ForCausalLM, tmp_path / "fused_again"), ids), want)
+    # the release's layout of the same model comes from the exporter
+    export_release(fused, tmp_path / "fused_exported")
+    names = set(shard_tensors(tmp_path / "fused_exported"))
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names and not any("gate_up_proj" in n for n in names)
+    assert torch.equal(logits(load(KimiK3ForCausalLM, tmp_path / "fused_exported"), ids), want)
 
     from_official = load(KimiK3ForCausalLM, official_mxfp4, dtype=torch.bfloat16)
     names = saved_names(from_official, tmp_path / "from_official")

@@ -312,34 +312,49 @@ def test_plain_load_state_dict_reads_the_release_layout(tmp_path):
 
 
 @pytest.mark.parametrize("composite", [False, True])
-def test_save_pretrained_writes_the_release_config(tmp_path, composite):
-    """save_pretrained's config.json has the release's keys as the export writes them (the text config as
-    kimi_linear, the composite as kimi_k3, dtype the weights' dtype, no derived keys) and loads back to the same
-    model; save_original_format=False keeps ours."""
+def test_save_pretrained_writes_our_config_and_export_release_the_releases(tmp_path, composite):
+    """save_pretrained's config.json is ours (model_type kimi_k3 / kimi_k3_text, either save_original_format);
+    export_release's has the release's keys (the text config as kimi_linear, the composite as kimi_k3, dtype the
+    weights' dtype, no derived keys). Each loads back to the same model."""
     import json
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3TextConfig
+    from transformers_k3 import (
+        KimiK3Config,
+        KimiK3ForCausalLM,
+        KimiK3ForConditionalGeneration,
+        KimiK3TextConfig,
+        export_release,
+    )
 
     torch.manual_seed(0)
     model = (KimiK3ForConditionalGeneration(KimiK3Config.tiny()) if composite
              else KimiK3ForCausalLM(KimiK3TextConfig.tiny())).eval()
-    model.save_pretrained(tmp_path / "release")
+    auto = AutoModelForImageTextToText if composite else AutoModelForCausalLM
+    ids = torch.randint(3, 400, (1, 7))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    export_release(model, tmp_path / "release")
     data = json.loads((tmp_path / "release" / "config.json").read_text())
     text = data["text_config"] if composite else data
     assert data["model_type"] == ("kimi_k3" if composite else "kimi_linear") and text["model_type"] == "kimi_linear"
     assert data["dtype"] == "float32" and "torch_dtype" not in data
     assert data["architectures"] == (["KimiK3ForConditionalGeneration"] if composite else ["KimiK3LinearForCausalLM"])
     assert not {"layer_types", "mlp_layer_types"} & set(text)
-    auto = AutoModelForImageTextToText if composite else AutoModelForCausalLM
     reloaded = auto.from_pretrained(tmp_path / "release").eval()
-    ids = torch.randint(3, 400, (1, 7))
     with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
-    model.save_pretrained(tmp_path / "ours", save_original_format=False)
-    ours = json.loads((tmp_path / "ours" / "config.json").read_text())
-    assert ours["model_type"] == ("kimi_k3" if composite else "kimi_k3_text")
+        assert torch.equal(reloaded(input_ids=ids).logits, want)
+    for name, kwargs in (("ours", {}), ("ours_fused", {"save_original_format": False})):
+        model.save_pretrained(tmp_path / name, **kwargs)
+        ours = json.loads((tmp_path / name / "config.json").read_text())
+        assert ours["model_type"] == ("kimi_k3" if composite else "kimi_k3_text"), name
+        if composite:
+            assert ours["text_config"]["model_type"] == "kimi_k3_text", name
+        reloaded = auto.from_pretrained(tmp_path / name).eval()
+        with torch.no_grad():  # (a fused-layout reload matches a model built from a config to fp32 rounding only)
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, want, rtol=0,
+                                       atol=1e-5 if kwargs else 0, msg=name)
 
 
 def test_direct_load_of_an_expert_with_the_wrong_shape_is_a_checkpoint_error(release_text_mxfp4, tmp_path):

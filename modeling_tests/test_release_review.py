@@ -55,8 +55,7 @@ def raw_safetensors(path: Path, header: str, data: bytes) -> Path:
 # ==================================================================================================
 # Defects
 def test_save_pretrained_of_a_bnb_quantized_model_keeps_its_quantization_config(tmp_path):
-    """_write_release_config replaces config.json with official_config_dict, which pops quantization_config: a
-    QLoRA-style bitsandbytes model saved with save_pretrained can no longer be loaded (its int8 weights are then
+    """A release-flavoured config.json (official_config_dict) pops quantization_config: a QLoRA-style bitsandbytes model saved with save_pretrained can no longer be loaded (its int8 weights are then
     refused as 'not a K3 weight'). transformers' own config.json reloads this directory identically."""
     from transformers import BitsAndBytesConfig
 
@@ -116,23 +115,29 @@ def test_from_pretrained_by_hub_id_checks_the_files_too(tiny, tmp_path):
         KimiK3ForCausalLM.from_pretrained("stranger/k3", cache_dir=str(tmp_path / "cache"), local_files_only=True)
 
 
-def test_save_pretrained_after_loading_our_converted_layout_writes_the_release_layout(tmp_path):
-    """The README's workflow: convert the release, load it, fine-tune, save_pretrained. The weights come out in our
-    fused layout (mlp.experts.gate_up_proj, mlp.gate) while config.json is rewritten as the release's (kimi_linear):
-    a directory that claims to be the release but that no engine keyed on block_sparse_moe can read."""
+def test_save_pretrained_after_loading_our_converted_layout_is_consistent_and_exports_the_release(tmp_path):
+    """The README's workflow: convert the release, load it, fine-tune, save. Once, save_pretrained kept our fused
+    weights (mlp.experts.gate_up_proj, mlp.gate) under a config.json rewritten as the release's (kimi_linear): a
+    directory that claims to be the release but that no engine keyed on block_sparse_moe can read. save_pretrained
+    now writes our config with its weights (and loads back); export_release writes the release's layout."""
+    from transformers_k3 import export_release
+
     config = KimiK3TextConfig.tiny()
     release = write_release(tmp_path / "release", release_state(config, False, False, 0), config, False, False)
     convert_official_checkpoint(release, tmp_path / "ours", progress=False)
     model = KimiK3ForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "saved")
-    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "kimi_linear"
-    check_against_rules(shard_tensors(tmp_path / "saved"), config, False, False)
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "kimi_k3_text"
+    assert torch.equal(logits(KimiK3ForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)),
+                       logits(model))
+    export_release(model, tmp_path / "exported")
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["model_type"] == "kimi_linear"
+    check_against_rules(shard_tensors(tmp_path / "exported"), config, False, False)
 
 
-def test_push_to_hub_uploads_the_release_config(tiny, tmp_path):
-    """save_pretrained(push_to_hub=True) uploads inside transformers' save_pretrained, before _write_release_config
-    rewrites config.json: the hub repo gets transformers' config (kimi_k3_text) next to release-layout weights,
-    while the local directory has the release's."""
+def test_push_to_hub_uploads_the_saved_config(tiny, tmp_path):
+    """save_pretrained(push_to_hub=True) uploads what the (staged) save wrote: the hub repo gets the same config.json
+    (ours, kimi_k3_text) and weights as the local directory, under the repo id asked for."""
     import huggingface_hub
     import transformers.utils.hub as transformers_hub
 
@@ -150,7 +155,7 @@ def test_push_to_hub_uploads_the_release_config(tiny, tmp_path):
             mock.patch.object(transformers_hub, "create_and_tag_model_card", lambda *a, **k: mock.MagicMock()):
         tiny.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="me/k3")
     on_disk = json.loads((tmp_path / "hub" / "config.json").read_text())
-    assert on_disk["model_type"] == "kimi_linear"
+    assert on_disk["model_type"] == "kimi_k3_text"
     assert uploaded["model_type"] == on_disk["model_type"]
     assert {"config.json", "model.safetensors"} <= uploaded["files"]
 

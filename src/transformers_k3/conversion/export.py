@@ -329,4 +329,21 @@ def export_to_official(input_dir, output_dir=None, dtype: str = "bf16", dry_run:
     return plan
 
 
-__all__ = ["export_to_official", "official_config_dict", "plan_export"]
+def export_release(model, output_dir, dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB",
+                   overwrite: bool = False, progress: bool = False, mxfp4: bool = False) -> ConversionPlan:
+    """Writes a model in memory in the release's layout (tensor names, dtypes and ``config.json``) to ``output_dir``:
+    ``save_pretrained`` into a temporary sibling directory, then `export_to_official`. ``dtype`` defaults to the
+    model's (bf16 or fp32)."""
+    import tempfile
+
+    if dtype is None:
+        dtype = "bf16" if model.dtype == torch.bfloat16 else "fp32"
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{output_dir.name}.k3save-", dir=output_dir.parent) as saved:
+        model.save_pretrained(saved, save_original_format=False)
+        return export_to_official(saved, output_dir, dtype=dtype, max_shard_size=max_shard_size,
+                                  overwrite=overwrite, progress=progress, mxfp4=mxfp4)
+
+
+__all__ = ["export_release", "export_to_official", "official_config_dict", "plan_export"]

@@ -1,7 +1,6 @@
-"""Release-format saving and the checks around loading, for K3's pretrained-model classes (text and multimodal):
-what transformers' ``save_pretrained`` / ``from_pretrained`` do, plus the release's ``config.json`` on save, staged
-(atomic) saves, the checkpoint checks before a load, and bitsandbytes 4-bit skips. Kept out of the modeling file,
-which holds the network only."""
+"""What K3's pretrained-model classes (text and multimodal) add to transformers' ``save_pretrained`` /
+``from_pretrained``: staged (atomic) saves, the checkpoint checks before a load, and bitsandbytes 4-bit skips. Kept
+out of the modeling file, which holds the network only. The release's layout is the exporter's (``convert/export``)."""
 
 from __future__ import annotations
 
@@ -80,37 +79,10 @@ def _remove_stale_weights(directory: Path, started: float) -> None:
                 shard.unlink()
 
 
-def _export_in_place(directory: Path, dtype: str) -> None:
-    """Replace the fused-layout weights, index and config in ``directory`` by the exporter's release layout (written
-    next to it first; the directory's other files stay)."""
-    import os
-    import shutil
-
-    from .export import export_to_official
-
-    exported = directory.with_name(f".{directory.name}.k3export-{os.getpid()}")
-    shutil.rmtree(exported, ignore_errors=True)
-    try:
-        export_to_official(directory, exported, dtype=dtype, max_shard_size="50GB", progress=False)
-        old = set(_weight_files(directory))
-        new = set(_weight_files(exported))
-        for name in sorted(new) + ["config.json"]:
-            os.replace(exported / name, directory / name)
-        for name in old - new:
-            (directory / name).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(exported, ignore_errors=True)
-
-
-def _weight_files(directory: Path) -> list[str]:
-    return [p.name for p in directory.iterdir()
-            if p.is_file() and (p.name.endswith(".safetensors") or p.name == "model.safetensors.index.json")]
-
-
 def _upload_saved_directory(model, directory: Path, started: float, repo_id: str | None = None,
                             commit_message: str | None = None, create_pr: bool = False, private: bool | None = None,
                             token=None) -> None:
-    """What transformers' ``save_pretrained(push_to_hub=True)`` does, once the release's files are written: create the
+    """What transformers' ``save_pretrained(push_to_hub=True)`` does, once the staged save is in place: create the
     repo, add the model card, upload the files this save wrote (huggingface_hub's public ``HfApi``)."""
     from huggingface_hub import HfApi
     from transformers.utils.hub import create_and_tag_model_card
@@ -123,62 +95,31 @@ def _upload_saved_directory(model, directory: Path, started: float, repo_id: str
                       commit_message=commit_message or "Upload model", create_pr=create_pr)
 
 
-def _write_release_config(model, directory: Path) -> None:
-    """Rewrite ``directory/config.json`` with the release's keys, atomically, where the config's kind matches what the
-    weights hold (a composite config for the multimodal model, a text config for the text model) and the dtype is
-    one the release's config names (bf16 / fp32); otherwise the file stays as transformers wrote it."""
-    import json
-    import os
-
-    from ..configuration_kimi_k3 import KimiK3Config
-    from .export import official_config_dict
-
-    composite = isinstance(model.config, KimiK3Config)
-    if composite != hasattr(model, "vision_tower") or model.dtype not in (torch.bfloat16, torch.float32):
-        return
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model.config, "quantization_config", None):
-        return  # a quantized model's weights need its quantization_config, which the release's config has not
-    names = _saved_names(directory)
-    if names is None:
-        return
-    if any(".experts.gate_up_proj" in n for n in names):
-        # a model loaded from our fused layout: transformers saved it as loaded; the exporter writes the release's
-        _export_in_place(directory, "bf16" if model.dtype == torch.bfloat16 else "fp32")
-        return
-    path = directory / "config.json"
-    data = official_config_dict(model.config, composite=composite, dtype=model.dtype)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
-
-
 class KimiK3ReleaseFormatMixin:
     """Mixed into K3's pretrained-model classes before transformers' PreTrainedModel."""
 
-    # override: transformers has no hook to write another config.json or stage the directory around its save
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = True, **kwargs):
-        """transformers' ``save_pretrained``. With ``save_original_format=True`` (transformers' default) the weights
-        are in the release's layout, and so is ``config.json``: the release's keys (`official_config_dict`: the text
-        config as ``kimi_linear``, ``dtype`` the weights' dtype, no key derived from others). ``False`` writes ours."""
+    # override: transformers has no hook to stage the directory around its save (atomic saves)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, written into a sibling directory and moved into place, so a failed save
+        (full disk) leaves the directory as it was. The config is ours (``model_type`` ``kimi_k3`` / ``kimi_k3_text``);
+        the release's layout and config come from the exporter (`transformers_k3.export_release`)."""
         import time
 
         started = time.time()
-        if save_original_format and kwargs.get("push_to_hub") and kwargs.get("is_main_process", True):
-            # transformers uploads inside its save_pretrained, before the release's files exist: save, then upload
+        if kwargs.get("push_to_hub") and kwargs.get("is_main_process", True):
+            # transformers would upload from the staging directory: save, then upload what this save wrote
             hub = {key: kwargs.pop(key) for key in ("repo_id", "commit_message", "create_pr", "private")
                    if key in kwargs}
             kwargs.pop("push_to_hub")
-            out = self.save_pretrained(save_directory, *args, save_original_format=True, **kwargs)
+            out = self.save_pretrained(save_directory, *args, **kwargs)
             _upload_saved_directory(self, Path(save_directory), started, token=kwargs.get("token"), **hub)
             return out
         if not kwargs.get("is_main_process", True):
-            return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+            return super().save_pretrained(save_directory, *args, **kwargs)
         from .streaming import staged_save
 
-        with staged_save(save_directory) as staging:  # a failed save (full disk) leaves the directory as it was
-            out = super().save_pretrained(staging, *args, save_original_format=save_original_format, **kwargs)
-            if save_original_format:
-                _write_release_config(self, staging)
+        with staged_save(save_directory) as staging:
+            out = super().save_pretrained(staging, *args, **kwargs)
         _remove_stale_weights(Path(save_directory), started)
         return out
 
