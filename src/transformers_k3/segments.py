@@ -26,8 +26,8 @@ import torch
 
 from .cache import KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3MLACacheLayer
 
-__all__ = ["KimiK3SegmentError", "SegmentBoundary", "SegmentResult", "boundary_states", "detach_cache", "segment_backward",
-           "segment_bounds"]
+__all__ = ["KimiK3SegmentError", "SegmentBoundary", "SegmentResult", "boundary_states", "cache_from_boundary",
+           "detach_cache", "segment_backward", "segment_bounds"]
 
 IGNORE_INDEX = -100
 MODES = ("exact", "truncated")
@@ -114,10 +114,10 @@ def boundary_states(model, input_ids: torch.Tensor, segment_len: int):
     return boundaries, {i: t.detach() for i, t in _latents(cache).items()}
 
 
-def _cache_from(model, boundary: SegmentBoundary, latents: dict[int, torch.Tensor], capacity: int, leaves: bool):
+def cache_from_boundary(config, boundary: SegmentBoundary, latents: dict[int, torch.Tensor], capacity: int, leaves: bool):
     """A cache holding ``boundary`` and the latents' first ``boundary.start`` rows; with ``leaves`` each of those
     is a leaf requiring grad, returned as ``{("kda", i): (state, window), ("mla", i): prefix}``."""
-    cache = KimiK3HybridCache(model.config, max_cache_len=capacity)
+    cache = KimiK3HybridCache(config, max_cache_len=capacity)
     held = {}
     for i, (state, window) in boundary.kda.items():
         if leaves:
@@ -160,7 +160,7 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     if mode == "truncated":
         boundary, latents = SegmentBoundary(0, {}), {}
         for start, end in bounds:
-            cache, _ = _cache_from(model, boundary, latents, length, leaves=False)
+            cache, _ = cache_from_boundary(model.config, boundary, latents, length, leaves=False)
             loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
             loss.backward()
             losses.append(loss.detach())
@@ -172,7 +172,7 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     state_grads: dict = {}  # ("kda", i) -> (grad of the state, of the window) the segment after sent back
     latent_grads = {i: torch.zeros_like(t) for i, t in latents.items()}
     for (start, end), boundary in zip(reversed(bounds), reversed(boundaries)):
-        cache, held = _cache_from(model, boundary, latents, length, leaves=True)
+        cache, held = cache_from_boundary(model.config, boundary, latents, length, leaves=True)
         loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
         outputs, cotangents = [loss], [torch.ones_like(loss)]
         if end < length:

@@ -1,0 +1,99 @@
+"""The data side of segment training (src/transformers_k3/segment_data.py): a collated segment's loss is the
+full-context loss over its tokens (states computed once without gradients, or replayed from cache files, which are
+checked against the trajectory), and transformers' Trainer, fed sampled segments, lowers a held-out segment's loss."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+from transformers_k3.segment_data import SegmentCollator, SegmentDataset, SegmentStateStore
+from transformers_k3.segments import KimiK3SegmentError
+
+from references import randomize_
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).eval()
+
+
+@pytest.fixture(scope="module")
+def trajectories():
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 512, (70,), generator=gen), torch.randint(3, 512, (48,), generator=gen)]
+
+
+def _token_losses(model, ids):
+    """Full-context per-token losses ``[T - 1]`` (token t predicting t + 1)."""
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float()
+    return F.cross_entropy(logits[:-1], ids[1:], reduction="none")
+
+
+def _segment_loss(model, batch):
+    with torch.no_grad():
+        return model(**batch).loss
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["computed", "replayed"])
+def test_a_collated_segment_is_the_full_context_loss_over_its_tokens(model, trajectories, tmp_path, replay):
+    dataset = SegmentDataset(trajectories, 24)
+    assert [dataset[i] for i in range(len(dataset))] == [{"trajectory": 0, "segment": j} for j in range(3)] + [
+        {"trajectory": 1, "segment": j} for j in range(2)]
+    if replay:
+        store = SegmentStateStore(model.config, 24)
+        for i, ids in enumerate(trajectories):
+            files = {}
+            for j, start in enumerate(range(24, ids.shape[0], 24), start=1):
+                cache = KimiK3HybridCache(model.config)
+                with torch.no_grad():
+                    model(ids[None, :start], past_key_values=cache, use_cache=True)
+                cache.save(tmp_path / f"{i}_{j}.safetensors")
+                files[j] = tmp_path / f"{i}_{j}.safetensors"
+            store.add_files(i, files)
+    else:
+        store = SegmentStateStore.compute(model, trajectories, 24)
+    collate = SegmentCollator(dataset, store)
+    for index in range(len(dataset)):
+        item = dataset[index]
+        ids = trajectories[item["trajectory"]]
+        start = 24 * item["segment"]
+        end = min(start + 24, ids.shape[0])
+        want = _token_losses(model, ids)[start:end].mean()  # (the last segment's last token predicts nothing)
+        torch.testing.assert_close(_segment_loss(model, collate([item])), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_file_of_another_prefix_is_refused(model, trajectories, tmp_path):
+    cache = KimiK3HybridCache(model.config)
+    with torch.no_grad():
+        model(trajectories[1][None, :24], past_key_values=cache, use_cache=True)
+    cache.save(tmp_path / "other.safetensors")
+    store = SegmentStateStore(model.config, 24)
+    store.add_files(0, {1: tmp_path / "other.safetensors"})
+    collate = SegmentCollator(SegmentDataset(trajectories, 24), store)
+    with pytest.raises(KimiK3SegmentError, match="does not hold that trajectory's"):
+        collate([{"trajectory": 0, "segment": 1}])
+    with pytest.raises(KimiK3SegmentError, match="one segment"):
+        collate([{"trajectory": 0, "segment": 0}, {"trajectory": 1, "segment": 0}])
+
+
+def test_trainer_lowers_a_held_out_segments_loss(tmp_path):
+    """A repeating 256-token trajectory in 64-token segments: the Trainer trains on segments 0-2 (sampled, truncated
+    mode, states computed once), and the full-context loss over segment 3's tokens drops."""
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()))
+    pattern = torch.randint(3, 512, (16,), generator=torch.Generator().manual_seed(3))
+    trajectory = pattern.repeat(16)
+    before = _token_losses(model.eval(), trajectory)[192:].mean()
+    dataset = SegmentDataset([trajectory], 64, segments=[(0, 0), (0, 1), (0, 2)])
+    store = SegmentStateStore.compute(model, [trajectory], 64)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=12, learning_rate=3e-3,
+                             remove_unused_columns=False, report_to=[], save_strategy="no", logging_steps=100,
+                             use_cpu=True)  # fmt: skip
+    Trainer(model=model.train(), args=args, train_dataset=dataset,
+            data_collator=SegmentCollator(dataset, store)).train()  # fmt: skip
+    after = _token_losses(model.eval(), trajectory)[192:].mean()
+    assert after < 0.7 * before, (before.item(), after.item())

@@ -1,0 +1,126 @@
+"""The data side of segment training (issue 47) for transformers' `Trainer`: every (trajectory, segment) pair is a
+dataset item, and a state store gives each segment the state it starts from, so the Trainer trains on sampled
+segments in truncated mode (the incoming state a constant, the loss on the segment's tokens only).
+
+The store's states are computed once without gradients (`SegmentStateStore.compute`) or replayed from
+`KimiK3HybridCache.save` files (`SegmentStateStore.add_files`), which `KimiK3HybridCache.load` checks as it checks
+any cache file, and which must hold exactly the trajectory's tokens before the segment. Either way they are the
+weights' of when they were made: as training moves the weights, they go stale (recompute them to refresh).
+
+Use with ``TrainingArguments(remove_unused_columns=False, per_device_train_batch_size=1)``: an item's keys are not
+the model's arguments, and two segments' states cannot share one cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import Dataset
+
+from .cache import KimiK3HybridCache
+from .segments import (IGNORE_INDEX, KimiK3SegmentError, SegmentBoundary, boundary_states, cache_from_boundary,
+                       segment_bounds)
+
+__all__ = ["SegmentCollator", "SegmentDataset", "SegmentStateStore"]
+
+
+def _row(trajectory: torch.Tensor) -> torch.Tensor:
+    """A trajectory as ``[1, T]`` int64 ids (it may be given as ``[T]`` or ``[1, T]``)."""
+    if not isinstance(trajectory, torch.Tensor) or trajectory.dim() not in (1, 2) or trajectory.is_floating_point() \
+            or (trajectory.dim() == 2 and trajectory.shape[0] != 1) or trajectory.shape[-1] == 0:
+        raise KimiK3SegmentError("a trajectory is a non-empty 1-D tensor of token ids (or [1, T])")
+    return trajectory.reshape(1, -1).long()
+
+
+class SegmentDataset(Dataset):
+    """One item per (trajectory, segment): ``{"trajectory": i, "segment": j}``; `SegmentCollator` makes the inputs."""
+
+    def __init__(self, trajectories: list[torch.Tensor], segment_len: int, segments: list[tuple[int, int]] | None = None):
+        self.trajectories = [_row(t) for t in trajectories]
+        self.segment_len = segment_len
+        every = [(i, j) for i, t in enumerate(self.trajectories)
+                 for j in range(len(segment_bounds(t.shape[1], segment_len)))]  # fmt: skip
+        self.items = every if segments is None else list(segments)
+        unknown = set(self.items) - set(every)
+        if unknown:
+            raise KimiK3SegmentError(f"no such (trajectory, segment): {sorted(unknown)[:5]}")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        trajectory, segment = self.items[index]
+        return {"trajectory": trajectory, "segment": segment}
+
+
+class SegmentStateStore:
+    """The state each segment of each trajectory starts from."""
+
+    def __init__(self, config, segment_len: int):
+        self.config = config
+        self.segment_len = segment_len
+        self._computed: dict[int, tuple[list[SegmentBoundary], dict]] = {}
+        self._files: dict[tuple[int, int], str | os.PathLike] = {}
+
+    @classmethod
+    def compute(cls, model, trajectories: list[torch.Tensor], segment_len: int) -> "SegmentStateStore":
+        """Every segment's incoming state, from one pass per trajectory without gradients (`boundary_states`)."""
+        store = cls(model.config, segment_len)
+        for i, trajectory in enumerate(trajectories):
+            store._computed[i] = boundary_states(model, _row(trajectory).to(model.device), segment_len)
+        return store
+
+    def add_files(self, trajectory: int, files: dict[int, str | os.PathLike]) -> None:
+        """Replay: ``files[j]`` is a `KimiK3HybridCache.save` file of the cache after the tokens before segment j
+        of trajectory ``trajectory`` (checked when a segment needs it)."""
+        for segment, path in files.items():
+            self._files[trajectory, segment] = path
+
+    def cache(self, trajectory: int, segment: int, ids: torch.Tensor) -> KimiK3HybridCache:
+        """A fresh cache holding the state segment ``segment`` of ``ids`` (``[1, T]``) starts from (empty for the
+        first segment)."""
+        start = segment_bounds(ids.shape[1], self.segment_len)[segment][0]
+        if (trajectory, segment) in self._files:
+            # (the weights change while training: a replayed state is taken as made, no fingerprint check)
+            cache = KimiK3HybridCache.load(self._files[trajectory, segment], self.config, device=ids.device,
+                                           max_cache_len=ids.shape[1])  # fmt: skip
+            held = cache.token_ids
+            if cache.get_seq_length() != start or held is None or not torch.equal(held.to(ids.device), ids[:, :start]):
+                raise KimiK3SegmentError(
+                    f"the cache file for trajectory {trajectory}, segment {segment} does not hold that trajectory's "
+                    f"first {start} tokens (it holds {cache.get_seq_length()}): save the cache after exactly the "
+                    "tokens before the segment")
+            return cache
+        if segment == 0:
+            return KimiK3HybridCache(self.config, max_cache_len=ids.shape[1])
+        if trajectory not in self._computed:
+            raise KimiK3SegmentError(f"no state for trajectory {trajectory}, segment {segment}: compute the store "
+                                     "with SegmentStateStore.compute or add its cache files with add_files")
+        boundaries, latents = self._computed[trajectory]
+        cache, _ = cache_from_boundary(self.config, boundaries[segment], latents, ids.shape[1], leaves=False)
+        return cache
+
+
+class SegmentCollator:
+    """Makes a segment's model inputs: its ids, its labels shifted over the whole trajectory (``shift_labels``: its
+    last token predicts the next segment's first) and a cache holding its incoming state."""
+
+    def __init__(self, dataset: SegmentDataset, store: SegmentStateStore, labels: list[torch.Tensor] | None = None):
+        self.dataset, self.store = dataset, store
+        self.labels = None if labels is None else [_row(t) for t in labels]
+
+    def __call__(self, features: list[dict]) -> dict:
+        if len(features) != 1:
+            raise KimiK3SegmentError(f"a batch holds one segment (each starts from its own state), got "
+                                     f"{len(features)}: use per_device_train_batch_size=1 and gradient accumulation")
+        trajectory, segment = features[0]["trajectory"], features[0]["segment"]
+        ids = self.dataset.trajectories[trajectory]
+        labels = ids if self.labels is None else self.labels[trajectory]
+        start, end = segment_bounds(ids.shape[1], self.store.segment_len)[segment]
+        shift = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        return {
+            "input_ids": ids[:, start:end], "labels": labels[:, start:end],
+            "shift_labels": shift[:, start:end].contiguous(),
+            "past_key_values": self.store.cache(trajectory, segment, ids), "use_cache": True,
+        }  # fmt: skip
