@@ -309,3 +309,22 @@ def test_exact_and_truncated_on_the_pytorch_path(model, ids):
         want = _grads(model)
         segment_backward(model, ids, segment_len=32, mode="truncated")
         _assert_same_gradients(_grads(model), want)
+
+
+def test_exact_mode_with_peft_lora():
+    """A PEFT LoRA model (adapters on the KDA projections, MLA's kv_b_proj and the output projections): exact mode over
+    4 segments gives the adapters' full-context gradients."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()))
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "kv_b_proj", "o_proj"],
+                             init_lora_weights=False)  # fmt: skip
+    lora = peft.get_peft_model(base, config).train()
+    ids = torch.randint(3, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    loss = lora(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = _grads(lora)
+    assert want and all("lora_" in name for name in want)
+    result = segment_backward(lora, ids, segment_len=16, mode="exact")
+    torch.testing.assert_close(result.loss, loss.detach(), atol=1e-5, rtol=1e-5)
+    _assert_same_gradients(_grads(lora), want)
