@@ -170,11 +170,19 @@ def test_official_bf16_round_trip_is_bit_exact(official_bf16, text_model, tmp_pa
     assert KimiK3TextConfig.from_pretrained(back).to_dict() == KimiK3TextConfig.from_pretrained(official_bf16).to_dict()
 
 
+def dequantized() -> dict:
+    """``from_pretrained`` arguments that dequantise the release's MXFP4 experts at load."""
+    from transformers_k3 import KimiK3Mxfp4Config
+
+    return {"quantization_config": KimiK3Mxfp4Config(dequantize=True)}
+
+
 def test_official_mxfp4_direct_load_equals_converted(official_mxfp4, official_bf16, text_model, tmp_path):
     ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
-    direct = load(KimiK3ForCausalLM, official_mxfp4, dtype=torch.bfloat16)  # 0 missing, 0 unexpected
+    # dequantised at load (kept packed by default: test_mxfp4_loading.py)
+    direct = load(KimiK3ForCausalLM, official_mxfp4, dtype=torch.bfloat16, **dequantized())  # 0 missing, 0 unexpected
     assert getattr(direct.config, "quantization_config", None) is None
-    auto = load(AutoModelForCausalLM, official_mxfp4, dtype=torch.bfloat16)  # the flat K3 `kimi_linear` config
+    auto = load(AutoModelForCausalLM, official_mxfp4, dtype=torch.bfloat16, **dequantized())  # the flat K3 config
     assert isinstance(auto, KimiK3ForCausalLM) and torch.equal(logits(auto, ids), logits(direct, ids))
     ours = tmp_path / "ours"
     convert_official_checkpoint(official_mxfp4, ours, progress=False)
@@ -207,11 +215,11 @@ def test_multimodal_official_checkpoint(official_vl, vl_model, tmp_path):
     from transformers_k3 import KimiK3ForConditionalGeneration
 
     reference = vl_model.state_dict()
-    direct = load(KimiK3ForConditionalGeneration, official_vl, dtype=torch.bfloat16)
+    direct = load(KimiK3ForConditionalGeneration, official_vl, dtype=torch.bfloat16, **dequantized())
     for name, tensor in direct.state_dict().items():
         assert torch.equal(tensor, reference[name].to(tensor.dtype)), name
     # AutoModelForCausalLM on the composite config: the text model, `language_model.` dropped, vision left out
-    text = load(AutoModelForCausalLM, official_vl, dtype=torch.bfloat16)
+    text = load(AutoModelForCausalLM, official_vl, dtype=torch.bfloat16, **dequantized())
     assert isinstance(text, KimiK3ForCausalLM)
     for name, tensor in text.state_dict().items():
         assert torch.equal(tensor, direct.state_dict()["language_model." + name]), name
@@ -266,7 +274,7 @@ def test_save_pretrained_layouts_round_trip(text_model, official_mxfp4, tmp_path
     assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in names and not any("gate_up_proj" in n for n in names)
     assert torch.equal(logits(load(KimiK3ForCausalLM, tmp_path / "fused_exported"), ids), want)
 
-    from_official = load(KimiK3ForCausalLM, official_mxfp4, dtype=torch.bfloat16)
+    from_official = load(KimiK3ForCausalLM, official_mxfp4, dtype=torch.bfloat16, **dequantized())
     names = saved_names(from_official, tmp_path / "from_official")
     assert "model.layers.3.block_sparse_moe.experts.0.w1.weight" in names  # dequantised, never re-quantised
     assert "quantization_config" not in (tmp_path / "from_official" / "config.json").read_text()

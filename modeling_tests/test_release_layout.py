@@ -133,21 +133,25 @@ def test_release_round_trip_through_the_converter_is_bit_identical(which, releas
         assert "torch_dtype" not in config["text_config"] and "dtype" not in config["text_config"]
 
 
-@pytest.mark.parametrize("which", ["text_bf16", "vl_mxfp4"])
+@pytest.mark.parametrize("which", ["text_bf16", "vl_mxfp4", "vl_mxfp4_dequantized"])
 def test_release_round_trip_through_save_pretrained_is_bit_identical(which, release_text_bf16, release_vl_mxfp4,
                                                                     tmp_path):
     """``from_pretrained`` on the release + ``save_pretrained`` (``save_original_format=True``, transformers'
-    default) writes the release's names, padded ``A_log``, fp32 tensors and bytes (MXFP4 experts come back
-    dequantised to bf16: ``save_pretrained`` never quantises)."""
-    from transformers_k3 import KimiK3ForConditionalGeneration
+    default) writes the release's names, padded ``A_log``, fp32 tensors and bytes: MXFP4 experts as they came
+    (loaded packed, the default) with the release's ``quantization_config``, or, loaded with
+    ``KimiK3Mxfp4Config(dequantize=True)``, dequantised to bf16 (``save_pretrained`` never quantises)."""
+    from transformers_k3 import KimiK3ForConditionalGeneration, KimiK3Mxfp4Config
 
     source = release_text_bf16 if which == "text_bf16" else release_vl_mxfp4[0]
     cls = KimiK3ForCausalLM if which == "text_bf16" else KimiK3ForConditionalGeneration
-    model = load(cls, source, dtype=BF16)
+    extra = {"quantization_config": KimiK3Mxfp4Config(dequantize=True)} if which == "vl_mxfp4_dequantized" else {}
+    model = load(cls, source, dtype=BF16, **extra)
     model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")
     saved = shard_tensors(tmp_path / "saved")
     original = shard_tensors(source)
-    if which == "vl_mxfp4":  # the release's MXFP4 experts, dequantised (exactly) to bf16 plain weights
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config.get("quantization_config") == (release_quantization_config() if which == "vl_mxfp4" else None)
+    if which == "vl_mxfp4_dequantized":  # the release's MXFP4 experts, dequantised (exactly) to bf16 plain weights
         for name in [n for n in original if n.endswith("weight_packed")]:
             stem = name[: -len("_packed")]
             original[stem] = dequantize_mxfp4(original.pop(name), original.pop(stem + "_scale"), BF16)
@@ -162,8 +166,12 @@ def test_release_round_trip_through_save_pretrained_is_bit_identical(which, rele
 @pytest.mark.parametrize("which", ["text_bf16", "text_mxfp4"])
 def test_direct_and_converted_loading_give_identical_logits(which, dtype, release_text_bf16, release_text_mxfp4,
                                                            tmp_path):
+    from transformers_k3 import KimiK3Mxfp4Config
+
     source = release_text_bf16 if which == "text_bf16" else release_text_mxfp4
-    direct = load(KimiK3ForCausalLM, source, dtype=dtype)
+    # the load-time dequantisation against the converter's (packed experts: test_mxfp4_loading.py)
+    extra = {"quantization_config": KimiK3Mxfp4Config(dequantize=True)} if which == "text_mxfp4" else {}
+    direct = load(KimiK3ForCausalLM, source, dtype=dtype, **extra)
     ours = tmp_path / "ours"
     convert_official_checkpoint(source, ours, dtype="fp32" if dtype == torch.float32 else "bf16", progress=False)
     converted = load(KimiK3ForCausalLM, ours, dtype=dtype)
@@ -171,7 +179,7 @@ def test_direct_and_converted_loading_give_identical_logits(which, dtype, releas
         assert torch.equal(tensor, converted.state_dict()[name]), name
     assert torch.equal(logits(direct, IDS), logits(converted, IDS))
     if which == "text_mxfp4" and dtype == torch.bfloat16:
-        auto = load(AutoModelForCausalLM, source, dtype=dtype)
+        auto = load(AutoModelForCausalLM, source, dtype=dtype, **extra)
         assert torch.equal(logits(auto, IDS), logits(direct, IDS))
 
 
@@ -219,9 +227,14 @@ def test_export_matches_the_release_rules(mode, our_checkpoint, tmp_path):
         scale = tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight_scale"]
         assert torch.equal(packed, quantize_mxfp4_release(w3)[0])
         assert torch.equal(scale, quantize_mxfp4_release(w3)[1])
-        again = load(KimiK3ForCausalLM, out, dtype=BF16)  # the export loads back (dequantised)
+        from transformers_k3 import KimiK3Mxfp4Config
+
+        again = load(KimiK3ForCausalLM, out, dtype=BF16, quantization_config=KimiK3Mxfp4Config(dequantize=True))
         assert torch.equal(again.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][5, half:],
-                           dequantize_mxfp4(packed, scale, BF16))
+                           dequantize_mxfp4(packed, scale, BF16))  # the export loads back dequantised
+        kept = load(KimiK3ForCausalLM, out, dtype=BF16).state_dict()  # and packed (the default), bytes as written
+        assert torch.equal(kept["model.layers.1.mlp.experts.gate_up_packed"][5, half:], packed)
+        assert torch.equal(kept["model.layers.1.mlp.experts.gate_up_scale"][5, half:], scale)
     else:
         got = tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
         assert torch.equal(got, w3.to(got.dtype))
@@ -357,11 +370,14 @@ def test_save_pretrained_writes_our_config_and_export_release_the_releases(tmp_p
                                        atol=1e-5 if kwargs else 0, msg=name)
 
 
-def test_direct_load_of_an_expert_with_the_wrong_shape_is_a_checkpoint_error(release_text_mxfp4, tmp_path):
-    """An MXFP4 expert block whose scales do not fit its packed weights: the fusing conversion refuses it, and
-    from_pretrained says which tensor, as a CheckpointError (transformers alone raises a RuntimeError that points
-    at its log)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_direct_load_of_an_expert_with_the_wrong_shape_is_a_checkpoint_error(packed, release_text_mxfp4, tmp_path):
+    """An MXFP4 expert block whose scales do not fit its packed weights: the fusing (dequantized) or stacking
+    (packed) conversion refuses it, and from_pretrained says which tensor, as a CheckpointError (transformers alone
+    raises a RuntimeError that points at its log)."""
     import shutil
+
+    from transformers_k3 import KimiK3Mxfp4Config
 
     bad = tmp_path / "bad"
     shutil.copytree(release_text_mxfp4, bad)
@@ -372,8 +388,9 @@ def test_direct_load_of_an_expert_with_the_wrong_shape_is_a_checkpoint_error(rel
         f.unlink()
     (bad / "model.safetensors.index.json").unlink()
     write_state_dict(state, bad, max_shard_size=RELEASE_SHARD)
-    with pytest.raises(CheckpointError, match=r"(?s)cannot be loaded as K3 weights:.*QuantFormatError: `model.layers.\d+.mlp.experts.down_proj`: expert 3 w2: MXFP4 weight_scale has shape"):
-        KimiK3ForCausalLM.from_pretrained(bad)
+    target = "down_scale" if packed else "down_proj"
+    with pytest.raises(CheckpointError, match=rf"(?s)cannot be loaded as K3 weights:.*QuantFormatError: `model.layers.\d+.mlp.experts.{target}`: expert 3 w2: MXFP4 weight_scale has shape"):
+        KimiK3ForCausalLM.from_pretrained(bad, quantization_config=KimiK3Mxfp4Config(dequantize=not packed))
 
 
 @pytest.mark.parametrize("which", ["text", "vl"])

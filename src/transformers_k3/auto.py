@@ -47,6 +47,10 @@ def register() -> None:
     AutoConfig.register("kimi_linear", KimiLinearAutoConfig, exist_ok=True)
     # Official checkpoints load directly: conversion mappings for our model types (see conversion/hf_mapping.py).
     register_conversion_mappings()
+    # quantization_config=KimiK3Mxfp4Config(): the release's MXFP4 experts kept packed (its import registers the
+    # quantizer, its config and the "k3_mxfp4" experts function with transformers)
+    from . import quantization_kimi_k3  # noqa: F401
+
     # Vision: every Auto class transformers 5 asks for a multimodal LM (pipeline, `transformers serve`).
     AutoModelForImageTextToText.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
     multimodal = getattr(transformers, "AutoModelForMultimodalLM", None)

@@ -21,6 +21,21 @@ def config_for_from_pretrained(cls, path, kwargs) -> PretrainedConfig:
     return cls.config_class.from_pretrained(path, **hub)
 
 
+def _ships_mxfp4_experts(cls, path, kwargs) -> bool:
+    """Whether the checkpoint's ``config.json`` carries the release's compressed-tensors MXFP4 ``quantization_config``
+    (which the config classes drop: transformers' compressed-tensors quantizer would decompress the experts), so that
+    ``from_pretrained`` keeps them packed by default (`KimiK3Mxfp4Config`)."""
+    from ..configuration_kimi_k3 import is_mxfp4_scheme
+
+    hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+    try:
+        data, _ = PretrainedConfig.get_config_dict(path, **hub)
+    except (OSError, ValueError):
+        return False  # (no config.json to read: transformers reports it as usual)
+    text = data.get("text_config") or {}
+    return is_mxfp4_scheme(data.get("quantization_config")) or is_mxfp4_scheme(text.get("quantization_config"))
+
+
 def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
     """A copy of a bitsandbytes 4-bit ``quantization_config`` whose ``llm_int8_skip_modules`` also holds the linear
     layers its CPU kernel cannot pack (blocks of 32 output rows x 64 input columns): at full size the 1-wide AttnRes
@@ -133,6 +148,10 @@ class KimiK3ReleaseFormatMixin:
         from ..checkpoint_checks import check_pretrained_directory
 
         check_pretrained_directory(pretrained_model_name_or_path, kwargs)
+        if kwargs.get("quantization_config") is None and _ships_mxfp4_experts(cls, pretrained_model_name_or_path, kwargs):
+            from ..quantization_kimi_k3 import KimiK3Mxfp4Config
+
+            kwargs["quantization_config"] = KimiK3Mxfp4Config()  # the release's MXFP4 experts stay packed
         quantization_config = kwargs.get("quantization_config")
         if isinstance(quantization_config, dict) and quantization_config.get("load_in_4bit"):
             from transformers import BitsAndBytesConfig

@@ -46,9 +46,15 @@ def k3_grouped_mm_experts_forward(
     """
     if self.has_bias or not self.has_gate or self.has_post_expert_norm:
         raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
+    try:
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+    except AttributeError:  # (packed MXFP4 experts hold uint8 stacks instead)
+        raise NotImplementedError(f"{K3_GROUPED_MM!r} computes on gate_up_proj / down_proj weights, which "
+                                  f"{type(self).__name__} does not hold: packed MXFP4 experts run with "
+                                  "experts_implementation='k3_mxfp4'") from None
     expert_parallel = getattr(self, "_is_expert_parallel", False)
-    if not expert_parallel and cpu_kernel.experts_applies(hidden_states, top_k_weights, self.gate_up_proj, self.down_proj):
-        out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+    if not expert_parallel and cpu_kernel.experts_applies(hidden_states, top_k_weights, gate_up_proj, down_proj):
+        out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                      self.is_transposed, self.glu)  # fmt: skip
         if out is not None:
             return out

@@ -1,0 +1,211 @@
+"""The release's MXFP4 routed experts loaded as they ship and saved as they came (issue 46, docs/mxfp4.md "Loading
+and saving packed"), on official-layout fixtures written from the release's inventory rules (references.py), with
+several shards and a layer's experts spread over more than one:
+
+* ``from_pretrained`` keeps the experts packed by default (uint8 bytes, ``quantization_config`` picks
+  ``KimiK3Mxfp4Config()`` / ``KimiK3Mxfp4Config(dequantize=True)``); packed and dequantized logits agree in fp32
+  within 1e-5 relative and greedy decoding is identical over 32 tokens;
+* save -> reload -> save writes every tensor of the release back bit for bit, with the release's
+  ``quantization_config``;
+* the expert tensors' resident bytes and the peak RSS while loading, measured;
+* ``KimiK3Mxfp4Config(dequantize=True)`` gives the model loading gave before (experts dequantized exactly, no
+  quantizer left on the model, the save the release's bf16 layout).
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import transformers_k3  # noqa: F401  (registers the classes, mappings and the quantizer)
+from transformers_k3 import KimiK3ForCausalLM, KimiK3Mxfp4Config, KimiK3TextConfig
+from transformers_k3.conversion import CheckpointError, dequantize_mxfp4
+from transformers_k3.conversion.keymap import release_quantization_config
+from transformers_k3.conversion.quant import QuantFormatError
+
+from references import BF16, FP32, load, release_state, shard_tensors, write_release
+
+IDS = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def _is_expert(name: str) -> bool:
+    return ".block_sparse_moe.experts." in name
+
+
+def write_small_shards(path: Path, state: dict, config) -> Path:
+    """`write_release` with shards small enough that one layer's experts span several."""
+    from transformers_k3.conversion.export import official_config_dict
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    write_state_dict(state, path, max_shard_size=6_000)
+    data = official_config_dict(config, False, "bf16", release_quantization_config())
+    (path / "config.json").write_text(json.dumps(data, indent=1))
+    return path
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    config = KimiK3TextConfig.tiny()
+    path = tmp_path_factory.mktemp("release") / "text_mxfp4"
+    return write_small_shards(path, release_state(config, False, True, 1), config)
+
+
+@pytest.fixture(scope="module")
+def release_bf16_experts(tmp_path_factory):
+    config = KimiK3TextConfig.tiny()
+    path = tmp_path_factory.mktemp("release") / "text_bf16"
+    return write_release(path, release_state(config, False, False, 1), config, False, False)
+
+
+def _expert_bytes(model) -> int:
+    """Bytes of the storages behind the routed experts' tensors (each storage once)."""
+    seen, total = set(), 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        storage = tensor.untyped_storage()
+        if ".mlp.experts." in name and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def test_fixture_has_several_shards_with_a_layer_across_them(release):
+    index = json.loads((release / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 3
+    layer = {shard for name, shard in index.items() if ".layers.1.block_sparse_moe.experts." in name}
+    assert len(layer) >= 2
+
+
+def test_packed_by_default_and_logits_match_dequantized(release):
+    packed = load(KimiK3ForCausalLM, release, dtype=FP32)
+    auto = load(AutoModelForCausalLM, release, dtype=FP32)
+    dequantized = load(KimiK3ForCausalLM, release, dtype=FP32, quantization_config=KimiK3Mxfp4Config(dequantize=True))
+    experts = packed.model.layers[1].mlp.experts
+    assert {t.dtype for name, t in experts.named_buffers()} == {torch.uint8} and not list(experts.parameters())
+    with torch.no_grad():
+        a, b, c = packed(IDS).logits, dequantized(IDS).logits, auto(IDS).logits
+    assert torch.equal(a, c)
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max(), float((a - b).abs().max() / b.abs().max())
+    prompt = IDS[:1, :8]
+    greedy = {"max_new_tokens": 32, "min_new_tokens": 32, "do_sample": False}
+    assert torch.equal(packed.generate(prompt, **greedy), dequantized.generate(prompt, **greedy))
+
+
+def test_packed_experts_backward_reaches_the_inputs(release):
+    packed = load(KimiK3ForCausalLM, release, dtype=FP32)
+    dequantized = load(KimiK3ForCausalLM, release, dtype=FP32, quantization_config=KimiK3Mxfp4Config(dequantize=True))
+    grads = []
+    for model in (packed, dequantized):
+        embeds = model.get_input_embeddings()(IDS).detach().requires_grad_()
+        model(inputs_embeds=embeds).logits.float().pow(2).mean().backward()
+        grads.append(embeds.grad)
+    assert (grads[0] - grads[1]).abs().max() <= 1e-4 * grads[1].abs().max()
+
+
+def test_save_reload_save_is_bit_identical(release, tmp_path):
+    model = load(KimiK3ForCausalLM, release, dtype=BF16)  # (the release's dtype)
+    model.save_pretrained(tmp_path / "first", max_shard_size="40KB")
+    again = load(KimiK3ForCausalLM, tmp_path / "first", dtype=BF16)
+    again.save_pretrained(tmp_path / "second", max_shard_size="40KB")
+    original, first, second = (shard_tensors(p) for p in (release, tmp_path / "first", tmp_path / "second"))
+    assert sorted(original) == sorted(first) == sorted(second)
+    assert sum(map(_is_expert, original)) == 5 * 8 * 3 * 2
+    for name, tensor in original.items():  # every tensor: the release's name, dtype, shape and bytes
+        for saved in (first[name], second[name]):
+            assert saved.dtype == tensor.dtype and saved.shape == tensor.shape, name
+            assert torch.equal(saved.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+    for directory in (tmp_path / "first", tmp_path / "second"):
+        config = json.loads((directory / "config.json").read_text())
+        assert config["quantization_config"] == release_quantization_config()
+    assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
+def test_expert_resident_bytes_against_the_bf16_model(release):
+    packed = load(KimiK3ForCausalLM, release, dtype=BF16)
+    bf16 = load(KimiK3ForCausalLM, release, dtype=BF16, quantization_config=KimiK3Mxfp4Config(dequantize=True))
+    ratio = _expert_bytes(packed) / _expert_bytes(bf16)
+    assert ratio <= 0.3, ratio
+
+
+_PEAK_RSS = textwrap.dedent("""
+    import json, sys, torch
+    import transformers_k3
+    from transformers_k3 import KimiK3ForCausalLM
+
+    def status():
+        fields = {}
+        for line in open("/proc/self/status"):
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0]) * 1024 if value.strip().endswith("kB") else 0
+        return fields
+
+    KimiK3ForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16)  # (code paths warm, caches filled)
+    before = status()["VmRSS"]
+    model = KimiK3ForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+    experts = sum(b.untyped_storage().nbytes() for n, b in model.named_buffers() if ".mlp.experts." in n)
+    print(json.dumps({"peak": status()["VmHWM"] - before, "experts": experts}))
+""")
+
+
+def test_peak_rss_while_loading_packed(release, tmp_path):
+    """Measured in a fresh process (``VmHWM``, which counts the checkpoint's memory-mapped pages too): loading never
+    holds a floating-point copy of the experts. Wide experts, so the per-tensor bookkeeping does not dominate."""
+    config = KimiK3TextConfig.tiny(num_experts=128, num_experts_per_token=8, routed_expert_hidden_size=256,
+                                   moe_intermediate_size=256)
+    path = write_release(tmp_path / "wide", release_state(config, False, True, 4), config, False, True)
+    bf16_expert_bytes = 5 * config.num_experts * 3 * 256 * 256 * 2  # (5 MoE layers)
+    result = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(path), str(release)], capture_output=True,
+                            text=True, check=True)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["experts"] * 4 < bf16_expert_bytes * 1.1  # (0.53 bytes a weight)
+    print(f"peak RSS while loading: {measured['peak'] / 2**20:.1f} MiB, packed experts "
+          f"{measured['experts'] / 2**20:.1f} MiB, bf16 experts {bf16_expert_bytes / 2**20:.1f} MiB")
+    assert measured["peak"] < 0.75 * bf16_expert_bytes, measured
+
+
+def test_dequantize_config_gives_the_model_loading_gave_before(release, tmp_path):
+    model = load(KimiK3ForCausalLM, release, dtype=BF16, quantization_config=KimiK3Mxfp4Config(dequantize=True))
+    assert getattr(model, "hf_quantizer", None) is None and getattr(model.config, "quantization_config", None) is None
+    original = shard_tensors(release)
+    for layer in range(1, 6):
+        experts = model.model.layers[layer].mlp.experts
+        stem = f"model.layers.{layer}.block_sparse_moe.experts."
+        for e in range(8):
+            w = {p: dequantize_mxfp4(original[f"{stem}{e}.{p}.weight_packed"], original[f"{stem}{e}.{p}.weight_scale"],
+                                     BF16) for p in ("w1", "w2", "w3")}  # fmt: skip
+            assert torch.equal(experts.gate_up_proj[e], torch.cat([w["w1"], w["w3"]]))
+            assert torch.equal(experts.down_proj[e], w["w2"])
+    model.save_pretrained(tmp_path / "saved", max_shard_size="40KB")
+    saved = shard_tensors(tmp_path / "saved")
+    assert not any(n.endswith(("weight_packed", "weight_scale")) for n in saved)
+    assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+
+
+def test_packed_experts_refuse_the_bf16_experts_function(release):
+    model = load(KimiK3ForCausalLM, release, dtype=FP32)
+    model.set_experts_implementation("k3_grouped_mm")
+    with pytest.raises(NotImplementedError, match="k3_mxfp4"):
+        model(IDS)
+
+
+def test_keep_packed_refuses_plain_experts(release_bf16_experts):
+    with pytest.raises(CheckpointError, match="dequantize=True"):
+        KimiK3ForCausalLM.from_pretrained(release_bf16_experts, quantization_config=KimiK3Mxfp4Config())
+
+
+def test_a_nan_scale_is_refused_at_load(release, tmp_path):
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    state = shard_tensors(release)
+    name = "model.layers.2.block_sparse_moe.experts.3.w2.weight_scale"
+    state[name] = state[name].clone()
+    state[name][0, 0] = 255  # (E8M0's NaN)
+    config = json.loads((release / "config.json").read_text())
+    write_state_dict(state, tmp_path / "bad", max_shard_size=40_000)
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantFormatError, match="layers.2.mlp.experts"):
+        KimiK3ForCausalLM.from_pretrained(tmp_path / "bad")

@@ -1,0 +1,261 @@
+"""The release's MXFP4 routed experts kept packed (issue 46, docs/mxfp4.md "Loading and saving packed"): a
+transformers quantizer, registered through transformers' public sockets (``register_quantization_config`` /
+``register_quantizer``), that loads the release's compressed-tensors ``mxfp4-pack-quantized`` experts as they ship
+and saves them back bit for bit.
+
+* `KimiK3Mxfp4Config` (``quant_method="k3_mxfp4"``): ``from_pretrained(..., quantization_config=KimiK3Mxfp4Config())``
+  keeps the experts packed, ``KimiK3Mxfp4Config(dequantize=True)`` dequantizes them (the model without the
+  quantizer: what loading without a ``quantization_config`` gives).
+* `KimiK3PackedExperts`: a MoE layer's experts as four uint8 buffers (``gate_up_packed``, ``gate_up_scale``,
+  ``down_packed``, ``down_scale``: the release tensors stacked, bytes unchanged), computed by the experts function
+  ``"k3_mxfp4"`` (`mxfp4_experts_forward`), registered in transformers' ``ALL_EXPERTS_FUNCTIONS``.
+* `KimiK3Mxfp4HfQuantizer`: before the weights load, every `KimiK3Experts` becomes a `KimiK3PackedExperts` (on the
+  meta device) and the experts' conversions (`FuseExperts`, which dequantizes) become `StackPackedExperts`, which
+  stack each checkpoint tensor's bytes into its slice, shard by shard (no floating-point copy of a layer); after
+  loading, `check_packed_experts` once per layer. Saving reverses the conversions (`SplitPackedExperts`: the release's
+  per-expert names) and writes the release's ``quantization_config`` (`release_quantization_config`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.integrations import use_experts_implementation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .conversion.hf_mapping import FuseExperts, _expert_pattern, _recorded
+from .conversion.quant import QuantFormatError, mxfp4_scale_2d
+from .layers.activations import GLU
+from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
+
+K3_MXFP4 = "k3_mxfp4"  # the quant_method, and the experts-interface name (ops.mxfp4.MXFP4_EXPERTS)
+_STACKS = {  # buffer -> (release projections stacked along the rows, release tensor kind)
+    "gate_up_packed": (("w1", "w3"), "weight_packed"),
+    "gate_up_scale": (("w1", "w3"), "weight_scale"),
+    "down_packed": (("w2",), "weight_packed"),
+    "down_scale": (("w2",), "weight_scale"),
+}
+
+
+@register_quantization_config(K3_MXFP4)
+class KimiK3Mxfp4Config(QuantizationConfigMixin):
+    """How ``from_pretrained`` takes the release's MXFP4 routed experts: packed (``dequantize=False``, the uint8
+    bytes as they ship, computed by ``"k3_mxfp4"``) or dequantized to the model's dtype (``dequantize=True``)."""
+
+    def __init__(self, dequantize: bool = False, **kwargs):
+        self.quant_method = K3_MXFP4
+        if not isinstance(dequantize, bool):
+            raise TypeError(f"KimiK3Mxfp4Config: dequantize must be True or False, got {dequantize!r}")
+        self.keep_packed = not dequantize
+
+    def to_dict(self) -> dict:
+        return {"quant_method": self.quant_method, "dequantize": not self.keep_packed}
+
+
+@use_experts_implementation
+class KimiK3PackedExperts(nn.Module):
+    """`KimiK3Experts` with the release's MXFP4 bytes as four uint8 buffers (docs/mxfp4.md "The layout per layer"):
+    ``gate_up_packed [E, 2I, D/2]`` / ``gate_up_scale [E, 2I, D/32]`` (``w1`` rows then ``w3`` rows, as
+    ``gate_up_proj``), ``down_packed [E, D, I/2]`` / ``down_scale [E, D, I/32]`` (``w2``). Frozen: buffers, no
+    gradient; gradients reach the activations and the routing weights. Its own forward is ``"k3_mxfp4"``'s."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        latent = config.routed_expert_hidden_size
+        self.hidden_dim = config.hidden_size if latent is None else latent
+        self.intermediate_dim = config.moe_intermediate_size
+        e, d, i = self.num_experts, self.hidden_dim, self.intermediate_dim
+        if d % 32 or i % 32:
+            raise QuantFormatError(f"MXFP4 experts need widths that are multiples of 32, got hidden {d}, "
+                                   f"intermediate {i}: load with KimiK3Mxfp4Config(dequantize=True)")  # fmt: skip
+        for name, shape in (("gate_up_packed", (e, 2 * i, d // 2)), ("gate_up_scale", (e, 2 * i, d // 32)),
+                            ("down_packed", (e, d, i // 2)), ("down_scale", (e, d, i // 32))):  # fmt: skip
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.uint8))
+        self.glu = GLU.from_config(config)
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return self.glu.packed(gate_up_out)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, mxfp4 packed")  # fmt: skip
+
+
+class StackPackedExperts(ConversionOps):
+    """Per-expert release tensors of one kind (``weight_packed`` or ``weight_scale``; lists in expert order) -> one
+    stack of `KimiK3PackedExperts`: ``[E, rows, cols]`` uint8, ``w1`` rows then ``w3`` rows for ``gate_up``. The
+    bytes are copied unchanged into a preallocated stack, expert by expert. Plain (bf16) experts are refused by name:
+    packing them would quantize, which loading never does."""
+
+    def __init__(self, projections: tuple[str, ...], kind: str):
+        self.projections, self.kind = tuple(projections), kind
+
+    @_recorded
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        target = model.get_buffer(full_layer_name) if model is not None else None
+        per_proj = []
+        for proj in self.projections:
+            if input_dict.pop(_expert_pattern(proj, "weight"), None):
+                raise ValueError(f"`{full_layer_name}`: the checkpoint's experts are not MXFP4 (plain `{proj}.weight`):"
+                                 " load it without quantization_config or with KimiK3Mxfp4Config(dequantize=True)")
+            input_dict.pop(_expert_pattern(proj, "weight_shape"), None)  # (the packed shapes are checked instead)
+            blocks = input_dict.pop(_expert_pattern(proj, self.kind), None) or []
+            if self.kind == "weight_scale":
+                blocks = [mxfp4_scale_2d(b) for b in blocks]
+            per_proj.append(blocks)
+        experts = len(per_proj[0])
+        if any(len(b) != experts for b in per_proj) or (target is not None and experts != target.shape[0]):
+            raise ValueError(f"`{full_layer_name}`: found {[len(b) for b in per_proj]} experts' "
+                             f"{'/'.join(self.projections)}.{self.kind}, the model has "
+                             f"{target.shape[0] if target is not None else '?'}")  # fmt: skip
+        rows = per_proj[0][0].shape[0]
+        stack = torch.empty(experts, rows * len(per_proj), per_proj[0][0].shape[1], dtype=torch.uint8)
+        if target is not None and tuple(stack.shape) != tuple(target.shape):
+            raise ValueError(f"`{full_layer_name}`: the experts' {self.kind} give {list(stack.shape)}, the model "
+                             f"expects {list(target.shape)}")
+        for p, blocks in enumerate(per_proj):
+            for e, block in enumerate(blocks):
+                if block.dtype != torch.uint8 or tuple(block.shape) != (rows, stack.shape[2]):
+                    raise QuantFormatError(f"`{full_layer_name}`: expert {e} {self.projections[p]}: MXFP4 {self.kind} "
+                                           f"has shape {list(block.shape)} ({block.dtype}), the model expects uint8 "
+                                           f"{[rows, stack.shape[2]]}")  # fmt: skip
+                stack[e, p * rows:(p + 1) * rows].copy_(block)
+        return {target_patterns[0]: stack}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return SplitPackedExperts(self.projections, self.kind)
+
+
+class SplitPackedExperts(ConversionOps):
+    """Saving: a stack of `KimiK3PackedExperts` -> the release's per-expert ``….experts.{e}.{w}.{kind}`` tensors
+    (slices of the stack, the loaded bytes)."""
+
+    def __init__(self, projections: tuple[str, ...], kind: str):
+        self.projections, self.kind = tuple(projections), kind
+
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        stack = next(iter(input_dict.values()))
+        stack = stack[0] if isinstance(stack, list) else stack
+        out = {}
+        for proj, part in zip(self.projections, torch.chunk(stack, len(self.projections), dim=1)):
+            for e in range(part.shape[0]):
+                out[f".experts.{e}.{proj}.{self.kind}"] = part[e].contiguous()
+        return out
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return StackPackedExperts(self.projections, self.kind)
+
+
+def packed_conversions(converter: WeightConverter) -> list[WeightConverter]:
+    """The four `StackPackedExperts` converters replacing one of the registered experts converters (scope kept):
+    ``gate_up_proj``'s gives ``gate_up_packed`` / ``gate_up_scale``, ``down_proj``'s ``down_packed`` / ``down_scale``."""
+    side = "gate_up" if converter.operations[0].projections == ("w1", "w3") else "down"
+    out = []
+    for buffer in (f"{side}_packed", f"{side}_scale"):
+        projections, kind = _STACKS[buffer]
+        # the `kind` pattern first: saving names its outputs after the first source pattern
+        sources = [_expert_pattern(p, kind) for p in projections]
+        sources += [_expert_pattern(p, k) for p in projections for k in ("weight", "weight_shape")]
+        out.append(converter.copy(sources, f".mlp.experts.{buffer}", operations=[StackPackedExperts(projections, kind)]))
+    return out
+
+
+def _is_experts_converter(converter) -> bool:
+    return isinstance(converter, WeightConverter) and any(isinstance(op, FuseExperts) for op in converter.operations)
+
+
+@register_quantizer(K3_MXFP4)
+class KimiK3Mxfp4HfQuantizer(HfQuantizer):
+    """Keeps the release's MXFP4 routed experts packed (or, with ``dequantize=True``, leaves loading as it is without
+    a quantizer). Decisions taken once, at load: the experts modules swapped, the conversions replaced."""
+
+    requires_calibration = False
+
+    @property
+    def packed(self) -> bool:
+        return self.quantization_config.keep_packed
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        from .layers.moe import KimiK3Experts
+
+        if not self.packed:
+            return model
+        swapped = 0
+        for name, module in list(model.named_modules()):
+            if isinstance(module, KimiK3Experts):
+                parent, _, child = name.rpartition(".")
+                with torch.device("meta"):
+                    packed = KimiK3PackedExperts(module.config)
+                setattr(model.get_submodule(parent), child, packed)
+                swapped += 1
+        if swapped:
+            model.set_experts_implementation(MXFP4_EXPERTS)
+        return model
+
+    def update_weight_conversions(self, weight_conversions, model):
+        if not self.packed:
+            return weight_conversions
+        out = []
+        for converter in weight_conversions:
+            out.extend(packed_conversions(converter) if _is_experts_converter(converter) else [converter])
+        return out
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if not self.packed:
+            _remove_quantizer(model)  # (the model loading without a quantizer gives, its conversions kept for saving)
+            return model
+        for name, module in model.named_modules():
+            if isinstance(module, KimiK3PackedExperts):
+                try:
+                    check_packed_experts(module.gate_up_packed, module.gate_up_scale, module.down_packed,
+                                         module.down_scale, torch.float32)  # fmt: skip
+                except QuantFormatError as error:
+                    raise QuantFormatError(f"`{name}`: {error}") from None
+        return model
+
+    def release_quantization_config(self) -> dict | None:
+        """The ``quantization_config`` ``save_pretrained`` writes into the release's ``config.json``."""
+        from .conversion.keymap import release_quantization_config
+
+        return release_quantization_config() if self.packed else None
+
+    def is_serializable(self, safe_serialization=None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True  # the packed experts are frozen buffers; adapters and the other weights train
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def _remove_quantizer(model) -> None:
+    """transformers' `HfQuantizer.remove_quantization_config` without dropping the load's conversions (which
+    ``save_pretrained`` reverses)."""
+    for name in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, name):
+            delattr(model, name)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_is_quantized", False):
+            config._is_quantized = False
+
+
+ALL_EXPERTS_FUNCTIONS.register(K3_MXFP4, mxfp4_experts_forward)
+
+__all__ = ["K3_MXFP4", "KimiK3Mxfp4Config", "KimiK3Mxfp4HfQuantizer", "KimiK3PackedExperts", "SplitPackedExperts",
+           "StackPackedExperts", "packed_conversions"]  # fmt: skip
