@@ -211,7 +211,10 @@ def test_float16_load_refuses_scales_that_overflow_float16(mxfp4_source, tmp_pat
     path = _copy(mxfp4_source, tmp_path)
     _bad_scale(path, 127 + 16)
     _loaders_refuse(path, CheckpointError, "beyond float16", dtype=torch.float16)
-    model = KimiK3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    from transformers_k3 import KimiK3Mxfp4Config
+
+    model = KimiK3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                              quantization_config=KimiK3Mxfp4Config(dequantize=True))
     weight = model.get_parameter("model.layers.3.mlp.experts.gate_up_proj")[2, 0, :32]
     assert torch.equal(weight, torch.full((32,), 6.0 * 2.0**16, dtype=torch.bfloat16))
 

@@ -27,7 +27,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .conversion.hf_mapping import FuseExperts, _expert_pattern, _recorded
-from .conversion.quant import QuantFormatError, mxfp4_scale_2d
+from .conversion.quant import QuantFormatError, check_mxfp4_values, mxfp4_scale_2d
 from .layers.activations import GLU
 from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
 
@@ -213,13 +213,10 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
         if not self.packed:
             _remove_quantizer(model)  # (the model loading without a quantizer gives, its conversions kept for saving)
             return model
+        dtype = model.dtype  # (the activations' dtype: a weight must be finite there, as when dequantized)
         for name, module in model.named_modules():
             if isinstance(module, KimiK3PackedExperts):
-                try:
-                    check_packed_experts(module.gate_up_packed, module.gate_up_scale, module.down_packed,
-                                         module.down_scale, torch.float32)  # fmt: skip
-                except QuantFormatError as error:
-                    raise QuantFormatError(f"`{name}`: {error}") from None
+                _check_layer(name, module, dtype)
         return model
 
     def release_quantization_config(self) -> dict | None:
@@ -238,6 +235,27 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _check_layer(name: str, experts: KimiK3PackedExperts, dtype: torch.dtype) -> None:
+    """`check_packed_experts` on a loaded layer, a bad value named by expert and release tensor (`CheckpointError`,
+    as a dequantizing load reports it)."""
+    from .safetensors_header import CheckpointError
+
+    stacks = (experts.gate_up_packed, experts.gate_up_scale, experts.down_packed, experts.down_scale)
+    try:
+        check_packed_experts(*stacks, dtype)
+    except QuantFormatError as error:
+        inter = experts.intermediate_dim
+        for e in range(experts.num_experts):
+            for proj, rows, packed, scale in (("w1", slice(0, inter), *stacks[:2]),
+                                              ("w3", slice(inter, 2 * inter), *stacks[:2]),
+                                              ("w2", slice(None), *stacks[2:])):  # fmt: skip
+                try:
+                    check_mxfp4_values(packed[e, rows], scale[e, rows], dtype)
+                except QuantFormatError as found:
+                    raise CheckpointError(f"`{name}`: expert {e} {proj}: {found}") from None
+        raise CheckpointError(f"`{name}`: {error}") from None
 
 
 def _remove_quantizer(model) -> None:

@@ -25,8 +25,13 @@ def _ships_mxfp4_experts(cls, path, kwargs) -> bool:
     """Whether the checkpoint's ``config.json`` carries the release's compressed-tensors MXFP4 ``quantization_config``
     (which the config classes drop: transformers' compressed-tensors quantizer would decompress the experts), so that
     ``from_pretrained`` keeps them packed by default (`KimiK3Mxfp4Config`)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
     from ..configuration_kimi_k3 import is_mxfp4_scheme
 
+    if any(kwargs.get(k) is not None for k in ("tp_plan", "distributed_config", "device_mesh")) \
+            or is_deepspeed_zero3_enabled():
+        return False  # (tensor / expert parallel and ZeRO-3 shard float weights: packed experts are not split yet)
     hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
     try:
         data, _ = PretrainedConfig.get_config_dict(path, **hub)
