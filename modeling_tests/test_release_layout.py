@@ -138,8 +138,9 @@ def test_release_round_trip_through_save_pretrained_is_bit_identical(which, rele
                                                                     tmp_path):
     """``from_pretrained`` on the release + ``save_pretrained`` (``save_original_format=True``, transformers'
     default) writes the release's names, padded ``A_log``, fp32 tensors and bytes: MXFP4 experts as they came
-    (loaded packed, the default) with the release's ``quantization_config``, or, loaded with
-    ``KimiK3Mxfp4Config(dequantize=True)``, dequantised to bf16 (``save_pretrained`` never quantises)."""
+    (loaded packed, the default; our config says so with ``KimiK3Mxfp4Config``'s ``quantization_config``, so they
+    reload packed), or, loaded with ``KimiK3Mxfp4Config(dequantize=True)``, dequantised to bf16 (``save_pretrained``
+    never quantises)."""
     from transformers_k3 import KimiK3ForConditionalGeneration, KimiK3Mxfp4Config
 
     source = release_text_bf16 if which == "text_bf16" else release_vl_mxfp4[0]
@@ -150,7 +151,8 @@ def test_release_round_trip_through_save_pretrained_is_bit_identical(which, rele
     saved = shard_tensors(tmp_path / "saved")
     original = shard_tensors(source)
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert config.get("quantization_config") == (release_quantization_config() if which == "vl_mxfp4" else None)
+    packed = {"quant_method": "k3_mxfp4", "dequantize": False}
+    assert config.get("quantization_config") == (packed if which == "vl_mxfp4" else None)
     if which == "vl_mxfp4_dequantized":  # the release's MXFP4 experts, dequantised (exactly) to bf16 plain weights
         for name in [n for n in original if n.endswith("weight_packed")]:
             stem = name[: -len("_packed")]

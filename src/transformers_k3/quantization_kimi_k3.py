@@ -13,7 +13,7 @@ and saves them back bit for bit.
   meta device) and the experts' conversions (`FuseExperts`, which dequantizes) become `StackPackedExperts`, which
   stack each checkpoint tensor's bytes into its slice, shard by shard (no floating-point copy of a layer); after
   loading, `check_packed_experts` once per layer. Saving reverses the conversions (`SplitPackedExperts`: the release's
-  per-expert names) and writes the release's ``quantization_config`` (`release_quantization_config`).
+  per-expert names and bytes); ``config.json`` carries this ``quantization_config``, so the save reloads packed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .conversion.hf_mapping import FuseExperts, _expert_pattern, _recorded
 from .conversion.quant import QuantFormatError, check_mxfp4_values, mxfp4_scale_2d
-from .layers.activations import GLU
+from .modeling_kimi_k3 import GLU, KimiK3Experts
 from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
 
 K3_MXFP4 = "k3_mxfp4"  # the quant_method, and the experts-interface name (ops.mxfp4.MXFP4_EXPERTS)
@@ -185,8 +185,6 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
         return self.quantization_config.keep_packed
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        from .layers.moe import KimiK3Experts
-
         if not self.packed:
             return model
         swapped = 0
@@ -218,12 +216,6 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
             if isinstance(module, KimiK3PackedExperts):
                 _check_layer(name, module, dtype)
         return model
-
-    def release_quantization_config(self) -> dict | None:
-        """The ``quantization_config`` ``save_pretrained`` writes into the release's ``config.json``."""
-        from .conversion.keymap import release_quantization_config
-
-        return release_quantization_config() if self.packed else None
 
     def is_serializable(self, safe_serialization=None) -> bool:
         return True

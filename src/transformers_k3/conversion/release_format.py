@@ -154,9 +154,8 @@ class KimiK3ReleaseFormatMixin:
 
         check_pretrained_directory(pretrained_model_name_or_path, kwargs)
         if kwargs.get("quantization_config") is None and _ships_mxfp4_experts(cls, pretrained_model_name_or_path, kwargs):
-            from ..quantization_kimi_k3 import KimiK3Mxfp4Config
-
-            kwargs["quantization_config"] = KimiK3Mxfp4Config()  # the release's MXFP4 experts stay packed
+            # the release's MXFP4 experts stay packed: KimiK3Mxfp4Config (quantization_kimi_k3), by its registered name
+            kwargs["quantization_config"] = {"quant_method": "k3_mxfp4", "dequantize": False}
         quantization_config = kwargs.get("quantization_config")
         if isinstance(quantization_config, dict) and quantization_config.get("load_in_4bit"):
             from transformers import BitsAndBytesConfig
