@@ -93,11 +93,9 @@ def main() -> int:
 
     from transformers_k3 import kernelize
 
-    model = kernelize(build(0))  # (the fused CPU kernels, as the README says; use_cpu_kernel switches them below)
+    model = kernelize(build(0))  # (the fused CPU kernels, as the README says; kernelize switches them below)
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt + args.steps),
                         generator=torch.Generator().manual_seed(0))
-    from transformers_k3.ops import cpu_kernel
-
     with torch.no_grad():
         explain(model, ids, args.prompt)
         if args.explain_only:
@@ -105,17 +103,17 @@ def main() -> int:
         want, _ = decode(model, model, ids, args.prompt)
         rows, compile_s, errors = {}, {}, {}
         for kernels in (True, False):
-            with cpu_kernel.use_cpu_kernel(kernels):
-                torch._dynamo.reset()
-                compiled = torch.compile(model, backend=args.backend, fullgraph=True, dynamic=not args.static)
-                start = time.perf_counter()
-                got, _ = decode(model, compiled, ids, args.prompt)  # includes compilation
-                compile_s[kernels] = time.perf_counter() - start
-                errors[kernels] = ((got - want).abs().max() / want.abs().max()).item()
-                for name, fn in ((f"eager, kernels {'on' if kernels else 'off'}", model),
-                                 (f"compiled, kernels {'on' if kernels else 'off'}", compiled)):
-                    rows[name] = min(sum(decode(model, fn, ids, args.prompt)[1])
-                                     for _ in range(args.reps)) / args.steps * 1e3
+            kernelize(model, kernels)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=args.backend, fullgraph=True, dynamic=not args.static)
+            start = time.perf_counter()
+            got, _ = decode(model, compiled, ids, args.prompt)  # includes compilation
+            compile_s[kernels] = time.perf_counter() - start
+            errors[kernels] = ((got - want).abs().max() / want.abs().max()).item()
+            for name, fn in ((f"eager, kernels {'on' if kernels else 'off'}", model),
+                             (f"compiled, kernels {'on' if kernels else 'off'}", compiled)):
+                rows[name] = min(sum(decode(model, fn, ids, args.prompt)[1])
+                                 for _ in range(args.reps)) / args.steps * 1e3
     base = rows["eager, kernels on"]
     print(f"\ntiny config, batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps, "
           f"{torch.get_num_threads()} thread(s), backend {args.backend}, dynamic={not args.static}, fullgraph")

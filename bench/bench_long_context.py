@@ -147,13 +147,13 @@ def build(kind: str, model_kind: str = "kimi-linear"):
     return kernelized(model)
 
 
-def kernelized(model):
-    """``model`` with the fused CPU kernels attached the way the README says; a tree from before `kernelize` (the
-    issue 45 baseline) has them on by default, so this script measures both."""
+def kernelized(model, enabled: bool = True):
+    """``model`` with the fused CPU kernels attached (or, ``enabled=False``, detached) the way the README says; a
+    tree from before `kernelize` (the issue 45 baseline) has them on by default, so this script measures both."""
     import transformers_k3
 
     kernelize = getattr(transformers_k3, "kernelize", None)
-    return model if kernelize is None else kernelize(model)
+    return model if kernelize is None else kernelize(model, enabled)
 
 
 def fill_cache(kind: str, model, n: int):
@@ -247,9 +247,12 @@ def child_decode(kind: str, n: int, steps: int, model_kind: str = "kimi-linear")
     if kind in OUR_MODES:
         from transformers_k3.ops import cpu_kernel
 
-        cpu_kernel.set_enabled(kernels)
+        if hasattr(cpu_kernel, "set_enabled"):  # (a tree from before kernelize: its process-wide switch)
+            cpu_kernel.set_enabled(kernels)
         kind = "ours"
     model = build(kind, model_kind)
+    if kind == "ours" and not kernels:
+        model = kernelized(model, False)
     cache = fill_cache(kind, model, n)
     token = torch.tensor([[7]])
     times, transients = [], []

@@ -45,14 +45,14 @@ import torch
 from torch import nn
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' own; ours also run K3_GROUPED_MM
-# `k3_grouped_mm` with the fused CPU kernels turned off: its PyTorch path (the one autograd always uses).
+# `k3_grouped_mm` without the fused CPU kernels attached: its PyTorch path.
 K3_PYTORCH = "k3_gmm_torch"
 COMPILED = "K3 latent MoE (ours, compiled)"
 
 
 def implementations_for(name: str) -> tuple[str, ...]:
     """The experts implementations a row's module runs under: ours (names with "ours") also `k3_grouped_mm`
-    (with the fused CPU kernels) and its PyTorch path alone (kernels off)."""
+    (with the fused CPU kernels) and its PyTorch path alone (no kernels attached)."""
     from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM
 
     if "compiled" in name:  # (torch.compile of our layer: the kernels traced into its graph)
@@ -139,10 +139,11 @@ def peak_memory(step) -> float:
 
 
 def set_impl(module: nn.Module, impl: str) -> None:
+    from transformers_k3 import kernelize
     from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM
-    from transformers_k3.ops import cpu_kernel
 
-    cpu_kernel.set_enabled(False if impl == K3_PYTORCH else None)
+    if any(type(sub).__dict__.get("k3_kernel_name") for sub in module.modules()):  # (ours)
+        kernelize(module, impl != K3_PYTORCH)  # (K3_PYTORCH: no kernel attached, k3_grouped_mm's PyTorch path)
     for sub in module.modules():
         config = getattr(sub, "config", None)
         if config is not None and hasattr(sub, "gate_up_proj"):

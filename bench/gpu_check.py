@@ -310,7 +310,7 @@ class KdaSides:
         kernels = ((self._ours.chunk_kda, self._ours.fused_recurrent_kda) if backend == "torch" else
                    tuple(fla_side(*pair) for pair in zip(self.calls.kernels, self.calls.raw)))  # fmt: skip
         original = self._layer._delta_rule_kernels
-        self._layer._delta_rule_kernels = lambda device: kernels
+        self._layer._delta_rule_kernels = lambda device, kernel=None: kernels
         try:
             yield
         finally:

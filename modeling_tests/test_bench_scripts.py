@@ -89,9 +89,9 @@ def test_gpu_check_leaves_the_kda_layers_alone(gpu_check):
     sides = gpu_check.install_kernels(True, 0.0)
     with pytest.raises(RuntimeError, match="inside"):
         with sides.kda_backend("fla"):
-            assert kda_layer._delta_rule_kernels(torch.device("cpu")) != ours
+            assert kda_layer._delta_rule_kernels(torch.device("cpu"), None) != ours
             raise RuntimeError("inside")
-    assert kda_layer._delta_rule_kernels(torch.device("cpu")) == ours
+    assert kda_layer._delta_rule_kernels(torch.device("cpu"), None) == ours
 
 
 def test_kda_flop_count_matches_a_counted_naive_run():

@@ -16,7 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from transformers import DataCollatorWithFlattening
 
-from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.conv import causal_conv1d
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
@@ -80,12 +80,12 @@ def training_step(model, fn, batch) -> tuple[torch.Tensor, dict[str, torch.Tenso
 
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
 def test_compiled_packed_training_step_equals_eager_bitwise(flash_kwargs):
-    """The compiled forward and backward run the eager step's operators (the fused KDA kernel and its recomputed
-    gradient inside ``kda_chunk``, which reads the bounds when it runs; the conv's packed layout built from the same bounds as tensors), so the
-    loss and every gradient are bitwise eager's."""
+    """The compiled forward and backward of the kernelized model run the eager step's operators (the fused KDA
+    kernel and its recomputed gradient inside ``kda_chunk``, which reads the bounds when it runs; the conv's packed
+    layout built from the same bounds as tensors), so the loss and every gradient are bitwise eager's."""
     _needs_kernels()
     batch, _ = packed_batch(flash_kwargs)
-    model = tiny_model()
+    model = kernelize(tiny_model())
     want_loss, want_grads = training_step(model, model, batch)
     recorder = Recorder()
     compiled = compile_fullgraph(model, recorder.backend)
@@ -157,11 +157,10 @@ def test_compiled_packed_training_step_on_the_pytorch_path():
     torch.manual_seed(2)
     config = KimiK3TextConfig.tiny(num_hidden_layers=3, linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [3]})
     model = randomize_(KimiK3ForCausalLM(config).train(), std=0.05)
-    with cpu_kernel.use_cpu_kernel(False):
-        want_loss, want_grads = training_step(model, model, batch)
-        recorder = Recorder()
-        compiled = compile_fullgraph(model, recorder.backend)
-        got_loss, got_grads = training_step(model, compiled, batch)
+    want_loss, want_grads = training_step(model, model, batch)
+    recorder = Recorder()
+    compiled = compile_fullgraph(model, recorder.backend)
+    got_loss, got_grads = training_step(model, compiled, batch)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert not any("kda" in op for ops in recorder.ops.values() for op in ops), recorder.ops
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
@@ -227,19 +226,18 @@ def test_compiled_packed_chunk_kda_equals_eager_bitwise(kernel):
         return (o.detach(), final.detach(), *(x.grad for x in leaves))
 
     def kda(q, k, v, g, beta, h0, cu):
-        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, kernel=kernel)
 
-    with cpu_kernel.use_cpu_kernel(kernel):
-        want = run(kda)
-        recorder = Recorder()
-        compiled = compile_fullgraph(kda, recorder.backend)
-        got = run(compiled)
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        assert recorder.ops == {"forward": {"kda_chunk"}, "backward": {"kda_chunk_backward"}}, recorder.ops
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-        with pytest.raises(ValueError, match="cu_seqlens must start at 0, be non-decreasing and end at T = 73"):
-            run(compiled, torch.tensor([0, 50, 23, 73]))
+    want = run(kda)
+    recorder = Recorder()
+    compiled = compile_fullgraph(kda, recorder.backend)
+    got = run(compiled)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert recorder.ops == {"forward": {"kda_chunk"}, "backward": {"kda_chunk_backward"}}, recorder.ops
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, be non-decreasing and end at T = 73"):
+        run(compiled, torch.tensor([0, 50, 23, 73]))
     torch._dynamo.reset()
 
 
@@ -259,21 +257,20 @@ def test_compiled_packed_kda_pytorch_path_equals_separate_sequences(entry, decay
     def packed(q, k, v, g, beta, cu):
         return fn(q, k, v, g, beta, cu_seqlens=cu)[0]
 
-    with cpu_kernel.use_cpu_kernel(False):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        compiled = compile_fullgraph(packed)
-        out = compiled(*leaves, cu)
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        for bad in ([0, 50, 23, 73], [1, 23, 68, 73], [0, 23, 68, 72]):  # (decreasing, not from 0, not to T)
-            with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, be non-decreasing and end at T"):
-                compiled(q, k, v, g, beta, torch.tensor(bad))
-        out.square().sum().backward()
-        got = (out.detach(), *(x.grad for x in leaves))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    compiled = compile_fullgraph(packed)
+    out = compiled(*leaves, cu)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for bad in ([0, 50, 23, 73], [1, 23, 68, 73], [0, 23, 68, 72]):  # (decreasing, not from 0, not to T)
+        with pytest.raises(RuntimeError, match="cu_seqlens must start at 0, be non-decreasing and end at T"):
+            compiled(q, k, v, g, beta, torch.tensor(bad))
+    out.square().sum().backward()
+    got = (out.detach(), *(x.grad for x in leaves))
 
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        out = torch.cat([fn(*(x[:, a:b] for x in leaves))[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
-        out.square().sum().backward()
-        want = (out.detach(), *(x.grad for x in leaves))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    out = torch.cat([fn(*(x[:, a:b] for x in leaves))[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
+    out.square().sum().backward()
+    want = (out.detach(), *(x.grad for x in leaves))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-5 * b.abs().max().item())
     torch._dynamo.reset()
@@ -293,13 +290,12 @@ def test_compiled_chunk_kda_pytorch_path_equals_fla_naive(fla_naive, safe_gate):
     def kda(q, k, v, g, beta, h0):
         return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, safe_gate=safe_gate)
 
-    with cpu_kernel.use_cpu_kernel(False):
-        compiled = compile_fullgraph(kda)
-        got = compiled(q, k, v, g, beta, h0)
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        if safe_gate:
-            with pytest.raises(RuntimeError, match=r"safe_gate=True\) was given gates below -5"):
-                compiled(q, k, v, g * 3, beta, h0)
+    compiled = compile_fullgraph(kda)
+    got = compiled(q, k, v, g, beta, h0)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    if safe_gate:
+        with pytest.raises(RuntimeError, match=r"safe_gate=True\) was given gates below -5"):
+            compiled(q, k, v, g * 3, beta, h0)
     torch._dynamo.reset()

@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from transformers_k3.ops import cpu_kernel
-from transformers_k3.ops.kda import chunk as kda_chunk
-from transformers_k3.ops.kda import interface as kda_interface
 from transformers_k3.ops import experts as experts_module
 from transformers_k3.ops import moe as moe_ops
 from transformers_k3.ops.kernel_layers import kernelize
 from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3Experts
+from transformers_k3.ops.experts import K3_CPU_KERNEL
 from transformers_k3.ops.kda import chunk_kda
 
 from references import assert_close, make_config, make_inputs, randomize, ref_experts
@@ -44,35 +43,28 @@ def fresh_build(monkeypatch, tmp_path):
     return tmp_path / "cache"
 
 
-def _count_pytorch_chunked(monkeypatch):
-    calls = []
-    original = kda_chunk.chunked
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    for module in (kda_chunk, kda_interface):  # (the entry points and the autograd recomputation)
-        monkeypatch.setattr(module, "chunked", counting)
-    return calls
-
-
-def test_kernel_runs_exactly_where_it_applies(kernel, monkeypatch):
-    """fp32 compute (bf16 inputs are promoted), CPU, enabled: the kernel, with or without autograd (with it, the
-    backward recomputes the PyTorch chunked path for its gradient); turned off: the PyTorch chunked path."""
-    calls = _count_pytorch_chunked(monkeypatch)
+def test_kernel_runs_exactly_where_it_applies(kernel):
+    """Asked for (``kernel=True``): fp32 compute (bf16 inputs are promoted) on CPU by the kernel, with or without
+    autograd (the same forward bitwise; with it, the gradient is the PyTorch chunked path's, bitwise); not asked:
+    the PyTorch chunked path (whose sums differ from the kernel's in order, so the values tell the paths apart)."""
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
+    half = [x.bfloat16() for x in (q, k, v)]
     with torch.no_grad():
-        chunk_kda(q, k, v, g, beta, initial_state=h0)
-        chunk_kda(*(x.bfloat16() for x in (q, k, v)), g, beta, initial_state=h0)
-    assert calls == []
-    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
-        chunk_kda(q, k, v, g, beta, initial_state=h0)
-    assert len(calls) == 1
-    out, _ = chunk_kda(q.requires_grad_(), k, v, g, beta, initial_state=h0)
-    assert len(calls) == 1  # (the forward: the kernel)
-    out.sum().backward()
-    assert len(calls) == 2 and q.grad is not None  # (the backward: the PyTorch path's gradient)
+        fused, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, kernel=True)
+        plain, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
+        fused_half, _ = chunk_kda(*half, g, beta, initial_state=h0, kernel=True)
+        promoted, _ = chunk_kda(*(x.float() for x in half), g, beta, initial_state=h0, kernel=True)
+    assert not torch.equal(fused, plain)
+    assert fused_half.dtype == torch.bfloat16 and torch.equal(fused_half, promoted.bfloat16())
+    probe = torch.randn(fused.shape, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for asked in (True, False):
+        qs = q.clone().requires_grad_()
+        out, _ = chunk_kda(qs, k, v, g, beta, initial_state=h0, kernel=asked)
+        assert torch.equal(out.detach(), fused if asked else plain)
+        (out * probe).sum().backward()
+        grads.append(qs.grad)
+    assert torch.equal(*grads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -87,7 +79,8 @@ def test_threads_and_packed_sequences_match_fla(kernel, fla_naive, threads):
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         states = torch.randn(len(lengths), 3, 128, 64, generator=torch.Generator().manual_seed(9))
         with torch.no_grad():
-            o, s = chunk_kda(q, k, v, g, beta, initial_state=states, output_final_state=True, cu_seqlens=cu)
+            o, s = chunk_kda(q, k, v, g, beta, initial_state=states, output_final_state=True, cu_seqlens=cu,
+                             kernel=True)
         for i, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
             piece = [x[:, start:end] for x in (q, k, v, g, beta)]
             ref_o, ref_s = fla_naive(*piece, initial_state=states[i : i + 1], output_final_state=True)
@@ -107,7 +100,7 @@ def test_factored_and_exact_pairwise_decays_in_one_sequence(kernel, fla_naive):
     g[:, 100] = -300.0  # one step that wipes the state in chunk 3
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     with torch.no_grad():
-        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, kernel=True)
     assert_close(o, ref_o)
     assert_close(s, ref_s)
 
@@ -118,7 +111,7 @@ def test_non_finite_inputs_propagate(kernel):
     g = g.clone()
     g[1, 10, 0, 3] = float("nan")
     with torch.no_grad():
-        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, kernel=True)
     assert torch.isfinite(o[0]).all() and torch.isfinite(s[0]).all()
     assert torch.isnan(o[1, 10:]).any() and torch.isnan(s[1]).any()
 
@@ -155,7 +148,7 @@ def test_no_compiler_falls_back_to_the_pytorch_path(fresh_build, monkeypatch, tm
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__), torch.no_grad():
-        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, kernel=True)
     assert "no C++ compiler found" in cpu_kernel.load_error()
     assert "using the PyTorch path" in caplog.text
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -173,14 +166,52 @@ def test_failed_build_reports_the_compiler_error(fresh_build, monkeypatch, tmp_p
     assert os.listdir(fresh_build) == []  # the temporary output was removed
 
 
-def test_switch(monkeypatch):
-    monkeypatch.setenv(cpu_kernel.ENV_VAR, "0")
-    assert not cpu_kernel.enabled()
-    with cpu_kernel.use_cpu_kernel(True):
-        assert cpu_kernel.enabled()
-    monkeypatch.setenv(cpu_kernel.ENV_VAR, "sometimes")
-    with pytest.raises(ValueError, match=cpu_kernel.ENV_VAR):
-        cpu_kernel.enabled()
+def test_plain_model_is_pytorch_and_kernelize_attaches_the_kernels(tiny_config):
+    """The kernels are chosen once, by `kernelize`: a plain model has no kernel in any slot (KDA, MLA attention,
+    MoE, router, MLP, RMSNorm, experts) and no KernelLinear, so it computes in PyTorch; kernelize attaches the
+    KDA and MLA attention kernels with the others, and ``kernelize(model, False)`` takes every one off again."""
+    from transformers_k3 import KimiK3ForCausalLM
+    from transformers_k3.ops.linear import KernelLinear
+
+    model = KimiK3ForCausalLM(tiny_config)
+    slots = [m for m in model.modules() if getattr(type(m), "k3_kernel_name", None)]
+    kinds = {m.k3_kernel_name for m in slots}
+    assert {"k3_kda", "k3_mla", "k3_sparse_moe", "k3_rms_norm"} <= kinds
+    assert all(m.kernel is None for m in slots)
+    assert not any(isinstance(m, KernelLinear) for m in model.modules())
+    kernelize(model)
+    attached = {m.k3_kernel_name for m in slots if m.kernel is not None}
+    assert {"k3_kda", "k3_mla"} <= attached
+    kernelize(model, False)
+    assert all(m.kernel is None for m in slots)
+    assert not any(isinstance(m, KernelLinear) for m in model.modules())
+
+
+_PLAIN_MODEL_RUNS = """
+import torch
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize
+model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+with torch.no_grad():
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False)
+print("PLAIN RAN", flush=True)
+"""
+
+
+def test_a_plain_model_compiles_and_loads_nothing(tmp_path):
+    """A model that is not kernelized (prefill and decode steps, fp32 on CPU, where every kernel would apply)
+    never builds the kernels: in a fresh process with an empty cache and a compiler that leaves a mark when run."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "compiler-ran"
+    compiler = tmp_path / "cxx"
+    compiler.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {**os.environ, "CXX": str(compiler), cpu_kernel.CACHE_ENV_VAR: str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", _PLAIN_MODEL_RUNS], capture_output=True, text=True, timeout=300,
+                            env=env)  # fmt: skip
+    assert result.returncode == 0 and "PLAIN RAN" in result.stdout, result.stderr[-3000:]
+    assert not mark.exists() and not (tmp_path / "cache").exists()
 
 
 def test_sources_ship_with_the_package():
@@ -203,14 +234,17 @@ def experts_kernel(kernel, request, monkeypatch):
 
 
 
-def _forbid_pytorch_experts(monkeypatch):
-    """Make the PyTorch paths of k3_grouped_mm fail, so a passing call proves the kernel computed it."""
+def _kernel_output(experts, x, idx, w):
+    """The experts kernel's own output on these tensors, without autograd (None where it declines): a call that
+    equals it bitwise was computed by the kernel (the PyTorch path sums in another order)."""
+    with torch.no_grad():
+        return cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, experts.is_transposed,
+                                      experts.glu)  # fmt: skip
 
-    def fail(*args, **kwargs):
-        raise AssertionError("the PyTorch path ran")
 
-    monkeypatch.setattr(experts_module, "grouped_mm", fail)
-    monkeypatch.setattr(experts_module, "_gathered_experts", fail)
+def _pytorch_experts(experts, x, idx, w):
+    """The ``"k3_grouped_mm"`` experts function on the module's weights: the PyTorch path."""
+    return experts_module.torch_grouped_experts(experts, x, idx, w, False)
 
 
 def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
@@ -234,17 +268,17 @@ def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
     ],
 )
 @pytest.mark.parametrize("shape", [(37, 4), (1, 4), (20, 1), (300, 2)])
-def test_experts_kernel_matches_the_per_token_loop(experts_kernel, monkeypatch, overrides, shape):
-    """Inference through k3_grouped_mm: the kernel's output equals the float64 spec loop <= 1e-5 (300 tokens
+def test_experts_kernel_matches_the_per_token_loop(experts_kernel, overrides, shape):
+    """Inference through k3_cpu_kernel: the kernel's output equals the float64 spec loop <= 1e-5 (300 tokens
     on top-2 of 16 experts gives experts more rows than one task takes)."""
-    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM, **overrides)
+    cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL, **overrides)
     experts = randomize(KimiK3Experts(cfg))
     num_tokens, top_k = shape
     idx, w = _routing(num_tokens, top_k, 16, skip=3)
     x = torch.randn(num_tokens, experts.hidden_dim, generator=torch.Generator().manual_seed(5))
-    _forbid_pytorch_experts(monkeypatch)
     with torch.no_grad():
         out = experts(x, idx, w)
+    assert torch.equal(out, _kernel_output(experts, x, idx, w))
     ref, _ = ref_experts(experts, x, idx, w, torch.zeros(num_tokens, experts.hidden_dim))
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -340,45 +374,48 @@ def test_experts_kernel_activation_values_and_gradients(experts_kernel, glu_form
 
 def test_experts_kernel_huge_activations_stay_bounded(experts_kernel):
     """SiTU caps both halves: activations of 1e30 and infinities give the PyTorch path's finite values."""
-    cfg = make_config(num_experts=8, _experts_implementation=K3_GROUPED_MM)
+    cfg = make_config(num_experts=8, _experts_implementation=K3_CPU_KERNEL)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(6, 2, 8)
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(8)) * 1e30
     x[0, 0] = float("inf")
     with torch.no_grad():
         fused = experts(x, idx, w)
-        with cpu_kernel.use_cpu_kernel(False):
-            reference = experts(x, idx, w)
+        reference = _pytorch_experts(experts, x, idx, w)
+    assert torch.equal(fused, _kernel_output(experts, x, idx, w))
     assert torch.isfinite(reference).all()
     torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-5)
 
 
-def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatch):
+def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel):
     """fp32 weights and inputs, with or without autograd: the kernel; bf16 too on the small-GEMM path (the sgemm
-    path declines bf16 weights); under expert parallelism or when turned off: the PyTorch path."""
-    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
+    path declines bf16 weights); under expert parallelism, or through k3_grouped_mm without the kernel attached:
+    the PyTorch path (bitwise its values); k3_grouped_mm with the kernel attached (`kernelize`): the kernel."""
+    cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(37, 4, 16)
     x = torch.randn(37, 32, generator=torch.Generator().manual_seed(9))
-    calls = []
-    grouped = experts_module.grouped_mm
-    monkeypatch.setattr(experts_module, "grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
-    monkeypatch.setattr(experts_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", -1)  # always the grouped GEMM
     with torch.no_grad():
-        experts(x, idx, w)
-        assert calls == []
-        with cpu_kernel.use_cpu_kernel(False):
-            experts(x, idx, w)
-        assert len(calls) == 2
+        kernel_out, pytorch_out = _kernel_output(experts, x, idx, w), _pytorch_experts(experts, x, idx, w)
+        assert not torch.equal(kernel_out, pytorch_out)  # (the sums' order tells the two apart)
+        assert torch.equal(experts(x, idx, w), kernel_out)
+        plain = randomize(KimiK3Experts(make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)))
+        plain.load_state_dict(experts.state_dict())
+        assert torch.equal(plain(x, idx, w), pytorch_out)
+        assert torch.equal(kernelize(plain)(x, idx, w), kernel_out)
         experts._is_expert_parallel = True
-        experts(x, idx, w)
-        assert len(calls) == 4
+        assert torch.equal(experts(x, idx, w), pytorch_out)
         experts._is_expert_parallel = False
-        experts.bfloat16()(x.bfloat16(), idx, w)
-        bf16_calls = 0 if experts_kernel == "small_gemm" else 2
-        assert len(calls) == 4 + bf16_calls
+        experts.bfloat16()
+        bf16_out = experts(x.bfloat16(), idx, w)
+        if experts_kernel == "small_gemm":
+            assert torch.equal(bf16_out, _kernel_output(experts, x.bfloat16(), idx, w))
+        else:
+            assert _kernel_output(experts, x.bfloat16(), idx, w) is None
+            assert torch.equal(bf16_out, _pytorch_experts(experts, x.bfloat16(), idx, w))
     out = experts.float()(x, idx, w)  # under autograd too: the kernel has a backward
-    assert len(calls) == 4 + bf16_calls and "moe_experts" in type(out.grad_fn).__name__
+    assert "moe_experts" in type(out.grad_fn).__name__
+    assert torch.equal(out.detach(), _kernel_output(experts, x, idx, w))
 
 
 @pytest.mark.parametrize(
@@ -392,11 +429,11 @@ def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel, monkeypatc
     ],
 )
 @pytest.mark.parametrize("shape", [(37, 4), (300, 2)])
-def test_experts_kernel_backward_matches_the_per_token_loop(experts_kernel, monkeypatch, overrides, shape):
+def test_experts_kernel_backward_matches_the_per_token_loop(experts_kernel, overrides, shape):
     """Gradients of the kernel's backward (input, routing weights, both expert weights) equal the float64 spec
     loop's <= 1e-5; 300 tokens on top-2 of 16 experts accumulate an expert's weight gradient over several
     row tiles; expert 3 is never chosen and gets exactly zero."""
-    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM, **overrides)
+    cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL, **overrides)
     experts = randomize(KimiK3Experts(cfg))
     num_tokens, top_k = shape
     idx, w = _routing(num_tokens, top_k, 16, skip=3)
@@ -404,8 +441,9 @@ def test_experts_kernel_backward_matches_the_per_token_loop(experts_kernel, monk
     x = torch.randn(num_tokens, experts.hidden_dim, generator=gen).requires_grad_()
     w.requires_grad_()
     probe = torch.randn(num_tokens, experts.hidden_dim, generator=gen)
-    _forbid_pytorch_experts(monkeypatch)
-    (experts(x, idx, w) * probe).sum().backward()
+    out = experts(x, idx, w)
+    assert "moe_experts" in type(out.grad_fn).__name__ and torch.equal(out.detach(), _kernel_output(experts, x, idx, w))
+    (out * probe).sum().backward()
     _, ref_grads = ref_experts(experts, x, idx, w, probe)
     grads = (x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
     for name, g, g_ref in zip(("x", "weights", "gate_up_proj", "down_proj"), grads, ref_grads):
@@ -588,33 +626,31 @@ def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel, monke
     the kernel declines bf16 weights and the PyTorch path computes the call."""
     if not kernel.small_gemm_available():
         pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 or AVX2 here)")
-    cfg = make_config(num_experts=16, _experts_implementation=K3_GROUPED_MM)
+    cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL)
     experts = randomize(KimiK3Experts(cfg)).bfloat16()
     idx, w = _routing(300, 4, 16)
     x = torch.randn(300, 32, generator=torch.Generator().manual_seed(32)).bfloat16()
     probe = torch.randn(300, 32, generator=torch.Generator().manual_seed(33)).bfloat16()
 
-    def run():
+    def run(forward):
         experts.zero_grad(set_to_none=True)
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = experts(xs, idx, ws)
+        out = forward(xs, idx, ws)
         (out * probe).sum().backward()
         return out.detach(), xs.grad, ws.grad, experts.gate_up_proj.grad, experts.down_proj.grad
 
-    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)
-    with monkeypatch.context() as patch:
-        _forbid_pytorch_experts(patch)
-        fused = run()
-    with cpu_kernel.use_cpu_kernel(False):
-        reference = run()
+    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)  # why: the small-GEMM path, whatever the shape
+    fused = run(experts)
+    assert torch.equal(fused[0], _kernel_output(experts, x, idx, w))
+    reference = run(functools.partial(_pytorch_experts, experts))
     for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), fused, reference):
         assert got.dtype == want.dtype, name
         scale = want.float().abs().max()
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0, msg=lambda m: f"{name}: {m}")
-    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)
+    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)  # why: the sgemm path, which declines bf16
     assert cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
                                   experts.glu) is None  # fmt: skip
-    for got, want in zip(run(), reference):
+    for got, want in zip(run(experts), reference):
         torch.testing.assert_close(got, want, atol=0, rtol=0)  # the PyTorch path itself
 
 
@@ -872,7 +908,7 @@ def test_linear_bf16_f32_is_an_fp32_sum_of_exact_products(amx, shape):
 
 def test_linear_bf16_f32_gradients_and_where_it_declines(amx):
     """Under autograd the input and weight gradients are bitwise the PyTorch path's (F.linear on fp32 copies:
-    fp32 products, rounded to bf16); fp32 operands, mixed dtypes and the kernels turned off give None."""
+    fp32 products, rounded to bf16); fp32 operands and mixed dtypes give None."""
     gen = torch.Generator().manual_seed(40)
     a = torch.randn(70, 48, generator=gen).bfloat16()
     b = torch.randn(24, 48, generator=gen).bfloat16()
@@ -886,8 +922,6 @@ def test_linear_bf16_f32_gradients_and_where_it_declines(amx):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert cpu_kernel.linear_bf16_f32(a.float(), b.float()) is None
     assert cpu_kernel.linear_bf16_f32(a, b.float()) is None
-    with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.linear_bf16_f32(a, b) is None
 
 
 @pytest.mark.parametrize("tokens", [300, 3])
@@ -910,8 +944,8 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     assert len(calls) == 1 and calls[0] is logits
     exact = x.double() @ router.weight.double().t()
     assert ((logits.double() - exact).abs() <= _fp32_sum_bound(x, router.weight)).all()
-    with cpu_kernel.use_cpu_kernel(False):
-        ref_logits, ref_weights, ref_index = router(x)
+    kernelize(router, False)
+    ref_logits, ref_weights, ref_index = router(x)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
     # the same experts, except where the k-th and (k+1)-th biased scores are within the logits' rounding (two fp32
     # sums of the same products may order a near-tie either way: 1 router in 200 random ones here has one)
@@ -1048,7 +1082,7 @@ def test_router_screened_topk_ties_are_torchs(amx):
 def test_router_screened_topk_rows_it_cannot_bound_and_where_it_declines(amx):
     """Rows with NaN, an infinity or products near fp32's range, and tiny rows, are the GEMM path's selection (NaN
     ranks first, as torch.topk). A weight or bias with a value that is not finite, k > 16, fp32-only arguments, an
-    odd hidden size and the kernels turned off give None. Nothing is cached between calls: an in-place change
+    odd hidden size give None. Nothing is cached between calls: an in-place change
     through ``.data`` (which bumps no version counter) is seen by the next call."""
     gen = torch.Generator().manual_seed(8)
     x, weight = torch.randn(40, 32, generator=gen), torch.randn(24, 32, generator=gen) / 6
@@ -1078,8 +1112,6 @@ def test_router_screened_topk_rows_it_cannot_bound_and_where_it_declines(amx):
     assert cpu_kernel.router_screened_topk(x, weight, bias, 17) is None
     assert cpu_kernel.router_screened_topk(x[:, :31], weight[:, :31], bias, 4) is None
     assert cpu_kernel.router_screened_topk(x.bfloat16(), weight.bfloat16(), bias, 4) is None
-    with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.router_screened_topk(x, weight, bias, 4) is None
     with pytest.raises(ValueError, match="do not fit"):
         cpu_kernel.router_screened_topk(x, weight[:, :30], bias, 4)
     with pytest.raises(ValueError, match="do not fit"):
@@ -1171,8 +1203,7 @@ def test_model_records_router_logits_with_the_screen_on(amx):
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
         kernelize(model, False)
-        with cpu_kernel.use_cpu_kernel(False):
-            ref = model(ids, output_router_logits=True)
+        ref = model(ids, output_router_logits=True)
         kernelize(model)
     assert len(out.router_logits) == len(ref.router_logits) > 0
     for a, b in zip(out.router_logits, ref.router_logits):
@@ -1272,8 +1303,6 @@ def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16, monkeyp
     w = w.detach()
     assert cpu_kernel.linear_bf16(x, w, torch.randn(8)) is None
     assert cpu_kernel.linear_bf16(torch.randn(2, 31).bfloat16(), w) is None
-    with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.linear_bf16(x, w) is None
 
 
 def test_kernelize_puts_kernel_linears_in_place_of_plain_ones(linear_bf16):
@@ -1357,8 +1386,8 @@ def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, w
 
 def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
     """None (then F.linear) for: up to 15 rows, and up to 47 where linear_bf16's kernel runs (it is the faster
-    there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, the
-    kernels off, and a CPU with bf16 instructions (torch's bf16 matmul is fast there); `KernelLinear` takes it for a
+    there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, and
+    a CPU with bf16 instructions (torch's bf16 matmul is fast there); `KernelLinear` takes it for a
     plain bf16 nn.Linear on a prefill without autograd."""
     from transformers_k3.ops.linear import KernelLinear
 
@@ -1376,8 +1405,6 @@ def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
     assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is None
     with torch.no_grad():
         assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is not None
-    with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.linear_bf16_upcast(x, w) is None
     layer = KernelLinear(32, 8).bfloat16()
     plain = lambda inp: torch.nn.functional.linear(inp, layer.weight, layer.bias)  # noqa: E731
     with torch.no_grad():
@@ -1423,8 +1450,6 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
         fp32 = cpu_kernel.glu(a.bfloat16().float(), u.bfloat16().float(), activation)
         assert torch.equal(cpu_kernel.glu(a.bfloat16(), u.bfloat16(), activation), fp32.bfloat16())
     assert cpu_kernel.glu(a, u.bfloat16(), activation) is None  # mixed dtypes: the caller's torch path
-    with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.glu(a, u, activation) is None
 
 
 def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
@@ -1462,7 +1487,7 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
     backward): the output bitwise the kernels-off module's, the input and weight gradients within 1e-5 of the largest
     of float64 autograd through the formula (as close as autograd in fp32 comes), at row widths that are no multiple
     of 16 and rows across the kernel's 64-row blocks; 1 and 3 threads bitwise the same; a frozen weight (LoRA) or a
-    frozen input get only the other gradient; without autograd, bf16, or with the kernels off the module's own ops."""
+    frozen input get only the other gradient; without autograd, bf16, or without the kernel attached the module's own ops."""
     from transformers_k3.modeling_kimi_k3 import KimiK3RMSNorm
 
     gen = torch.Generator().manual_seed(shape[-1])
@@ -1487,8 +1512,9 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    with cpu_kernel.use_cpu_kernel(False):
-        assert torch.equal(results[0][0], norm(x.clone().requires_grad_()).detach())
+    kernelize(norm, False)
+    assert torch.equal(results[0][0], norm(x.clone().requires_grad_()).detach())
+    kernelize(norm)
     for mine, want in ((results[0][1], xd.grad), (results[0][2], wd.grad)):
         assert (mine.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
@@ -1503,8 +1529,6 @@ def test_rms_norm_fused_backward_against_float64(kernel, shape, scale):
 
     assert cpu_kernel.rms_norm(x, norm.weight.detach(), 1e-6) is None  # no autograd: the module's own ops
     assert cpu_kernel.rms_norm(x.bfloat16().requires_grad_(), norm.weight, 1e-6) is None
-    with cpu_kernel.use_cpu_kernel(False):
-        assert cpu_kernel.rms_norm(x.requires_grad_(), norm.weight, 1e-6) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

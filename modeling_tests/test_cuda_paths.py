@@ -22,12 +22,12 @@ def model():
 
 _MOE_ON_META = """
 import sys, torch
-from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize
 from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
 config = KimiK3TextConfig.tiny()
 for dtype in (torch.float32, torch.bfloat16):  # (fp32: off the CPU the grouped GEMM kernel takes bf16 only)
     with torch.device("meta"):
-        model = KimiK3ForCausalLM(config).to(dtype).eval()
+        model = kernelize(KimiK3ForCausalLM(config).to(dtype).eval())
     layer = next(m for m in model.modules() if isinstance(m, KimiK3SparseMoE))
     with torch.no_grad():
         for tokens in (1, 2, 40, 300):
@@ -36,14 +36,14 @@ for dtype in (torch.float32, torch.bfloat16):  # (fp32: off the CPU the grouped 
 print("ON META", flush=True)
 if sys.argv[1] == "then-on-cpu":  # the control: a CPU decode step builds them
     with torch.no_grad():
-        KimiK3ForCausalLM(config).eval()(torch.tensor([[3, 4]]))
+        kernelize(KimiK3ForCausalLM(config).eval())(torch.tensor([[3, 4]]))
 """
 
 
 @pytest.mark.parametrize("then_on_cpu", [False, True])
 def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(tmp_path, then_on_cpu):
-    """The MoE layer asked the CPU kernel library for its decode limits before looking at the device: the first
-    no-grad MoE step on CUDA compiled it (needing g++). Meta tensors stand in for the GPU's, in a fresh process
+    """The kernelized MoE layer asked the CPU kernel library for its decode limits before looking at the device: the
+    first no-grad MoE step on CUDA compiled it (needing g++). Meta tensors stand in for the GPU's, in a fresh process
     with an empty kernel cache and a compiler that leaves a mark when run; the control, a CPU step, runs it."""
     import os
     import subprocess
@@ -53,8 +53,7 @@ def test_moe_on_a_non_cpu_device_never_builds_the_cpu_kernels(tmp_path, then_on_
     compiler = tmp_path / "cxx"
     compiler.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
     compiler.chmod(0o755)
-    env = {**os.environ, "CXX": str(compiler), "TRANSFORMERS_K3_CACHE": str(tmp_path / "cache"),
-           "TRANSFORMERS_K3_CPU_KERNEL": "1"}
+    env = {**os.environ, "CXX": str(compiler), "TRANSFORMERS_K3_CACHE": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, "-c", _MOE_ON_META, "then-on-cpu" if then_on_cpu else "meta"],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and "ON META" in result.stdout, result.stderr[-3000:]
@@ -273,7 +272,7 @@ def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatc
         return torch.zeros_like(v), state if output_final_state else None
 
     # why: the KDA layers' kernels for CUDA tensors (fla's) stood in for on CPU tensors (no Triton here)
-    monkeypatch.setattr(kda_layers, "_delta_rule_kernels", lambda device: (chunk, chunk))
+    monkeypatch.setattr(kda_layers, "_delta_rule_kernels", lambda device, kernel: (chunk, chunk))
     config = KimiK3TextConfig.tiny(linear_attn_config={"gate_lower_bound": lower_bound})
     model = KimiK3ForCausalLM(config).eval()
     with torch.no_grad():

@@ -720,7 +720,7 @@ def test_compiled_short_prefill_with_the_kernels_off():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
-    with torch.no_grad(), cpu_kernel.use_cpu_kernel(False):
+    with torch.no_grad():
         want, want_cache = prefill(model)
         got, got_cache = prefill(compiled)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -754,12 +754,12 @@ def test_compiled_decode_step_equals_eager():
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=False, dynamic=True)
     with torch.no_grad():
-        fused = decode(model)  # eager prefill and steps run the fused CPU kernels
-        # With the kernels off, the graph and eager run the same PyTorch ops, the eager prefill included (the
+        fused = decode(kernelize(model))  # eager prefill and steps run the fused CPU kernels
+        # Without them, the graph and eager run the same PyTorch ops, the eager prefill included (the
         # kernels inside a graph: test_compiled_model_runs_the_kernels_in_its_graph).
-        with cpu_kernel.use_cpu_kernel(False):
-            want = decode(model)
-            got = decode(compiled)
+        kernelize(model, False)
+        want = decode(model)
+        got = decode(compiled)
     print("torch.compile decode:", dict(counters["stats"]), "graph breaks:", dict(counters["graph_break"]))
     assert torch.equal(got, want)
     torch.testing.assert_close(fused, want, atol=1e-5, rtol=1e-5)
@@ -770,7 +770,7 @@ def test_compiled_decode_step_equals_eager():
     torch._dynamo.reset()
     prompt = torch.randint(3, 512, (2, 80))  # (more than one 64-token chunk)
     prefill = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
-    with torch.no_grad(), cpu_kernel.use_cpu_kernel(False):
+    with torch.no_grad():
         want = model(prompt, past_key_values=KimiK3HybridCache(model.config), use_cache=True).logits
         got = prefill(prompt, past_key_values=KimiK3HybridCache(model.config), use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

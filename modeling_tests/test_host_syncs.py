@@ -5,7 +5,6 @@ take) and the device-dependent choices made as on a GPU: a sync counts as ours w
 that asked for it is in transformers_k3 (transformers' own mask building syncs once per masked step; not ours)."""
 
 import collections
-import functools
 import traceback
 
 import pytest
@@ -16,7 +15,6 @@ import transformers_k3.modeling_kimi_k3 as mla
 import transformers_k3.modeling_kimi_k3 as modeling
 from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
 import transformers_k3.modeling_kimi_k3 as kda_layer
-from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
 from references import randomize_
@@ -56,12 +54,12 @@ class HostSyncs(TorchDispatchMode):
                     self._record()
                 return _method(tensor, *args, **kwargs)
 
-            setattr(torch.Tensor, name, counted)
+            setattr(torch.Tensor, name, counted)  # why: CPU host copies dispatch no aten op to count
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, method in self._methods.items():
-            setattr(torch.Tensor, name, method)
+            setattr(torch.Tensor, name, method)  # why: restores what __enter__ replaced
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -82,11 +80,15 @@ def model():
 
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
-    """Kernels off and the device-dependent choices made as on a GPU (MLA's path, host reads not free)."""
+    """The plain model (no kernels) with the device-dependent choices made as on a GPU (MLA's path, host reads
+    not free)."""
+    # why: this machine has no GPU; these are the device-dependent choices a GPU run makes
     monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
+    # why: as above (the model's own copy of the choice)
     monkeypatch.setattr(modeling, "uses_blockwise_attention", lambda config, hidden: False)
+    # why: as above (host reads cost a sync on a GPU)
     monkeypatch.setattr(modeling, "_host_reads_are_free", lambda tensor: False)
-    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+    with torch.no_grad():
         yield
 
 
@@ -102,8 +104,8 @@ def fake_fla(monkeypatch):
         state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
         return torch.zeros_like(v), state if output_final_state else None
 
-    # (the KDA layers' choice for CUDA tensors: fla's kernels, here stand-ins)
-    monkeypatch.setattr(kda_layer, "_delta_rule_kernels", lambda device: (chunk, chunk))
+    # why: no CUDA or Triton here; the KDA layers' choice for CUDA tensors (fla's kernels) gets stand-ins
+    monkeypatch.setattr(kda_layer, "_delta_rule_kernels", lambda device, kernel: (chunk, chunk))
     yield calls
 
 
@@ -156,51 +158,65 @@ def test_on_a_gpu_a_prompts_ids_are_still_checked(model, as_on_a_gpu):
 
 
 class _CountingForward:
-    """Wraps the model's forward for generate(): the host syncs of each call, in order."""
+    """The host syncs of each call of the model (generate()'s steps), in order, through forward pre- and post-hooks
+    on the model (torch's sockets for "around a module's forward")."""
 
-    def __init__(self, model, monkeypatch):
+    def __init__(self, model):
         self.calls = []
-        forward = model.forward
+        self._running = []
+        self._handles = [model.register_forward_pre_hook(self._enter),
+                         model.register_forward_hook(self._exit, always_call=True)]
 
-        @functools.wraps(forward)  # (generate() reads the forward's signature)
-        def counted(*args, **kwargs):
-            with HostSyncs() as syncs:
-                out = forward(*args, **kwargs)
-            self.calls.append(syncs)
-            return out
+    def _enter(self, module, args):
+        syncs = HostSyncs()
+        syncs.__enter__()
+        self._running.append(syncs)
 
-        monkeypatch.setattr(model, "forward", counted)
+    def _exit(self, module, args, output):
+        syncs = self._running.pop()
+        syncs.__exit__(None, None, None)
+        self.calls.append(syncs)
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
 
 
 @pytest.mark.parametrize("kda_path", ["torch", "fla"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_generate_decode_steps_have_no_host_sync_in_our_code(model, as_on_a_gpu, monkeypatch, request, rows,
+def test_generate_decode_steps_have_no_host_sync_in_our_code(model, as_on_a_gpu, request, rows,
                                                              kda_path):
     """generate() only appends ones to a mask whose prompt part the first step checked, and feeds back the model's
     own tokens: its decode steps need neither check, so they sync nowhere in our code, padded or not."""
     if kda_path == "fla":
         request.getfixturevalue("fake_fla")
-    counting = _CountingForward(model, monkeypatch)
+    counting = _CountingForward(model)
     mask = LEFT_PADDED[:rows] if rows == 2 else None
-    model.generate(PROMPT[:rows], attention_mask=mask, max_new_tokens=4, do_sample=False,
-                   past_key_values=KimiK3HybridCache(model.config))
+    try:
+        model.generate(PROMPT[:rows], attention_mask=mask, max_new_tokens=4, do_sample=False,
+                       past_key_values=KimiK3HybridCache(model.config))
+    finally:
+        counting.remove()
     assert len(counting.calls) == 4
     for syncs in counting.calls[1:]:
         assert syncs.ours == {}
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_multimodal_generate_decode_steps_have_no_host_sync_in_our_code(as_on_a_gpu, monkeypatch, rows):
+def test_multimodal_generate_decode_steps_have_no_host_sync_in_our_code(as_on_a_gpu, rows):
     """The multimodal model's forward checks its ids and media slots only where the text model does: generate()'s
     own decode steps (it checked the ids every step, and read the cache's token record)."""
     from transformers_k3 import KimiK3Config, KimiK3ForConditionalGeneration
 
     torch.manual_seed(0)
     vl = randomize_(KimiK3ForConditionalGeneration(KimiK3Config.tiny())).eval()
-    counting = _CountingForward(vl, monkeypatch)
+    counting = _CountingForward(vl)
     mask = LEFT_PADDED[:rows] if rows == 2 else None
-    vl.generate(PROMPT[:rows], attention_mask=mask, max_new_tokens=4, do_sample=False,
-                past_key_values=KimiK3HybridCache(vl.config.text_config))
+    try:
+        vl.generate(PROMPT[:rows], attention_mask=mask, max_new_tokens=4, do_sample=False,
+                    past_key_values=KimiK3HybridCache(vl.config.text_config))
+    finally:
+        counting.remove()
     assert len(counting.calls) == 4
     for syncs in counting.calls[1:]:
         assert syncs.ours == {}
@@ -251,7 +267,7 @@ def test_the_torch_chunked_kda_syncs_once_per_call(strong):
     g = -torch.rand(batch, length, heads, dim, generator=gen) * (7.0 if strong else 4.9)
     beta = torch.rand(batch, length, heads, generator=gen)
     common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    with cpu_kernel.use_cpu_kernel(False), torch.no_grad():
+    with torch.no_grad():
         with HostSyncs() as syncs:
             out, state = chunk_kda(q, k, v, g, beta, **common)
         reference, reference_state = fused_recurrent_kda(q, k, v, g, beta, **common)  # the token loop

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler: the k
 
 
 def fresh_process(cache, **env):
-    env = dict(os.environ, TRANSFORMERS_K3_CACHE=str(cache), TRANSFORMERS_K3_CPU_KERNEL="1", **env)
+    env = dict(os.environ, TRANSFORMERS_K3_CACHE=str(cache), **env)
     return subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -137,7 +137,7 @@ def comm(pid: int) -> str:
 def test_a_killed_build_leaves_no_compiler_and_the_next_run_removes_its_directory(built, tmp_path):
     built_cache, _ = built
     cache = tmp_path / "cache"
-    env = dict(os.environ, TRANSFORMERS_K3_CACHE=str(cache), TRANSFORMERS_K3_CPU_KERNEL="1")
+    env = dict(os.environ, TRANSFORMERS_K3_CACHE=str(cache))
     process = subprocess.Popen([sys.executable, "-c", LOAD], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)  # fmt: skip
     try:

@@ -18,22 +18,25 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
 @pytest.fixture(params=["grouped", "gathered", "fused", "fused_sgemm"])
 def k3_path(request, monkeypatch):
-    """`k3_grouped_mm` has these paths on CPU: the fused C++ kernel (fp32, forward and backward; for small
-    experts on AVX-512 or AVX2 its own register-blocked products, else sgemm: "fused_sgemm" forces the latter), and
-    with it turned off the grouped GEMM and (for few assignments) gathered expert weights; the tests that take
-    this fixture run it once with each forced."""
+    """`k3_grouped_mm` has these paths on CPU: with the experts' kernel attached (`kernelize`, see `on_path`) the
+    fused C++ kernel (fp32, forward and backward; for small experts on AVX-512 or AVX2 its own register-blocked
+    products, else sgemm: "fused_sgemm" forces the latter), and without it the grouped GEMM and (for few
+    assignments) gathered expert weights; the tests that take this fixture run it once with each forced."""
     if request.param.startswith("fused"):
         if cpu_kernel.library() is None:
             pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
         if request.param == "fused_sgemm":
-            monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)
-        with cpu_kernel.use_cpu_kernel(True):
-            yield request.param
-        return
+            monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)  # why: sgemm, whatever the shape
+        return request.param
     limit = 1e18 if request.param == "gathered" else -1
+    # why: one PyTorch path for every shape (the rule picks by size)
     monkeypatch.setattr(experts_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", limit)
-    with cpu_kernel.use_cpu_kernel(False):
-        yield request.param
+    return request.param
+
+
+def on_path(experts, k3_path):
+    """``experts`` with the experts kernel attached (`kernelize`) on the fused paths of `k3_path`."""
+    return kernelize(experts) if k3_path.startswith("fused") else experts
 
 
 def inputs(*shape, seed=100, dtype=torch.float32):
@@ -284,7 +287,7 @@ def test_gate_rows_come_first_in_gate_up_proj():
 @pytest.mark.parametrize("latent", [32, None])
 def test_experts_implementations_agree(hidden_act, latent, k3_path):
     cfg = make_config(hidden_act=hidden_act, routed_expert_hidden_size=latent, num_experts=16, num_experts_per_tok=4)
-    experts = randomize(KimiK3Experts(cfg))
+    experts = on_path(randomize(KimiK3Experts(cfg)), k3_path)
     d = experts.hidden_dim
     x = inputs(37, d)
     gen = torch.Generator().manual_seed(3)
@@ -345,7 +348,7 @@ def experts_case(case):
 @pytest.mark.parametrize("case", ["many", "single_token", "top1"])
 def test_experts_outputs_and_gradients_match_the_per_token_loop(impl, case, k3_path):
     cfg = make_config(num_experts=16, _experts_implementation=impl)
-    experts = randomize(KimiK3Experts(cfg))
+    experts = on_path(randomize(KimiK3Experts(cfg)), k3_path)
     num_tokens, top_k, idx = experts_case(case)
     x = inputs(num_tokens, 32).requires_grad_()
     w = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(4)).requires_grad_()
@@ -376,7 +379,7 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
     def on_threads(experts, x, idx, w):  # the kernel's output, the same bits on 1, 2 and 3 threads
         outs = []
         for threads in (1, 2, 3):
-            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)  # why: thread counts this machine lacks
             with torch.no_grad():
                 outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
                                                    experts.glu))  # fmt: skip
@@ -408,7 +411,7 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
 
 def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens(k3_path):
     cfg = make_config(_experts_implementation=K3_GROUPED_MM)
-    experts = randomize(KimiK3Experts(cfg))
+    experts = on_path(randomize(KimiK3Experts(cfg)), k3_path)
     x = inputs(9, 32)
     idx = torch.tensor([[0, 7]] * 4 + [[7, 0]] * 3 + [[2, 3]] * 2)
     w = torch.rand(9, 2, generator=torch.Generator().manual_seed(1))
@@ -433,7 +436,7 @@ def test_k3_grouped_mm_drops_expert_parallel_sentinels_and_handles_no_tokens(k3_
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_experts_keep_the_input_dtype(impl, k3_path):
     cfg = make_config(_experts_implementation=impl)
-    experts = randomize(KimiK3Experts(cfg)).bfloat16()
+    experts = on_path(randomize(KimiK3Experts(cfg)).bfloat16(), k3_path)
     x = inputs(6, 32).bfloat16()
     idx = torch.tensor([[0, 1]] * 6)
     out = experts(x, idx, torch.rand(6, 2))
@@ -558,6 +561,7 @@ def test_latent_norm_cancels_the_routed_scaling_factor():
 @pytest.mark.parametrize("latent", [32, None])
 def test_moe_implementations_agree(latent, k3_path):
     cfg, moe = make_moe(routed_expert_hidden_size=latent, num_experts=16, num_experts_per_tok=4)
+    on_path(moe.experts, k3_path)
     x = inputs(2, 9, cfg.hidden_size)
     outs, grads = {}, {}
     for impl in IMPLEMENTATIONS:
@@ -619,26 +623,25 @@ def test_default_experts_implementation_is_k3_grouped_mm_and_all_are_selectable(
 
 
 def test_k3_grouped_mm_gathers_weights_for_few_assignments(monkeypatch):
-    """The PyTorch path's default rule (with the fused CPU kernel turned off): a decode step at K3's expert
-    count gathers the 16 experts' weights (the grouped GEMM would visit all 896 experts); a 2,048-token batch
-    runs the grouped GEMM; both agree."""
-    monkeypatch.setattr(cpu_kernel, "enabled", lambda: False)
+    """The PyTorch path's default rule (no kernel attached): a decode step at K3's expert count gathers the 16
+    experts' weights (the grouped GEMM would visit all 896 experts; bitwise the gathered products); a 2,048-token
+    batch runs the grouped GEMM (bitwise transformers' own grouped GEMM sums, not the gathered products); both
+    agree with transformers' "grouped_mm"."""
     cfg = make_config(num_experts=896, num_experts_per_tok=16, routed_expert_hidden_size=32,
                       moe_intermediate_size=8, _experts_implementation=K3_GROUPED_MM)
     experts = randomize(KimiK3Experts(cfg))
-    calls = []
-    gathered = experts_module._gathered_experts
-    monkeypatch.setattr(experts_module, "_gathered_experts", lambda *a: calls.append(a[2].shape[0]) or gathered(*a))
     gen = torch.Generator().manual_seed(0)
-    for tokens in (1, 2048):
-        x = inputs(tokens, 32)
-        idx = torch.stack([torch.randperm(896, generator=gen)[:16] for _ in range(tokens)])
-        w = torch.rand(tokens, 16, generator=gen)
-        out = experts(x, idx, w)
-        cfg._experts_implementation = "grouped_mm"
-        torch.testing.assert_close(out, experts(x, idx, w), atol=1e-5, rtol=1e-5)
-        cfg._experts_implementation = K3_GROUPED_MM
-    assert calls == [1]
+    with torch.no_grad():
+        for tokens in (1, 2048):
+            x = inputs(tokens, 32)
+            idx = torch.stack([torch.randperm(896, generator=gen)[:16] for _ in range(tokens)])
+            w = torch.rand(tokens, 16, generator=gen)
+            out = experts(x, idx, w)
+            gathered = experts_module._gathered_experts(experts, x, idx, w)
+            assert torch.equal(out, gathered) == (tokens == 1)
+            cfg._experts_implementation = "grouped_mm"
+            torch.testing.assert_close(out, experts(x, idx, w), atol=1e-5, rtol=1e-5)
+            cfg._experts_implementation = K3_GROUPED_MM
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -119,9 +119,8 @@ def test_autograd_reaches_the_activations(dtype, kernel_on):
     offsets = torch.tensor(counts).cumsum(0)
     x = torch.randn(sum(counts), k, generator=gen(8)).to(dtype).requires_grad_()
     grad = torch.randn(sum(counts), n, generator=gen(9)).to(dtype)
-    with cpu_kernel.use_cpu_kernel(kernel_on):
-        out = mxfp4.packed_grouped_mm(x, packed, scale, offsets)
-        out.backward(grad)
+    out = mxfp4.packed_grouped_mm(x, packed, scale, offsets, kernel=kernel_on)
+    out.backward(grad)
     assert not packed.requires_grad and x.grad.dtype == dtype
     want, _ = grouped64(grad, w64, counts, transpose=False)
     bound, _ = grouped64(grad.abs(), w64.abs(), counts, transpose=False)
@@ -215,8 +214,7 @@ def test_experts_forward_and_backward_match_float64(dtype, experts, tokens, top_
     x = torch.randn(tokens, hidden, generator=gen(20)).to(dtype).requires_grad_()
     index = torch.stack([torch.randperm(experts, generator=gen(21 + t))[:top_k] for t in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen(22)).requires_grad_()
-    with cpu_kernel.use_cpu_kernel(kernel_on):
-        out = mxfp4.mxfp4_experts(x, index, weights, *stacks, lambda gu: situ64(gu))
+    out = mxfp4.mxfp4_experts(x, index, weights, *stacks, lambda gu: situ64(gu), kernel=kernel_on)
     x64, w64 = x.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
     want = experts64(x64, index, w64, stacks)
     assert out.dtype == dtype and out.shape == (tokens, hidden)
@@ -224,8 +222,7 @@ def test_experts_forward_and_backward_match_float64(dtype, experts, tokens, top_
     scale = float(want.detach().abs().max())
     torch.testing.assert_close(out.detach().double(), want.detach(), rtol=rtol, atol=rtol * scale)
     grad = torch.randn(tokens, hidden, generator=gen(23))
-    with cpu_kernel.use_cpu_kernel(kernel_on):
-        out.backward(grad.to(dtype))
+    out.backward(grad.to(dtype))
     want.backward(grad.double())
     gx_scale, gw_scale = float(x64.grad.abs().max()), float(w64.grad.abs().max())
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=rtol, atol=rtol * gx_scale)

@@ -191,8 +191,7 @@ def test_routed_experts_and_their_backward_against_the_module(dtype, transposed)
     weights = torch.rand(9, 3, generator=gen(30))
     grad = torch.randn(9, experts.hidden_dim, generator=gen(31))
     leaves = [x.clone().requires_grad_(), weights.clone().requires_grad_()]
-    with cpu_kernel.use_cpu_kernel(False):
-        want = experts(leaves[0], index, leaves[1])
+    want = experts(leaves[0], index, leaves[1])  # (k3_grouped_mm, no kernel attached: PyTorch)
     want_grads = torch.autograd.grad(want, [*leaves, experts.gate_up_proj, experts.down_proj], grad)
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if transposed:
@@ -247,8 +246,7 @@ def test_moe_decode_is_the_layer_as_its_modules_compute_it(dtype, variant):
         pytest.skip("the decode kernel does not take this layer here (its arguments come from MoeDecode)")
     with torch.no_grad():
         got = on_gpu(OPS.moe_decode.default, y, *decode.args)
-        with cpu_kernel.use_cpu_kernel(False):
-            want = layer._modules_forward(y)
+        want = layer._modules_forward(y)
         kernel = decode(y)
     assert got.dtype is dtype
     tol = dict(atol=1e-5, rtol=1e-5) if dtype is torch.float32 else dict(atol=3e-2, rtol=3e-2)

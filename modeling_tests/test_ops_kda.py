@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.kda import chunk as kda_ops
-from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from transformers_k3.ops import kda
+from transformers_k3.ops.kda import kda_gate
 from transformers_k3.ops.kda.naive import naive_recurrent_kda
 
 from references import assert_close, make_inputs
@@ -29,14 +30,31 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
+# Whether the entry points below ask for the fused CPU kernel (``kernel=True``): set by `cpu_path` per test.
+KERNEL = [False]
+
+
 @pytest.fixture(autouse=True, params=["fused", "pytorch"])
 def cpu_path(request):
-    """Run the test with the fused CPU kernel on, then off (where it is not built, the first run skips
-    and says why)."""
+    """Run the test with the fused CPU kernel, then with PyTorch (where the kernel is not built, the first run
+    skips and says why)."""
     if request.param == "fused" and cpu_kernel.library() is None:
         pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
-    with cpu_kernel.use_cpu_kernel(request.param == "fused"):
+    KERNEL[0] = request.param == "fused"
+    try:
         yield request.param
+    finally:
+        KERNEL[0] = False
+
+
+def chunk_kda(*args, **kwargs):
+    """`ops.kda.chunk_kda` on the path `cpu_path` chose."""
+    return kda.chunk_kda(*args, kernel=KERNEL[0], **kwargs)
+
+
+def fused_recurrent_kda(*args, **kwargs):
+    """`ops.kda.fused_recurrent_kda` on the path `cpu_path` chose."""
+    return kda.fused_recurrent_kda(*args, kernel=KERNEL[0], **kwargs)
 
 
 def chunk_kda_64(*args, **kwargs):
@@ -104,7 +122,7 @@ def test_decays_beyond_the_gate_bound(fla_naive, decay):
 def test_whole_decays_inside_sub_chunks(fla_naive, monkeypatch, decay):
     """Each decay inside a sub-chunk taken whole, the exponential of its own segment's sum (what a graph takes when
     the caller gives no bound on the gate; eager where a sub-chunk's span is too wide to factor): fla's recurrence."""
-    monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)
+    monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)  # why: the unfactored branch eager takes only on wide spans
     q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 16, decay, seed=9)
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     for fn in (chunk_kda, chunk_kda_64):
@@ -167,7 +185,7 @@ def test_chunked_groups_of_steps(fla_naive, monkeypatch, group_elements, grad):
     """The chunked path gathers, solves and scans the sequence a group of consecutive steps at a time;
     groups of one step and of a few steps (one that ends inside the padded last block, uneven counts
     of active packed sequences) give fla's answer, with and without autograd (in-place state)."""
-    monkeypatch.setattr(kda_ops, "_GROUP_ELEMENTS", group_elements)
+    monkeypatch.setattr(kda_ops, "_GROUP_ELEMENTS", group_elements)  # why: group sizes real shapes reach rarely
     q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 16, "k3", seed=21)
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     with torch.set_grad_enabled(grad):
@@ -273,9 +291,9 @@ def test_gradcheck_float64(monkeypatch, factored):
     """Tiny float64 case with four 2-token sub-chunks per chunk, so the sub-chunk links, the solve,
     padding, varlen and the state hand-off are all differentiated; the decays inside a sub-chunk factored around
     its middle, or each taken whole (what a graph without a bound on the gate computes)."""
-    monkeypatch.setattr(kda_ops, "_SUB_CHUNK", 2)
+    monkeypatch.setattr(kda_ops, "_SUB_CHUNK", 2)  # why: gradcheck needs tiny shapes that still span sub-chunks
     if not factored:
-        monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)
+        monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)  # why: the unfactored branch eager takes only on wide spans
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape):

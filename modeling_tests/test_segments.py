@@ -16,7 +16,7 @@ is itself ~4e-5 (relative) from the float64 model's, so no fp32 computation orde
 import pytest
 import torch
 
-from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, kernelize
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.kda import chunk_kda
 from transformers_k3.ops.kda.naive import naive_recurrent_kda
@@ -46,11 +46,10 @@ def _run_kda(inputs, cotangents, pieces, kernel: bool, **kwargs):
     outputs, the final state and the gradients of ``<o, o_bar> + <S_T, s_bar>`` for q, k, v, g, beta, h0."""
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     state, outs = leaves[5], []
-    with cpu_kernel.use_cpu_kernel(kernel):
-        for start, end in pieces:
-            o, state = chunk_kda(*(x[:, start:end] for x in leaves[:5]), initial_state=state,
-                                 output_final_state=True, **kwargs)  # fmt: skip
-            outs.append(o)
+    for start, end in pieces:
+        o, state = chunk_kda(*(x[:, start:end] for x in leaves[:5]), initial_state=state,
+                             output_final_state=True, kernel=kernel, **kwargs)  # fmt: skip
+        outs.append(o)
     o = torch.cat(outs, dim=1)
     ((o * cotangents[0]).sum() + (state * cotangents[1]).sum()).backward()
     return o.detach(), state.detach(), [x.grad for x in leaves]
@@ -143,7 +142,7 @@ def test_kda_gradcheck_initial_state_only():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).train()
+    return kernelize(randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).train())  # (the fused CPU kernels)
 
 
 @pytest.fixture(scope="module")
@@ -286,9 +285,10 @@ def test_bad_arguments_are_named(model, ids):
 
 
 def test_exact_and_truncated_on_the_pytorch_path(model, ids):
-    """With the fused CPU kernels off (the PyTorch KDA and attention paths), exact mode over 4 segments is full-context
+    """Without the fused CPU kernels (the PyTorch KDA and attention paths), exact mode over 4 segments is full-context
     backprop and truncated mode over 2 is the forward from a no-grad prefix cache."""
-    with cpu_kernel.use_cpu_kernel(False):
+    kernelize(model, False)
+    try:
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=ids).loss
         loss.backward()
@@ -309,6 +309,8 @@ def test_exact_and_truncated_on_the_pytorch_path(model, ids):
         want = _grads(model)
         segment_backward(model, ids, segment_len=32, mode="truncated")
         _assert_same_gradients(_grads(model), want)
+    finally:
+        kernelize(model)
 
 
 def test_exact_mode_with_peft_lora():

@@ -225,9 +225,11 @@ def _cuda_kernels():
             use_kernel_func_from_hub_with_fallback("fused_recurrent_kda", "fla")(_hub_fused_recurrent_kda))
 
 
-def _delta_rule_kernels(device: torch.device):
-    """fla's Triton kernels run on CUDA only: other devices always take ours."""
-    return _cuda_kernels() if device.type == "cuda" else (chunk_kda, fused_recurrent_kda)
+def _delta_rule_kernels(device: torch.device, kernel: tuple | None):
+    """fla's Triton kernels run on CUDA only: other devices take the layer's kernel (`kernelize`) or ours."""
+    if device.type == "cuda":
+        return _cuda_kernels()
+    return kernel or (chunk_kda, fused_recurrent_kda)
 
 
 # layer -> (its filters' versions, weak references to them, their concatenation) for decode steps; outside the
@@ -235,6 +237,7 @@ def _delta_rule_kernels(device: torch.device):
 _KEPT_CONV_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@kernel_layer("k3_kda")
 class KimiK3DeltaAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -332,13 +335,14 @@ class KimiK3DeltaAttention(nn.Module):
         cache can roll back to any of them (assisted / prompt-lookup decoding). Earlier tokens run chunked."""
         head = q.shape[1] - recorded
         common = dict(scale=self.head_dim ** -0.5, use_qk_l2norm_in_kernel=True)
+        chunked, recurrent = self.kernel or (chunk_kda, fused_recurrent_kda)
         outputs = []
         if head > 0:
-            out, state = chunk_kda(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
-                                   initial_state=state, output_final_state=True, **common, **self._chunk_options())
+            out, state = chunked(q[:, :head], k[:, :head], v[:, :head], g[:, :head], beta[:, :head],
+                                 initial_state=state, output_final_state=True, **common, **self._chunk_options())
             outputs.append(out)
-        out, _, states = fused_recurrent_kda(q[:, head:], k[:, head:], v[:, head:], g[:, head:], beta[:, head:],
-                                             initial_state=state, output_state_history=True, **common)
+        out, _, states = recurrent(q[:, head:], k[:, head:], v[:, head:], g[:, head:], beta[:, head:],
+                                   initial_state=state, output_state_history=True, **common)
         outputs.append(out)
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else out, states
 
@@ -371,7 +375,7 @@ class KimiK3DeltaAttention(nn.Module):
             core, states = self._recorded_delta_rule(q, k, v, g, beta, state, recorded)
             final_state = states[-1]
         else:
-            chunked, recurrent = _delta_rule_kernels(q.device)
+            chunked, recurrent = _delta_rule_kernels(q.device, self.kernel)
             differentiable = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (q, k, v, g, beta, state))
             # (fla's recurrent kernel has no backward: CUDA training takes the chunked form)
@@ -499,6 +503,7 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return LSE_KERNELS[query.device.type](query, key, value, causal, scale)
 
 
+@kernel_layer("k3_mla")
 class KimiK3MLA(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -579,7 +584,7 @@ class KimiK3MLA(nn.Module):
         # The logits, the mask (causality over the new tokens without one), the softmax and the weighted sum. The
         # logits stay fp32: a bf16 matmul would round each to 8 bits (~0.03 at a logit of 10) before the softmax, a
         # decode step ~3x less accurate than the prefill's attention (SGLang's K3 decode kernels keep them in fp32).
-        o_latent = latent_attention(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK,
+        o_latent = (self.kernel or latent_attention)(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK,
                                     attention_mask)  # [B, n*T, r]
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)

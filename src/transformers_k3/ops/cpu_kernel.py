@@ -47,7 +47,8 @@ this process (a killed build leaves no compiler running), in a locked directory 
 owner was killed.
 If no compiler is found or the build fails, the reason is logged once and the PyTorch path is used.
 
-``TRANSFORMERS_K3_CPU_KERNEL=0`` (or :func:`use_cpu_kernel`) turns the kernels off, e.g. to compare.
+Nothing here decides whether a kernel runs in a model: `transformers_k3.kernelize` attaches them once, per layer
+(`ops/kernel_layers.py`), and a wrapper below computes its call where the tensors allow (else None or the PyTorch path).
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,6 @@ from .torch_internals import below_autograd
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "TRANSFORMERS_K3_CPU_KERNEL"
 CACHE_ENV_VAR = "TRANSFORMERS_K3_CACHE"
 SOURCE_DIR = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(
@@ -91,35 +90,6 @@ HEADERS = tuple(
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
-_override: list[bool | None] = [None]
-
-
-@contextlib.contextmanager
-def use_cpu_kernel(enabled: bool) -> Iterator[None]:
-    """Force the fused CPU kernel on (where it can run) or off inside a ``with`` block (overrides
-    ``TRANSFORMERS_K3_CPU_KERNEL``)."""
-    previous = _override[0]
-    set_enabled(enabled)
-    try:
-        yield
-    finally:
-        _override[0] = previous
-
-
-def set_enabled(value: bool | None) -> None:
-    """Turn the fused kernels on or off for the whole process (None: back to ``TRANSFORMERS_K3_CPU_KERNEL``)."""
-    _override[0] = None if value is None else bool(value)
-
-
-def enabled() -> bool:
-    if _override[0] is not None:
-        return _override[0]
-    value = os.environ.get(ENV_VAR, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_VAR} must be 1 or 0 (on / off), got {value!r}")
 
 
 def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
@@ -128,8 +98,7 @@ def applies(*tensors: torch.Tensor, differentiable: bool = False) -> bool:
     through their fake implementations, so a compiled graph runs the same kernels as eager). The library is built
     on the first call that qualifies."""
     return (
-        enabled()
-        and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
+        all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors)
         and (differentiable or not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors)))
     )
 
@@ -143,8 +112,7 @@ def experts_applies(hidden_states, top_k_weights, gate_up_proj, down_proj) -> bo
     small-GEMM path only, where :func:`moe_experts` returns None otherwise) and the activations and routing
     weights fp32 or bf16 (computed in fp32; the output comes back in the activations' dtype)."""
     return (
-        enabled()
-        and all(x.device.type == "cpu" for x in (hidden_states, top_k_weights, gate_up_proj, down_proj))
+        all(x.device.type == "cpu" for x in (hidden_states, top_k_weights, gate_up_proj, down_proj))
         and hidden_states.dtype in EXPERTS_DTYPES
         and top_k_weights.dtype in EXPERTS_DTYPES
         and gate_up_proj.dtype in EXPERTS_DTYPES
@@ -603,13 +571,12 @@ def router_screened_topk(
     rounded and packed for the tile unit on every call (a few percent of it; no cache that an in-place change
     through ``.data``, which bumps no version counter, could leave stale). No gradient (the router attaches
     `selected_scores`). ``screen=False`` computes every logit in fp32 (for tests). None where it cannot run:
-    kernels off or unbuilt, no AMX, not fp32 on CPU, ``k > 16``, an odd ``H``, a weight or bias with a value that
+    kernels unbuilt, no AMX, not fp32 on CPU, ``k > 16``, an odd ``H``, a weight or bias with a value that
     is not finite."""
     if not (
         hidden_states.dtype == weight.dtype == bias.dtype == torch.float32 and hidden_states.dim() == 2
         and top_k <= 16 and hidden_states.shape[1] % 2 == 0
-        and all(t.device.type == "cpu" for t in (hidden_states, weight, bias))
-        and enabled() and amx_available()
+        and all(t.device.type == "cpu" for t in (hidden_states, weight, bias)) and amx_available()
     ):  # fmt: skip
         return None
     if weight.dim() != 2 or weight.shape[1] != hidden_states.shape[1] or bias.shape != (weight.shape[0],):
@@ -643,11 +610,10 @@ def linear_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     torch has no CPU matmul with bf16 operands and an fp32 result. Differentiable: the backward is the PyTorch
     path's (fp32 products, gradients rounded to each input's dtype). Fewer than 12 rows (a decode step) take
     AVX-512 dot products instead (packing the weight for the tile unit would cost more than the products).
-    Returns None where it cannot run (other dtypes or devices, kernels off or without AMX);
+    Returns None where it cannot run (other dtypes or devices, kernels unbuilt or without AMX);
     then use the PyTorch path."""
     if not (
-        x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu"
-        and enabled() and amx_available()
+        x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == weight.device.type == "cpu" and amx_available()
     ):  # fmt: skip
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -661,11 +627,11 @@ def latent_scores(latent: torch.Tensor, queries: torch.Tensor) -> torch.Tensor |
     the same) on CPU without autograd: every product exact and the sums in fp32 (bf16: the bf16 -> fp32 GEMM of
     `linear_bf16_f32` where the CPU has the AMX tile unit, else fp32 GEMMs on fp32 copies of 16,384 latent rows at
     a time; fp32: torch's), the long latent the product's row-major operand. None where it cannot run (other
-    dtypes or devices, autograd, kernels off)."""
+    dtypes or devices, autograd, kernels unbuilt)."""
     if not (
         latent.dtype == queries.dtype and latent.dtype in (torch.float32, torch.bfloat16) and latent.dim() == 3
         and queries.dim() == 3 and latent.device.type == queries.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (latent.requires_grad or queries.requires_grad)) and enabled()
+        and not (torch.is_grad_enabled() and (latent.requires_grad or queries.requires_grad))
         and library() is not None
     ):  # fmt: skip
         return None
@@ -678,12 +644,12 @@ def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, 
     the latent (``csrc/attention_cpu.cpp``): ``queries [B, M, D]`` head-major over the ``new_tokens`` new tokens,
     the rows each sees given by a boolean ``mask`` ``[B or 1, heads or 1, new_tokens, S]`` or, without one, by
     end-aligned causality (the new tokens the latent's last); fp32 or bf16 operands (both the same), the logits,
-    softmax and sums in fp32. None where it cannot run (other dtypes or devices, autograd, kernels off)."""
+    softmax and sums in fp32. None where it cannot run (other dtypes or devices, autograd, kernels unbuilt)."""
     if not (
         latent.dtype == queries.dtype and latent.dtype in (torch.float32, torch.bfloat16) and latent.dim() == 3
         and queries.dim() == 3 and latent.device.type == queries.device.type == "cpu"
         and (mask is None or (mask.dtype == torch.bool and mask.device.type == "cpu"))
-        and not (torch.is_grad_enabled() and (latent.requires_grad or queries.requires_grad)) and enabled()
+        and not (torch.is_grad_enabled() and (latent.requires_grad or queries.requires_grad))
         and library() is not None
     ):  # fmt: skip
         return None
@@ -720,7 +686,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
     order. torch's bf16 matmul has a fixed cost per call far above fp32's, which dominates one-row products.
     Returns None where it does not apply: other dtypes, devices or tensor types, more rows, autograd (a gradient
-    is wanted), the kernels off or without AVX-512 / AVX2; then use F.linear."""
+    is wanted), the kernels unbuilt or without AVX-512 / AVX2; then use F.linear."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
@@ -755,8 +721,6 @@ def _bf16_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return None
     if bias is not None and not (bias.dtype is torch.bfloat16 and bias.is_cpu and bias.shape == (n,)):
         return None
-    if not enabled():
-        return None
     return x.numel() // k
 
 
@@ -788,7 +752,7 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     The copies are made in blocks of at most UPCAST_BLOCK floats
     of the weight (output features) and of the input (rows), so the extra memory stays bounded whatever the sizes.
     Returns None where it does not apply (other dtypes, devices or tensor types, few rows, autograd, a CPU with
-    bf16 instructions, the kernels off); then use F.linear."""
+    bf16 instructions, the kernels unbuilt); then use F.linear."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
@@ -821,11 +785,10 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: tuple) -> torch.Tensor
     ulp from torch's tanh and sigmoid) and returned in the inputs' dtype (fp32 or bf16: bf16 inputs are computed in
     fp32 and rounded once, as `situ_glu` does). One call where torch takes ~9 element-wise ops forward and ~15
     backward, each a pass over ``[N, I]``. Differentiable (the backward is the kernel's, one pass). None where it
-    does not apply: other dtypes or devices, mismatched shapes, kernels off or without AVX-512 / AVX2."""
+    does not apply: other dtypes or devices, mismatched shapes, kernels unbuilt or without AVX-512 / AVX2."""
     if not (
         gate.dtype is up.dtype and gate.dtype in (torch.float32, torch.bfloat16) and gate.is_cpu and up.is_cpu
         and gate.shape == up.shape and gate.dim() >= 1 and gate.shape[-1] > 0
-        and enabled()
     ):  # fmt: skip
         return None
     if library() is None or not _feature("small_gemm_available"):
@@ -851,7 +814,7 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     """``F.rms_norm(hidden_states, (H,), eps=eps) * weight`` for fp32 ``hidden_states [..., H]`` and ``weight [H]`` on
     CPU (``transformers_k3::rms_norm``): the forward is those two ops (the same bits), the backward one kernel pass
     per row (``rms_norm_backward``) where autograd through them runs ~12 element-wise passes. For autograd only
-    (None without it, and where it does not apply: other dtypes or devices, mismatched shapes, kernels off)."""
+    (None without it, and where it does not apply: other dtypes or devices, mismatched shapes, kernels unbuilt)."""
     if not (
         torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
         and applies(hidden_states, weight, differentiable=True)
@@ -965,11 +928,9 @@ def _activation_args(activation: tuple) -> tuple[int, float, float]:
 
 
 def moe_decode_max_tokens() -> int:
-    """The most tokens `MoeDecode` takes (0: it cannot run here: kernels off, neither AVX-512 nor AVX2, under
+    """The most tokens `MoeDecode` takes (0: it cannot run here: kernels unbuilt, neither AVX-512 nor AVX2, under
     or a sigmoid that is not bitwise torch's, where the modules' router selects from torch.sigmoid's
     scores)."""
-    if not enabled():
-        return 0
     lib = library()
     if lib is None:
         return 0

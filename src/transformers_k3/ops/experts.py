@@ -1,6 +1,7 @@
 """The routed experts as transformers' experts interface functions (`ALL_EXPERTS_FUNCTIONS`), one per backend:
-``"k3_grouped_mm"`` (`k3_grouped_mm_experts_forward`) runs the fused CPU experts kernel (`cpu_kernel.moe_experts`)
-on CPU tensors it takes, else the PyTorch grouped GEMMs (`torch_grouped_experts`) on any device. Each takes the
+``"k3_grouped_mm"`` (`k3_grouped_mm_experts_forward`): the PyTorch grouped GEMMs (`torch_grouped_experts`) on any
+device, or the experts' attached kernel (`kernelize`); ``"k3_cpu_kernel"`` (`cpu_kernel_experts_forward`): the fused
+CPU experts kernel (`cpu_kernel.moe_experts`) on the tensors it takes, else `torch_grouped_experts`. Each takes the
 experts module as transformers' experts functions do (``self``: its weights, ``glu`` and settings)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from . import cpu_kernel
 from .torch_internals import grouped_mm
 
 K3_GROUPED_MM = "k3_grouped_mm"
+K3_CPU_KERNEL = "k3_cpu_kernel"
 # `k3_grouped_mm` gathers each (token, expert) assignment's weights instead of running the grouped GEMM while
 # assignments x weights per expert <= this many elements x the number of experts (see `_gathered_experts`).
 # A CPU cost model from bench measurements (bench/RESULTS.md): the grouped GEMM pays a fixed cost per expert, hit
@@ -43,15 +45,36 @@ def k3_grouped_mm_experts_forward(
     the two GEMMs themselves take most of the time. Plain autograd: gradients reach the inputs, the routing
     weights and both expert tensors. Under expert parallelism, sentinel ids (``>= num_experts``, zero weight) are
     dropped after the sort, which costs one host sync; otherwise the function is free of data-dependent shapes.
+    With the experts' kernel attached (`kernelize`: `cpu_kernel_experts_forward`), that kernel computes the call.
     """
     if self.has_bias or not self.has_gate or self.has_post_expert_norm:
         raise NotImplementedError(f"{K3_GROUPED_MM!r} supports gated experts without biases or post-expert norms")
+    _weights(self, K3_GROUPED_MM)
+    kernel = getattr(self, "kernel", None)  # (another experts class may call this function)
+    if kernel is not None:
+        return kernel(self, hidden_states, top_k_index, top_k_weights)
+    return torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, getattr(self, "_is_expert_parallel", False))
+
+
+def _weights(self: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_up_proj, down_proj)``, or a named error for experts that hold none (packed MXFP4)."""
     try:
-        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        return self.gate_up_proj, self.down_proj
     except AttributeError:  # (packed MXFP4 experts hold uint8 stacks instead)
-        raise NotImplementedError(f"{K3_GROUPED_MM!r} computes on gate_up_proj / down_proj weights, which "
+        raise NotImplementedError(f"{name!r} computes on gate_up_proj / down_proj weights, which "
                                   f"{type(self).__name__} does not hold: packed MXFP4 experts run with "
                                   "experts_implementation='k3_mxfp4'") from None
+
+
+def cpu_kernel_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"k3_cpu_kernel"`` experts implementation, and the experts' kernel `kernelize` attaches: the fused CPU
+    experts kernel (`cpu_kernel.moe_experts`, forward and backward) on the tensors it takes, else
+    `torch_grouped_experts` (the same function)."""
+    if self.has_bias or not self.has_gate or self.has_post_expert_norm:
+        raise NotImplementedError(f"{K3_CPU_KERNEL!r} supports gated experts without biases or post-expert norms")
+    gate_up_proj, down_proj = _weights(self, K3_CPU_KERNEL)
     expert_parallel = getattr(self, "_is_expert_parallel", False)
     if not expert_parallel and cpu_kernel.experts_applies(hidden_states, top_k_weights, gate_up_proj, down_proj):
         out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
@@ -59,6 +82,11 @@ def k3_grouped_mm_experts_forward(
         if out is not None:
             return out
     return torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, expert_parallel)
+
+
+def attach_experts(experts: nn.Module):
+    """The routed experts' kernel (`kernelize`): `cpu_kernel_experts_forward`, read by ``"k3_grouped_mm"``."""
+    return cpu_kernel_experts_forward
 
 
 def torch_grouped_experts(
@@ -115,3 +143,4 @@ def _in_out(self: nn.Module, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
 
 
 ALL_EXPERTS_FUNCTIONS.register(K3_GROUPED_MM, k3_grouped_mm_experts_forward)
+ALL_EXPERTS_FUNCTIONS.register(K3_CPU_KERNEL, cpu_kernel_experts_forward)

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from .linear import KernelLinear, swap_linear
+from .experts import attach_experts
+from .kda.interface import attach_kda
+from .linear import KernelLinear, attach_mla, swap_linear
 from .moe import attach_mlp, attach_router, attach_sparse_moe
 from .norm import attach_rms_norm
 from .torch_internals import bare
@@ -32,7 +34,9 @@ KERNEL_LAYERS: dict[str, Callable[[nn.Module], Callable | None] | None] = {
     "k3_router": attach_router,
     "k3_mlp": attach_mlp,
     "k3_rms_norm": attach_rms_norm,
-    "k3_experts": None,
+    "k3_experts": attach_experts,
+    "k3_kda": attach_kda,
+    "k3_mla": attach_mla,
 }
 
 

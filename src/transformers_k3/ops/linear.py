@@ -11,6 +11,8 @@ instructions `cpu_kernel.linear_bf16_upcast` takes more rows (docs/kernels.md).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,12 @@ class KernelLinear(nn.Linear):
 PLAIN_LINEARS = (nn.Linear, KernelLinear)
 
 
+def attach_mla(attention: nn.Module):
+    """The MLA layer's kernel (`kernelize`): its absorbed attention through the kernels (`latent_attention` with
+    ``kernel=True``)."""
+    return functools.partial(latent_attention, kernel=True)
+
+
 def swap_linear(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
     """A ``cls`` module holding ``linear``'s own parameters (tied weights stay tied), in its training mode."""
     new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
@@ -55,12 +63,12 @@ def swap_linear(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
     return new.train(linear.training)
 
 
-def products_f32(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
+def products_f32(a: torch.Tensor, b: torch.Tensor, block: int, kernel: bool = False) -> torch.Tensor:
     """``b [B, M, r] @ a [B, S, r]^T`` as fp32 ``[B, M, S]`` with every product exact and the sums in fp32 (products
-    of two bf16 values are exact in fp32), ``a`` (long: an MLA latent) the row-major operand of the product: on
-    CPU by the kernels' `cpu_kernel.latent_scores` (contiguous), on CUDA by a bmm with an fp32 output; otherwise
+    of two bf16 values are exact in fp32), ``a`` (long: an MLA latent) the row-major operand of the product: with
+    ``kernel`` on CPU by the kernels' `cpu_kernel.latent_scores` (contiguous), on CUDA by a bmm with an fp32 output; otherwise
     on fp32 copies of ``a``, ``block`` rows at a time (a long ``a`` is never copied whole), a transposed view."""
-    if a.device.type == "cpu":
+    if kernel and a.device.type == "cpu":
         scores = cpu_kernel.latent_scores(a, b)
         if scores is not None:
             return scores
@@ -83,25 +91,25 @@ def end_aligned_causal(q_len: int, seq: int, device) -> torch.Tensor:
 
 
 def latent_attention(latent: torch.Tensor, queries: torch.Tensor, scale: float, value_dim: int, new_tokens: int,
-                     block: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+                     block: int, mask: torch.Tensor | None = None, kernel: bool = False) -> torch.Tensor:
     """``softmax(scale queries latent^T) latent[..., :value_dim]`` ``[B, M, value_dim]`` in ``queries``' dtype, for
     ``queries [B, M, D]`` head-major over the ``new_tokens`` new tokens: MLA's absorbed attention. ``mask``: a 4-D
     boolean or additive mask over the latent's rows (``[B or 1, heads or 1, new_tokens or 1, S]``), else end-aligned
-    causality (the new tokens the latent's last). On CPU, with no mask or a boolean one, in one pass over the latent
-    (the kernels' `cpu_kernel.latent_attention`: the logits, softmax and sums in fp32, rounded once); otherwise the
+    causality (the new tokens the latent's last). With ``kernel`` (the MLA layer's kernel, `kernelize`) on CPU, with no
+    mask or a boolean one, in one pass over the latent (the kernels' `cpu_kernel.latent_attention`: the logits, softmax and sums in fp32, rounded once); otherwise the
     logits by `products_f32` (``block`` latent rows at a time where it copies), masked (the lowest fp32 where a
     boolean mask is False, as transformers' eager attention), an fp32 softmax and the probabilities, in ``queries``'
     dtype, times the latent."""
     batch, rows, seq = queries.shape[0], queries.shape[1], latent.shape[1]
     heads = rows // new_tokens
-    if latent.device.type == "cpu" and (mask is None or (
+    if kernel and latent.device.type == "cpu" and (mask is None or (
             mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, batch)
             and mask.shape[1] in (1, heads) and mask.shape[2] in (1, new_tokens) and mask.shape[3] == seq)):
         fused = None if mask is None else mask.expand(-1, -1, new_tokens, -1)
         out = cpu_kernel.latent_attention(latent, queries, scale, value_dim, new_tokens, fused)
         if out is not None:
             return out.to(queries.dtype)
-    scores = products_f32(latent, queries, block) * scale  # [B, M, S], fp32
+    scores = products_f32(latent, queries, block, kernel) * scale  # [B, M, S], fp32
     if mask is None and new_tokens > 1:
         mask = end_aligned_causal(new_tokens, seq, scores.device)
     if mask is not None:

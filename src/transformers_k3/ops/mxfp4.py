@@ -40,37 +40,32 @@ MXFP4_EXPERTS = "k3_mxfp4"  # the experts-interface name this implementation is 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packed_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def packed_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                      kernel: bool = True) -> torch.Tensor:
     """``out [M, N]`` in ``x``'s dtype: for each expert ``e`` its rows ``offsets[e-1]:offsets[e]`` of ``x [M, K]``
     (sorted by expert; ``offsets [E]`` int32 or int64, as for ``torch._grouped_mm``) times ``W_e^T``, ``W_e`` the
     dequantized ``[N, K]`` of ``packed [E, N, K/2]`` / ``scale [E, N, K/32]``; rows after ``offsets[-1]`` give
-    zeros. Differentiable with respect to ``x``. Shapes that do not fit raise `QuantFormatError`."""
+    zeros. Differentiable with respect to ``x``. Shapes that do not fit raise `QuantFormatError`. ``kernel=False``:
+    the PyTorch operations (`mxfp4_torch`) instead of the operator."""
     mxfp4_torch.check_operands(x, packed, scale, offsets)
-    if x.dtype in _KERNEL_DTYPES and _operator_applies(x):
+    if kernel and x.dtype in _KERNEL_DTYPES and cpu_kernel.library() is not None:
         grad = torch.is_grad_enabled() and x.requires_grad
         with contextlib.nullcontext() if grad else cpu_kernel._below_autograd():
             return torch.ops.transformers_k3.mxfp4_grouped_mm.default(x, packed, scale, offsets)
     return mxfp4_torch.mxfp4_grouped_mm(x, packed, scale, offsets)  # (plain autograd through the products)
 
 
-def _operator_applies(x: torch.Tensor) -> bool:
-    """The operator exists once the kernels' library loaded; off the CPU it runs its PyTorch implementation."""
-    if x.device.type == "cpu" and not cpu_kernel.enabled():
-        return False
-    return cpu_kernel.library() is not None
-
-
 def mxfp4_experts(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scale: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor,
-    glu: Callable[[torch.Tensor], torch.Tensor],
+    glu: Callable[[torch.Tensor], torch.Tensor], kernel: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """``out [N, D]`` in ``hidden_states``' dtype: ``out[t] = sum_j w[t, j] * down_e(glu(gate_up_e(x[t])))``,
     ``e = top_k_index[t, j]``, ``w = top_k_weights``, with the packed experts of the layout above; ``glu`` maps
     ``[*, 2I]`` (gate half first) to ``[*, I]``. As ``"k3_grouped_mm"``: (token, slot) pairs sorted by expert,
     both products grouped over the sorted rows, the routing weight applied to the ``I``-wide GLU output, the
     expert outputs summed into their tokens in fp32. Ids outside ``[0, E)`` contribute nothing. Gradients reach
-    ``hidden_states`` and ``top_k_weights``."""
+    ``hidden_states`` and ``top_k_weights``. ``kernel``: as for `packed_grouped_mm`."""
     num_tokens, top_k = top_k_index.shape
     experts = gate_up_packed.shape[0]
     ids = top_k_index.reshape(-1)
@@ -79,9 +74,10 @@ def mxfp4_experts(
     counts = ids.new_zeros(experts + 1).scatter_add_(0, ids, torch.ones_like(ids))  # (a static shape)
     offsets = counts[:experts].cumsum(0)
     token_ids = perm // top_k
-    gate_up = packed_grouped_mm(hidden_states.index_select(0, token_ids), gate_up_packed, gate_up_scale, offsets)
+    gate_up = packed_grouped_mm(hidden_states.index_select(0, token_ids), gate_up_packed, gate_up_scale, offsets,
+                                kernel)
     routed = glu(gate_up) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    expert_out = packed_grouped_mm(routed, down_packed, down_scale, offsets)
+    expert_out = packed_grouped_mm(routed, down_packed, down_scale, offsets, kernel)
     out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
     return out.index_add_(0, token_ids, expert_out.float()).to(hidden_states.dtype)
 

@@ -17,7 +17,7 @@ sequence order, ``cu_seqlens`` the packed bounds as a tensor (then ``B == 1``; r
 runs, so a compiled graph holds it without a host read) or None, ``scale`` the query scale and ``chunk`` the chunk
 size. L2 normalisation and grouped-value repetition happen before, in ordinary differentiable PyTorch.
 
-Both run on any device: the fused kernel where it applies (fp32 CPU tensors, kernels on and built), the PyTorch
+Both run on any device: the fused kernel where it applies (fp32 CPU tensors, the kernels built, asked for), the PyTorch
 chunked path (the same function) everywhere else, so a graph holding them also runs where the kernels do not.
 """
 
@@ -38,26 +38,26 @@ def _bounds(cu_seqlens: torch.Tensor | None, length: int) -> list[int] | None:
 @torch.library.custom_op("transformers_k3::kda_chunk", mutates_args=())
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, cu_seqlens: torch.Tensor | None, scale: float,
-              chunk: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+              chunk: int, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(o, final_state)`` of chunked KDA, computed by the fused kernel where it applies; differentiable in every
-    tensor argument but ``cu_seqlens``."""
+    tensor argument but ``cu_seqlens``. ``fused=False``: the PyTorch path (the plain model's traced packed call)."""
     bounds = _bounds(cu_seqlens, q.shape[1])
-    fused = None
-    if cpu_kernel.applies(q, k, v, g, beta, state, differentiable=True):
-        fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, chunk, inplace=False)
-    if fused is None:  # (kernels unavailable or out of memory: the PyTorch path, same function)
+    out = None
+    if fused and cpu_kernel.applies(q, k, v, g, beta, state, differentiable=True):
+        out = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale, chunk, inplace=False)
+    if out is None:  # (kernels unavailable or out of memory: the PyTorch path, same function)
         o, final = chunked_reference(q, k, v, g, beta, state, bounds, scale, chunk)
         return o.contiguous(), final.contiguous()
-    return fused
+    return out
 
 
 @kda_chunk.register_fake
-def _(q, k, v, g, beta, state, cu_seqlens, scale, chunk):
+def _(q, k, v, g, beta, state, cu_seqlens, scale, chunk, fused=True):
     return q.new_empty((*q.shape[:3], v.shape[-1])), torch.empty_like(state, memory_format=torch.contiguous_format)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, g, beta, state, cu_seqlens, ctx.scale, ctx.chunk = inputs
+    q, k, v, g, beta, state, cu_seqlens, ctx.scale, ctx.chunk, _ = inputs
     ctx.save_for_backward(q, k, v, g, beta, state, cu_seqlens)
     ctx.set_materialize_grads(False)  # (an unused output, e.g. the final state, gets None: no vjp through it)
 
@@ -67,7 +67,7 @@ def _backward(ctx, grad_o, grad_state):
     grads = torch.ops.transformers_k3.kda_chunk_backward.default(
         grad_o, grad_state, *ctx.saved_tensors, ctx.scale, ctx.chunk, mask
     )
-    return (*(x if m else None for x, m in zip(grads, mask)), None, None, None)
+    return (*(x if m else None for x, m in zip(grads, mask)), None, None, None, None)
 
 
 kda_chunk.register_autograd(_backward, setup_context=_setup)
@@ -119,7 +119,7 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 def applies(q, k, v, g, beta, state) -> bool:
     """Whether :func:`kda_chunk` should compute this call: a gradient is wanted, every tensor is a plain fp32 CPU
     tensor (a tensor subclass such as DTensor keeps the PyTorch path, which it can decompose) and the fused
-    kernels are on and built (without autograd the in-place inference route runs instead)."""
+    kernels are built (without autograd the in-place inference route runs instead)."""
     tensors = (q, k, v, g, beta, state)
     return (
         torch.is_grad_enabled()

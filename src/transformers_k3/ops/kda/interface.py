@@ -15,6 +15,8 @@ Both forms keep the state and accumulate in fp32 (float64 for float64 inputs), w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import cpu_kernel
@@ -48,6 +50,7 @@ def chunk_kda(
     chunk_size: int | None = None,
     *,
     safe_gate: bool = False,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (prefill / training), semantics of fla's ``fla.ops.kda.chunk_kda``.
 
@@ -65,6 +68,8 @@ def chunk_kda(
         chunk_size: tokens per chunk; it changes speed, not results. None: ``TORCH_CHUNK_SIZE``.
         safe_gate: the caller promises gates in ``[-5, 0)`` (K3's gate); a traced graph uses the bound to factor its
             sub-chunks' decays. It does not change the result.
+        kernel: compute with the fused CPU kernel where the tensors allow (fp32 on CPU; under autograd its forward
+            with the PyTorch path's gradient); the KDA layer's kernel (`kernelize`) passes True. False: PyTorch.
 
     Returns:
         ``(o, final_state)``: ``o [B, T, HV, V]`` in ``v``'s dtype; ``final_state`` in fp32 (float64 for float64
@@ -76,7 +81,7 @@ def chunk_kda(
     return _torch_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
         block=TORCH_CHUNK_SIZE if chunk_size is None else chunk_size,
-        gate_bound=_SAFE_GATE_BOUND if safe_gate else None,
+        gate_bound=_SAFE_GATE_BOUND if safe_gate else None, kernel=kernel,
     )  # fmt: skip
 
 
@@ -94,10 +99,11 @@ def fused_recurrent_kda(
     *,
     inplace_final_state: bool = False,
     output_state_history: bool = False,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Token-by-token KDA (decode, short verify windows), semantics of fla's ``fused_recurrent_kda``.
 
-    Same arguments and results as :func:`chunk_kda` without ``chunk_size``/``safe_gate``. Differentiable; without
+    Same arguments and results as :func:`chunk_kda` (``kernel`` included) without ``chunk_size``/``safe_gate``. Differentiable; without
     gradients it updates one state buffer in place instead of allocating a new state per token.
 
     ``inplace_final_state=True`` (fla's kernel option of that name; no gradient allowed) writes the final state
@@ -118,17 +124,17 @@ def fused_recurrent_kda(
     if output_state_history:
         if cu_seqlens is not None:
             raise ValueError("output_state_history=True takes a plain batch [B, T, ...]; pass cu_seqlens=None")
-        return _with_history(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
+        return _with_history(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, kernel)
     o, final = _torch_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
-        block=None, inplace=inplace_final_state,
+        block=None, inplace=inplace_final_state, kernel=kernel,
     )  # fmt: skip
     if inplace_final_state and final is not initial_state:
         final = initial_state.copy_(final)
     return o, final
 
 
-def _with_history(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel):
+def _with_history(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, kernel):
     """One token at a time, each the recurrent form's own step, keeping the state after each."""
     batch, length, _, key_dim = q.shape
     v_heads, value_dim = v.shape[2:]
@@ -139,11 +145,18 @@ def _with_history(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kerne
     history, outputs = [state], []
     for t in range(length):
         step = [x[:, t : t + 1] for x in (q, k, v, g, beta)]
-        out, state = _torch_kda(*step, scale, state, True, use_qk_l2norm_in_kernel, None, batch, block=None)
+        out, state = _torch_kda(*step, scale, state, True, use_qk_l2norm_in_kernel, None, batch, block=None,
+                                kernel=kernel)
         outputs.append(out)
         history.append(state)
     o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(*v.shape)
     return o, state, history
+
+
+def attach_kda(layer) -> tuple:
+    """The KDA layer's kernel (`kernelize`): ``(chunked, recurrent)``, :func:`chunk_kda` and
+    :func:`fused_recurrent_kda` computed by the fused CPU kernel where the tensors allow."""
+    return functools.partial(chunk_kda, kernel=True), functools.partial(fused_recurrent_kda, kernel=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,11 +223,12 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
 
 def _torch_kda(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
-    block, inplace: bool = False, gate_bound: float | None = None,
+    block, inplace: bool = False, gate_bound: float | None = None, kernel: bool = False,
 ):  # fmt: skip
     """Shared front and back end of both PyTorch forms; ``block`` is the chunk size, None for the token loop.
     ``inplace``: the final state may be written into ``initial_state`` (the single-token path does so when the
-    layouts allow; the caller copies otherwise). ``gate_bound``: a bound on ``|g|`` the caller guarantees."""
+    layouts allow; the caller copies otherwise). ``gate_bound``: a bound on ``|g|`` the caller guarantees.
+    ``kernel``: the fused CPU kernel computes the call where the tensors allow."""
     batch, length, heads, key_dim = q.shape
     v_heads, value_dim = v.shape[2], v.shape[3]
     dtype = torch.float32
@@ -244,18 +258,18 @@ def _torch_kda(
     write = inplace and state is initial_state and state.is_contiguous()
     if cu_seqlens is not None and torch.compiler.is_compiling():
         o, final = _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale if block else 1.0,
-                                  block or TORCH_CHUNK_SIZE, initial_state is None and not output_final_state)
+                                  block or TORCH_CHUNK_SIZE, initial_state is None and not output_final_state, kernel)
         o = o.to(out_dtype)
         if not output_final_state:
             return o, None
         return o, final
     bounds = None if cu_seqlens is None else host_bounds(cu_seqlens, length)
-    if cpu_kernel.applies(q, k, v, g, beta, state):
+    if kernel and cpu_kernel.applies(q, k, v, g, beta, state):
         # The fused kernel computes the chunked form for any length and is faster than the token loop from one
         # token on, so the recurrent entry points use it too (q is already scaled for those).
         fused = cpu_kernel.chunk_forward(q, k, v, g, beta, state, bounds, scale if block else 1.0,
                                          block or TORCH_CHUNK_SIZE, inplace=write)  # fmt: skip
-    elif autograd.applies(q, k, v, g, beta, state):
+    elif kernel and autograd.applies(q, k, v, g, beta, state):
         # Training: the same kernel forward, differentiable, its gradient the PyTorch chunked path's (recomputed in
         # the backward), so CPU training and inference compute one function. Everything above (l2norm, gate, beta
         # sigmoid, grouped values, state layout) stays ordinary autograd.
@@ -302,7 +316,7 @@ def _torch_kda(
 _RESET_LOG_DECAY = -1e4
 
 
-def _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale, chunk, zero_start):
+def _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale, chunk, zero_start, kernel):
     """Packed sequences under torch.compile, where ``cu_seqlens`` cannot be read on the host: ``(o, final)`` as the
     eager code computes them.
 
@@ -314,9 +328,9 @@ def _traced_packed(q, k, v, g, beta, state, cu_seqlens, scale, chunk, zero_start
     tensor and reads it when it runs: the fused kernel's forward where eager runs it, else the PyTorch path on the
     host bounds, and in both cases the PyTorch path's recomputed gradient.
     """
-    kernel = cpu_kernel.applies(q, k, v, g, beta, state) or autograd.applies(q, k, v, g, beta, state)
-    if not zero_start or (kernel and cpu_kernel.library() is not None):
-        return autograd.kda_chunk(q, k, v, g, beta, state, cu_seqlens, scale, chunk)
+    fused = kernel and (cpu_kernel.applies(q, k, v, g, beta, state) or autograd.applies(q, k, v, g, beta, state))
+    if not zero_start or (fused and cpu_kernel.library() is not None):
+        return autograd.kda_chunk(q, k, v, g, beta, state, cu_seqlens, scale, chunk, fused)
     length = q.shape[1]
     edges = assert_cu_seqlens(cu_seqlens.to(device=q.device, dtype=torch.long), length)
     # (a start at T belongs to an empty last sequence; slot T is dropped)
