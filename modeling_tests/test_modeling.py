@@ -435,9 +435,14 @@ def test_kernelized_model_computes_the_plain_models_values(tiny_model, dtype):
     import copy
 
     from transformers_k3 import KimiK3HybridCache, kernelize
+    from transformers_k3.ops.experts import K3_CPU_KERNEL
 
     tol = 1e-4 if dtype is torch.float32 else 0.05
     plain = copy.deepcopy(tiny_model).to(dtype).eval()
+    if dtype is torch.bfloat16:
+        # bf16 experts in PyTorch round every product, which flips a near-tie routing downstream; the experts kernel
+        # (one rounding) is the backend both sides take here, and test_cpu_kernels checks it against float64
+        plain.set_experts_implementation(K3_CPU_KERNEL)
     fused = kernelize(copy.deepcopy(plain))
     assert any(m.kernel is not None for m in fused.modules() if type(m).__name__ == "KimiK3SparseMoE")
     ids = torch.randint(3, 512, (2, 31), generator=torch.Generator().manual_seed(0))
