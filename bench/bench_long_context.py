@@ -138,7 +138,7 @@ def build(kind: str, model_kind: str = "kimi-linear"):
         return LlamaForCausalLM(config).eval()
     from transformers_k3 import KimiK3ForCausalLM
     from transformers_k3.conversion import kimi_linear_to_k3_state_dict
-    from transformers_k3.conversion.kimi_linear import kimi_linear_config_to_k3
+    from transformers_k3.convert.kimi_linear import kimi_linear_config_to_k3
 
     config = kimi_linear_config_to_k3(kl_config)
     config._attn_implementation = "sdpa"

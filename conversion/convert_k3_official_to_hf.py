@@ -34,7 +34,7 @@ def main(argv=None):
     if not args.dry_run and not args.output:
         parser.error("--output is required unless --dry-run")
 
-    from transformers_k3.conversion import convert_official_checkpoint
+    from transformers_k3.convert import convert_official_checkpoint
     from transformers_k3.conversion.streaming import run_for_cli
 
     plan, status = run_for_cli(lambda: convert_official_checkpoint(

@@ -24,9 +24,10 @@ from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinear
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForCausalLM
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.conversion import CheckpointError, convert_official_checkpoint
+from transformers_k3.conversion import CheckpointError
+from transformers_k3.convert import convert_official_checkpoint
 from transformers_k3.conversion import kimi_linear_to_k3_state_dict  # the in-tree -> K3 key map
-from transformers_k3.conversion.export import official_config_dict
+from transformers_k3.convert.export import official_config_dict
 from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_state_dict, release_quantization_config
 from transformers_k3.conversion.streaming import write_state_dict
 from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE

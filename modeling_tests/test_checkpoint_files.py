@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.conversion import CheckpointError, convert_official_checkpoint
+from transformers_k3.conversion import CheckpointError
+from transformers_k3.convert import convert_official_checkpoint
 from transformers_k3.conversion.streaming import clean_stale_outputs
 
 from references import (

@@ -25,14 +25,9 @@ from transformers import AutoModelForCausalLM
 
 import transformers_k3
 from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig, export_release
-from transformers_k3.conversion import (
-    CheckpointError,
-    convert_official_checkpoint,
-    dequantize_mxfp4,
-    export_to_official,
-    quantize_mxfp4,
-)
-from transformers_k3.conversion.export import official_config_dict
+from transformers_k3.conversion import CheckpointError, dequantize_mxfp4, quantize_mxfp4
+from transformers_k3.convert import convert_official_checkpoint, export_to_official
+from transformers_k3.convert.export import official_config_dict
 from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_state_dict
 from transformers_k3.conversion.quant import QuantFormatError, dequantize_fp8_block
 from transformers_k3.conversion.streaming import write_state_dict
@@ -461,7 +456,7 @@ def test_tokenizer_conversion_matches_tiktoken(tmp_path, official_bf16):
     tiktoken = pytest.importorskip("tiktoken")
     from transformers import AutoTokenizer
 
-    from transformers_k3.conversion.tokenizer import KIMI_PATTERN, special_tokens_from_config
+    from transformers_k3.convert.tokenizer import KIMI_PATTERN, special_tokens_from_config
 
     # a corpus that is always there: this package's own source (English prose, code, numbers, whitespace)
     package = Path(transformers_k3.__file__).parent
@@ -515,7 +510,7 @@ def test_tokenizer_conversion_matches_tiktoken(tmp_path, official_bf16):
 # Streaming: peak memory of a many-shard conversion
 MEMORY_PROBE = textwrap.dedent("""
     import json, sys
-    from transformers_k3.conversion import convert_official_checkpoint
+    from transformers_k3.convert import convert_official_checkpoint
 
     def status(key):  # kB -> bytes, from the kernel's accounting of this process
         for line in open("/proc/self/status"):

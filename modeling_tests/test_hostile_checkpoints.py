@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.configuration_kimi_k3 import KimiK3ConfigError
-from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, export_to_official
+from transformers_k3.conversion import CheckpointError
+from transformers_k3.convert import convert_official_checkpoint, export_to_official
 from transformers_k3.conversion.quant import E2M1_VALUES, QuantFormatError, check_mxfp4_values, dequantize_mxfp4
 
 from references import (
@@ -287,7 +288,7 @@ _PEAK_RSS = textwrap.dedent("""
     vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
     import torch, transformers_k3
     from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-    from transformers_k3.conversion import convert_official_checkpoint
+    from transformers_k3.convert import convert_official_checkpoint
     vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + 2 * 2**30, resource.RLIM_INFINITY))  # a failure is MemoryError
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

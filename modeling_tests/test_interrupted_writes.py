@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.conversion import convert_official_checkpoint
+from transformers_k3.convert import convert_official_checkpoint
 
 from references import SCRIPTS, _start_conversion, _wait_for_shards, write_tiny_official
 

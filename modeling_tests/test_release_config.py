@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import transformers_k3
 from transformers_k3 import KimiK3Config, KimiK3ConfigError, KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.conversion import convert_official_checkpoint
-from transformers_k3.conversion.export import official_config_dict
+from transformers_k3.convert import convert_official_checkpoint
+from transformers_k3.convert.export import official_config_dict
 from transformers_k3.conversion.keymap import FP32_TENSOR_RE, k3_to_official_state_dict
 from transformers_k3.conversion.streaming import write_state_dict
 

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 import transformers_k3  # noqa: F401  (registers the classes and mappings)
 from transformers_k3 import KimiK3Config, KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, dequantize_mxfp4, export_to_official
+from transformers_k3.conversion import CheckpointError, dequantize_mxfp4
+from transformers_k3.convert import convert_official_checkpoint, export_to_official
 from transformers_k3.conversion.keymap import release_quantization_config
 from transformers_k3.conversion.quant import quantize_mxfp4_release
 from transformers_k3.conversion.streaming import write_state_dict

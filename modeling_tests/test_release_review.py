@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 import transformers_k3  # noqa: F401  (registers the classes and mappings)
 from transformers import AutoModelForCausalLM
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.conversion import CheckpointError, convert_official_checkpoint, export_to_official
+from transformers_k3.conversion import CheckpointError
+from transformers_k3.convert import convert_official_checkpoint, export_to_official
 from transformers_k3.conversion.quant import quantize_mxfp4_release
 from transformers_k3.conversion.quant import dequantize_mxfp4
 from transformers_k3.safetensors_header import read_safetensors_header

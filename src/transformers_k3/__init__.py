@@ -18,7 +18,7 @@ _EXPORTS = {
     "register": "auto",
     "kernelize": "ops.kernel_layers",
     "load_small": "small",
-    "export_release": "conversion.export",
+    "export_release": "convert.export",
     "KIMI_K3_RESPONSE_TEMPLATE": "chat",
     "KimiK3ParseError": "chat",
     "KimiK3Response": "chat",
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
     from .processing_kimi_k3 import KimiK3Processor, KimiK3ProcessorError
     from .small import load_small
-    from .conversion.export import export_release
+    from .convert.export import export_release
     from .tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE, KimiK3Tokenizer, build_test_tokenizer
     from .video_processing_kimi_k3 import KimiK3VideoInputError, KimiK3VideoProcessor
 

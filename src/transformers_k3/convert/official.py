@@ -31,7 +31,7 @@ import torch
 from ..configuration_kimi_k3 import KimiK3TextConfig, load_k3_config
 from ..safetensors_header import CheckpointError, TensorInfo
 from .expected import Expected, expected_tensors
-from .keymap import (
+from ..conversion.keymap import (
     DOWN_PROJS,
     FP32_TENSOR_RE,
     GATE_UP_PROJS,
@@ -46,7 +46,7 @@ from .keymap import (
     parse_expert_name,
     per_expert_name,
 )
-from .quant import (
+from ..conversion.quant import (
     FP8_DTYPES,
     FP8_SCALE_MISSING,
     QuantFormatError,
@@ -58,7 +58,7 @@ from .quant import (
     fp8_scale_name,
     fp8_weights_without_scale,
 )
-from .streaming import Checkpoint, OutputTensor, Piece, atomic_output_dir, execute_plan, parse_size
+from ..conversion.streaming import Checkpoint, OutputTensor, Piece, atomic_output_dir, execute_plan, parse_size
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 _FP8 = FP8_DTYPES
@@ -433,7 +433,7 @@ def _side_files(source_dir: Path) -> list[Path]:
     refused, never read. Checked before anything is written."""
     import stat
 
-    from .streaming import resolve_inside
+    from ..conversion.streaming import resolve_inside
 
     files = []
     for path in sorted(source_dir.iterdir()):

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .expected import expected_tensors
-from .keymap import (
+from ..conversion.keymap import (
     RELEASE_FP32_TENSOR_RE,
     TEXT_PREFIX,
     a_log_shape_ok,
@@ -54,7 +54,7 @@ from .keymap import (
     release_text_name,
 )
 from .official import ConversionPlan, _checked_mxfp4_packed, _raise_errors, resolve_dtype, writing_checkpoint
-from .quant import (
+from ..conversion.quant import (
     QuantFormatError,
     check_mxfp4_shapes,
     dequantize_mxfp4,
@@ -62,7 +62,7 @@ from .quant import (
     mxfp4_scale_2d,
     quantize_mxfp4_release,
 )
-from .streaming import Checkpoint, OutputTensor, Piece
+from ..conversion.streaming import Checkpoint, OutputTensor, Piece
 
 # Keys of our config that official configs do not carry: derived from others, or ours with the official
 # behaviour as default (written only when they differ from it).

@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..configuration_kimi_k3 import KimiK3TextConfig, is_k3_text_config_dict
 from ..safetensors_header import CheckpointError, TensorInfo
 from .official import ConversionPlan, plan_official_conversion, resolve_dtype, write_k3_config, writing_checkpoint
-from .streaming import Checkpoint
+from ..conversion.streaming import Checkpoint
 
 
 def kimi_linear_config_to_k3(kimi_linear) -> KimiK3TextConfig:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .keymap import TEXT_PREFIX
+from ..conversion.keymap import TEXT_PREFIX
 
 
 @dataclass(frozen=True)
