@@ -143,7 +143,7 @@ class KimiK3ReleaseFormatMixin:
         _remove_stale_weights(Path(save_directory), started)
         return out
 
-    # override: no public hook runs before transformers resolves and reads the checkpoint files
+    # override: no public hook runs before transformers reads the files (checks, bnb skips) or wraps load errors
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; when quantizing to bitsandbytes 4-bit (QLoRA), the linear layers its CPU
