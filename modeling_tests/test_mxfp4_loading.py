@@ -38,7 +38,7 @@ def _is_expert(name: str) -> bool:
 
 def write_small_shards(path: Path, state: dict, config) -> Path:
     """`write_release` with shards small enough that one layer's experts span several."""
-    from transformers_k3.conversion.export import official_config_dict
+    from transformers_k3.convert.export import official_config_dict
     from transformers_k3.conversion.streaming import write_state_dict
 
     write_state_dict(state, path, max_shard_size=6_000)
