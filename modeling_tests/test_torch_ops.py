@@ -354,8 +354,8 @@ def test_moe_decode(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_moe_decode_declines_weights_it_does_not_take(dtype):
     """`MoeDecode` is usable on the layer's plain weights (an fp32 router in a bf16 layer included) and declines,
-    so that the modules run, a weight in another dtype, a bf16 selection bias, a non-contiguous or meta weight and a
-    tensor subclass."""
+    so that the modules run, a weight in another dtype, a non-contiguous or meta weight and a tensor subclass (a
+    bf16 selection bias, from a model cast with .to(), it upcasts)."""
     if cpu_kernel.moe_decode_max_tokens() == 0:
         pytest.skip("the fused decode step needs AVX-512 or AVX2")
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
@@ -386,9 +386,25 @@ def test_moe_decode_declines_weights_it_does_not_take(dtype):
         assert not usable(**{name: weights[name].to(other)}), name
         assert not usable(**{name: weights[name].to("meta")}), name
         assert not usable(**{name: weights[name].detach().as_subclass(Marked)}), name
-    assert not usable(bias=weights["bias"].bfloat16())
+    assert usable(bias=weights["bias"].bfloat16())  # (upcast: the router selects on bias.float() as well)
     assert not usable(router=weights["router"].to(other))
     assert not usable(gate_up=weights["gate_up"].transpose(1, 2).contiguous().transpose(1, 2))
+
+
+def test_moe_decode_of_a_layer_cast_to_bf16_equals_its_modules():
+    """A layer cast with ``.to(bf16)`` (its selection bias cast too, unlike a bf16 load) decodes, kernelized, to
+    what its plain modules compute."""
+    cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(torch.randn(cfg.num_experts, generator=torch.Generator().manual_seed(3)))
+    moe = moe.to(torch.bfloat16)
+    assert moe.gate.e_score_correction_bias.dtype == torch.bfloat16
+    y = rand(1, cfg.hidden_size, seed=7, dtype=torch.bfloat16)
+    want = modules_path(moe, y)
+    kernelize(moe)
+    with torch.no_grad():
+        got = moe(y)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "glu"])

@@ -965,8 +965,8 @@ class MoeDecode:
         f32 = torch.float32
         if (dtype is not f32 and dtype is not torch.bfloat16) or (router.dtype is not dtype and router.dtype is not f32):
             return
-        if bias.dtype is not f32:
-            return
+        if bias.dtype is not f32:  # (a model cast with .to(): the router's own path selects on bias.float() too)
+            bias = bias.float()
         # (one pass over the tensors, not any() or several loops: this runs on every decode step of every MoE layer)
         for t in (router, bias, gate_up, down, down_latent, up_latent, norm, *(shared or ())):
             if t is None:
