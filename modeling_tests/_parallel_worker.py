@@ -124,7 +124,9 @@ def main() -> None:
     else:
         distributed = DistributedConfig(tp_size=world, ep_size=world)
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=distributed, dtype=torch.float32)
-    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    # the split model dequantizes MXFP4 experts (packed ones are not split yet): the whole one the same way
+    dequantized = {"quant_method": "k3_mxfp4", "dequantize": True}
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=dequantized).to(device)
     ids = torch.randint(3, whole.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     result = {"world": world, "mode": mode}
 
