@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -91,9 +92,11 @@ def make_row(row: str, pkg: str = "transformers_k3"):
         return run
 
     kda = importlib.import_module(pkg + ".ops.kda")
+    # (trees since kernels became opt-in take the CPU operator by `kernel=True`, as a kernelized layer passes it)
+    on = {"kernel": True} if "kernel" in inspect.signature(kda.chunk_kda).parameters else {}
     if row.startswith("kda_prefill"):
         inputs = _make_inputs(1024, 4 if row.endswith("h4") else 32, 128)
-        return no_grad(lambda: kda.chunk_kda(*inputs, output_final_state=True)), None, 1
+        return no_grad(lambda: kda.chunk_kda(*inputs, output_final_state=True, **on)), None, 1
     if row == "kda_decode_h4":
         q, k, v, g, beta = _make_inputs(1, 4, 128)
         state = 0.1 * torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(1))
@@ -102,7 +105,7 @@ def make_row(row: str, pkg: str = "transformers_k3"):
         def steps():
             for _ in range(calls):
                 kda.fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                        inplace_final_state=True)  # fmt: skip
+                                        inplace_final_state=True, **on)  # fmt: skip
         return no_grad(steps), None, calls
     if row.startswith(("experts", "layer")):
         dtype = torch.bfloat16 if row.endswith("bf16") else torch.float32
