@@ -135,7 +135,7 @@ def test_compiled_single_sequence_with_position_ids_equals_eager():
     _needs_kernels()
     batch, _ = packed_batch(False)
     ids = batch["input_ids"]
-    model = tiny_model(1).eval()
+    model = kernelize(tiny_model(1).eval())  # (the fused KDA operator: one sequence packed or not, bit for bit)
     compiled = compile_fullgraph(model)
     with torch.no_grad():
         got = compiled(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits

@@ -19,6 +19,8 @@ def recording(key: str) -> bool:
     """Whether transformers' output recording collects ``key`` (e.g. ``"router_logits"``) in the running forward."""
     if _active_collector is None:
         return False
+    if torch.compiler.is_compiling() and not getattr(_active_collector, "compiling", False):
+        return False  # (no capture_outputs inside this graph set it; dynamo cannot read the ContextVar itself)
     collected = _active_collector.get()
     return collected is not None and key in collected
 
