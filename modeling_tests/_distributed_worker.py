@@ -96,7 +96,9 @@ def main() -> None:
             return out
         return wrapper
 
+    # why: the test is that each rank runs the fused kernels; its values are the same either way
     cpu_kernel.moe_experts = counting("experts", cpu_kernel.moe_experts)
+    # why: as above, for the router's bf16 product
     cpu_kernel.linear_bf16_f32 = counting("router", cpu_kernel.linear_bf16_f32)
     model = kernelize(make_model())  # (the fused CPU kernels attached, as the README says)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -28,6 +28,7 @@ def test_read_matches_spec_formula_and_fla_naive(monkeypatch, stacked, seq):
     and fla's naive AttnRes."""
     import transformers_k3.modeling_kimi_k3 as attn_res
 
+    # why: the read is stacked or one by one by size; the threshold puts the same inputs through each way
     monkeypatch.setattr(attn_res, "STACKED_MAX_ELEMENTS", 1 << 30 if stacked else 0)
     fla = load_fla_reference("ops/attnres/naive.py")
     torch.manual_seed(0)

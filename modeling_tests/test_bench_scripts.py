@@ -20,7 +20,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}  # the sc
 def _bench_module(name):
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.modules[spec.name] = module  # why: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -48,6 +48,7 @@ def gpu_check(monkeypatch):
     it switches the KDA layers' kernels while a model runs, sets TRITON_F32_DEFAULT and the thread count."""
     _needs_fla_naive()
 
+    # why: fla's naive reference in exact fp32 under the Triton interpreter
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     threads = torch.get_num_threads()
     yield _bench_module("gpu_check")

@@ -315,6 +315,7 @@ def test_blockwise_context_attention_matches_masked_attention(tiny_model, monkey
     with torch.no_grad():
         for block, mask in ((None, causal), (7, None), (35, None), (1000, None)):
             if block is not None:
+                # why: blocks that split a 35-token context unevenly, without a 16K-token context
                 monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", block)
             cache = KimiK3HybridCache(tiny_model.config)
             mla(x[:, :35], past_key_values=cache)
@@ -340,8 +341,11 @@ def test_chunked_prefill_builds_no_context_mask(tiny_model, monkeypatch):
         calls["mask"] += 1
         return make_mask(*args, **kwargs)
 
+    # why: what is under test is that no [T, context] mask is built (memory), which the values cannot show
     monkeypatch.setattr(mla_module.KimiK3MLA, "_blockwise_attention", spy_blockwise)
+    # why: counts the masks built: no [T, context] mask is the property under test
     monkeypatch.setattr(modeling, "create_causal_mask", spy_mask)
+    # why: several context blocks without a 16K-token context
     monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", 16)
     ids = torch.randint(3, 512, (2, 100))
     with torch.no_grad():
@@ -504,6 +508,7 @@ def test_kda_with_zero_beta_outputs_zero(tiny_model, monkeypatch):
     """Invariant 11.1.7: beta = 0 keeps the state at 0, so the KDA layer outputs exactly 0."""
     layer = tiny_model.model.layers[0].self_attn
     # beta = sigmoid(b_proj(x)) underflows to exactly 0 for a pre-activation of -1e4
+    # why: beta exactly 0 needs a pre-activation no weights give for every input
     monkeypatch.setattr(layer.b_proj, "forward", lambda h: torch.full((*h.shape[:-1], layer.num_heads), -1e4))
     with torch.no_grad():
         out = layer(torch.randn(1, 10, tiny_model.config.hidden_size))
@@ -545,6 +550,7 @@ def _count_rollbacks(monkeypatch):
         undone.append(-tokens_to_remove)
         return original(self, tokens_to_remove)
 
+    # why: the test proves rollback only if a candidate was rejected, which the tokens alone do not show
     monkeypatch.setattr(KimiK3KDACacheLayer, "crop", crop)
     return undone
 

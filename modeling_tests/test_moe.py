@@ -670,6 +670,7 @@ def decode_calls(monkeypatch):
         calls.append(y.shape[0])
         return run(self, y)
 
+    # why: tests of the decode kernel's own refusals: which tokens reach it is their subject
     monkeypatch.setattr(cpu_kernel.MoeDecode, "__call__", counted)
     return calls
 
@@ -947,6 +948,7 @@ def test_decode_step_needs_the_sigmoid_the_modules_router_uses(monkeypatch):
     build: the modules' router then selects from torch's scores) the modules run."""
     decode_kernel_or_skip()
     lib = cpu_kernel.library()
+    # why: simulates a torch build whose sigmoid is not the kernel's bit for bit
     monkeypatch.setattr(cpu_kernel, "_sigmoid_matches_torch", lambda lib: False)
-    monkeypatch.delattr(lib, "k3_moe_decode_max_tokens_value", raising=False)  # (restored afterwards)
+    monkeypatch.delattr(lib, "k3_moe_decode_max_tokens_value", raising=False)  # why: drops the cached answer (restored afterwards)
     assert cpu_kernel.moe_decode_max_tokens() == 0

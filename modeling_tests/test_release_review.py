@@ -151,9 +151,14 @@ def test_push_to_hub_uploads_the_saved_config(tiny, tmp_path):
 
     repo = mock.MagicMock()
     repo.repo_id = "me/k3"
-    with mock.patch.object(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: repo), \
-            mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload), \
-            mock.patch.object(transformers_hub, "create_and_tag_model_card", lambda *a, **k: mock.MagicMock()):
+    with (
+        # why: the hub's side of push_to_hub (no network in tests)
+        mock.patch.object(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: repo),
+        # why: the hub's side of push_to_hub (no network in tests)
+        mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload),
+        # why: the hub's side of push_to_hub (no network in tests)
+        mock.patch.object(transformers_hub, "create_and_tag_model_card", lambda *a, **k: mock.MagicMock()),
+    ):
         tiny.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="me/k3")
     on_disk = json.loads((tmp_path / "hub" / "config.json").read_text())
     assert on_disk["model_type"] == "kimi_k3_text"
