@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -424,7 +425,13 @@ def _start_conversion(ckpt: Path, out: Path, sleep: float) -> subprocess.Popen:
     env = dict(os.environ, TRANSFORMERS_K3_TEST_SLEEP_AFTER_SHARD=str(sleep))
     return subprocess.Popen([sys.executable, str(SCRIPTS / "convert_k3_official_to_hf.py"), "--input", str(ckpt),
                              "--output", str(out), "--quiet", "--max-shard-size", "40KB"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_default_sighup)
+
+
+def _default_sighup():
+    """The converter as a terminal starts it: a suite run under ``nohup`` passes SIGHUP on ignored, which the
+    converter rightly keeps ignoring."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _wait_for_shards(out: Path, process: subprocess.Popen, timeout=60.0) -> Path:
