@@ -582,8 +582,8 @@ class KimiK3MLA(nn.Module):
         if attention_mask is not None:
             attention_mask = _keys_mask(attention_mask, q_len, seq, latent.device)
         # The logits, the mask (causality over the new tokens without one), the softmax and the weighted sum. The
-        # logits stay fp32: a bf16 matmul would round each to 8 bits (~0.03 at a logit of 10) before the softmax, a
-        # decode step ~3x less accurate than the prefill's attention (SGLang's K3 decode kernels keep them in fp32).
+        # logits stay fp32: a bf16 matmul would round each to 8 bits before the softmax, making a decode step less
+        # accurate than the prefill's attention (SGLang's K3 decode kernels keep them in fp32 too).
         o_latent = (self.kernel or latent_attention)(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK,
                                     attention_mask)  # [B, n*T, r]
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
