@@ -4,8 +4,8 @@ KDA's initial state is differentiable: a sequence run in two halves, the second 
 the one-shot run's outputs and every input's gradient including the initial state's (fla's ``dh0``), on the kernel
 and PyTorch paths, and float64's initial-state gradient is fla's naive recurrence's. On the tiny K3 (KDA, MLA, latent
 MoE, AttnRes): exact mode's gradients over k = 1, 2, 4, 8 segments are full-context backpropagation's; truncated
-mode's are those of ``model(segment, past_key_values=cache, labels=...)`` from a prefix cache filled without
-gradients; a cache a training forward filled continues training once detached.
+mode's are those of a full-context forward (no cache) whose prefix is detached where its state is made, and of
+``model(segment, past_key_values=cache, labels=...)`` from a prefix cache filled without gradients; a cache a training forward filled continues training once detached.
 
 Tolerances: fp32, the gradient over all parameters within 1e-5 relative (norm of the difference over norm of the
 reference) and each parameter's within 1e-5 of that whole gradient's norm. A per-parameter relative bound is not
@@ -201,6 +201,71 @@ def test_exact_mode_with_ignored_labels_and_uneven_segments(model, ids):
     _assert_same_gradients(_grads(model), want)
 
 
+def _detach_rows(prefix: int):
+    """A forward hook making the first ``prefix`` token rows of a module's ``[B, T, ...]`` output a constant."""
+    return lambda module, args, output: torch.cat([output[:, :prefix].detach(), output[:, prefix:]], dim=1)
+
+
+def _detaching_delta_rule(chunked, prefix: int):
+    """The delta rule with the prefix's k, v, g and beta constants: the recurrent state the prefix leaves is one."""
+    def run(q, k, v, g, beta, **kwargs):
+        k, v, g, beta = (torch.cat([x[:, :prefix].detach(), x[:, prefix:]], dim=1) for x in (k, v, g, beta))
+        return chunked(q, k, v, g, beta, **kwargs)
+    return run
+
+
+def _detached_prefix_gradients(model, ids, segment_len):
+    """Truncated mode's reference, without a cache: for each segment, one full-context forward whose prefix (the
+    tokens before the segment) is detached exactly where its state is made: the prefix rows of the KDA layers' raw
+    q|k|v projections (the conv window), of the delta rule's k, v, g and beta (the recurrent state), and of the MLA
+    latents (kv_a_proj_with_mqa's output and the normed c_kv). The loss is the segment's tokens' share of the
+    trajectory's loss. Returns (summed loss, gradients)."""
+    from transformers_k3.modeling_kimi_k3 import KimiK3DeltaAttention, KimiK3MLA
+
+    shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+    tokens = int((shift != -100).sum())
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for start, end in segment_bounds(ids.shape[1], segment_len):
+        labels = torch.full_like(shift, -100)
+        labels[:, start:end] = shift[:, start:end]
+        hooks, kernels = [], {}
+        for module in model.modules():
+            if isinstance(module, KimiK3DeltaAttention):
+                hooks += [getattr(module, name).register_forward_hook(_detach_rows(start))
+                          for name in ("q_proj", "k_proj", "v_proj")]  # fmt: skip
+                kernels[module] = module.kernel
+                # (the layer's kernel slot, `kernelize`'s socket, is the one place the delta rule's inputs exist)
+                chunked, recurrent = module.kernel or (chunk_kda, None)
+                module.kernel = (_detaching_delta_rule(chunked, start), recurrent)
+            elif isinstance(module, KimiK3MLA):
+                hooks += [module.kv_a_proj_with_mqa.register_forward_hook(_detach_rows(start)),
+                          module.kv_a_layernorm.register_forward_hook(_detach_rows(start))]  # fmt: skip
+        try:
+            loss = model(ids, labels=ids, shift_labels=labels, num_items_in_batch=tokens).loss
+            loss.backward()
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for module, kernel in kernels.items():
+                module.kernel = kernel
+        total = total + loss.detach()
+    return total, _grads(model)
+
+
+@pytest.mark.parametrize("segment_len", [32, 16, 24])
+def test_truncated_mode_is_the_full_context_forward_with_a_detached_prefix(model, ids, segment_len):
+    """Truncated mode over 2, 4 and 3 (uneven) segments: each segment's gradient is that of a full-context forward
+    (no cache) whose prefix's state-making quantities are constants, and the loss is the full-context loss."""
+    loss, want = _detached_prefix_gradients(model, ids, segment_len)
+    result = segment_backward(model, ids, segment_len=segment_len, mode="truncated")
+    got = _grads(model)
+    torch.testing.assert_close(result.loss, loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.loss, model(ids, labels=ids).loss.detach(), atol=1e-5, rtol=1e-5)
+    model.zero_grad(set_to_none=True)
+    _assert_same_gradients(got, want)
+
+
 def test_truncated_mode_is_the_forward_from_a_detached_prefix(model, ids):
     """Truncated mode over two segments: the first segment's full-context gradient plus the second's from a cache
     filled by a no-grad forward of the first (the prefix a constant), with the trajectory's shifted labels."""
@@ -286,7 +351,8 @@ def test_bad_arguments_are_named(model, ids):
 
 def test_exact_and_truncated_on_the_pytorch_path(model, ids):
     """Without the fused CPU kernels (the PyTorch KDA and attention paths), exact mode over 4 segments is full-context
-    backprop and truncated mode over 2 is the forward from a no-grad prefix cache."""
+    backprop, truncated mode over 2 is the forward from a no-grad prefix cache and over 4 the full-context forward
+    with a detached prefix."""
     kernelize(model, False)
     try:
         model.zero_grad(set_to_none=True)
@@ -308,6 +374,9 @@ def test_exact_and_truncated_on_the_pytorch_path(model, ids):
               num_items_in_batch=tokens).loss.backward()  # fmt: skip
         want = _grads(model)
         segment_backward(model, ids, segment_len=32, mode="truncated")
+        _assert_same_gradients(_grads(model), want)
+        _, want = _detached_prefix_gradients(model, ids, 16)
+        segment_backward(model, ids, segment_len=16, mode="truncated")
         _assert_same_gradients(_grads(model), want)
     finally:
         kernelize(model)
