@@ -18,6 +18,8 @@ and saves them back bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter
@@ -79,6 +81,11 @@ class KimiK3PackedExperts(nn.Module):
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         return self.glu.packed(gate_up_out)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """PEFT's name for a quantized layer's packed weight (GPTQ, AQLM): PEFT places adapters on its device."""
+        return self.gate_up_packed
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return mxfp4_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -214,7 +221,8 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
         dtype = model.dtype  # (the activations' dtype: a weight must be finite there, as when dequantized)
         for name, module in model.named_modules():
             if isinstance(module, KimiK3PackedExperts):
-                _check_layer(name, module, dtype)
+                with _onloaded(module):
+                    _check_layer(name, module, dtype)
         return model
 
     def is_serializable(self, safe_serialization=None) -> bool:
@@ -248,6 +256,16 @@ def _check_layer(name: str, experts: KimiK3PackedExperts, dtype: torch.dtype) ->
                 except QuantFormatError as found:
                     raise CheckpointError(f"`{name}`: expert {e} {proj}: {found}") from None
         raise CheckpointError(f"`{name}`: {error}") from None
+
+
+def _onloaded(experts: KimiK3PackedExperts):
+    """A disk- or cpu-offloaded layer's stacks loaded for the duration (accelerate's `align_module_device`: its hook
+    holds the bytes, the module holds meta tensors until a forward)."""
+    if experts.gate_up_packed.device.type != "meta":
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
+
+    return align_module_device(experts)
 
 
 def _remove_quantizer(model) -> None:

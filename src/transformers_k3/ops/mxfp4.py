@@ -59,13 +59,17 @@ def mxfp4_experts(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     gate_up_packed: torch.Tensor, gate_up_scale: torch.Tensor, down_packed: torch.Tensor, down_scale: torch.Tensor,
     glu: Callable[[torch.Tensor], torch.Tensor], kernel: bool = True,
+    gate_up_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    down_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``out [N, D]`` in ``hidden_states``' dtype: ``out[t] = sum_j w[t, j] * down_e(glu(gate_up_e(x[t])))``,
     ``e = top_k_index[t, j]``, ``w = top_k_weights``, with the packed experts of the layout above; ``glu`` maps
     ``[*, 2I]`` (gate half first) to ``[*, I]``. As ``"k3_grouped_mm"``: (token, slot) pairs sorted by expert,
     both products grouped over the sorted rows, the routing weight applied to the ``I``-wide GLU output, the
     expert outputs summed into their tokens in fp32. Ids outside ``[0, E)`` contribute nothing. Gradients reach
-    ``hidden_states`` and ``top_k_weights``. ``kernel``: as for `packed_grouped_mm`."""
+    ``hidden_states`` and ``top_k_weights``. ``kernel``: as for `packed_grouped_mm`. ``gate_up_delta`` /
+    ``down_delta``: ``f(rows [M, in], offsets [E]) -> [M, out]`` added to that product's sorted rows (a low-rank
+    adapter beside the frozen packed weights, `peft_mxfp4`); rows after ``offsets[-1]`` must come back zero."""
     num_tokens, top_k = top_k_index.shape
     experts = gate_up_packed.shape[0]
     ids = top_k_index.reshape(-1)
@@ -74,10 +78,14 @@ def mxfp4_experts(
     counts = ids.new_zeros(experts + 1).scatter_add_(0, ids, torch.ones_like(ids))  # (a static shape)
     offsets = counts[:experts].cumsum(0)
     token_ids = perm // top_k
-    gate_up = packed_grouped_mm(hidden_states.index_select(0, token_ids), gate_up_packed, gate_up_scale, offsets,
-                                kernel)
+    rows = hidden_states.index_select(0, token_ids)
+    gate_up = packed_grouped_mm(rows, gate_up_packed, gate_up_scale, offsets, kernel)
+    if gate_up_delta is not None:
+        gate_up = gate_up + gate_up_delta(rows, offsets)
     routed = glu(gate_up) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     expert_out = packed_grouped_mm(routed, down_packed, down_scale, offsets, kernel)
+    if down_delta is not None:
+        expert_out = expert_out + down_delta(routed, offsets)
     out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
     return out.index_add_(0, token_ids, expert_out.float()).to(hidden_states.dtype)
 
