@@ -36,10 +36,9 @@ def kernel():
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """A clean slate for the loader: nothing tried yet, an empty cache directory."""
-    monkeypatch.setitem(cpu_kernel._state, "tried", False)
-    monkeypatch.setitem(cpu_kernel._state, "lib", None)
-    monkeypatch.setitem(cpu_kernel._state, "error", None)
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(tmp_path / "cache"))
+    # why: the loader builds once per process and keeps the outcome; these tests need it to start over
+    monkeypatch.setattr(cpu_kernel, "_state", {"tried": False, "lib": None, "error": None})
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(tmp_path / "cache"))  # why: an empty cache of the test's own
     return tmp_path / "cache"
 
 
@@ -134,8 +133,9 @@ def test_unusable_cache_builds_in_a_private_temporary_directory(kernel, fresh_bu
     the same way) does not turn the kernels off: they are built in a per-user temporary directory."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(blocker / "cache"))
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(blocker / "cache"))  # why: the setting under test
     (tmp_path / "tmp").mkdir()
+    # why: the fallback lives under the process-wide temporary directory; the test's own keeps it out of /tmp
     monkeypatch.setattr(cpu_kernel.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert cpu_kernel.library() is not None, cpu_kernel.load_error()
     built = list((tmp_path / "tmp").glob("transformers_k3-*/cpu_kernels_*.so"))
@@ -144,8 +144,9 @@ def test_unusable_cache_builds_in_a_private_temporary_directory(kernel, fresh_bu
 
 
 def test_no_compiler_falls_back_to_the_pytorch_path(fresh_build, monkeypatch, tmp_path, caplog, fla_naive):
+    # why: a machine without a C++ compiler (none named, none on the path)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # why: (the same machine)
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__), torch.no_grad():
         o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, kernel=True)
@@ -160,7 +161,7 @@ def test_failed_build_reports_the_compiler_error(fresh_build, monkeypatch, tmp_p
     script = tmp_path / "broken-cxx"
     script.write_text("#!/bin/sh\necho 'fatal error: simulated' >&2\nexit 1\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.setenv("CXX", str(script))  # why: a compiler that fails
     assert cpu_kernel.library() is None
     assert "simulated" in cpu_kernel.load_error()
     assert os.listdir(fresh_build) == []  # the temporary output was removed
@@ -224,22 +225,22 @@ def test_sources_ship_with_the_package():
 
 
 @pytest.fixture(params=["small_gemm", "sgemm"])
-def experts_kernel(kernel, request, monkeypatch):
+def experts_kernel(kernel, request):
     """The experts kernel has two paths: register-blocked products with per-thread accumulators (small
-    experts, AVX-512 or AVX2 builds) and sgemm with expert-sorted rows; every experts test runs each, forced."""
+    experts, AVX-512 or AVX2 builds) and sgemm with expert-sorted rows; every experts test runs each, asked for by
+    `moe_experts`'s ``small_gemm`` (the value returned here)."""
     if request.param == "small_gemm" and not kernel.small_gemm_available():
         pytest.skip("this build of the kernels has no small-GEMM path (no AVX-512 or AVX2)")
-    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", request.param == "small_gemm")
-    return request.param
+    return request.param == "small_gemm"
 
 
-
-def _kernel_output(experts, x, idx, w):
-    """The experts kernel's own output on these tensors, without autograd (None where it declines): a call that
-    equals it bitwise was computed by the kernel (the PyTorch path sums in another order)."""
+def _kernel_output(experts, x, idx, w, small_gemm=None):
+    """The experts kernel's own output on these tensors, without autograd (None where it declines), on the path its
+    sizes pick or the one ``small_gemm`` asks for: a call that equals it bitwise was computed by the kernel (the
+    PyTorch path sums in another order)."""
     with torch.no_grad():
         return cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, experts.is_transposed,
-                                      experts.glu)  # fmt: skip
+                                      experts.glu, small_gemm=small_gemm)  # fmt: skip
 
 
 def _pytorch_experts(experts, x, idx, w):
@@ -269,8 +270,9 @@ def _routing(num_tokens, top_k, num_experts, seed=3, skip=None):
 )
 @pytest.mark.parametrize("shape", [(37, 4), (1, 4), (20, 1), (300, 2)])
 def test_experts_kernel_matches_the_per_token_loop(experts_kernel, overrides, shape):
-    """Inference through k3_cpu_kernel: the kernel's output equals the float64 spec loop <= 1e-5 (300 tokens
-    on top-2 of 16 experts gives experts more rows than one task takes)."""
+    """Inference through k3_cpu_kernel (the kernel on the path its sizes pick) and through the kernel on each
+    path: the output equals the float64 spec loop <= 1e-5 (300 tokens on top-2 of 16 experts gives experts more
+    rows than one task takes)."""
     cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL, **overrides)
     experts = randomize(KimiK3Experts(cfg))
     num_tokens, top_k = shape
@@ -280,8 +282,9 @@ def test_experts_kernel_matches_the_per_token_loop(experts_kernel, overrides, sh
         out = experts(x, idx, w)
     assert torch.equal(out, _kernel_output(experts, x, idx, w))
     ref, _ = ref_experts(experts, x, idx, w, torch.zeros(num_tokens, experts.hidden_dim))
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    for got in (out, _kernel_output(experts, x, idx, w, small_gemm=experts_kernel)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 # (latent width, intermediate size): the tiny config's, and widths that are no multiple of 16 and differ, so that
@@ -296,17 +299,17 @@ def test_experts_kernel_reads_transposed_weights(experts_kernel, width):
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(40, 4, 16)
     x = torch.randn(40, latent, generator=torch.Generator().manual_seed(6))
+    path = {"small_gemm": experts_kernel}
     expected = cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj.data, experts.down_proj.data, False,
-                                              experts.glu)  # fmt: skip
+                                      experts.glu, **path)  # fmt: skip
     ref, _ = ref_experts(experts, x, idx, w, torch.zeros(40, latent))
     torch.testing.assert_close(expected.double(), ref, atol=1e-5, rtol=1e-5)
     gate_up_t = experts.gate_up_proj.data.transpose(1, 2).contiguous()
     down_t = experts.down_proj.data.transpose(1, 2).contiguous()
-    out = cpu_kernel.moe_experts(x, idx, w, gate_up_t, down_t, True, experts.glu)
+    out = cpu_kernel.moe_experts(x, idx, w, gate_up_t, down_t, True, experts.glu, **path)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
     # non-contiguous weights are not copied per call: the caller falls back to the PyTorch path
-    assert cpu_kernel.moe_experts(x, idx, w, gate_up_t.transpose(1, 2), down_t, False,
-                                          experts.glu) is None  # fmt: skip
+    assert cpu_kernel.moe_experts(x, idx, w, gate_up_t.transpose(1, 2), down_t, False, experts.glu, **path) is None
 
 
 def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
@@ -316,13 +319,16 @@ def test_experts_kernel_sentinels_and_no_tokens(experts_kernel):
     idx, w = _routing(9, 2, 8)
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(7))
     args = (experts.gate_up_proj.data, experts.down_proj.data, False, experts.glu)
-    out = cpu_kernel.moe_experts(x, idx, w, *args)
+    path = {"small_gemm": experts_kernel}
+    out = cpu_kernel.moe_experts(x, idx, w, *args, **path)
     with_sentinels = cpu_kernel.moe_experts(
         x, torch.cat([idx, torch.full((9, 1), 8), torch.full((9, 1), -1)], 1),
-        torch.cat([w, torch.ones(9, 2)], 1), *args,
+        torch.cat([w, torch.ones(9, 2)], 1), *args, **path,
     )  # fmt: skip
     torch.testing.assert_close(with_sentinels, out, atol=0, rtol=0)
-    empty = cpu_kernel.moe_experts(x[:0], idx[:0], w[:0], *args)
+    ref, _ = ref_experts(experts, x, idx, w, torch.zeros(9, 32))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    empty = cpu_kernel.moe_experts(x[:0], idx[:0], w[:0], *args, **path)
     assert empty.shape == (0, 32)
 
 
@@ -355,7 +361,7 @@ def test_experts_kernel_activation_values_and_gradients(experts_kernel, glu_form
     down[0, :inter] = torch.eye(inter)
     n = x.shape[0]
     idx, w = torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)
-    out = cpu_kernel.moe_experts(x, idx, w, gate_up, down, False, activation)
+    out = cpu_kernel.moe_experts(x, idx, w, gate_up, down, False, activation, small_gemm=experts_kernel)
     probe = torch.randn(n, 2 * inter, generator=torch.Generator().manual_seed(21))
     (out * probe).sum().backward()
 
@@ -373,7 +379,8 @@ def test_experts_kernel_activation_values_and_gradients(experts_kernel, glu_form
 
 
 def test_experts_kernel_huge_activations_stay_bounded(experts_kernel):
-    """SiTU caps both halves: activations of 1e30 and infinities give the PyTorch path's finite values."""
+    """SiTU caps both halves: activations of 1e30 and infinities give the PyTorch path's finite values (the
+    module, and the kernel on each path)."""
     cfg = make_config(num_experts=8, _experts_implementation=K3_CPU_KERNEL)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(6, 2, 8)
@@ -385,12 +392,14 @@ def test_experts_kernel_huge_activations_stay_bounded(experts_kernel):
     assert torch.equal(fused, _kernel_output(experts, x, idx, w))
     assert torch.isfinite(reference).all()
     torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(_kernel_output(experts, x, idx, w, experts_kernel), reference, atol=1e-4, rtol=1e-5)
 
 
-def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel):
-    """fp32 weights and inputs, with or without autograd: the kernel; bf16 too on the small-GEMM path (the sgemm
-    path declines bf16 weights); under expert parallelism, or through k3_grouped_mm without the kernel attached:
-    the PyTorch path (bitwise its values); k3_grouped_mm with the kernel attached (`kernelize`): the kernel."""
+def test_experts_kernel_runs_exactly_where_it_applies(kernel):
+    """fp32 weights and inputs, with or without autograd: the kernel; bf16 too where the build has the small-GEMM
+    path (the sgemm path declines bf16 weights); under expert parallelism, or through k3_grouped_mm without the
+    kernel attached: the PyTorch path (bitwise its values); k3_grouped_mm with the kernel attached (`kernelize`):
+    the kernel."""
     cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(37, 4, 16)
@@ -408,7 +417,7 @@ def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel):
         experts._is_expert_parallel = False
         experts.bfloat16()
         bf16_out = experts(x.bfloat16(), idx, w)
-        if experts_kernel == "small_gemm":
+        if kernel.small_gemm_available():
             assert torch.equal(bf16_out, _kernel_output(experts, x.bfloat16(), idx, w))
         else:
             assert _kernel_output(experts, x.bfloat16(), idx, w) is None
@@ -430,9 +439,10 @@ def test_experts_kernel_runs_exactly_where_it_applies(experts_kernel):
 )
 @pytest.mark.parametrize("shape", [(37, 4), (300, 2)])
 def test_experts_kernel_backward_matches_the_per_token_loop(experts_kernel, overrides, shape):
-    """Gradients of the kernel's backward (input, routing weights, both expert weights) equal the float64 spec
-    loop's <= 1e-5; 300 tokens on top-2 of 16 experts accumulate an expert's weight gradient over several
-    row tiles; expert 3 is never chosen and gets exactly zero."""
+    """Gradients of the kernel's backward (input, routing weights, both expert weights; the module's, on the path
+    its sizes pick, and the kernel's on each path) equal the float64 spec loop's <= 1e-5; 300 tokens on top-2 of
+    16 experts accumulate an expert's weight gradient over several row tiles; expert 3 is never chosen and gets
+    exactly zero."""
     cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL, **overrides)
     experts = randomize(KimiK3Experts(cfg))
     num_tokens, top_k = shape
@@ -445,10 +455,17 @@ def test_experts_kernel_backward_matches_the_per_token_loop(experts_kernel, over
     assert "moe_experts" in type(out.grad_fn).__name__ and torch.equal(out.detach(), _kernel_output(experts, x, idx, w))
     (out * probe).sum().backward()
     _, ref_grads = ref_experts(experts, x, idx, w, probe)
-    grads = (x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
-    for name, g, g_ref in zip(("x", "weights", "gate_up_proj", "down_proj"), grads, ref_grads):
-        torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert (experts.gate_up_proj.grad[3] == 0).all() and (experts.down_proj.grad[3] == 0).all()
+    xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
+    down = experts.down_proj.detach().clone().requires_grad_()
+    forced = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, experts.is_transposed, experts.glu,
+                                    small_gemm=experts_kernel)  # fmt: skip
+    (forced * probe).sum().backward()
+    for grads in ((x.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad),
+                  (xs.grad, ws.grad, gate_up.grad, down.grad)):  # fmt: skip
+        for name, g, g_ref in zip(("x", "weights", "gate_up_proj", "down_proj"), grads, ref_grads):
+            torch.testing.assert_close(g.double(), g_ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert (grads[2][3] == 0).all() and (grads[3][3] == 0).all()
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -469,7 +486,7 @@ def test_experts_kernel_backward_transposed_weights_and_partial_needs(experts_ke
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         gate_up, down = gate_up.contiguous().requires_grad_(), down.contiguous().requires_grad_()
         xs, ws = x.clone().requires_grad_(inputs_need_grad), w.clone().requires_grad_(inputs_need_grad)
-        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu)
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu, small_gemm=experts_kernel)
         (out * probe).sum().backward()
         if transposed:
             return xs.grad, ws.grad, gate_up.grad.transpose(1, 2), down.grad.transpose(1, 2)
@@ -498,7 +515,7 @@ def test_experts_kernel_thread_counts_and_repeatability(experts_kernel, threads)
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
         down = experts.down_proj.detach().clone().requires_grad_()
-        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu)
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu, small_gemm=experts_kernel)
         (out * probe).sum().backward()
         return out.detach(), xs.grad, ws.grad, gate_up.grad, down.grad
 
@@ -515,60 +532,44 @@ def test_experts_kernel_thread_counts_and_repeatability(experts_kernel, threads)
         assert torch.equal(b, c)
 
 
-def test_experts_kernel_backward_from_saved_products(experts_kernel, monkeypatch):
-    """On the small-GEMM path the forward saves the gate/up products and the backward reads them instead of
-    recomputing: the same gradients as a backward that recomputes (the forward made to save nothing), and as one
-    on the other path (the path switched between forward and backward: the saved products are then unused)."""
+def test_experts_kernel_backward_from_saved_products(experts_kernel):
+    """On the small-GEMM path the forward keeps the gate/up products and the backward reads them instead of
+    recomputing: the same gradients as a backward that recomputes them (``save_products=False``), and both the
+    float64 spec loop's <= 1e-5."""
     cfg = make_config(num_experts=16)
     experts = randomize(KimiK3Experts(cfg))
     idx, w = _routing(300, 4, 16)
     x = torch.randn(300, 32, generator=torch.Generator().manual_seed(18))
     probe = torch.randn(300, 32, generator=torch.Generator().manual_seed(19))
 
-    def grads(between=lambda: None):
+    def grads(save_products):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
         down = experts.down_proj.detach().clone().requires_grad_()
-        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu)
-        between()
+        out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, False, experts.glu, small_gemm=experts_kernel,
+                                     save_products=save_products)  # fmt: skip
         (out * probe).sum().backward()
         return xs.grad, ws.grad, gate_up.grad, down.grad
 
-    saved = []
-    forward = cpu_kernel._experts_forward
-
-    def recording(*args, **kwargs):
-        result = forward(*args, **kwargs)
-        saved.append(result[1] if kwargs.get("save_products") else None)
-        return result
-
-    monkeypatch.setattr(cpu_kernel, "_experts_forward", recording)
-    expected = grads()
-    assert (saved[-1] is not None) == (experts_kernel == "small_gemm")
-
-    def without_saving(*args, save_products=False, **kwargs):
-        return forward(*args, **kwargs), None
-
-    monkeypatch.setattr(cpu_kernel, "_experts_forward", without_saving)
-    for got, want in zip(grads(), expected):
+    expected = grads(True)
+    for got, want in zip(grads(False), expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    monkeypatch.setattr(cpu_kernel, "_experts_forward", forward)
-    other = experts_kernel != "small_gemm"
-    switched = grads(lambda: monkeypatch.setattr(cpu_kernel, "_small_gemm_override", other))
-    for got, want in zip(switched, expected):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, ref_grads = ref_experts(experts, x, idx, w, probe)
+    for got, want in zip(expected, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def _bf16_experts_run(experts, x, idx, w, probe, dtype, transposed):
-    """The kernel's output and gradients with the operands as ``dtype`` (weights stored [E, in, out] if
-    ``transposed``; gradients returned in [E, out, in])."""
+def _bf16_experts_run(experts, x, idx, w, probe, dtype, transposed, save_products=True):
+    """The kernel's output and gradients on the small-GEMM path with the operands as ``dtype`` (weights stored
+    [E, in, out] if ``transposed``; gradients returned in [E, out, in])."""
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     gate_up = gate_up.to(dtype).contiguous().requires_grad_()
     down = down.to(dtype).contiguous().requires_grad_()
     xs, ws = x.to(dtype).detach().requires_grad_(), w.clone().requires_grad_()  # (x itself left as it was)
-    out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu)
+    out = cpu_kernel.moe_experts(xs, idx, ws, gate_up, down, transposed, experts.glu, small_gemm=True,
+                                 save_products=save_products)  # fmt: skip
     (out * probe.to(dtype)).sum().backward()
     grad_gate_up, grad_down = gate_up.grad, down.grad
     if transposed:
@@ -578,7 +579,7 @@ def _bf16_experts_run(experts, x, idx, w, probe, dtype, transposed):
 
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch, transposed, threads):
+def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, transposed, threads):
     """bf16 weights, activations and output gradient (small-GEMM path): the output and every gradient are the
     fp32 kernel's on the operands' exact fp32 copies, rounded to bf16 once, bitwise (the weight gradients of
     each expert summed in fp32 and rounded by the kernel as torch rounds: ties to even); the routing weights
@@ -587,7 +588,6 @@ def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch
     gate/up products gives the same bits as one that reads the forward's."""
     if not kernel.small_gemm_available():
         pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 or AVX2 here)")
-    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)
     cfg = make_config(num_experts=16, routed_expert_hidden_size=40, moe_intermediate_size=12)
     experts = randomize(KimiK3Experts(cfg))
     with torch.no_grad():  # weights that are bf16 values, so that the reference sees the same numbers
@@ -597,16 +597,13 @@ def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch
     gen = torch.Generator().manual_seed(31)
     x = torch.randn(300, 40, generator=gen).bfloat16().float()
     probe = torch.randn(300, 40, generator=gen).bfloat16().float()
-    forward = cpu_kernel._experts_forward
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         low = _bf16_experts_run(experts, x, idx, w, probe, torch.bfloat16, transposed)
         full = _bf16_experts_run(experts, x, idx, w, probe, torch.float32, transposed)
-        # a backward that recomputes the gate/up products (as when the forward saved none) gives the same bits
-        monkeypatch.setattr(cpu_kernel, "_experts_forward",
-                            lambda *a, save_products=False, **k: (forward(*a, **k), None))  # fmt: skip
-        recomputed = _bf16_experts_run(experts, x, idx, w, probe, torch.bfloat16, transposed)
+        # a backward that recomputes the gate/up products (the forward saved none) gives the same bits
+        recomputed = _bf16_experts_run(experts, x, idx, w, probe, torch.bfloat16, transposed, save_products=False)
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(a, b) for a, b in zip(recomputed, low))
@@ -619,39 +616,42 @@ def test_experts_kernel_bf16_is_the_fp32_kernel_rounded_once(kernel, monkeypatch
     torch.testing.assert_close(low[0].double(), ref, atol=1e-5, rtol=2**-8)
 
 
-def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel, monkeypatch):
-    """A bf16 KimiK3Experts under k3_grouped_mm runs the kernel when it takes the small-GEMM path (forward and
+def test_experts_kernel_bf16_in_the_module_and_where_it_falls_back(kernel):
+    """A bf16 KimiK3Experts under k3_grouped_mm with small experts runs the kernel (the small-GEMM path; forward and
     backward) and agrees with the PyTorch path in bf16 (which rounds every product and activation to bf16) to
-    bf16 accuracy; where the sgemm path would run (here forced; by default decode steps and full-size experts)
-    the kernel declines bf16 weights and the PyTorch path computes the call."""
+    bf16 accuracy; where the sgemm path would run (asked for; by default full-size experts) the kernel declines
+    bf16 weights and the module's output and gradients are the PyTorch path's, bitwise."""
     if not kernel.small_gemm_available():
         pytest.skip("bf16 weights take the small-GEMM path only (no AVX-512 or AVX2 here)")
-    cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL)
-    experts = randomize(KimiK3Experts(cfg)).bfloat16()
     idx, w = _routing(300, 4, 16)
-    x = torch.randn(300, 32, generator=torch.Generator().manual_seed(32)).bfloat16()
-    probe = torch.randn(300, 32, generator=torch.Generator().manual_seed(33)).bfloat16()
 
-    def run(forward):
+    def run(experts, forward, x, probe):
         experts.zero_grad(set_to_none=True)
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = forward(xs, idx, ws)
         (out * probe).sum().backward()
         return out.detach(), xs.grad, ws.grad, experts.gate_up_proj.grad, experts.down_proj.grad
 
-    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", True)  # why: the small-GEMM path, whatever the shape
-    fused = run(experts)
-    assert torch.equal(fused[0], _kernel_output(experts, x, idx, w))
-    reference = run(functools.partial(_pytorch_experts, experts))
-    for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), fused, reference):
-        assert got.dtype == want.dtype, name
-        scale = want.float().abs().max()
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0, msg=lambda m: f"{name}: {m}")
-    monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)  # why: the sgemm path, which declines bf16
-    assert cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
-                                  experts.glu) is None  # fmt: skip
-    for got, want in zip(run(experts), reference):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)  # the PyTorch path itself
+    for latent, inter in ((32, 32), (256, 272)):  # (3 x 256 x 272 floats: past SMALL_EXPERT_FLOATS)
+        cfg = make_config(num_experts=16, _experts_implementation=K3_CPU_KERNEL, routed_expert_hidden_size=latent,
+                          moe_intermediate_size=inter)  # fmt: skip
+        experts = randomize(KimiK3Experts(cfg)).bfloat16()
+        gen = torch.Generator().manual_seed(32 + latent)
+        x, probe = (torch.randn(300, latent, generator=gen).bfloat16() for _ in range(2))
+        fused = run(experts, experts, x, probe)
+        reference = run(experts, functools.partial(_pytorch_experts, experts), x, probe)
+        if latent == 32:
+            assert torch.equal(fused[0], _kernel_output(experts, x, idx, w))
+            for name, got, want in zip(("out", "x", "weights", "gate_up_proj", "down_proj"), fused, reference):
+                assert got.dtype == want.dtype, name
+                scale = want.float().abs().max()
+                torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=0,
+                                           msg=lambda m: f"{name}: {m}")  # fmt: skip
+            assert _kernel_output(experts, x, idx, w, small_gemm=False) is None
+        else:
+            assert _kernel_output(experts, x, idx, w) is None
+            for got, want in zip(fused, reference):
+                torch.testing.assert_close(got, want, atol=0, rtol=0)  # the PyTorch path itself
 
 
 def test_experts_small_gemm_path_is_chosen_for_small_experts(kernel):
@@ -809,11 +809,11 @@ def test_router_sparse_backward_matches_dense_autograd(kernel, hidden):
 
 
 def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch):
-    """A kernelized KimiK3Router on CPU: the kernel picks the experts (torch.topk is not called), with and without autograd,
-    the same experts and weights as with the kernels off; under autograd the chosen scores' sparse backward
-    gives the dense path's gradients for the input and the router weight (<= 1e-5), and the returned logits
-    keep their own graph (an auxiliary loss on them still reaches the router); grouped routing keeps
-    torch.topk."""
+    """A kernelized KimiK3Router on CPU, with and without autograd, with the kernels' sigmoid and (as on a torch whose
+    sigmoid differs from it) torch's: the same experts and weights as with the kernels off; under autograd the
+    gradients for the input and the router weight are the dense path's (<= 1e-5), and the returned logits keep
+    their own graph (an auxiliary loss on them still reaches the router); grouped routing gives the kernels-off
+    router's experts and weights."""
     from references import make_config as moe_config
     from transformers_k3.modeling_kimi_k3 import KimiK3Router
 
@@ -837,19 +837,11 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
     kernelize(router, False)
     ref_index, ref_weights, ref_grads, ref_aux = run()
     kernelize(router)
-    calls, fused = [], []
-    topk, sigmoid_topk = torch.topk, cpu_kernel.router_sigmoid_topk
-    monkeypatch.setattr(torch, "topk", lambda *a, **k: calls.append(1) or topk(*a, **k))
-    monkeypatch.setattr(cpu_kernel, "router_sigmoid_topk", lambda *a: fused.append(sigmoid_topk(*a)) or fused[-1])
     # the fused sigmoid + selection, and (as where it cannot run) torch's sigmoid + the top-k kernel
     for sigmoid_in_kernel in (True, False):
+        # why: simulates a torch build whose sigmoid is not the kernels' bit for bit (the router then ranks torch's)
         monkeypatch.setattr(cpu_kernel, "_sigmoid_matches_torch", lambda lib: sigmoid_in_kernel)
-        fused.clear()
         index, weights, grads, aux = run()
-        assert calls == []
-        # (builds without AVX-512 or AVX2 have no fused sigmoid: the kernel declines even when the check is forced)
-        expect_fused = sigmoid_in_kernel and bool(kernel.sigmoid_available())
-        assert fused and all((result is not None) == expect_fused for result in fused)
         assert torch.equal(index, ref_index)
         # (the renormalising sum adds the k scores in another order: the kernel lists them in descending order)
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
@@ -862,8 +854,15 @@ def test_router_uses_the_kernels_and_agrees_with_torch_topk(kernel, monkeypatch)
         assert torch.equal(index_no_grad.sort(-1).values, ref_index)
     grouped = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, num_expert_group=4,
                                                 topk_group=2)))  # fmt: skip
-    grouped(x)
-    assert calls != []
+    grouped.load_state_dict(router.state_dict())
+    with torch.no_grad():
+        _, grouped_weights, grouped_index = grouped(x)
+        kernelize(grouped, False)
+        _, plain_weights, plain_index = grouped(x)
+    got, want = grouped_index.sort(-1), plain_index.sort(-1)
+    assert torch.equal(got.values, want.values)
+    torch.testing.assert_close(grouped_weights.gather(1, got.indices), plain_weights.gather(1, want.indices),
+                               atol=1e-6, rtol=1e-6)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -925,11 +924,11 @@ def test_linear_bf16_f32_gradients_and_where_it_declines(amx):
 
 
 @pytest.mark.parametrize("tokens", [300, 3])
-def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
-    """A bf16 KimiK3Router computes its fp32 logits through linear_bf16_f32 (the tile unit for 300 tokens, dot
+def test_bf16_router_logits_on_the_tile_unit(amx, tokens):
+    """A kernelized bf16 KimiK3Router's fp32 logits are linear_bf16_f32's (the tile unit for 300 tokens, dot
     products for 3): within the fp32-summation bound of the float64 logits (as the kernels-off path's F.linear on
-    fp32 copies is), and the same experts chosen; a router kept in fp32 (`router_fp32`) on bf16 inputs does not
-    use it (its weight is no bf16 value)."""
+    fp32 copies is), and the same experts chosen; a router kept in fp32 (`router_fp32`) on bf16 inputs gets
+    F.linear's logits on fp32 copies (its weight is no bf16 value)."""
     from references import make_config as moe_config
     from transformers_k3.modeling_kimi_k3 import KimiK3Router
 
@@ -937,11 +936,8 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(42))
     router.bfloat16()
     x = torch.randn(tokens, router.hidden_size, generator=torch.Generator().manual_seed(41)).bfloat16()
-    calls = []
-    original = cpu_kernel.linear_bf16_f32
-    monkeypatch.setattr(cpu_kernel, "linear_bf16_f32", lambda *a: calls.append(original(*a)) or calls[-1])
     logits, weights, index = router(x)
-    assert len(calls) == 1 and calls[0] is logits
+    assert torch.equal(logits, cpu_kernel.linear_bf16_f32(x, router.weight))
     exact = x.double() @ router.weight.double().t()
     assert ((logits.double() - exact).abs() <= _fp32_sum_bound(x, router.weight)).all()
     kernelize(router, False)
@@ -956,9 +952,8 @@ def test_bf16_router_logits_on_the_tile_unit(amx, monkeypatch, tokens):
     kept = kernelize(KimiK3Router(moe_config(num_experts=64, num_experts_per_tok=6, router_fp32=True)))
     torch.nn.init.normal_(kept.weight, std=0.5, generator=torch.Generator().manual_seed(43))
     assert kept.weight.dtype == torch.float32
-    calls.clear()
-    kept(x)
-    assert calls == [None]
+    kept_logits, _, _ = kept(x)
+    assert torch.equal(kept_logits, torch.nn.functional.linear(x.float(), kept.weight))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1137,11 +1132,11 @@ def test_router_screened_topk_tiny_rows_keep_their_bound(amx):
         assert torch.equal(index, _screened(x, w, bias, 1, screen=False)[0])
 
 
-def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monkeypatch):
-    """KimiK3SparseMoE in fp32 routes through router_screened_topk (no [N, E] GEMM): the layer's output and its
-    gradients (input, router weight, experts) match the kernels-off path (<= 1e-5). The router gives its logits
-    whenever they are read: called directly, under a forward hook (Quantile Balancing's), or when the model records
-    ``output_router_logits``; then the screen does not run."""
+def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx):
+    """A kernelized KimiK3SparseMoE in fp32 (whose router screens its selection: no [N, E] GEMM): the layer's output
+    and its gradients (input, router weight, experts) match the kernels-off path (<= 1e-5). The router gives its
+    logits (F.linear's) whenever they are read: called directly, under a forward hook, while Quantile Balancing
+    observes it; asked for the selection alone it gives none (screened) once nobody reads them again."""
     from references import make_config as moe_config
     from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
 
@@ -1150,10 +1145,7 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
     layer.gate.e_score_correction_bias.normal_(std=0.05, generator=torch.Generator().manual_seed(3))
     tokens = moe_ops.SCREEN_MIN_TOKENS + 8
     x = torch.randn(1, tokens, 64, generator=torch.Generator().manual_seed(10))
-    calls = []
-    original = cpu_kernel.router_screened_topk
-    monkeypatch.setattr(cpu_kernel, "router_screened_topk",
-                        lambda *a, **k: calls.append(original(*a, **k)) or calls[-1])  # fmt: skip
+    dense = torch.nn.functional.linear(x.reshape(tokens, 64), layer.gate.weight).detach()
 
     def run():
         layer.zero_grad(set_to_none=True)
@@ -1163,38 +1155,40 @@ def test_moe_layer_selects_with_the_screen_unless_the_logits_are_read(amx, monke
         return out.detach(), xs.grad, layer.gate.weight.grad, layer.experts.gate_up_proj.grad
 
     got = run()
-    assert len(calls) == 1 and calls[0] is not None
     kernelize(layer, False)
     want = run()
     kernelize(layer)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
-    calls.clear()
-    logits, _, _ = layer.gate(x)  # a direct call: the logits
-    assert logits.shape == (tokens, 48) and calls == []
+    with torch.no_grad():
+        assert layer.gate(x, need_logits=False)[0] is None  # the selection alone: screened
+        logits, _, _ = layer.gate(x)  # a direct call: the logits
+    torch.testing.assert_close(logits, dense, atol=1e-5, rtol=1e-5)
     seen = []
     handle = layer.gate.register_forward_hook(lambda module, args, output: seen.append(output[0]))
     with torch.no_grad():
         kernelize(layer)(x)  # (a hook present when the kernels are attached: the router keeps its own forward)
     handle.remove()
-    assert calls == [] and seen[0].shape == (tokens, 48)
+    torch.testing.assert_close(seen[0], dense, atol=1e-5, rtol=1e-5)
     from transformers_k3 import RouterBalancer
 
     kernelize(layer)
-    with RouterBalancer(layer, router_class=type(layer.gate)) as balancer, torch.no_grad():
+    with RouterBalancer(layer, router_class=type(layer.gate)), torch.no_grad():
         layer.train()
         layer(x)  # (Quantile Balancing's hooks, attached after kernelize, read the logits)
         layer.eval()
-    assert calls == [] and balancer is not None
+        observed = layer.gate(x, need_logits=False)[0]
+    torch.testing.assert_close(observed, dense, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
-        layer(x)
-    assert len(calls) == 1
+        assert layer.gate(x, need_logits=False)[0] is None
+        torch.testing.assert_close(layer(x), want[0], atol=1e-5, rtol=1e-5)
 
 
 def test_model_records_router_logits_with_the_screen_on(amx):
-    """A model asked for ``output_router_logits`` returns every MoE layer's [N, E] logits (the screen steps
-    aside for that call), those of the kernels-off path (<= 1e-5), and the next plain call screens again."""
+    """A kernelized model (whose fp32 routers screen their selection) asked for ``output_router_logits`` returns
+    every MoE layer's [N, E] logits, those of the kernels-off path (<= 1e-5); asked again, and without them, the
+    same values."""
     from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
     torch.manual_seed(0)
@@ -1210,14 +1204,12 @@ def test_model_records_router_logits_with_the_screen_on(amx):
         assert a.shape == (ids.shape[1], model.config.num_experts)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
-    calls = []
-    original = cpu_kernel.router_screened_topk
-    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-        patch.setattr(cpu_kernel, "router_screened_topk", lambda *a, **k: calls.append(original(*a, **k)) or calls[-1])
-        model(ids, output_router_logits=True)
-        assert calls == []
-        model(ids)
-    assert len(calls) == len(out.router_logits) and all(c is not None for c in calls)
+    with torch.no_grad():
+        again = model(ids, output_router_logits=True)
+        plain = model(ids)
+    for a, b in zip(again.router_logits, ref.router_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain.logits, ref.logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture
@@ -1236,14 +1228,14 @@ LINEAR_BF16_SHAPES = [((1, 256), 128), ((1, 1, 256), 1), ((3, 37), 100), ((15, 1
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", LINEAR_BF16_SHAPES)
-def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, monkeypatch, shape, with_bias):
-    """linear_bf16 on bf16 operands: every output is the float64 value of x w^T + b, summed in fp32 in some order
-    (within K 2^-24 sum |products|) and rounded to bf16 once (to nearest: within half a bf16 ulp); and it is torch's
-    bf16 F.linear except where the two fp32 sums round a near-tie apart (one bf16 ulp, both within the bound)."""
+def test_linear_bf16_rows_is_one_rounding_of_an_fp32_sum(linear_bf16, shape, with_bias):
+    """linear_bf16 on bf16 operands (every row count it takes on a CPU without bf16 instructions): every output is
+    the float64 value of x w^T + b, summed in fp32 in some order (within K 2^-24 sum |products|) and rounded to bf16
+    once (to nearest: within half a bf16 ulp); and it is torch's bf16 F.linear except where the two fp32 sums round
+    a near-tie apart (one bf16 ulp, both within the bound)."""
     x_shape, n = shape
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
     x, w, b = _bf16_linear_operands(x_shape, n, with_bias)
-    out = cpu_kernel.linear_bf16(x, w, b)
+    out = cpu_kernel.linear_bf16(x, w, b, native_bf16=False)
     _assert_one_rounding_of_an_fp32_sum(out, x, w, b)
 
 
@@ -1277,24 +1269,24 @@ def _assert_one_rounding_of_an_fp32_sum(out, x, w, b):
         assert differ.float().mean() <= 0.01
 
 
-def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16, monkeypatch):
+def test_linear_bf16_rows_declines_what_it_does_not_compute(linear_bf16):
     """None (then F.linear) for: fp32 or mixed dtypes, 16 rows or more, 5 to 15 rows of a product over 2^20
     multiply-adds on a CPU with bf16 instructions (torch's matmul is the faster there; without them it takes
     those), a gradient wanted, an fp32 bias, a shape mismatch (F.linear raises its own error), the kernels off."""
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [True])
+    native = functools.partial(cpu_kernel.linear_bf16, native_bf16=True)  # (sized for a CPU with bf16 instructions)
     x, w = torch.randn(2, 32).bfloat16(), torch.randn(8, 32).bfloat16()
-    assert cpu_kernel.linear_bf16(x, w) is not None
-    assert cpu_kernel.linear_bf16(x.float(), w.float()) is None
-    assert cpu_kernel.linear_bf16(x, w.float()) is None
-    assert cpu_kernel.linear_bf16(torch.randn(15, 32).bfloat16(), w) is not None
-    assert cpu_kernel.linear_bf16(torch.randn(16, 32).bfloat16(), w) is None
+    assert native(x, w) is not None
+    assert native(x.float(), w.float()) is None
+    assert native(x, w.float()) is None
+    assert native(torch.randn(15, 32).bfloat16(), w) is not None
+    assert native(torch.randn(16, 32).bfloat16(), w) is None
     big = torch.zeros(1024, 1024).bfloat16()  # (rows x 2^20 multiply-adds)
-    assert cpu_kernel.linear_bf16(torch.randn(4, 1024).bfloat16(), big) is not None
-    assert cpu_kernel.linear_bf16(torch.randn(5, 1024).bfloat16(), big) is None
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])  # (no bf16 instructions: any size, up to 47 rows)
-    assert cpu_kernel.linear_bf16(torch.randn(15, 1024).bfloat16(), big) is not None
-    assert cpu_kernel.linear_bf16(torch.randn(47, 1024).bfloat16(), big) is not None
-    assert cpu_kernel.linear_bf16(torch.randn(48, 32).bfloat16(), w) is None
+    assert native(torch.randn(4, 1024).bfloat16(), big) is not None
+    assert native(torch.randn(5, 1024).bfloat16(), big) is None
+    without = functools.partial(cpu_kernel.linear_bf16, native_bf16=False)  # (no bf16 instructions: up to 47 rows)
+    assert without(torch.randn(15, 1024).bfloat16(), big) is not None
+    assert without(torch.randn(47, 1024).bfloat16(), big) is not None
+    assert without(torch.randn(48, 32).bfloat16(), w) is None
     assert cpu_kernel.linear_bf16(x.requires_grad_(), w) is None
     with torch.no_grad():
         assert cpu_kernel.linear_bf16(x, w) is not None
@@ -1366,55 +1358,50 @@ UPCAST_SHAPES = [((64, 96), 200, None), ((2, 30, 64), 33, None), ((48, 40), 24, 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", UPCAST_SHAPES)
-def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(monkeypatch, shape, with_bias):
+def test_linear_bf16_upcast_is_one_rounding_of_an_fp32_sum(shape, with_bias):
     """linear_bf16_upcast (a bf16 prefill's linear on a CPU without bf16 instructions, here forced) is the fp32
     GEMM of the bf16 values rounded once: every output within half a bf16 ulp of an fp32 sum of the exact
     products (the float64 value within K 2^-24 sum |products|), whole or in blocks; unblocked it is bitwise
     F.linear on the fp32 copies, rounded; and torch's bf16 F.linear differs only by near-ties (one bf16 ulp, on at
     most 1 % of the outputs)."""
     x_shape, n, block = shape
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
-    if block is not None:
-        monkeypatch.setattr(cpu_kernel, "UPCAST_BLOCK", block)
     x, w, b = _bf16_linear_operands(x_shape, n, with_bias)
-    out = cpu_kernel.linear_bf16_upcast(x, w, b)
+    out = cpu_kernel.linear_bf16_upcast(x, w, b, native_bf16=False, block=block or cpu_kernel.UPCAST_BLOCK)
     _assert_one_rounding_of_an_fp32_sum(out, x, w, b)
     if block is None:
         upcast = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
         assert torch.equal(out, upcast)
 
 
-def test_linear_bf16_upcast_declines_what_it_does_not_compute(monkeypatch):
+def test_linear_bf16_upcast_declines_what_it_does_not_compute():
     """None (then F.linear) for: up to 15 rows, and up to 47 where linear_bf16's kernel runs (it is the faster
     there, in calls of 15 rows), fp32 or mixed dtypes, a gradient wanted, an fp32 bias, a shape mismatch, and
-    a CPU with bf16 instructions (torch's bf16 matmul is fast there); `KernelLinear` takes it for a
-    plain bf16 nn.Linear on a prefill without autograd."""
+    a CPU with bf16 instructions (torch's bf16 matmul is fast there); `KernelLinear` on a plain bf16 prefill without
+    autograd gives its value on this CPU (F.linear's where it declines)."""
     from transformers_k3.ops.linear import KernelLinear
 
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [False])
+    upcast = functools.partial(cpu_kernel.linear_bf16_upcast, native_bf16=False)  # (a CPU without bf16 instructions)
     w = torch.randn(8, 32).bfloat16()
-    assert cpu_kernel.linear_bf16_upcast(torch.randn(48, 32).bfloat16(), w) is not None
-    assert cpu_kernel.linear_bf16_upcast(torch.randn(15, 32).bfloat16(), w) is None
+    assert upcast(torch.randn(48, 32).bfloat16(), w) is not None
+    assert upcast(torch.randn(15, 32).bfloat16(), w) is None
     kernel_here = cpu_kernel.library() is not None and cpu_kernel.library().linear_bf16_available()
-    assert (cpu_kernel.linear_bf16_upcast(torch.randn(47, 32).bfloat16(), w) is None) == bool(kernel_here)
+    assert (upcast(torch.randn(47, 32).bfloat16(), w) is None) == bool(kernel_here)
     x = torch.randn(60, 32).bfloat16()
-    assert cpu_kernel.linear_bf16_upcast(x.float(), w.float()) is None
-    assert cpu_kernel.linear_bf16_upcast(x, w.float()) is None
-    assert cpu_kernel.linear_bf16_upcast(x, w, torch.randn(8)) is None
-    assert cpu_kernel.linear_bf16_upcast(torch.randn(40, 31).bfloat16(), w) is None
-    assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is None
+    assert upcast(x.float(), w.float()) is None
+    assert upcast(x, w.float()) is None
+    assert upcast(x, w, torch.randn(8)) is None
+    assert upcast(torch.randn(40, 31).bfloat16(), w) is None
+    assert upcast(x.clone().requires_grad_(), w) is None
     with torch.no_grad():
-        assert cpu_kernel.linear_bf16_upcast(x.clone().requires_grad_(), w) is not None
+        assert upcast(x.clone().requires_grad_(), w) is not None
+    assert cpu_kernel.linear_bf16_upcast(x, w, native_bf16=True) is None
     layer = KernelLinear(32, 8).bfloat16()
     plain = lambda inp: torch.nn.functional.linear(inp, layer.weight, layer.bias)  # noqa: E731
     with torch.no_grad():
         out = layer(x)
-        assert torch.equal(out, cpu_kernel.linear_bf16_upcast(x, layer.weight, layer.bias))
+        here = cpu_kernel.linear_bf16_upcast(x, layer.weight, layer.bias)  # (None on a CPU with bf16 instructions)
+        assert torch.equal(out, plain(x) if here is None else here)
         torch.testing.assert_close(out, plain(x), atol=0, rtol=2**-7)
-    monkeypatch.setattr(cpu_kernel, "_native_bf16", [True])
-    assert cpu_kernel.linear_bf16_upcast(x, w) is None
-    with torch.no_grad():
-        assert torch.equal(layer(x), plain(x))
 
 
 @pytest.mark.parametrize("activation", [("situ", 4.0, 25.0), ("situ", 2.5, None), ("silu",)])
@@ -1452,7 +1439,7 @@ def test_glu_kernel_values_and_gradients_against_float64(kernel, activation, sha
     assert cpu_kernel.glu(a, u.bfloat16(), activation) is None  # mixed dtypes: the caller's torch path
 
 
-def test_mlp_uses_the_glu_kernel_for_situ_only(kernel, monkeypatch):
+def test_mlp_uses_the_glu_kernel_for_situ_only(kernel):
     """A kernelized KimiK3MLP (the dense MLP and the shared experts) gets the SiTU kernel (cpu_kernel.glu), forward
     and backward matching the module without kernels to fp32 rounding; a SiLU MLP gets none (torch's own ops, bit
     for bit Kimi Linear)."""

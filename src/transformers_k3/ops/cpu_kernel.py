@@ -678,7 +678,8 @@ LINEAR_BF16_ANY_SIZE_ROWS = 4
 LINEAR_BF16_SMALL_MACS = 1 << 20  # rows x N x K
 
 
-def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                native_bf16: bool | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for bf16 tensors on CPU with few rows (a decode step: up to 4 rows, or up to
     15 for a product of at most 2^20 multiply-adds; on a CPU without bf16 instructions any product up to 47 rows,
     15 rows a call; see LINEAR_BF16_MAX_ROWS), computed by
@@ -686,13 +687,14 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rounded to bf16 once (ties to even), the quantity torch's bf16 matmul computes, with the sums in another
     order. torch's bf16 matmul has a fixed cost per call far above fp32's, which dominates one-row products.
     Returns None where it does not apply: other dtypes, devices or tensor types, more rows, autograd (a gradient
-    is wanted), the kernels unbuilt or without AVX-512 / AVX2; then use F.linear."""
+    is wanted), the kernels unbuilt or without AVX-512 / AVX2; then use F.linear. ``native_bf16`` sizes the rows
+    taken as for a CPU with (True) or without (False) bf16 instructions; None: this CPU (`native_bf16_matmul`)."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
     n, k = weight.shape
     if rows > LINEAR_BF16_ANY_SIZE_ROWS and (rows > LINEAR_BF16_MAX_ROWS or rows * n * k > LINEAR_BF16_SMALL_MACS):
-        if rows > LINEAR_BF16_CHUNKED_ROWS or native_bf16_matmul():
+        if rows > LINEAR_BF16_CHUNKED_ROWS or (native_bf16_matmul() if native_bf16 is None else native_bf16):
             return None
     lib = library()
     if lib is None or not _linear_bf16_available(lib):
@@ -742,21 +744,22 @@ def native_bf16_matmul() -> bool:
     return _native_bf16[0]
 
 
-def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       native_bf16: bool | None = None, block: int = UPCAST_BLOCK) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for bf16 tensors on a CPU without bf16 dot-product instructions
     (`native_bf16_matmul` false: AVX2 machines, AVX-512 ones before Cooper Lake), many rows (a prefill: more than
     LINEAR_BF16_CHUNKED_ROWS, fewer being `linear_bf16`'s; more than 15 where its kernel is missing), no autograd:
     the fp32 GEMM on fp32 copies of the bf16 values, the bias added in fp32, rounded to bf16 once. That is the
     quantity torch's bf16 matmul computes (the products of bf16 values are exact in fp32, summed in fp32, rounded
     once), with the sums in another order; there torch's bf16 GEMM runs at a small fraction of its fp32 rate.
-    The copies are made in blocks of at most UPCAST_BLOCK floats
+    The copies are made in blocks of at most ``block`` floats
     of the weight (output features) and of the input (rows), so the extra memory stays bounded whatever the sizes.
     Returns None where it does not apply (other dtypes, devices or tensor types, few rows, autograd, a CPU with
-    bf16 instructions, the kernels unbuilt); then use F.linear."""
+    bf16 instructions, the kernels unbuilt); then use F.linear. ``native_bf16`` as for `linear_bf16`."""
     rows = _bf16_linear_rows(x, weight, bias)
     if rows is None:
         return None
-    if rows <= LINEAR_BF16_MAX_ROWS or native_bf16_matmul():
+    if rows <= LINEAR_BF16_MAX_ROWS or (native_bf16_matmul() if native_bf16 is None else native_bf16):
         return None
     if rows <= LINEAR_BF16_CHUNKED_ROWS:
         lib = library()
@@ -765,8 +768,8 @@ def linear_bf16_upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     x2, out2 = x.reshape(rows, k), out.view(rows, n)
-    cols = max(1, min(n, UPCAST_BLOCK // k))
-    block_rows = max(1, min(rows, UPCAST_BLOCK // max(k, cols)))
+    cols = max(1, min(n, block // k))
+    block_rows = max(1, min(rows, block // max(k, cols)))
     for j in range(0, n, cols):
         w = weight[j : j + cols].float()
         b = None if bias is None else bias[j : j + cols].float()
@@ -1010,7 +1013,7 @@ class MoeDecode:
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed: bool,
-                activation: tuple):  # fmt: skip
+                activation: tuple, *, small_gemm: bool | None = None, save_products: bool = True):  # fmt: skip
     """The routed experts through the fused kernel, differentiable (the kernel has a backward), or None when it
     cannot run here (then use the PyTorch path).
 
@@ -1026,19 +1029,27 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     weight gradients are each expert's fp32 sums rounded to bf16. (The PyTorch path in bf16 rounds each product
     and activation to bf16 on the way.) bf16 weights take the small-GEMM path only (the experts' weights are
     converted in cache, as they are transposed there); elsewhere this returns None.
+
+    Both paths compute the same function: ``small_gemm`` None picks by size (`experts_small_gemm`), True takes the
+    small-GEMM path (where this build has it), False sgemm. Under autograd the small-GEMM path keeps its gate/up
+    products for the backward; ``save_products=False`` has the backward recompute them.
     """
     if library() is None or not (gate_up_proj.is_contiguous() and down_proj.is_contiguous()):
         return None  # (copying all experts' weights per call would cost more than the kernel saves)
-    if gate_up_proj.dtype != torch.float32 and not _experts_sizes(hidden_states, gate_up_proj, top_k_index,
-                                                                   transposed)[-1]:  # fmt: skip
+    if small_gemm is None:
+        small = _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)[-1]
+    else:
+        small = small_gemm and bool(_feature("small_gemm_available"))
+    if gate_up_proj.dtype != torch.float32 and not small:
         return None  # (bf16 weights: the small-GEMM path only)
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        out, _ = _experts_forward(*tensors, top_k_index, transposed, activation, save_products=True)
+        out = _experts_forward(*tensors, top_k_index, transposed, activation, small, save_products=save_products)
+        out = out[0] if save_products else out
         if out is None:
             raise RuntimeError("the fused CPU MoE kernel failed (see the warning above)")
         return out
-    return _experts_forward(*tensors, top_k_index, transposed, activation)
+    return _experts_forward(*tensors, top_k_index, transposed, activation, small)
 
 
 def _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed):
@@ -1086,12 +1097,12 @@ def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_to
 
 
 def _experts_forward(hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, transposed, activation,
-                     save_products: bool = False):  # fmt: skip
+                     small: bool, save_products: bool = False):  # fmt: skip
     """``out [N, D]`` (None if the kernel failed) from ``transformers_k3::moe_experts``; with ``save_products``
     ``(out, saved)``: on the small-GEMM path ``saved [N k, 2I]`` holds the gate/up products (expert-sorted) for the
     backward, which then skips recomputing them (autograd keeps the same products in the PyTorch path), else
-    None. The op is differentiable (its backward is ``moe_experts_backward``)."""
-    small = _experts_sizes(hidden_states, gate_up_proj, top_k_index, transposed)[-1]
+    None. ``small``: the small-GEMM path, else sgemm. The op is differentiable (its backward is
+    ``moe_experts_backward``)."""
     tensors = (hidden_states, top_k_weights, gate_up_proj, down_proj)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
     try:
