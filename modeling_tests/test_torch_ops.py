@@ -322,31 +322,32 @@ def test_moe_experts(small, transposed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_moe_decode(dtype, monkeypatch):
+def test_moe_decode(dtype):
+    """The whole-layer decode operator on a layer's weights (`MoeDecode`, as the layer's kernel builds it) passes
+    opcheck and computes what the layer's modules compute, as does the kernelized layer; a bias of the wrong shape
+    is a named error."""
     if cpu_kernel.moe_decode_max_tokens() == 0:
         pytest.skip("the fused decode step needs AVX-512 or AVX2")
-    made = []
-    original = cpu_kernel.MoeDecode.__init__
-
-    def recording(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    # why: the arguments the attached layer hands the kernel are the operator's inputs under test
-    monkeypatch.setattr(cpu_kernel.MoeDecode, "__init__", recording)
     cfg, moe = make_moe(_experts_implementation=K3_GROUPED_MM)
     kernelize(moe)
     moe = moe.to(dtype)
     moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.float()  # (fp32, as a bf16 load keeps it)
-    y = rand(3, cfg.hidden_size, seed=7, dtype=dtype)
-    with torch.no_grad():
-        moe(y)
-    [kernel] = made
+    gate, experts, shared = moe.gate, moe.experts, moe.shared_experts
+    down, norm, up = moe.routed_expert_down_proj, moe.routed_expert_norm, moe.routed_expert_up_proj
+    shared_weights = tuple(m.weight.detach() for m in (shared.gate_proj, shared.up_proj, shared.down_proj))
+    kernel = cpu_kernel.MoeDecode(dtype, gate.weight.detach(), gate.e_score_correction_bias, gate.top_k,
+                                  gate.renormalize, gate.routed_scaling_factor, down.weight.detach(),
+                                  norm.weight.detach(), norm.variance_epsilon, up.weight.detach(),
+                                  experts.gate_up_proj.detach(), experts.down_proj.detach(), experts.glu,
+                                  shared_weights)  # fmt: skip
     assert kernel.usable
+    y = rand(3, cfg.hidden_size, seed=7, dtype=dtype)
     weights = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in kernel.args)  # (no derivative)
     opcheck(ops.moe_decode.default, (y, *weights))
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ops.moe_decode(y, *kernel.args), modules_path(moe, y), **tolerance)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(y), modules_path(moe, y), **tolerance)
     with pytest.raises(RuntimeError, match="bias must have shape"):
         ops.moe_decode(y, kernel.args[0], kernel.args[1][:-1], *kernel.args[2:])
 
