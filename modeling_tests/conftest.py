@@ -40,6 +40,16 @@ def tiny_model(tiny_config):
 
 
 @pytest.fixture(scope="module")
+def model():
+    """A randomized tiny model in eval mode, one per test module, with ``logit_scale`` 0.5 (so that a path which drops
+    the scale shows). A module that defines its own ``model`` fixture uses that one instead."""
+    torch.manual_seed(0)
+    config = transformers_k3.KimiK3TextConfig.tiny()
+    config.logit_scale = 0.5
+    return randomize_(transformers_k3.KimiK3ForCausalLM(config)).eval()
+
+
+@pytest.fixture(scope="module")
 def fla_naive():
     """fla's naive recurrent KDA (fla/ops/kda/naive.py); skips where fla or einops is missing."""
     module, reason = _load_fla_naive()

@@ -12,14 +12,6 @@ from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from references import randomize_
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = KimiK3TextConfig.tiny()
-    config.logit_scale = 0.5
-    return randomize_(KimiK3ForCausalLM(config)).eval()
-
-
 _MOE_ON_META = """
 import sys, torch
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize

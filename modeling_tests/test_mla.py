@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 import transformers_k3.modeling_kimi_k3 as mla
-from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+from transformers_k3 import KimiK3HybridCache, KimiK3TextConfig
 from transformers_k3.modeling_kimi_k3 import KimiK3MLA, uses_blockwise_attention
 
 from references import k3_config_matching, kimi_linear_config, randomize_
@@ -240,14 +240,6 @@ def test_steps_on_a_cache_match_in_tree_kimi_linear(implementation, masked):
 
 # --------------------------------------------------------------------------------------------------
 # In the model: padded rows, the flash-attention family's 2-D mask, a chunk decided on another device
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = KimiK3TextConfig.tiny()
-    config.logit_scale = 0.5
-    return randomize_(KimiK3ForCausalLM(config)).eval()
-
-
 @pytest.fixture
 def implementation(model):
     """Sets ``config._attn_implementation`` for a test and restores it."""
