@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from transformers_k3.checkpoint_checks import check_pretrained_directory
+from transformers_k3.conversion.checkpoint_checks import check_pretrained_directory
 from transformers_k3.conversion.streaming import read_index
 
 

@@ -395,7 +395,7 @@ def test_a_running_conversion_is_not_cleaned_and_a_half_swap_is_undone(tmp_path)
 def test_pre_quantized_checkpoints_keep_their_integer_tensors(tmp_path):
     """A checkpoint saved by a transformers quantizer (bitsandbytes, GPTQ, ...) stores integer tensors by design and
     that quantizer checks them; the duplicate/index/path checks still apply to it."""
-    from transformers_k3.checkpoint_checks import check_pretrained_directory
+    from transformers_k3.conversion.checkpoint_checks import check_pretrained_directory
 
     save_file({"model.layers.0.mlp.gate_proj.weight": torch.zeros(8, 1, dtype=torch.uint8),
                "model.layers.0.mlp.gate_proj.weight.absmax": torch.zeros(2)},

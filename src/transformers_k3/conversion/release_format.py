@@ -150,7 +150,7 @@ class KimiK3ReleaseFormatMixin:
         kernel cannot pack are added to ``llm_int8_skip_modules`` first (`_narrow_for_bnb_4bit`). A local directory's
         index and shard headers are checked first (`checkpoint_checks`: duplicate or unindexed tensors, integer
         weights, files outside the directory raise `CheckpointError`)."""
-        from ..checkpoint_checks import check_pretrained_directory
+        from .checkpoint_checks import check_pretrained_directory
 
         check_pretrained_directory(pretrained_model_name_or_path, kwargs)
         if kwargs.get("quantization_config") is None and _ships_mxfp4_experts(cls, pretrained_model_name_or_path, kwargs):
@@ -164,7 +164,7 @@ class KimiK3ReleaseFormatMixin:
         if getattr(quantization_config, "load_in_4bit", False):
             kwargs["quantization_config"] = _narrow_for_bnb_4bit(cls, pretrained_model_name_or_path,
                                                                  quantization_config, kwargs)
-        from ..checkpoint_checks import check_hub_checkpoint
+        from .checkpoint_checks import check_hub_checkpoint
 
         from .hf_mapping import recording_conversion_failures
         from ..safetensors_header import CheckpointError

@@ -128,7 +128,7 @@ def _cast_dtype(out_name: str, source_dtype: torch.dtype, expected: Expected, ta
 def load_config_of(source: Checkpoint):
     """`load_k3_config` for the checkpoint's ``config.json``; any way the file can be wrong is a
     `CheckpointError` naming it (`KimiK3ConfigError` names the bad field)."""
-    from ..checkpoint_checks import check_config_fits_files
+    from ..conversion.checkpoint_checks import check_config_fits_files
     from ..configuration_kimi_k3 import KimiK3ConfigError
 
     try:

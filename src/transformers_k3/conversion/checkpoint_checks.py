@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .conversion.streaming import (
+from .streaming import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
     CheckpointError,
@@ -66,7 +66,7 @@ def _quantizer_integer_dtypes(quantization) -> tuple | None:
 def _check_quantized_tensors(tensors: dict, quantization, owned: bool) -> None:
     """What transformers would load silently wrong: an FP8 weight where no quantizer takes it (read unscaled), and an
     integer tensor of a dtype the configured quantizer never stores (it loads, then fails inside the quantizer)."""
-    from .conversion.quant import FP8_DTYPES, FP8_SCALE_MISSING, fp8_weights_without_scale
+    from .quant import FP8_DTYPES, FP8_SCALE_MISSING, fp8_weights_without_scale
 
     if not _quantizer_takes_fp8(quantization):
         dtypes = {name: info.dtype for name, info in tensors.items()}
@@ -99,7 +99,7 @@ _FP8_QUANTIZERS = ("fp8", "fbgemm_fp8", "compressed-tensors", "quark", "torchao"
 def _quantizer_takes_fp8(quantization) -> bool:
     """Whether transformers builds a quantizer that reads FP8 weights with their scales (fbgemm / finegrained FP8,
     compressed-tensors FP8 schemes...); the release's compressed-tensors MXFP4 is dequantised by this package instead."""
-    from .configuration_kimi_k3 import is_mxfp4_scheme
+    from ..configuration_kimi_k3 import is_mxfp4_scheme
 
     if not isinstance(quantization, dict) or quantization.get("quant_method") not in _FP8_QUANTIZERS:
         return False
@@ -129,7 +129,7 @@ def check_config_fits_files(config, weight_bytes: int, where) -> None:
 
 
 def _config_fits(config, config_dict: dict, tensors: dict, where) -> None:
-    from .configuration_kimi_k3 import KimiK3ConfigError, load_k3_config
+    from ..configuration_kimi_k3 import KimiK3ConfigError, load_k3_config
 
     if config is None:
         if config_dict.get("model_type") not in ("kimi_k3", "kimi_k3_text", "kimi_linear"):
