@@ -39,10 +39,10 @@ def test_the_walk_sees_every_kind_of_import():
 REASON = "# why:"
 # Files another slice of issue 45 is rewriting (their monkeypatches become value tests or get a reason there): exempt
 # while any of their monkeypatches lacks a reason; once each says why, a file is held to the budget like any other.
-PENDING = {"test_cpu_kernels.py"}
+PENDING: set[str] = set()
 # Objects the whole suite may replace (environment variables not counted): simulations of what this machine lacks
-# (a GPU, Triton, a network hub) where no socket takes a stand-in.
-REPLACEMENT_BUDGET = 37  # a ratchet at today's count (test_cpu_kernels aside): lower it as spies become value tests
+# (a GPU, Triton, a network hub, another torch build) where no socket takes a stand-in, and sizes that pick a path.
+REPLACEMENT_BUDGET = 34  # a ratchet at today's count: lower it as spies become value tests
 _MONKEYPATCH_ENV = {"setenv", "delenv", "chdir", "syspath_prepend"}
 _MONKEYPATCH_OBJECTS = {"setattr", "delattr", "setitem", "delitem"}
 
