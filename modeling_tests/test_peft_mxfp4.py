@@ -292,6 +292,35 @@ def test_disk_offload_from_pretrained_moves_the_packed_stacks(release, tmp_path)
         assert torch.equal(model(IDS).logits, want)
 
 
+def test_disk_map_without_offload_buffers_names_the_resident_layers(release, tmp_path):
+    from transformers_k3.quantization_kimi_k3 import PackedOffloadWarning
+
+    device_map = _map_with(packed(release), {"model.layers.2.mlp.experts"}, "disk")
+    with pytest.warns(PackedOffloadWarning, match=r"layers\.2\.mlp\.experts.*offload_buffers=True"):
+        model = KimiK3ForCausalLM.from_pretrained(release, dtype=FP32, device_map=device_map,
+                                                  offload_folder=tmp_path / "offload")  # fmt: skip
+    assert model.model.layers[2].mlp.experts.gate_up_packed.device.type == "cpu"  # (resident, as the warning says)
+
+
+def test_an_offloaded_layer_is_still_checked_at_load(release, tmp_path):
+    """The after-load value check reads a disk-offloaded layer's bytes: a NaN scale there is refused by name."""
+    from transformers_k3.conversion import CheckpointError
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    from references import shard_tensors
+
+    state = shard_tensors(release)
+    name = "model.layers.2.block_sparse_moe.experts.3.w2.weight_scale"
+    state[name] = state[name].clone()
+    state[name][0, 0] = 255  # (E8M0's NaN)
+    write_state_dict(state, tmp_path / "bad", max_shard_size=40_000)
+    (tmp_path / "bad" / "config.json").write_text((release / "config.json").read_text())
+    device_map = _map_with(packed(release), {"model.layers.2.mlp.experts"}, "disk")
+    with pytest.raises(CheckpointError, match=r"layers.2.mlp.experts`: expert 3 w2: .*E8M0"):
+        KimiK3ForCausalLM.from_pretrained(tmp_path / "bad", device_map=device_map, offload_buffers=True,
+                                          offload_folder=tmp_path / "offload")  # fmt: skip
+
+
 @pytest.mark.parametrize("how", ["cpu", "disk"])
 def test_accelerate_offload_runs_the_experts_on_offloaded_stacks(release, tmp_path, how):
     model = packed(release)

@@ -19,6 +19,7 @@ and saves them back bit for bit.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -223,6 +224,7 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
             if isinstance(module, KimiK3PackedExperts):
                 with _onloaded(module):
                     _check_layer(name, module, dtype)
+        _warn_resident_offloaded(model)
         return model
 
     def is_serializable(self, safe_serialization=None) -> bool:
@@ -268,6 +270,28 @@ def _onloaded(experts: KimiK3PackedExperts):
     return align_module_device(experts)
 
 
+class PackedOffloadWarning(UserWarning):
+    """A device map offloads packed experts that stayed resident (their stacks are buffers)."""
+
+
+def _warn_resident_offloaded(model) -> None:
+    """Names the packed layers a device map offloads (``"disk"``, or ``"cpu"`` beside an accelerator) whose stacks
+    were kept resident: accelerate offloads buffers only with ``offload_buffers=True``."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    offloaded = {"disk"} | ({"cpu"} if any(d not in ("cpu", "disk") for d in device_map.values()) else set())
+    resident = []
+    for name, module in model.named_modules():
+        if isinstance(module, KimiK3PackedExperts) and module.gate_up_packed.device.type != "meta":
+            entries = [k for k in device_map if k == "" or name == k or name.startswith(k + ".")]
+            if entries and device_map[max(entries, key=len)] in offloaded:
+                resident.append(name)
+    if resident:
+        warnings.warn(f"the device map offloads the packed MXFP4 experts of {resident[:3]}"
+                      f"{f' and {len(resident) - 3} more layers' if len(resident) > 3 else ''}, but their stacks are "
+                      "buffers, which accelerate keeps resident unless from_pretrained gets offload_buffers=True",
+                      PackedOffloadWarning, stacklevel=2)  # fmt: skip
+
+
 def _remove_quantizer(model) -> None:
     """transformers' `HfQuantizer.remove_quantization_config` without dropping the load's conversions (which
     ``save_pretrained`` reverses)."""
@@ -285,5 +309,5 @@ def _remove_quantizer(model) -> None:
 
 ALL_EXPERTS_FUNCTIONS.register(K3_MXFP4, mxfp4_experts_forward)
 
-__all__ = ["K3_MXFP4", "KimiK3Mxfp4Config", "KimiK3Mxfp4HfQuantizer", "KimiK3PackedExperts", "SplitPackedExperts",
-           "StackPackedExperts", "packed_conversions"]  # fmt: skip
+__all__ = ["K3_MXFP4", "KimiK3Mxfp4Config", "KimiK3Mxfp4HfQuantizer", "KimiK3PackedExperts", "PackedOffloadWarning",
+           "SplitPackedExperts", "StackPackedExperts", "packed_conversions"]  # fmt: skip
