@@ -119,14 +119,16 @@ def test_decays_beyond_the_gate_bound(fla_naive, decay):
 
 
 @pytest.mark.parametrize("decay", ["k3", "weak"])
-def test_whole_decays_inside_sub_chunks(fla_naive, monkeypatch, decay):
+def test_whole_decays_inside_sub_chunks(fla_naive, decay):
     """Each decay inside a sub-chunk taken whole, the exponential of its own segment's sum (what a graph takes when
-    the caller gives no bound on the gate; eager where a sub-chunk's span is too wide to factor): fla's recurrence."""
-    monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)  # why: the unfactored branch eager takes only on wide spans
+    the caller gives no bound on the gate, here compiled; eager where a sub-chunk's span is too wide to factor):
+    fla's recurrence."""
     q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 16, decay, seed=9)
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch._dynamo.reset()
     for fn in (chunk_kda, chunk_kda_64):
-        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, s = torch.compile(fn, backend="eager", fullgraph=True)(q, k, v, g, beta, initial_state=h0,
+                                                                  output_final_state=True)  # fmt: skip
         assert_close(o, ref_o)
         assert_close(s, ref_s)
 
@@ -290,10 +292,9 @@ def test_gradients_match_naive_autograd(fla_naive, fn):
 def test_gradcheck_float64(monkeypatch, factored):
     """Tiny float64 case with four 2-token sub-chunks per chunk, so the sub-chunk links, the solve,
     padding, varlen and the state hand-off are all differentiated; the decays inside a sub-chunk factored around
-    its middle, or each taken whole (what a graph without a bound on the gate computes)."""
+    its middle (eager, small decays), or each taken whole (what a graph without a bound on the gate computes:
+    compiled)."""
     monkeypatch.setattr(kda_ops, "_SUB_CHUNK", 2)  # why: gradcheck needs tiny shapes that still span sub-chunks
-    if not factored:
-        monkeypatch.setattr(kda_ops, "_SPAN_LIMIT", -1.0)  # why: the unfactored branch eager takes only on wide spans
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape):
@@ -305,7 +306,10 @@ def test_gradcheck_float64(monkeypatch, factored):
     h0 = leaf(2, 1, 3, 2)
     cu = torch.tensor([0, 6, 9])
 
-    for fn, extra in ((chunk_kda, {"chunk_size": 8}), (fused_recurrent_kda, {})):
+    torch._dynamo.reset()
+    whole = torch.compile(chunk_kda, backend="eager", fullgraph=True)
+    cases = ((chunk_kda, {"chunk_size": 8}), (fused_recurrent_kda, {})) if factored else ((whole, {"chunk_size": 8}),)
+    for fn, extra in cases:
 
         def run(q, k, v, g, beta, h0, fn=fn, extra=extra):
             return fn(
