@@ -126,10 +126,17 @@ def test_save_and_reload_into_a_fresh_packed_model(release, tmp_path):
     assert {k for k in saved if ".layers.1.mlp.experts." in k} == {
         f"base_model.model.model.layers.1.mlp.experts.{n}.weight" for n in ("lora_A", "lora_B", "lora_down_A",
                                                                              "lora_down_B")}  # fmt: skip
-    config = packed_experts_lora(peft.LoraConfig.from_pretrained(tmp_path / "adapter"))
-    fresh = peft.PeftModel.from_pretrained(packed(release), tmp_path / "adapter", config=config).eval()
+    for low_cpu_mem_usage in (False, True):
+        config = packed_experts_lora(peft.LoraConfig.from_pretrained(tmp_path / "adapter"))
+        fresh = peft.PeftModel.from_pretrained(packed(release), tmp_path / "adapter", config=config,
+                                               low_cpu_mem_usage=low_cpu_mem_usage).eval()  # fmt: skip
+        with torch.no_grad():
+            assert torch.equal(fresh(IDS).logits, want)
+    base = packed(release)  # transformers' own adapter API takes the same config
+    base.load_adapter(tmp_path / "adapter", peft_config=packed_experts_lora(peft.LoraConfig.from_pretrained(
+        tmp_path / "adapter")))  # fmt: skip
     with torch.no_grad():
-        assert torch.equal(fresh(IDS).logits, want)
+        assert torch.equal(base(IDS).logits, want)
 
 
 def test_short_lora_run_lowers_the_loss_and_quantile_balancing_trains(release):
