@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 IDS = torch.randint(3, 500, (2, 14), generator=torch.Generator().manual_seed(0))
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+SHARED_AND_LATENT = ["gate_proj", "up_proj", "down_proj", "routed_expert_down_proj", "routed_expert_up_proj"]
 MOE_LAYERS = range(1, 6)
 
 
@@ -92,7 +93,12 @@ def test_matches_peft_target_parameters_on_the_dequantized_experts(release):
 
 
 def test_gradients_reach_adapters_and_inputs_and_the_packed_bytes_stay(release):
-    model = lora(packed(release), target_modules=["experts", *ATTENTION])
+    """LoRA on attention, shared experts, latent projections and the packed routed experts together."""
+    model = lora(packed(release), target_modules=["experts", *ATTENTION, *SHARED_AND_LATENT])
+    wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_modules() if n.endswith("lora_A")}
+    for name in ("mlp.experts", "mlp.shared_experts.gate_proj", "mlp.shared_experts.down_proj",
+                 "mlp.routed_expert_down_proj", "mlp.routed_expert_up_proj", "self_attn.o_proj"):  # fmt: skip
+        assert any(w.endswith(f"layers.1.{name}") for w in wrapped), name
     before = {n: b.clone() for n, b in model.named_buffers() if ".experts." in n}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
