@@ -854,6 +854,13 @@ def _copy_expert_blocks(module, state_dict, prefix) -> None:
             target.copy_(block)
 
 
+def experts_widths(config) -> tuple[int, int, int]:
+    """``(num_experts, hidden_dim, intermediate_dim)`` of a MoE layer's routed experts: ``hidden_dim`` is the latent
+    width ``routed_expert_hidden_size`` for the latent MoE, else ``hidden_size``."""
+    latent = config.routed_expert_hidden_size
+    return config.num_experts, config.hidden_size if latent is None else latent, config.moe_intermediate_size
+
+
 @kernel_layer("k3_experts")
 @use_experts_implementation
 class KimiK3Experts(nn.Module):
@@ -868,10 +875,7 @@ class KimiK3Experts(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.num_experts = config.num_experts
-        latent = config.routed_expert_hidden_size
-        self.hidden_dim = config.hidden_size if latent is None else latent
-        self.intermediate_dim = config.moe_intermediate_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim = experts_widths(config)
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.glu = GLU.from_config(config)

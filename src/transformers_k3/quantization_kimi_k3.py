@@ -31,7 +31,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .conversion.hf_mapping import FuseExperts, _expert_pattern, _recorded
 from .conversion.quant import QuantFormatError, check_mxfp4_values, mxfp4_scale_2d
-from .modeling_kimi_k3 import GLU, KimiK3Experts
+from .modeling_kimi_k3 import GLU, KimiK3Experts, experts_widths
 from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
 
 K3_MXFP4 = "k3_mxfp4"  # the quant_method, and the experts-interface name (ops.mxfp4.MXFP4_EXPERTS)
@@ -67,10 +67,7 @@ class KimiK3PackedExperts(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.num_experts = config.num_experts
-        latent = config.routed_expert_hidden_size
-        self.hidden_dim = config.hidden_size if latent is None else latent
-        self.intermediate_dim = config.moe_intermediate_size
+        self.num_experts, self.hidden_dim, self.intermediate_dim = experts_widths(config)
         e, d, i = self.num_experts, self.hidden_dim, self.intermediate_dim
         if d % 32 or i % 32:
             raise QuantFormatError(f"MXFP4 experts need widths that are multiples of 32, got hidden {d}, "

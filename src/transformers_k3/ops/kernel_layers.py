@@ -46,6 +46,9 @@ def kernel_layer(name: str):
         raise ValueError(f"no kernel layer {name!r}; known: {sorted(KERNEL_LAYERS)}")
 
     def decorate(cls: type) -> type:
+        # (a decorator line left above a function would tag the function and leave the class without a kernel)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"kernel_layer({name!r}) decorates an nn.Module class, got {cls!r}")
         cls.k3_kernel_name = name
         cls.kernel = None
         return cls
