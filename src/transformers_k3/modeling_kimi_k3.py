@@ -40,7 +40,6 @@ from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_g
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
 from .ops.norm import rms_norm
-from .ops.torch_internals import recording
 
 
 # ----- Norms -----
@@ -724,16 +723,15 @@ class KimiK3Router(nn.Module):
         """``hidden_states [..., H]`` -> ``(router_logits [N, E] fp32, topk_weights [N, k] fp32,
         topk_indices [N, k] int64)`` with ``N`` the number of tokens.
 
-        ``need_logits=False`` (the MoE layer's call): the caller uses only the selection, so with the kernel
-        attached and nothing else reading the logits (``logits_observers``, transformers' ``output_router_logits``
-        recording), an fp32 router on a CPU with the AMX tile unit, given at least `moe_ops.SCREEN_MIN_TOKENS`
+        ``need_logits=False`` (the MoE layer's call without ``output_router_logits``): the caller uses only the
+        selection, so with the kernel attached and no other reader of the logits (``logits_observers``), an fp32 router on a CPU with the AMX tile unit, given at least `moe_ops.SCREEN_MIN_TOKENS`
         tokens, selects without the ``[N, E]`` fp32 GEMM (the same selection and scores as from fp32 logits) and
         returns None in place of the logits."""
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
         kernel = self.kernel
         screen = (
             kernel is not None and not need_logits and hidden_states.shape[0] >= moe_ops.SCREEN_MIN_TOKENS
-            and not self.logits_observers and not recording("router_logits")
+            and not self.logits_observers
         )  # fmt: skip
         router_logits, selected, topk_indices = (kernel or moe_ops.router_select)(
             hidden_states, self.weight, self.e_score_correction_bias, self.top_k, self.use_softmax,
@@ -928,8 +926,9 @@ class KimiK3SparseMoE(nn.Module):
     """The FFN of every MoE layer: router + routed experts (in the latent space when
     ``routed_expert_hidden_size`` is set) + full-width shared experts (spec 6.3).
 
-    Returns only the FFN output; the router logits are recorded by the model from ``self.gate``. Its kernel
-    (`kernelize`): a decode step on CPU, the whole layer in one call (`moe_ops.moe_decode`).
+    Returns only the FFN output; the router logits are recorded by the model from ``self.gate``
+    (``output_router_logits``: the model says so, so that the router computes them). Its kernel (`kernelize`): a
+    decode step on CPU, the whole layer in one call (`moe_ops.MoeDecodeKernel`).
     """
 
     def __init__(self, config) -> None:
@@ -955,18 +954,18 @@ class KimiK3SparseMoE(nn.Module):
                 config, intermediate_size=config.num_shared_experts * config.moe_intermediate_size
             )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, output_router_logits: bool = False) -> torch.Tensor:
         """``hidden_states [B, T, H]`` or ``[N, H]`` -> same shape."""
         orig_shape = hidden_states.shape
         y = hidden_states.reshape(-1, self.hidden_size)
-        out = None if self.kernel is None else self.kernel(y)
+        out = None if self.kernel is None else self.kernel(y, output_router_logits)
         if out is None:
-            out = self._modules_forward(y)
+            out = self._modules_forward(y, output_router_logits)
         return out.view(*orig_shape)  # (unpacked: a torch.Size argument costs more to parse, every step)
 
-    def _modules_forward(self, y: torch.Tensor) -> torch.Tensor:
+    def _modules_forward(self, y: torch.Tensor, output_router_logits: bool = False) -> torch.Tensor:
         """The layer through its modules, ``y [N, H]`` -> ``[N, H]``."""
-        _, topk_weights, topk_indices = self.gate(y, need_logits=False)  # decided on the full-width input
+        _, topk_weights, topk_indices = self.gate(y, need_logits=output_router_logits)  # on the full-width input
         z = self.routed_expert_down_proj(y) if self.is_latent else y
         routed = self.experts(z, topk_indices, topk_weights)
         if self.routed_expert_norm is not None:
@@ -1145,7 +1144,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             self.self_attn = KimiK3DeltaAttention(config, layer_idx)
         else:
             self.self_attn = KimiK3MLA(config, layer_idx)
-        self.mlp = KimiK3SparseMoE(config) if config.is_moe_layer(layer_idx) else KimiK3MLP(config)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = KimiK3SparseMoE(config) if self.is_moe else KimiK3MLP(config)
         self.input_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.use_attn_res = config.use_attn_res
@@ -1193,7 +1193,11 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             mix = self.mlp_side_read([*bank, partial], self.mlp_res_proj.weight, self.mlp_res_norm.weight)[0]
         else:
             mix = partial
-        partial = partial + self.mlp(self.post_attention_layernorm(mix))
+        ffn_in = self.post_attention_layernorm(mix)
+        if self.is_moe:  # (the router computes its logits where the model records them)
+            partial = partial + self.mlp(ffn_in, kwargs.get("output_router_logits", False))
+        else:
+            partial = partial + self.mlp(ffn_in)
         return (partial, *bank)
 
 
@@ -1377,6 +1381,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
         # (a mask of ones is applied as is: multiplying by one is exact, and finding it all ones would take a sync)
         kda_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
 
+        # the MoE layers compute router logits where transformers records them (capture_outputs reads the same)
+        kwargs["output_router_logits"] = kwargs.get("output_router_logits", self.config.output_router_logits)
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:
             mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask

@@ -24,7 +24,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from .experts import attach_experts
 from .kda.interface import attach_kda
 from .linear import KernelLinear, attach_mla, swap_linear
-from .moe import attach_mlp, attach_router, attach_sparse_moe
+from .moe import attach_mlp, attach_router, attach_sparse_moe, forget
 from .norm import attach_rms_norm
 from .torch_internals import bare
 
@@ -51,6 +51,7 @@ def kernel_layer(name: str):
             raise TypeError(f"kernel_layer({name!r}) decorates an nn.Module class, got {cls!r}")
         cls.k3_kernel_name = name
         cls.kernel = None
+        cls.__delattr__ = _delattr_then_forget
         return cls
 
     return decorate
@@ -95,6 +96,12 @@ def _detach_on_change(parent: nn.Module, name: str, child: nn.Module | None) -> 
         for layer in list(readers):
             layer.kernel = None
     return None
+
+
+def _delattr_then_forget(self: nn.Module, name: str) -> None:
+    # (a plain tensor set in a deleted parameter's place reaches no registration hook: FSDP's views)
+    nn.Module.__delattr__(self, name)
+    forget(self)
 
 
 _HOOK = register_module_module_registration_hook(_detach_on_change)

@@ -16,23 +16,29 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from . import cpu_kernel
-from .torch_internals import MISSING, parameters
 
 
 class KernelLinear(nn.Linear):
     """``F.linear(x, weight, bias)``; for bf16 ``x`` that `cpu_kernel.linear_bf16` takes (CPU, a few rows, no
     autograd) or `cpu_kernel.linear_bf16_upcast` (more rows, a CPU without bf16 instructions), their result: the
-    same quantity. Its state dict is `nn.Linear`'s; PEFT wraps it as it wraps `nn.Linear`."""
+    same quantity. Its state dict is `nn.Linear`'s; PEFT wraps it as it wraps `nn.Linear`.
+
+    ``tensors``: ``(weight, bias)`` as registered, read once after each change (`Module.__getattr__` costs more than
+    a small product's kernel call): registering a parameter or child (torch's registration hooks, `_forget`) or
+    deleting an attribute forgets them; a parametrized subclass or plain tensor attributes are read at every call."""
+
+    tensors: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = parameters(self)
-        weight, bias = params.get("weight", MISSING), params.get("bias", MISSING)
-        if weight is MISSING:  # (a parametrized weight or bias)
-            weight = self.weight
-        if bias is MISSING:
-            bias = self.bias
+        tensors = self.tensors
+        if tensors is None:
+            tensors = (self.weight, self.bias)
+            _keep(self, tensors)
+        weight, bias = tensors
         if x.dtype is torch.bfloat16:
             out = cpu_kernel.linear_bf16(x, weight, bias)
             if out is None:
@@ -40,6 +46,39 @@ class KernelLinear(nn.Linear):
             if out is not None:
                 return out
         return F.linear(x, weight, bias)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        self.tensors = None  # (a plain tensor set in a deleted parameter's place reaches no registration hook)
+
+
+def held_tensors(linear: KernelLinear) -> tuple | None:
+    """``linear.tensors``, read again where they were forgotten: ``(weight, bias)`` where `_keep` keeps them, else
+    None."""
+    tensors = linear.tensors
+    if tensors is None:
+        tensors = (linear.weight, linear.bias)
+        if not _keep(linear, tensors):
+            return None
+    return tensors
+
+
+def _keep(linear: nn.Module, tensors: tuple) -> bool:
+    """Keep ``tensors`` as ``linear.tensors`` where both are registered parameters (or no bias) of a `KernelLinear`
+    itself: a parametrized subclass computes them, a plain tensor attribute is reassigned without any hook."""
+    if type(linear) is not KernelLinear or not all(t is None or isinstance(t, nn.Parameter) for t in tensors):
+        return False
+    linear.tensors = tensors
+    return True
+
+
+def _forget(module: nn.Module, name: str, value) -> None:
+    """torch's parameter and module registration hook: a `KernelLinear` reads its tensors again at its next call."""
+    if isinstance(module, KernelLinear):
+        module.tensors = None
+
+
+_HOOKS = (register_module_parameter_registration_hook(_forget), register_module_module_registration_hook(_forget))
 
 
 # the linear layers whose product is ``F.linear(x, weight, bias)``: a layer may read their weight instead of calling them

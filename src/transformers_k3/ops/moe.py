@@ -4,21 +4,24 @@
 `attach_router`, `attach_mlp` and `attach_sparse_moe` are the attach functions `kernel_layers.kernelize` runs once
 per module of those kinds: each returns the kernel forward the module calls (None: the module keeps its PyTorch
 forward). What they check (exact module kinds, no hooks, settings the kernel takes) is read there, not per step;
-a later change of the module tree detaches the kernel (`kernel_layers`).
+a later change of the module tree detaches the kernel, a parameter registered anew is read again
+(`kernel_layers`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from . import cpu_kernel
-from .linear import KernelLinear
-from .torch_internals import MISSING, bare, buffer, parameter, recording
+from .linear import KernelLinear, held_tensors
+from .torch_internals import bare
 
 # The fp32 router screens its selection (`cpu_kernel.router_screened_topk`) from this many tokens: below, the fp32
 # GEMM of a few rows is cheaper than the screen's fixed costs (bench/RESULTS.md).
@@ -104,10 +107,10 @@ def attach_mlp(mlp: nn.Module) -> Callable | None:
 
 
 def attach_sparse_moe(layer: nn.Module) -> Callable | None:
-    """The MoE layer's decode kernel (`cpu_kernel.MoeDecode`: the whole layer in one call on a few tokens without
+    """The MoE layer's decode kernel (`MoeDecodeKernel`: the whole layer in one call on a few tokens without
     autograd), where its modules are the plain ones it computes: the exact router, experts, latent norm and
-    shared-expert classes, linear layers without bias, no hooks or replaced forwards, settings the kernel takes.
-    None otherwise (LoRA, quantized or offloaded modules, grouped or softmax routing, ...)."""
+    shared-expert classes, `KernelLinear` layers without bias, no hooks or replaced forwards, settings the kernel
+    takes. None otherwise (LoRA, quantized or offloaded modules, grouped or softmax routing, ...)."""
     gate, experts, shared = layer.gate, layer.experts, layer.shared_experts
     down, norm, up = layer.routed_expert_down_proj, layer.routed_expert_norm, layer.routed_expert_up_proj
     if (
@@ -122,8 +125,8 @@ def attach_sparse_moe(layer: nn.Module) -> Callable | None:
     for m in (gate, experts, norm, shared, *linears):
         if m is not None and not bare(m):
             return None
-    for m in linears:
-        if type(m) not in (nn.Linear, KernelLinear) or parameter(m, "bias") is not None:
+    for m in linears:  # (kernelize made every plain nn.Linear without hooks a KernelLinear)
+        if type(m) is not KernelLinear or m.bias is not None:
             return None
     if (
         experts.is_transposed or (shared is not None and shared.glu != experts.glu)
@@ -132,31 +135,78 @@ def attach_sparse_moe(layer: nn.Module) -> Callable | None:
         or experts.has_post_expert_norm
     ):  # fmt: skip
         return None
-    return functools.partial(moe_decode, (gate, experts, norm, linears, down is not None, shared is not None))
+    return MoeDecodeKernel(gate, experts, norm, linears, down is not None, shared is not None)
 
 
-def moe_decode(modules: tuple, y: torch.Tensor) -> torch.Tensor | None:
-    """The attached MoE layer on ``y [N, H]`` in one kernel call, or None where the kernel does not compute what
-    the modules would now: autograd, not CPU, more tokens than it takes, autocast, router logits being recorded or
-    observed (`KimiK3Router.logits_observers`), weights that are not registered tensors on CPU (offloaded)."""
-    if not y.is_cpu or torch.is_grad_enabled() or y.shape[0] > cpu_kernel.moe_decode_max_tokens():
-        return None
-    gate, experts, norm, linears, latent, has_shared = modules
-    if torch.is_autocast_enabled("cpu") or gate.logits_observers or recording("router_logits"):
-        return None
-    if gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16:  # (settings changed on a built layer)
-        return None
-    router, bias = parameter(gate, "weight"), buffer(gate, "e_score_correction_bias")
-    gate_up, down_w = parameter(experts, "gate_up_proj"), parameter(experts, "down_proj")
-    norm_w = None if norm is None else parameter(norm, "weight")
-    weights = [parameter(m, "weight") for m in linears]
-    for w in (router, bias, gate_up, down_w, norm_w, *weights):  # (loops, not any(): every decode step)
-        if w is MISSING:
+class MoeDecodeKernel:
+    """The attached MoE layer on ``y [N, H]`` in one kernel call (`cpu_kernel.MoeDecode`), or None where the kernel
+    does not compute what the modules would now: autograd, not CPU, more tokens than it takes, autocast, router
+    logits read (``output_router_logits``, `KimiK3Router.logits_observers`), weights that are not registered
+    parameters on CPU (parametrized, offloaded, plain tensor attributes).
+
+    The router's, experts' and norm's parameters are read once after attaching or a change (`forget`: torch's
+    parameter-registration hook, or an attribute deleted from a kernel layer); the linear layers' through their own
+    `KernelLinear.tensors`; the selection bias, a buffer that ``.to()`` replaces without a hook, at every call."""
+
+    def __init__(self, gate, experts, norm, linears, latent: bool, has_shared: bool) -> None:
+        self.layer_modules = (gate, experts, norm, linears, latent, has_shared)
+        self.weights = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "weights": None}  # (a copy reads its own modules' parameters, and watches them)
+
+    def _read(self) -> tuple | bool:
+        gate, experts, norm = self.layer_modules[:3]
+        for m in (gate, experts, norm):
+            if m is not None:
+                _WATCHERS.setdefault(m, weakref.WeakSet()).add(self)
+        weights = (gate.weight, experts.gate_up_proj, experts.down_proj, None if norm is None else norm.weight)
+        if not all(w is None or isinstance(w, nn.Parameter) for w in weights):
+            return False
+        return weights
+
+    def __call__(self, y: torch.Tensor, output_router_logits: bool = False) -> torch.Tensor | None:
+        if not y.is_cpu or torch.is_grad_enabled() or y.shape[0] > cpu_kernel.moe_decode_max_tokens():
             return None
-    kernel = cpu_kernel.MoeDecode(
-        y.dtype, router, bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,
-        weights[0] if latent else None, norm_w, 0.0 if norm is None else norm.variance_epsilon,
-        weights[1] if latent else None, gate_up, down_w, experts.glu,
-        tuple(weights[-3:]) if has_shared else None,
-    )  # fmt: skip
-    return kernel(y) if kernel.usable else None
+        gate, experts, norm, linears, latent, has_shared = self.layer_modules
+        if output_router_logits or torch.is_autocast_enabled("cpu") or gate.logits_observers:
+            return None
+        if gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16:  # (settings changed on a built layer)
+            return None
+        weights = self.weights
+        if weights is None:
+            weights = self.weights = self._read()
+        if weights is False:
+            return None
+        router, gate_up, down_w, norm_w = weights
+        linear_weights = []
+        for m in linears:  # (a loop, not a comprehension: every decode step)
+            tensors = m.tensors
+            if tensors is None:
+                tensors = held_tensors(m)
+                if tensors is None:  # (plain tensor attributes)
+                    return None
+            linear_weights.append(tensors[0])
+        kernel = cpu_kernel.MoeDecode(
+            y.dtype, router, gate.e_score_correction_bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,
+            linear_weights[0] if latent else None, norm_w, 0.0 if norm is None else norm.variance_epsilon,
+            linear_weights[1] if latent else None, gate_up, down_w, experts.glu,
+            tuple(linear_weights[-3:]) if has_shared else None,
+        )  # fmt: skip
+        return kernel(y) if kernel.usable else None
+
+
+# module -> the decode kernels holding its parameters (`MoeDecodeKernel._read`)
+_WATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget(module: nn.Module, name: str | None = None, value=None) -> None:
+    """torch's parameter-registration hook (and a kernel layer's attribute deletion, `kernel_layers`): the decode
+    kernels holding ``module``'s parameters read them again at their next call."""
+    kernels = _WATCHERS.get(module)
+    if kernels:
+        for kernel in list(kernels):
+            kernel.weights = None
+
+
+_HOOK = register_module_parameter_registration_hook(forget)

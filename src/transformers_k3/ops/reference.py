@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .mxfp4_torch import mxfp4_grouped_mm, mxfp4_grouped_mm_backward  # (the packed MXFP4 experts' operators)
-
+from .torch_internals import dispatch_keys, dispatch_keys_guard
 
 
 def _none(like: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def autograd_inside_operator() -> Iterator[None]:
     makes, would be differentiated wrongly): the block runs with a fresh thread's dispatch keys instead (autocast
     off, so the recomputation is in the inputs' dtype, as the kernel's forward was)."""
     include, exclude = _default_dispatch_keys()
-    with torch._C._ForceDispatchKeyGuard(include, exclude):
+    with dispatch_keys_guard(include, exclude):
         yield
 
 
@@ -42,8 +42,7 @@ def autograd_inside_operator() -> Iterator[None]:
 def _default_dispatch_keys():
     """The thread-local dispatch key sets a new thread starts with (included, excluded)."""
     found = []
-    reader = threading.Thread(target=lambda: found.append(
-        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))  # fmt: skip
+    reader = threading.Thread(target=lambda: found.append(dispatch_keys()))
     reader.start()
     reader.join()
     return found[0]
