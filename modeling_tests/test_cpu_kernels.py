@@ -1547,6 +1547,46 @@ def test_kernel_linear_reads_a_parametrized_weight_and_bias(dtype):
         torch.testing.assert_close(no_bias(x), torch.nn.functional.linear(x, no_bias.weight))
 
 
+def test_kernel_linear_reads_its_weight_again_after_a_change():
+    """`KernelLinear` keeps its registered tensors between calls: an in-place update, a replaced parameter, a
+    parametrization registered after a call and a plain tensor set in a deleted weight's place each reach the
+    next call (F.linear of the values the layer holds then)."""
+    from torch.nn.utils import parametrize
+
+    from transformers_k3.ops.linear import KernelLinear
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 16)
+    layer = KernelLinear(16, 8)
+
+    def check():
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+    check()
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16))
+    check()
+    layer.bias = torch.nn.Parameter(torch.randn(8))
+    check()
+    parametrize.register_parametrization(layer, "weight", Double())
+    check()
+    parametrize.remove_parametrizations(layer, "weight")
+    check()
+    plain = torch.randn(8, 16)
+    del layer.weight
+    layer.weight = plain
+    check()
+    layer.weight = torch.randn(8, 16)  # (a plain attribute set again: no hook sees it)
+    check()
+
+
 def test_latent_attention_kernel_is_clean_under_sanitizers(tmp_path):
     """csrc/attention_cpu.cpp built alone with AddressSanitizer and UBSan (-march=native, as the extension is) and run
     on 1,000 random shapes against a float64 reference (modeling_tests/data/latent_attention_sanitized.cpp): no

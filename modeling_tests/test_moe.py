@@ -952,3 +952,39 @@ def test_decode_step_needs_the_sigmoid_the_modules_router_uses(monkeypatch):
     monkeypatch.setattr(cpu_kernel, "_sigmoid_matches_torch", lambda lib: False)
     monkeypatch.delattr(lib, "k3_moe_decode_max_tokens_value", raising=False)  # why: drops the cached answer (restored afterwards)
     assert cpu_kernel.moe_decode_max_tokens() == 0
+
+
+def test_kernel_layer_decorates_module_classes_only():
+    """A `kernel_layer` line left above a function (not the class it was meant for) fails at import, instead of
+    leaving the class without its kernel name and the layer without its kernel."""
+    from transformers_k3.ops.kernel_layers import kernel_layer
+
+    with pytest.raises(TypeError, match="nn.Module class"):
+        kernel_layer("k3_experts")(lambda config: None)
+
+
+def test_kernelized_model_records_router_logits_asked_for_in_the_config():
+    """``config.output_router_logits`` (not only the call's keyword) reaches the MoE layers: a kernelized model's
+    cached decode step returns every MoE layer's router logits, those of the plain model, and the same logits."""
+    import copy
+
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
+
+    torch.manual_seed(0)
+    plain = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    plain.config.output_router_logits = True
+    fused = kernelize(copy.deepcopy(plain))
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for model in (fused, plain):
+        cache = KimiK3HybridCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :8], past_key_values=cache, use_cache=True)
+            outs.append(model(ids[:, 8:], past_key_values=cache, use_cache=True))
+    got, want = outs
+    moe_layers = sum(isinstance(m, KimiK3SparseMoE) for m in plain.modules())
+    assert len(got.router_logits) == len(want.router_logits) == moe_layers > 0
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert a.shape == (1, plain.config.num_experts)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
