@@ -6,11 +6,13 @@ building them is cached, atomic and falls back cleanly. The numerics of every pu
 also run with the kernel on and off in test_ops_kda.py."""
 
 import functools
-import logging
+import json
 import math
 import os
 import pathlib
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,13 +35,27 @@ def kernel():
     return cpu_kernel.library()
 
 
-@pytest.fixture
-def fresh_build(monkeypatch, tmp_path):
-    """A clean slate for the loader: nothing tried yet, an empty cache directory."""
-    # why: the loader builds once per process and keeps the outcome; these tests need it to start over
-    monkeypatch.setattr(cpu_kernel, "_state", {"tried": False, "lib": None, "error": None})
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(tmp_path / "cache"))  # why: an empty cache of the test's own
-    return tmp_path / "cache"
+_LOADER_RUNS = """
+import json, sys
+import torch
+from transformers_k3.ops import cpu_kernel
+if len(sys.argv) > 1:  # a KDA call asking for the kernel, on inputs and to an output file the test names
+    from transformers_k3.ops.kda import chunk_kda
+    q, k, v, g, beta, h0 = torch.load(sys.argv[1])
+    with torch.no_grad():
+        torch.save(chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, kernel=True), sys.argv[2])
+print(json.dumps({"loaded": cpu_kernel.library() is not None, "error": cpu_kernel.load_error()}), flush=True)
+"""
+
+
+def _fresh_loader(tmp_path, *args, **env):
+    """The loader in a fresh process (it builds once per process and keeps the outcome), the kernels' cache in
+    ``tmp_path / "cache"`` (empty at first) unless ``env`` says otherwise: ``({"loaded", "error"}, stderr)``."""
+    env = {**os.environ, cpu_kernel.CACHE_ENV_VAR: str(tmp_path / "cache"), **env}
+    result = subprocess.run([sys.executable, "-c", _LOADER_RUNS, *map(str, args)], capture_output=True, text=True,
+                            timeout=900, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
 def test_kernel_runs_exactly_where_it_applies(kernel):
@@ -115,56 +131,56 @@ def test_non_finite_inputs_propagate(kernel):
     assert torch.isnan(o[1, 10:]).any() and torch.isnan(s[1]).any()
 
 
-def test_build_is_cached_and_leaves_no_temporary_files(kernel, fresh_build):
-    lib = cpu_kernel.library()
-    assert lib is not None, cpu_kernel.load_error()
-    built = sorted(os.listdir(fresh_build))  # the library and the checksum its build recorded
+def test_build_is_cached_and_leaves_no_temporary_files(kernel, tmp_path):
+    cache = tmp_path / "cache"
+    loaded, _ = _fresh_loader(tmp_path)
+    assert loaded["loaded"], loaded["error"]
+    built = sorted(os.listdir(cache))  # the library and the checksum its build recorded
     assert len(built) == 2 and built[0].startswith("cpu_kernels_") and built[0].endswith(".so"), built
     assert built[1] == built[0] + ".sha256", built
-    first = (fresh_build / built[0]).stat().st_mtime_ns
-    cpu_kernel._state.update(tried=False, lib=None, error=None)
-    assert cpu_kernel.library() is not None
-    assert sorted(os.listdir(fresh_build)) == built
-    assert (fresh_build / built[0]).stat().st_mtime_ns == first  # loaded, not rebuilt
+    first = (cache / built[0]).stat().st_mtime_ns
+    loaded, _ = _fresh_loader(tmp_path)
+    assert loaded["loaded"], loaded["error"]
+    assert sorted(os.listdir(cache)) == built
+    assert (cache / built[0]).stat().st_mtime_ns == first  # loaded, not rebuilt
 
 
-def test_unusable_cache_builds_in_a_private_temporary_directory(kernel, fresh_build, monkeypatch, tmp_path):
+def test_unusable_cache_builds_in_a_private_temporary_directory(kernel, tmp_path):
     """A cache location that cannot be created (here: below a regular file; read-only home directories fail
     the same way) does not turn the kernels off: they are built in a per-user temporary directory."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    monkeypatch.setenv(cpu_kernel.CACHE_ENV_VAR, str(blocker / "cache"))  # why: the setting under test
     (tmp_path / "tmp").mkdir()
-    # why: the fallback lives under the process-wide temporary directory; the test's own keeps it out of /tmp
-    monkeypatch.setattr(cpu_kernel.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    assert cpu_kernel.library() is not None, cpu_kernel.load_error()
+    loaded, _ = _fresh_loader(tmp_path, **{cpu_kernel.CACHE_ENV_VAR: str(blocker / "cache"),
+                                           "TMPDIR": str(tmp_path / "tmp")})  # fmt: skip
+    assert loaded["loaded"], loaded["error"]
     built = list((tmp_path / "tmp").glob("transformers_k3-*/cpu_kernels_*.so"))
     assert len(built) == 1, built
     assert oct(built[0].parent.stat().st_mode & 0o777) == oct(0o700)
 
 
-def test_no_compiler_falls_back_to_the_pytorch_path(fresh_build, monkeypatch, tmp_path, caplog, fla_naive):
-    # why: a machine without a C++ compiler (none named, none on the path)
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # why: (the same machine)
+def test_no_compiler_falls_back_to_the_pytorch_path(tmp_path, fla_naive):
+    """On a machine without a C++ compiler (none named, none on the path) a KDA call asking for the kernel warns
+    once and computes fla's values on the PyTorch path."""
     q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 16, 16, "k3")
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__), torch.no_grad():
-        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, kernel=True)
-    assert "no C++ compiler found" in cpu_kernel.load_error()
-    assert "using the PyTorch path" in caplog.text
+    torch.save((q, k, v, g, beta, h0), tmp_path / "inputs.pt")
+    loaded, stderr = _fresh_loader(tmp_path, tmp_path / "inputs.pt", tmp_path / "outputs.pt",
+                                   CXX=str(tmp_path / "no-such-compiler"), PATH=str(tmp_path / "empty-bin"))
+    assert not loaded["loaded"] and "no C++ compiler found" in loaded["error"]
+    assert "using the PyTorch path" in stderr
+    o, s = torch.load(tmp_path / "outputs.pt")
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert_close(o, ref_o)
     assert_close(s, ref_s)
 
 
-def test_failed_build_reports_the_compiler_error(fresh_build, monkeypatch, tmp_path):
+def test_failed_build_reports_the_compiler_error(tmp_path):
     script = tmp_path / "broken-cxx"
     script.write_text("#!/bin/sh\necho 'fatal error: simulated' >&2\nexit 1\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CXX", str(script))  # why: a compiler that fails
-    assert cpu_kernel.library() is None
-    assert "simulated" in cpu_kernel.load_error()
-    assert os.listdir(fresh_build) == []  # the temporary output was removed
+    loaded, _ = _fresh_loader(tmp_path, CXX=str(script))
+    assert not loaded["loaded"] and "simulated" in loaded["error"]
+    assert os.listdir(tmp_path / "cache") == []  # the temporary output was removed
 
 
 def test_plain_model_is_pytorch_and_kernelize_attaches_the_kernels(tiny_config):
@@ -201,9 +217,6 @@ print("PLAIN RAN", flush=True)
 def test_a_plain_model_compiles_and_loads_nothing(tmp_path):
     """A model that is not kernelized (prefill and decode steps, fp32 on CPU, where every kernel would apply)
     never builds the kernels: in a fresh process with an empty cache and a compiler that leaves a mark when run."""
-    import subprocess
-    import sys
-
     mark = tmp_path / "compiler-ran"
     compiler = tmp_path / "cxx"
     compiler.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
