@@ -123,6 +123,67 @@ def test_save_reload_save_is_bit_identical(release, tmp_path):
     assert torch.equal(again(IDS).logits, model(IDS).logits)
 
 
+def _assert_same_tensors(want: dict, got: dict, what: str) -> None:
+    """Same names, and per tensor the same dtype, shape and bytes."""
+    assert sorted(want) == sorted(got), what
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, (what, name)
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), (what, name)
+
+
+def test_4d_scales_load_packed_and_save_in_the_releases_shape(release, tmp_path):
+    """Scales stored ``[N, 1, K/32, 1]`` (some exporters) load packed to the model the release's ``[N, K/32]`` give
+    (same stacks, same logits); saving writes the release's layout: the same bytes as ``[N, K/32]``, and save ->
+    reload -> save stays bit-identical."""
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    original = shard_tensors(release)
+    state = {name: t.reshape(t.shape[0], 1, t.shape[1], 1) if name.endswith("weight_scale") else t
+             for name, t in original.items()}
+    write_state_dict(state, tmp_path / "scales_4d", max_shard_size=40_000)
+    (tmp_path / "scales_4d" / "config.json").write_text((release / "config.json").read_text())
+    four_d = load(KimiK3ForCausalLM, tmp_path / "scales_4d", dtype=BF16)
+    two_d = load(KimiK3ForCausalLM, release, dtype=BF16)
+    for (name, a), (_, b) in zip(four_d.named_buffers(), two_d.named_buffers()):
+        assert torch.equal(a, b), name
+    assert torch.equal(four_d(IDS).logits, two_d(IDS).logits)
+    four_d.save_pretrained(tmp_path / "first", max_shard_size="40KB")
+    load(KimiK3ForCausalLM, tmp_path / "first", dtype=BF16).save_pretrained(tmp_path / "second", max_shard_size="40KB")
+    for directory in ("first", "second"):
+        _assert_same_tensors(original, shard_tensors(tmp_path / directory), directory)
+
+
+def test_export_release_of_a_packed_model_writes_the_release_as_it_came(release, tmp_path):
+    """``export_release`` on a model loaded packed writes the release back: every tensor (experts included) with the
+    release's name, dtype, shape and bytes (the packed bytes copied, never dequantized and quantized again), and
+    the release's ``config.json`` with its compressed-tensors ``quantization_config``. The export loads packed and
+    gives the same logits; exporting it again gives the same files. ``mxfp4=False`` writes the experts
+    dequantized."""
+    from transformers_k3 import export_release
+
+    model = load(KimiK3ForCausalLM, release, dtype=BF16)
+    export_release(model, tmp_path / "exported", max_shard_size="40KB")
+    original = shard_tensors(release)
+    _assert_same_tensors(original, shard_tensors(tmp_path / "exported"), "exported")
+    assert sum(map(_is_expert, original)) == 5 * 8 * 3 * 2
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["quantization_config"] == release_quantization_config()
+    assert config == json.loads((release / "config.json").read_text())
+    again = load(KimiK3ForCausalLM, tmp_path / "exported", dtype=BF16)
+    assert {t.dtype for _, t in again.model.layers[1].mlp.experts.named_buffers()} == {torch.uint8}
+    assert torch.equal(again(IDS).logits, model(IDS).logits)
+    export_release(again, tmp_path / "exported_again", max_shard_size="40KB")
+    _assert_same_tensors(original, shard_tensors(tmp_path / "exported_again"), "exported again")
+
+    export_release(model, tmp_path / "dequantized", max_shard_size="40KB", mxfp4=False)
+    dequantized = shard_tensors(tmp_path / "dequantized")
+    stem = "model.layers.2.block_sparse_moe.experts.5.w2."
+    assert torch.equal(dequantized[stem + "weight"],
+                       dequantize_mxfp4(original[stem + "weight_packed"], original[stem + "weight_scale"], BF16))
+    assert not any(n.endswith(("weight_packed", "weight_scale")) for n in dequantized)
+    assert "quantization_config" not in json.loads((tmp_path / "dequantized" / "config.json").read_text())
+
+
 def test_expert_resident_bytes_against_the_bf16_model(release):
     packed = load(KimiK3ForCausalLM, release, dtype=BF16)
     bf16 = load(KimiK3ForCausalLM, release, dtype=BF16, quantization_config=KimiK3Mxfp4Config(dequantize=True))
@@ -143,27 +204,58 @@ _PEAK_RSS = textwrap.dedent("""
         return fields
 
     KimiK3ForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16)  # (code paths warm, caches filled)
-    before = status()["VmRSS"]
+    before = status()
     model = KimiK3ForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+    after = status()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
     experts = sum(b.untyped_storage().nbytes() for n, b in model.named_buffers() if ".mlp.experts." in n)
-    print(json.dumps({"peak": status()["VmHWM"] - before, "experts": experts}))
+    print(json.dumps({"peak": after["VmHWM"] - before["VmRSS"], "model": sum(storages.values()), "experts": experts,
+                      "anon": after["RssAnon"] - before["RssAnon"], "file": after["RssFile"] - before["RssFile"]}))
+    if len(sys.argv) > 3:
+        model.save_pretrained(sys.argv[3])
 """)
 
 
-def test_peak_rss_while_loading_packed(release, tmp_path):
-    """Measured in a fresh process (``VmHWM``, which counts the checkpoint's memory-mapped pages too): loading never
-    holds a floating-point copy of the experts. Wide experts, so the per-tensor bookkeeping does not dominate."""
-    config = KimiK3TextConfig.tiny(num_experts=128, num_experts_per_token=8, routed_expert_hidden_size=256,
-                                   moe_intermediate_size=256)
-    path = write_release(tmp_path / "wide", release_state(config, False, True, 4), config, False, True)
-    bf16_expert_bytes = 5 * config.num_experts * 3 * 256 * 256 * 2  # (5 MoE layers)
-    result = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(path), str(release)], capture_output=True,
-                            text=True, check=True)
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    assert measured["experts"] * 4 < bf16_expert_bytes * 1.1  # (0.53 bytes a weight)
-    print(f"peak RSS while loading: {measured['peak'] / 2**20:.1f} MiB, packed experts "
-          f"{measured['experts'] / 2**20:.1f} MiB, bf16 experts {bf16_expert_bytes / 2**20:.1f} MiB")
-    assert measured["peak"] < 0.75 * bf16_expert_bytes, measured
+def _measure_load(path: Path, warm: Path, save_to: Path | None = None) -> dict:
+    args = [sys.executable, "-c", _PEAK_RSS, str(path), str(warm)] + ([str(save_to)] if save_to else [])
+    result = subprocess.run(args, capture_output=True, text=True, check=True)
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+
+
+@pytest.fixture(scope="module")
+def wide_release(tmp_path_factory):
+    """Experts wide enough that one expert's tensors span many memory pages (the release's are megabytes) and
+    shards of megabytes, so the page granularity of memory-mapped reads and the per-tensor bookkeeping do not
+    dominate the measurement."""
+    config = KimiK3TextConfig.tiny(num_experts=64, num_experts_per_token=8, routed_expert_hidden_size=512,
+                                   moe_intermediate_size=512)
+    path = tmp_path_factory.mktemp("release") / "wide"
+    from transformers_k3.convert.export import official_config_dict
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    write_state_dict(release_state(config, False, True, 4), path, max_shard_size="8MB")
+    data = official_config_dict(config, False, "bf16", release_quantization_config())
+    (path / "config.json").write_text(json.dumps(data, indent=1))
+    return path, config
+
+
+def test_peak_rss_while_loading_packed(wide_release, release, tmp_path):
+    """Measured in a fresh process (``VmHWM`` from ``/proc/self/status`` minus the resident set before loading,
+    after a first load warmed the code paths): the peak resident set while loading the release, and while
+    loading its save, is at most 1.2x the packed model's bytes. ``VmHWM`` counts the checkpoint's memory-mapped
+    pages too (``RssFile``): once an expert's bytes are copied into its layer's stack, its file pages leave the
+    resident set (`mapped_page_releaser`); no floating-point copy of the experts exists at any time."""
+    path, config = wide_release
+    bf16_expert_bytes = 5 * config.num_experts * 3 * 512 * 512 * 2  # (5 MoE layers)
+    for source, save_to in ((path, tmp_path / "saved"), (tmp_path / "saved", None)):
+        measured = _measure_load(source, release, save_to)
+        assert measured["experts"] * 4 < bf16_expert_bytes * 1.1  # (0.53 bytes a weight)
+        print(f"{source.name}: peak RSS while loading {measured['peak'] / 2**20:.1f} MiB "
+              f"({measured['peak'] / measured['model']:.3f}x the packed model's {measured['model'] / 2**20:.1f} MiB; "
+              f"after loading anonymous {measured['anon'] / 2**20:.1f} MiB, file-backed {measured['file'] / 2**20:.1f}"
+              f" MiB), bf16 experts {bf16_expert_bytes / 2**20:.1f} MiB")
+        assert measured["peak"] <= 1.2 * measured["model"], measured
+        assert measured["peak"] < 0.75 * bf16_expert_bytes, measured
 
 
 def test_dequantize_config_gives_the_model_loading_gave_before(release, tmp_path):

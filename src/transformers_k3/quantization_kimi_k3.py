@@ -31,6 +31,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .conversion.hf_mapping import FuseExperts, _expert_pattern, _recorded
 from .conversion.quant import QuantFormatError, check_mxfp4_values, mxfp4_scale_2d
+from .conversion.streaming import mapped_page_releaser
 from .modeling_kimi_k3 import GLU, KimiK3Experts, experts_widths
 from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
 
@@ -125,6 +126,7 @@ class StackPackedExperts(ConversionOps):
         if target is not None and tuple(stack.shape) != tuple(target.shape):
             raise ValueError(f"`{full_layer_name}`: the experts' {self.kind} give {list(stack.shape)}, the model "
                              f"expects {list(target.shape)}")
+        release = mapped_page_releaser()
         for p, blocks in enumerate(per_proj):
             for e, block in enumerate(blocks):
                 if block.dtype != torch.uint8 or tuple(block.shape) != (rows, stack.shape[2]):
@@ -132,6 +134,7 @@ class StackPackedExperts(ConversionOps):
                                            f"has shape {list(block.shape)} ({block.dtype}), the model expects uint8 "
                                            f"{[rows, stack.shape[2]]}")  # fmt: skip
                 stack[e, p * rows:(p + 1) * rows].copy_(block)
+                release(block)  # (the file's pages of this expert leave the resident set once copied)
         return {target_patterns[0]: stack}
 
     @property

@@ -22,8 +22,11 @@ Every error names the file and the tensor it is about.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -745,6 +748,73 @@ def staged_save(directory: str | os.PathLike) -> Iterator[Path]:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+def _file_mappings() -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's file-backed memory mappings (``/proc/self/maps``; empty elsewhere)."""
+    ranges = []
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                start, end = fields[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@functools.cache
+def _madvise():
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
+def _file_pages_only(pagemap: int, first: int, last: int, page: int) -> bool:
+    """Whether no page of ``[first, last)`` holds data of its own: each is absent or still the file's page
+    (``/proc/self/pagemap``: bit 63 present, 62 swapped, 61 file page). A page written since mapping (private
+    copy) or swapped would be lost by ``MADV_DONTNEED``."""
+    entries = os.pread(pagemap, (last - first) // page * 8, first // page * 8)
+    flags = torch.frombuffer(bytearray(entries), dtype=torch.int64)
+    present, swapped, file_page = flags < 0, (flags >> 62) & 1 == 1, (flags >> 61) & 1 == 1
+    return not bool((swapped | (present & ~file_page)).any())
+
+
+def mapped_page_releaser() -> Callable[[torch.Tensor], None]:
+    """``release(tensor)``: takes out of this process's resident set the pages of a memory-mapped checkpoint file
+    that lie wholly inside ``tensor``'s bytes, once a loader has copied those bytes elsewhere
+    (`StackPackedExperts`). A page a file mapping has touched counts in the resident set until the mapping
+    closes, which for transformers' loader is the end of loading. ``madvise(MADV_DONTNEED)`` unmaps them; they
+    stay in the page cache, and a later read maps them again from the file. Only pages that are still the file's
+    are released (`_file_pages_only`); a tensor outside the file mappings seen when the releaser was made (a
+    state dict in memory) is left alone; where the calls are not available (not Linux) nothing happens."""
+    madvise = _madvise()
+    mappings = _file_mappings() if madvise is not None else []
+    page = mmap.PAGESIZE
+
+    def release(tensor: torch.Tensor) -> None:
+        if not mappings or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        first, last = -(-start // page) * page, end // page * page
+        if last <= first or not any(low <= start and end <= high for low, high in mappings):
+            return
+        try:
+            pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            if _file_pages_only(pagemap, first, last, page):
+                madvise(first, last - first, mmap.MADV_DONTNEED)
+        finally:
+            os.close(pagemap)
+
+    return release
+
+
 def write_state_dict(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike,
                      max_shard_size: int | str = "5GB", metadata: dict[str, str] | None = None) -> list[str]:
     """Small helper for in-memory state dicts (fixtures, tests): sharded safetensors plus an index, in the
@@ -773,6 +843,7 @@ __all__ = [
     "execute_plan",
     "parse_size",
     "non_float_problem",
+    "mapped_page_releaser",
     "resolve_inside",
     "scan_shards",
     "staged_save",

@@ -330,18 +330,28 @@ def export_to_official(input_dir, output_dir=None, dtype: str = "bf16", dry_run:
 
 
 def export_release(model, output_dir, dtype: str | torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                   overwrite: bool = False, progress: bool = False, mxfp4: bool = False) -> ConversionPlan:
+                   overwrite: bool = False, progress: bool = False, mxfp4: bool | None = None) -> ConversionPlan:
     """Writes a model in memory in the release's layout (tensor names, dtypes and ``config.json``) to ``output_dir``:
     ``save_pretrained`` into a temporary sibling directory, then `export_to_official`. ``dtype`` defaults to the
-    model's (bf16 or fp32)."""
+    model's (bf16 or fp32). ``mxfp4`` defaults to how the model holds its routed experts: packed
+    (`KimiK3PackedExperts`, loaded with the release's MXFP4 kept) are written as they were loaded, byte for byte,
+    with the release's ``quantization_config``; others in ``dtype``. ``mxfp4=True`` on unpacked experts quantizes
+    them by the release's rule, ``mxfp4=False`` on packed ones dequantizes them."""
     import tempfile
 
+    from ..quantization_kimi_k3 import KimiK3PackedExperts
+
+    packed = any(isinstance(module, KimiK3PackedExperts) for module in model.modules())
+    if mxfp4 is None:
+        mxfp4 = packed
     if dtype is None:
         dtype = "bf16" if model.dtype == torch.bfloat16 else "fp32"
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{output_dir.name}.k3save-", dir=output_dir.parent) as saved:
-        model.save_pretrained(saved, save_original_format=False)
+        # packed experts save under the release's per-expert names (the exporter reads MXFP4 per expert); the fused
+        # layout would hold each layer's stacks
+        model.save_pretrained(saved, save_original_format=packed)
         return export_to_official(saved, output_dir, dtype=dtype, max_shard_size=max_shard_size,
                                   overwrite=overwrite, progress=progress, mxfp4=mxfp4)
 
