@@ -35,7 +35,7 @@ from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_
                                   _mask_problems, _padding_problem, _position_problems, _raise_problems)
 from .ops import moe as moe_ops
 from .ops.conv import causal_conv1d, causal_conv1d_update
-from .ops.experts import K3_GROUPED_MM  # (the name configs select; registered there)
+from .ops.experts import K3_GROUPED_MM, eager_experts  # (K3_GROUPED_MM: the name configs select; registered there)
 from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_gate
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
@@ -886,36 +886,9 @@ class KimiK3Experts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """``hidden_states [N, D]``, ``top_k_index [N, k]``, ``top_k_weights [N, k]`` -> ``[N, D]``:
-        ``out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_states[t])``."""
-        num_tokens, top_k = top_k_index.shape
-        expert_ids = top_k_index.reshape(-1)
-
-        # Sort the (token, slot) pairs by expert so that each hit expert reads one contiguous slice.
-        sorted_ids, perm = torch.sort(expert_ids, stable=True)
-        routed_states = hidden_states[perm // top_k]
-        counts = torch.bincount(sorted_ids, minlength=self.num_experts)[: self.num_experts].tolist()  # one sync
-        # Ids >= num_experts (expert-parallel sentinels, zero weight) sort last and contribute nothing.
-        num_valid = sum(counts)
-        counts.append(expert_ids.numel() - num_valid)
-
-        # `split` / `unbind` rather than slicing and indexing: their backward assembles one gradient for the
-        # whole tensor, where a slice or `weight[e]` per expert would each materialise a full-size gradient.
-        chunks = routed_states.split(counts)
-        gate_up_proj, down_proj = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        outputs = [
-            F.linear(self._apply_gate(F.linear(chunks[expert], gate_up_proj[expert])), down_proj[expert])
-            for expert, count in enumerate(counts[:-1])
-            if count > 0
-        ]
-        if counts[-1] > 0 or not outputs:
-            outputs.append(routed_states.new_zeros(counts[-1], self.hidden_dim))
-        expert_out = torch.cat(outputs)
-
-        # Weights are fp32, so the weighted sum over the k slots accumulates in fp32 (as the
-        # grouped_mm / batched_mm paths do).
-        weighted = expert_out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-        unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
-        return unsorted.view(num_tokens, top_k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
+        ``out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_states[t])`` (`eager_experts`)."""
+        return eager_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                             self._apply_gate)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}"

@@ -1,4 +1,6 @@
-"""The routed experts as transformers' experts interface functions (`ALL_EXPERTS_FUNCTIONS`), one per backend:
+"""The routed experts, one function per backend: `eager_experts` (eager PyTorch: `KimiK3Experts`' own forward and
+the experts operators' implementation on other devices) and transformers' experts interface functions
+(`ALL_EXPERTS_FUNCTIONS`):
 ``"k3_grouped_mm"`` (`k3_grouped_mm_experts_forward`): the PyTorch grouped GEMMs (`torch_grouped_experts`) on any
 device, or the experts' attached kernel (`kernelize`); ``"k3_cpu_kernel"`` (`cpu_kernel_experts_forward`): the fused
 CPU experts kernel (`cpu_kernel.moe_experts`) on the tensors it takes, else `torch_grouped_experts`. Each takes the
@@ -6,7 +8,10 @@ experts module as transformers' experts functions do (``self``: its weights, ``g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -82,6 +87,50 @@ def cpu_kernel_experts_forward(
         if out is not None:
             return out
     return torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, expert_parallel)
+
+
+def eager_experts(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor, apply_gate: Callable[[torch.Tensor], torch.Tensor], products: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts in eager PyTorch: `KimiK3Experts`' own forward, and the experts operators' PyTorch
+    implementation on devices without a kernel (`reference`). ``hidden_states [N, D]``, ``top_k_index [N, k]``,
+    ``top_k_weights [N, k]``, ``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]`` (views are fine) -> ``[N, D]``:
+    ``out[t] = sum_j top_k_weights[t, j] * down_e(apply_gate(gate_up_e(hidden_states[t])))``, ``e = top_k_index[t,
+    j]``; ids outside ``[0, E)`` (expert-parallel sentinels, zero weight) contribute nothing. ``products [N k, 2I]``
+    receives each (token, slot)'s ``gate_up_e`` row, token-major."""
+    num_tokens, top_k = top_k_index.shape
+    num_experts, hidden_dim = gate_up_proj.shape[0], down_proj.shape[1]
+    expert_ids = top_k_index.reshape(-1)
+    expert_ids = expert_ids.masked_fill(expert_ids < 0, num_experts)  # (every id outside [0, E) sorts last)
+
+    # Sort the (token, slot) pairs by expert so that each hit expert reads one contiguous slice.
+    sorted_ids, perm = torch.sort(expert_ids, stable=True)
+    routed_states = hidden_states[perm // top_k]
+    counts = torch.bincount(sorted_ids, minlength=num_experts)[:num_experts].tolist()  # one sync
+    num_valid = sum(counts)
+    counts.append(expert_ids.numel() - num_valid)
+
+    # `split` / `unbind` rather than slicing and indexing: their backward assembles one gradient for the
+    # whole tensor, where a slice or `weight[e]` per expert would each materialise a full-size gradient.
+    chunks = routed_states.split(counts)
+    gate_up, down = gate_up_proj.unbind(0), down_proj.unbind(0)
+    outputs, projected = [], []
+    for expert, count in enumerate(counts[:-1]):
+        if count > 0:
+            projected.append(F.linear(chunks[expert], gate_up[expert]))
+            outputs.append(F.linear(apply_gate(projected[-1]), down[expert]))
+    if products is not None and projected:
+        products[perm[:num_valid]] = torch.cat(projected).detach().to(products.dtype)
+    if counts[-1] > 0 or not outputs:
+        outputs.append(routed_states.new_zeros(counts[-1], hidden_dim))
+    expert_out = torch.cat(outputs)
+
+    # Weights are fp32, so the weighted sum over the k slots accumulates in fp32 (as the grouped_mm / batched_mm
+    # paths do).
+    weighted = expert_out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    unsorted = torch.empty_like(weighted).index_copy_(0, perm, weighted)
+    return unsorted.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
 
 def attach_experts(experts: nn.Module):

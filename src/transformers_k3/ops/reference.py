@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .mxfp4_torch import mxfp4_grouped_mm, mxfp4_grouped_mm_backward  # (the packed MXFP4 experts' operators)
+from .experts import eager_experts
 from .torch_internals import dispatch_keys, dispatch_keys_guard
 
 
@@ -175,26 +176,18 @@ def rms_norm_backward(grad, hidden_states, weight, eps: float):
 
 def _experts32(x, index, weights, gate_up, down, transposed: bool, kind: int, beta: float, linear_beta: float,
                products: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``out[t] = sum_j weights[t, j] down_e(glu(gate_up_e(x[t])))`` with ``e = index[t, j]``, in fp32 from the
-    values as given (ids outside ``[0, E)`` contribute nothing); ``products`` receives each (token, slot)'s
-    ``gate_up_e(x[t])`` row (token-major)."""
-    x32, w32 = x.float(), weights.float().reshape(-1)
+    """The eager routed experts (`experts.eager_experts`) in fp32 from the values as given: ``out[t] = sum_j
+    weights[t, j] down_e(glu(gate_up_e(x[t])))`` with ``e = index[t, j]`` (ids outside ``[0, E)`` contribute
+    nothing); ``products`` receives each (token, slot)'s ``gate_up_e(x[t])`` row (token-major)."""
     gate_up32, down32 = gate_up.float(), down.float()
     if transposed:  # (stored [E, D, 2I] / [E, I, D])
         gate_up32, down32 = gate_up32.transpose(1, 2), down32.transpose(1, 2)
-    num_experts, inter = gate_up32.shape[0], gate_up32.shape[1] // 2
-    ids = index.reshape(-1).long()
-    tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(index.shape[1])
-    out = x32.new_zeros(x.shape)
-    valid = (ids >= 0) & (ids < num_experts)
-    for expert in ids[valid].unique().tolist():
-        pairs = (ids == expert).nonzero().squeeze(1)
-        projected = x32[tokens[pairs]] @ gate_up32[expert].t()
-        if products is not None:
-            products[pairs] = projected.detach()
-        act = _glu32(projected[:, :inter], projected[:, inter:], kind, beta, linear_beta)
-        out = out.index_add(0, tokens[pairs], (act @ down32[expert].t()) * w32[pairs, None])
-    return out
+    inter = gate_up32.shape[1] // 2
+
+    def apply_gate(projected: torch.Tensor) -> torch.Tensor:
+        return _glu32(projected[:, :inter], projected[:, inter:], kind, beta, linear_beta)
+
+    return eager_experts(x.float(), index.long(), weights.float(), gate_up32, down32, apply_gate, products)
 
 
 def moe_experts(x, index, weights, gate_up, down, transposed: bool, kind: int, beta: float, linear_beta: float,
