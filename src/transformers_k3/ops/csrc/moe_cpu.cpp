@@ -1,5 +1,5 @@
 // Routed-experts forward on CPU (fp32, no autograd): the same computation as the "k3_grouped_mm" experts
-// implementation (transformers_k3.layers.moe), fused per expert.
+// implementation (transformers_k3.ops.experts), fused per expert.
 //
 // torch's CPU grouped GEMM runs one at::mm per expert, with a tensor and a dispatch around each, and every
 // step around it (gather, GLU, weighting, scatter) is a separate pass over [N * k, *] tensors. Here the

@@ -1,4 +1,4 @@
-// The whole latent MoE layer (transformers_k3.layers.moe.KimiK3SparseMoE) for a few tokens without autograd, a
+// The whole latent MoE layer (transformers_k3.modeling_kimi_k3.KimiK3SparseMoE) for a few tokens without autograd, a
 // decode step: router, selection, latent down-projection, routed experts, the norm on their sum, up-projection
 // and shared expert in one call, on one thread, on AVX-512 or AVX2 + FMA.
 //

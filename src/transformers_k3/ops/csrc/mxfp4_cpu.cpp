@@ -213,26 +213,40 @@ struct Work {
 // An expert's rows: [offsets[e - 1], offsets[e]) (offsets[-1] = 0).
 inline int64_t first_row(const int64_t* offsets, int64_t e) { return e == 0 ? 0 : offsets[e - 1]; }
 
+// The prologue both entry points share: checks the sizes and the expert offsets (1 if they do not fit), zeroes the
+// output rows in no expert, and reads the first `end` (grouped) input rows of width `in_width` as fp32 into `data`
+// (nullptr: nothing left to compute; 2 if the copy failed). `k` is the weights' row width (a multiple of 32).
+inline int grouped_rows(const void* in, bool bf16, int64_t rows, int64_t in_width, int64_t out_width, int64_t k,
+                        int64_t n_experts, const int64_t* offsets, void* out, int n_threads, int64_t& end,
+                        std::vector<float>& copy, const float*& data) {
+  data = nullptr;
+  end = 0;
+  if (rows < 0 || in_width < 0 || out_width < 0 || k % kBlock || n_experts < 0 || n_threads < 1) return 1;
+  for (int64_t e = 0; e < n_experts; ++e)
+    if (offsets[e] < first_row(offsets, e) || offsets[e] > rows) return 1;
+  end = n_experts ? offsets[n_experts - 1] : 0;
+  for (int64_t i = end * out_width; i < rows * out_width; ++i) store(out, bf16, i, 0.0f);  // rows in no expert
+  if (end == 0 || out_width == 0) return 0;
+  try {
+    data = as_f32(in, bf16, end * in_width, copy, n_threads);
+  } catch (...) {
+    return 2;
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 int k3_mxfp4_grouped_mm(const void* x, int x_bf16, int64_t rows, int k, const uint8_t* codes, const uint8_t* scales,
                         int64_t n_experts, int n, const int64_t* offsets, void* out, int n_threads) {
-  if (rows < 0 || k < 0 || k % kBlock || n < 0 || n_experts < 0 || n_threads < 1) return 1;
-  for (int64_t e = 0; e < n_experts; ++e)
-    if (offsets[e] < first_row(offsets, e) || offsets[e] > rows) return 1;
   const bool bf16 = x_bf16 != 0;
-  const int64_t end = n_experts ? offsets[n_experts - 1] : 0;
-  for (int64_t i = end * n; i < rows * n; ++i) store(out, bf16, i, 0.0f);  // rows in no expert
-  if (end == 0 || n == 0) return 0;
+  int64_t end;
   std::vector<float> copy;
   const float* xf;
-  try {
-    xf = as_f32(x, bf16, end * (int64_t)k, copy, n_threads);
-  } catch (...) {
-    return 2;
-  }
+  const int status0 = grouped_rows(x, bf16, rows, k, n, k, n_experts, offsets, out, n_threads, end, copy, xf);
+  if (status0 != 0 || xf == nullptr) return status0;
   const int64_t blocks = k / kBlock, row_bytes = k / 2;
   // tiles of weight rows dequantized at a time (a multiple of 4 rows, the product's register block)
   const int64_t tile = std::max<int64_t>(4, std::min<int64_t>(64, (kTileFloats / std::max(k, 1)) / 4 * 4));
@@ -309,20 +323,12 @@ int k3_mxfp4_grouped_mm(const void* x, int x_bf16, int64_t rows, int k, const ui
 int k3_mxfp4_grouped_mm_backward(const void* grad, int grad_bf16, int64_t rows, int n, const uint8_t* codes,
                                  const uint8_t* scales, int64_t n_experts, int k, const int64_t* offsets,
                                  void* grad_x, int n_threads) {
-  if (rows < 0 || k < 0 || k % kBlock || n < 0 || n_experts < 0 || n_threads < 1) return 1;
-  for (int64_t e = 0; e < n_experts; ++e)
-    if (offsets[e] < first_row(offsets, e) || offsets[e] > rows) return 1;
   const bool bf16 = grad_bf16 != 0;
-  const int64_t end = n_experts ? offsets[n_experts - 1] : 0;
-  for (int64_t i = end * k; i < rows * k; ++i) store(grad_x, bf16, i, 0.0f);
-  if (end == 0 || k == 0) return 0;
+  int64_t end;
   std::vector<float> copy;
   const float* gf;
-  try {
-    gf = as_f32(grad, bf16, end * (int64_t)n, copy, n_threads);
-  } catch (...) {
-    return 2;
-  }
+  const int status0 = grouped_rows(grad, bf16, rows, n, k, k, n_experts, offsets, grad_x, n_threads, end, copy, gf);
+  if (status0 != 0 || gf == nullptr) return status0;
   const int64_t blocks = k / kBlock, row_bytes = k / 2;
   std::vector<Work> work;  // (expert, rows, 32-blocks of grad_x's columns)
   const int64_t span = std::max<int64_t>(1, std::min<int64_t>(blocks, 8));
