@@ -9,6 +9,9 @@ weights' of when they were made: as training moves the weights, they go stale (r
 
 Use with ``TrainingArguments(remove_unused_columns=False, per_device_train_batch_size=1)``: an item's keys are not
 the model's arguments, and two segments' states cannot share one cache.
+
+`SegmentTrainer` is the other route: a `Trainer` whose training step backpropagates each batch of whole trajectories
+segment by segment (`segment_backward`), in exact mode (full-context backpropagation's gradient) or truncated mode.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import os
 
 import torch
 from torch.utils.data import Dataset
+from transformers import Trainer
 
 from .cache import KimiK3HybridCache
-from .segments import (IGNORE_INDEX, KimiK3SegmentError, SegmentBoundary, boundary_states, cache_from_boundary,
-                       segment_bounds)
+from .segments import (IGNORE_INDEX, MODES, KimiK3SegmentError, SegmentBoundary, boundary_states, cache_from_boundary,
+                       segment_backward, segment_bounds)
 
-__all__ = ["SegmentCollator", "SegmentDataset", "SegmentStateStore"]
+__all__ = ["SegmentCollator", "SegmentDataset", "SegmentStateStore", "SegmentTrainer"]
 
 
 def _row(trajectory: torch.Tensor) -> torch.Tensor:
@@ -124,3 +128,45 @@ class SegmentCollator:
             "shift_labels": shift[:, start:end].contiguous(),
             "past_key_values": self.store.cache(trajectory, segment, ids), "use_cache": True,
         }  # fmt: skip
+
+
+class SegmentTrainer(Trainer):
+    """`Trainer` whose training step is `segment_backward` over the batch's whole trajectories: ``segment_len`` tokens
+    at a time, ``segment_mode="exact"`` (the gradient of full-context backpropagation, without holding earlier
+    segments' activations) or ``"truncated"``. A batch is ``input_ids`` ``[B, T]`` and optionally ``labels`` (default
+    the ids; ``-100`` ignores a token) and an all-ones ``attention_mask``. Gradient accumulation divides by the
+    accumulated label count, as `Trainer` does for a full-context loss. Evaluation is the model's full-context loss.
+
+    One process, without fp16's gradient scaler: the step runs several backward passes of its own, which a
+    distributed wrapper would synchronise one by one and a loss scaler never sees."""
+
+    def __init__(self, *args, segment_len: int, segment_mode: str = "exact", **kwargs):
+        if segment_mode not in MODES:
+            raise KimiK3SegmentError(f"segment_mode must be one of {MODES}, got {segment_mode!r}")
+        segment_bounds(1, segment_len)  # (checks it)
+        super().__init__(*args, **kwargs)
+        if self.args.fp16 or self.accelerator.num_processes > 1:
+            raise KimiK3SegmentError("SegmentTrainer runs in one process without fp16's loss scaler: train with "
+                                     "bf16 or fp32 on one device")  # fmt: skip
+        self.segment_len, self.segment_mode = segment_len, segment_mode
+
+    def training_step(self, model, inputs: dict, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+        unknown = set(inputs) - {"input_ids", "labels", "attention_mask"}
+        if unknown:
+            raise KimiK3SegmentError(f"a SegmentTrainer batch holds input_ids, labels and attention_mask, got "
+                                     f"{sorted(unknown)}: drop the other columns")  # fmt: skip
+        mask = inputs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise KimiK3SegmentError("SegmentTrainer trains unpadded trajectories (the state runs through every "
+                                     "token): batch trajectories of one length, or use per_device_train_batch_size=1")
+        if num_items_in_batch is None and self.current_gradient_accumulation_steps > 1:
+            raise KimiK3SegmentError("gradient accumulation divides by the accumulated label count: put labels in "
+                                     "the batch (e.g. a copy of input_ids)")  # fmt: skip
+        model.train()
+        ids = inputs["input_ids"].to(self.args.device)
+        labels = inputs.get("labels")
+        with self.compute_loss_context_manager():
+            result = segment_backward(model, ids, None if labels is None else labels.to(ids.device),
+                                      segment_len=self.segment_len, mode=self.segment_mode,
+                                      num_items_in_batch=num_items_in_batch)  # fmt: skip
+        return result.loss.to(self.args.device)

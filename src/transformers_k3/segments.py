@@ -143,11 +143,14 @@ def _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs):
 
 
 def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, segment_len: int,
-                     mode: str = "exact", **kwargs) -> SegmentResult:
+                     mode: str = "exact", num_items_in_batch: int | torch.Tensor | None = None,
+                     **kwargs) -> SegmentResult:
     """Backpropagate a trajectory's causal-LM loss through ``model`` one segment of ``segment_len`` tokens at a time,
     accumulating the parameters' ``.grad`` as ``model(input_ids, labels=labels).loss.backward()`` would (``"exact"``)
     or with each segment's incoming state held constant (``"truncated"``). ``labels`` default to ``input_ids``
-    (``-100`` ignores a token). Extra keyword arguments go to every segment's forward. Returns the loss."""
+    (``-100`` ignores a token). ``num_items_in_batch``: the label count to divide by, as transformers' loss takes it
+    (gradient accumulation over several calls); default, the trajectory's own. Extra keyword arguments go to every
+    segment's forward. Returns the loss."""
     labels = _check(model, input_ids, labels, mode)
     length = input_ids.shape[1]
     shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
@@ -155,6 +158,8 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     if tokens == 0:
         raise KimiK3SegmentError("no token has a label to predict: pass labels other than -100 for at least one "
                                  "token after the first")  # fmt: skip
+    if num_items_in_batch is not None:
+        tokens = int(num_items_in_batch)
     bounds = segment_bounds(length, segment_len)
     losses = []
     if mode == "truncated":
