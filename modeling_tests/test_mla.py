@@ -170,16 +170,48 @@ def test_a_chunk_after_a_long_context_matches_the_formula_blockwise_and_masked(l
     torch.testing.assert_close(torch.cat(decoded, 1).double(), want[:, 20:], atol=2e-5, rtol=1e-5)
 
 
+def _chunk_gradients_against_the_formula(layer, x, chunk_len, atol=2e-5):
+    """A chunk of ``chunk_len`` tokens on a cache whose latents were made under autograd from ``x``'s other rows:
+    its output, and the gradients (of a random probe) of the chunk's inputs and, through the cached latents, of the
+    context's inputs, against the float64 formula under autograd."""
+    x = x.detach().clone().requires_grad_()
+    context = x.shape[1] - chunk_len
+    cache = KimiK3HybridCache(layer.config)
+    cache.update_latent(layer._latent(x[:, :context]), layer.layer_idx)  # (latents with a gradient, as exact mode's)
+    assert uses_blockwise_attention(layer.config, x)  # CPU SDPA under autograd goes blockwise: no [T, context] mask
+    chunk = layer(x[:, context:], past_key_values=cache)[0]
+    probe = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(6))
+    (chunk * probe).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    want = reference_mla(layer, x64, last=chunk_len)
+    (want * probe.double()).sum().backward()
+    torch.testing.assert_close(chunk.detach().double(), want.detach(), atol=atol, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_a_chunk_with_autograd_on_a_cache_matches_the_formula():
-    """Under autograd the chunk takes no fused kernel's log-sum-exp (it has no backward): expanded and masked
-    causally to the cache's end even when the caller gave no mask; the gradient is the formula's."""
+    """Under autograd a chunk on a cache attends blockwise without a mask even when the caller gave none: its output
+    and the gradients of its inputs and of the cached context's (through the latents) are the formula's."""
     layer = k3_layer("sdpa")
+    _chunk_gradients_against_the_formula(layer, hidden(1, 30, layer.config.hidden_size, seed=5), 20)
+
+
+def test_a_chunk_with_autograd_after_a_long_context_matches_the_formula(long_context):
+    """Under autograd after two context blocks (a full and a ragged one): the merged softmax's gradient, each
+    block's kernel backward taking the merged output and log-sum-exp, is the formula's."""
+    layer, x, _ = long_context
+    _chunk_gradients_against_the_formula(layer, x, 24)
+
+
+def test_a_chunk_with_autograd_and_a_mask_matches_the_formula():
+    """With the caller's causal mask (eager's route) the chunk under autograd is expanded and masked; the same
+    gradients."""
+    layer = k3_layer("eager")
     x = hidden(1, 30, layer.config.hidden_size, seed=5).requires_grad_()
     cache = KimiK3HybridCache(layer.config)
     with torch.no_grad():
-        first = layer(x[:, :10].detach(), past_key_values=cache)[0]
-    assert not uses_blockwise_attention(layer.config, x)
-    chunk = layer(x[:, 10:], past_key_values=cache)[0]
+        first = layer(x[:, :10].detach(), attention_mask=additive_causal(10, 10), past_key_values=cache)[0]
+    chunk = layer(x[:, 10:], attention_mask=additive_causal(20, 30), past_key_values=cache)[0]
     probe = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(6))
     (chunk * probe).sum().backward()
     x64 = x.detach().double().requires_grad_()

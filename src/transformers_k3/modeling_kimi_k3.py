@@ -474,9 +474,11 @@ def static_attention_mask(slots: torch.Tensor, attention_mask: torch.Tensor | No
 
 def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
     """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA, on CPU or CUDA:
-    the devices with a fused kernel that returns its log-sum-exp); the model then builds no ``[T, context]`` mask."""
-    return config._attn_implementation == "sdpa" and hidden_states.device.type in LSE_KERNELS and not (
-        hidden_states.requires_grad and torch.is_grad_enabled())
+    the devices with a fused kernel that returns its log-sum-exp; under autograd, those whose kernel has a backward
+    that takes the merged log-sum-exp, `LSE_BACKWARDS`); the model then builds no ``[T, context]`` mask."""
+    training = hidden_states.requires_grad and torch.is_grad_enabled()
+    return config._attn_implementation == "sdpa" and hidden_states.device.type in (
+        LSE_BACKWARDS if training else LSE_KERNELS)
 
 
 def _cuda_efficient_attention(query, key, value, causal: bool, scale: float):
@@ -500,6 +502,68 @@ def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Softmax attention ``[B, n, T, d]`` and its log-sum-exp ``[B, n, T]`` (fp32) from a fused kernel
     (`LSE_KERNELS`). ``causal`` aligns the diagonal top-left (used for ``T`` queries over their own keys)."""
     return LSE_KERNELS[query.device.type](query, key, value, causal, scale)
+
+
+def _cpu_flash_attention_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, lse.to(query.dtype) if query.dtype == torch.float64 else lse, 0.0, causal,
+        scale=scale)
+
+
+# the fused kernels' backwards, by device type: given the merged output and log-sum-exp, each block's part
+LSE_BACKWARDS = {"cpu": _cpu_flash_attention_backward}
+
+
+def merge_attention_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax attention ``[B, n, T, d]`` (fp32) and its log-sum-exp from those over disjoint key blocks."""
+    out, lse = parts[0]
+    out = out.float()
+    for block_out, block_lse in parts[1:]:
+        merged = torch.logaddexp(lse, block_lse)
+        out = out * (lse - merged).exp().unsqueeze(-1) + block_out.float() * (block_lse - merged).exp().unsqueeze(-1)
+        lse = merged
+    return out, lse
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """Softmax attention of ``query`` over latent blocks, each expanded to K/V by ``expand`` (`KimiK3MLA._expand`),
+    attended by the fused kernel (the first block causally, top-left aligned) and merged by log-sum-exp, under
+    autograd. Only the latents, the query and the merged output are kept: the backward expands each block again and
+    runs its kernel backward with the merged output and log-sum-exp (as ring attention does), which is the gradient
+    of the softmax over all keys; the expansion's weights get theirs from a nested backward, as torch's reentrant
+    checkpoint does (so, like it, this works with ``.backward()``, not ``torch.autograd.grad``). Neither a
+    ``[T, context]`` matrix nor the context's K/V are kept."""
+
+    @staticmethod
+    def forward(ctx, query, expand, scale, pad, *latents):
+        parts = []
+        for i, latent in enumerate(latents):
+            key, value = expand(latent)
+            parts.append(attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, i == 0, scale))
+        out, lse = merge_attention_blocks(parts)
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, out, lse, *latents)
+        ctx.expand, ctx.scale, ctx.pad = expand, scale, pad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, out, lse, *latents = ctx.saved_tensors
+        backward = LSE_BACKWARDS[query.device.type]
+        grad_query, grads = None, []
+        for i, latent in enumerate(latents):
+            with torch.enable_grad():
+                leaf = latent.detach().requires_grad_(ctx.needs_input_grad[4 + i])
+                key, value = ctx.expand(leaf)
+                if ctx.pad:
+                    value = F.pad(value, (0, ctx.pad))
+            dq, dk, dv = backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(), out, lse,
+                                  i == 0, ctx.scale)  # fmt: skip
+            if key.requires_grad:
+                torch.autograd.backward((key, value), (dk, dv))
+            grad_query = dq if grad_query is None else grad_query + dq
+            grads.append(leaf.grad)
+        return grad_query, None, None, None, *grads
 
 
 @kernel_layer("k3_mla")
@@ -596,7 +660,9 @@ class KimiK3MLA(nn.Module):
         ``kv_b_proj`` `CONTEXT_BLOCK` tokens at a time and attended without a mask; the partial results are merged
         by their log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context
         ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs a kernel's
-        log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors)."""
+        log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors). Under autograd (a segment trained after its
+        context; `LSE_BACKWARDS`: CPU tensors) `BlockwiseAttention` keeps only the latents and expands each block
+        again in the backward."""
         pad = self.qk_head_dim - self.v_head_dim
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -606,12 +672,21 @@ class KimiK3MLA(nn.Module):
             out, lse = attention_with_lse(query, key, value, causal, self.scaling)
             return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
 
-        out, lse = attend(latent[:, past_len:], causal=True)
+        if torch.is_grad_enabled() and (query.requires_grad or latent.requires_grad
+                                        or any(p.requires_grad for p in self.kv_b_proj.parameters())):
+            if query.device.type not in LSE_BACKWARDS:  # (no kernel backward takes a merged log-sum-exp here)
+                key, value = self._expand(latent)
+                mask = end_aligned_causal(query.shape[-2], latent.shape[1], query.device)[None, None]
+                return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling
+                                                      ).transpose(1, 2)  # fmt: skip
+            # (the backward expands each block again: the context's K/V are never kept)
+            pieces = [latent[:, past_len:]] + [latent[:, start:end] for start, end in blocks(past_len, CONTEXT_BLOCK)]
+            out = BlockwiseAttention.apply(query, self._expand, self.scaling, max(pad, 0), *pieces)
+            return out[..., : self.v_head_dim].transpose(1, 2)
+        parts = [attend(latent[:, past_len:], causal=True)]
         for start, end in blocks(past_len, CONTEXT_BLOCK):  # (a graph guards on their count, not the length)
-            block_out, block_lse = attend(latent[:, start:end], causal=False)
-            merged = torch.logaddexp(lse, block_lse)
-            out = out * (lse - merged).exp().unsqueeze(-1) + block_out * (block_lse - merged).exp().unsqueeze(-1)
-            lse = merged
+            parts.append(attend(latent[:, start:end], causal=False))
+        out, _ = merge_attention_blocks(parts)
         return out.to(query.dtype).transpose(1, 2)
 
     # (absorbed decode reads `kv_b_proj.weight` without calling it: accelerate's offload hooks are fired here)
