@@ -660,19 +660,22 @@ def decode_kernel_or_skip():
         pytest.skip("the fused decode step needs the CPU kernels with AVX-512 or AVX2")
 
 
-@pytest.fixture
-def decode_calls(monkeypatch):
-    """The calls that reached the decode kernel (each a number of tokens)."""
-    calls = []
-    run = cpu_kernel.MoeDecode.__call__
+def kernel_output(moe, x, grad=False):
+    """What the layer's attached decode kernel (its ``kernel`` slot, `MoeDecodeKernel`) returns for ``x``: its
+    ``[N, H]`` values, or None where none is attached or it steps aside (then the layer runs its modules)."""
+    if moe.kernel is None:
+        return None
+    with torch.set_grad_enabled(grad):
+        return moe.kernel(x.reshape(-1, x.shape[-1]))
 
-    def counted(self, y):
-        calls.append(y.shape[0])
-        return run(self, y)
 
-    # why: tests of the decode kernel's own refusals: which tokens reach it is their subject
-    monkeypatch.setattr(cpu_kernel.MoeDecode, "__call__", counted)
-    return calls
+def assert_kernel_computes(moe, x, out, cfg, atol=1e-5):
+    """The attached decode kernel computes ``x`` (not None), within ``atol`` of the float64 reference, and the
+    layer's output ``out`` is its value."""
+    got = kernel_output(moe, x)
+    assert got is not None
+    torch.testing.assert_close(got.double(), ref_moe(moe, x, cfg).reshape(got.shape), atol=atol, rtol=atol)
+    assert torch.equal(out.reshape(got.shape), got)
 
 
 DECODE_CASES = {
@@ -694,7 +697,7 @@ DECODE_CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype, decode_calls):
+def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype):
     """A decode step (1-4 tokens, no autograd) runs the whole layer in one kernel call: in fp32 within 1e-5 of the
     float64 per-token reference written from the spec and of the modules (the sums in another order); in bf16
     within 2e-2 of the float64 reference, as the modules are, and the modules' values rounded at the same points:
@@ -709,7 +712,9 @@ def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype
         x = inputs(1, n, cfg.hidden_size, seed=100 + n).to(dtype)
         with torch.no_grad():
             out = moe(x)
-        assert decode_calls[-1:] == [n] and out.shape == x.shape and out.dtype == dtype
+        assert out.shape == x.shape and out.dtype == dtype
+        kernel = kernel_output(moe, x)  # (the layer's value is its kernel's)
+        assert kernel is not None and torch.equal(out.reshape(kernel.shape), kernel)
         modules = modules_path(moe, x)
         reference = ref_moe(moe, x, cfg)
         if dtype == torch.float32:
@@ -722,10 +727,9 @@ def test_decode_step_matches_the_modules_and_the_per_token_reference(case, dtype
             else:
                 torch.testing.assert_close(out, modules, atol=2e-2, rtol=1e-2)
             assert ((out.double() - reference).norm() / reference.norm()) < 2e-2
-    assert len(decode_calls) == 3
 
 
-def test_decode_step_reads_the_weights_at_each_call(decode_calls):
+def test_decode_step_reads_the_weights_at_each_call():
     """In-place updates (an optimizer step, Quantile Balancing's bias), replaced parameters and a cast to another
     dtype and back all reach the next decode step."""
     decode_kernel_or_skip()
@@ -737,6 +741,7 @@ def test_decode_step_reads_the_weights_at_each_call(decode_calls):
         with torch.no_grad():
             outs.append(moe(x))
         torch.testing.assert_close(outs[-1].double(), ref_moe(moe, x, cfg), atol=1e-5, rtol=1e-5)
+        assert_kernel_computes(moe, x, outs[-1], cfg)
 
     step()
     with torch.no_grad():
@@ -748,10 +753,9 @@ def test_decode_step_reads_the_weights_at_each_call(decode_calls):
         moe.bfloat16().float()
         step()
     assert all(not torch.allclose(a, b) for a, b in zip(outs, outs[1:]))
-    assert decode_calls == [1, 1, 1, 1]
 
 
-def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
+def test_decode_step_steps_aside_where_the_modules_must_run():
     """The modules run (and give their own result) with autograd, more than 4 tokens, a hook on any submodule when
     the kernels are attached (its own or global; a router hook reads the logits), a softmax or grouped router, a
     layer too large for the one-thread kernel, and another submodule class set after `kernelize` (a LoRA layer);
@@ -761,11 +765,12 @@ def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
     x = inputs(1, 3, cfg.hidden_size)
     expected = modules_path(moe, x)
 
-    def check(layer=moe, inp=x, grad=False):
-        decode_calls.clear()
+    def check(layer=moe, inp=x, grad=False):  # the kernel steps aside; the layer computes the float64 reference
+        assert kernel_output(layer, inp, grad) is None
         with torch.set_grad_enabled(grad):
             out = layer(inp)
-        assert decode_calls == []
+        reference = ref_moe(layer, inp, layer.experts.config)
+        torch.testing.assert_close(out.detach().double(), reference.reshape(out.shape), atol=1e-5, rtol=1e-5)
         return out
 
     out = check(grad=True)
@@ -799,9 +804,12 @@ def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
                             num_experts=64, num_experts_per_tok=16, moe_intermediate_size=64)  # 1.18M MACs
     check(big, inputs(1, 1, 512))  # fp32: beyond the one-thread kernel's limit
     big.bfloat16().gate.e_score_correction_bias = big.gate.e_score_correction_bias.float()  # (as a bf16 load keeps it)
+    big_x = inputs(1, 1, 512).bfloat16()
     with torch.no_grad():
-        big(inputs(1, 1, 512).bfloat16())
-    assert decode_calls == [1]  # bf16: within its larger limit
+        big_out = big(big_x)
+    got = kernel_output(big, big_x)  # bf16: within its larger limit
+    assert got is not None and torch.equal(big_out.reshape(got.shape), got)
+    torch.testing.assert_close(big_out.float(), modules_path(big, big_x).float(), atol=2e-2, rtol=1e-2)
     lora = Wrapped(cfg.routed_expert_hidden_size, cfg.hidden_size, bias=False)
     lora.weight = moe.routed_expert_up_proj.weight
     moe.routed_expert_up_proj = lora
@@ -810,7 +818,7 @@ def test_decode_step_steps_aside_where_the_modules_must_run(decode_calls):
         assert moe(inputs(1, 0, cfg.hidden_size)).shape == (1, 0, cfg.hidden_size)
 
 
-def test_decode_step_drops_its_plan_when_pickled(decode_calls):
+def test_decode_step_drops_its_plan_when_pickled():
     """The kernel's description of this process's memory is neither pickled nor deep-copied: a copy plans anew
     on its own weights."""
     import copy
@@ -829,10 +837,12 @@ def test_decode_step_drops_its_plan_when_pickled(decode_calls):
         assert torch.equal(twin(x), out) and torch.equal(loaded(x), out)
         twin.experts.down_proj.zero_()
         assert torch.equal(moe(x), out) and not torch.equal(twin(x), out)
-    assert decode_calls == [2] * 5
+    for layer in (moe, twin, loaded):
+        with torch.no_grad():
+            assert_kernel_computes(layer, x, layer(x), cfg)
 
 
-def test_decode_step_follows_settings_changed_on_a_built_layer(decode_calls):
+def test_decode_step_follows_settings_changed_on_a_built_layer():
     """The router's and norm's settings set on a built layer (fewer experts per token, another scaling factor, no
     renormalization, another eps, a softmax or grouped router) reach the next decode step, which then computes
     what the modules compute, or steps aside where they no longer fit the kernel."""
@@ -847,11 +857,15 @@ def test_decode_step_follows_settings_changed_on_a_built_layer(decode_calls):
             moe(x)  # (a plan for the settings before)
         before = getattr(module, name)
         setattr(module, name, value)
-        decode_calls.clear()
         with torch.no_grad():
             out = moe(x)
-        assert decode_calls == ([2] if kernel else []), name
+        got = kernel_output(moe, x)
+        assert (got is not None) == kernel, name
         expected = modules_path(moe, x)
+        if got is not None:
+            assert torch.equal(out.reshape(got.shape), got), name
+        else:
+            assert torch.equal(out, expected), name
         torch.testing.assert_close(out, expected, atol=1e-6 * expected.abs().max().item(), rtol=1e-5)
         setattr(module, name, before)
     cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
@@ -862,7 +876,7 @@ def test_decode_step_follows_settings_changed_on_a_built_layer(decode_calls):
         torch.testing.assert_close(moe(x), modules_path(moe, x), atol=1e-6, rtol=1e-5)
 
 
-def test_decode_step_steps_aside_for_weights_that_are_not_parameters(decode_calls):
+def test_decode_step_steps_aside_for_weights_that_are_not_parameters():
     """A weight parametrized after `kernelize` (torch.nn.utils.parametrize moves it out of the module's parameters:
     the kernel is detached) or held as a plain tensor attribute (FSDP's views of its flat parameter) runs the
     modules, with their result, instead of failing on the missing parameter."""
@@ -882,25 +896,24 @@ def test_decode_step_steps_aside_for_weights_that_are_not_parameters(decode_call
             moe(x)
         module = getattr(moe, module_name)
         parametrize.register_parametrization(module, name, Negated())
-        decode_calls.clear()
         with torch.no_grad():
             torch.testing.assert_close(moe(x), modules_path(moe, x), atol=0, rtol=0)
-        assert decode_calls == [], module_name
+        assert kernel_output(moe, x) is None, module_name
         parametrize.remove_parametrizations(module, name)  # (the negated weight, a new parameter)
         kernelize(moe)  # (the module tree changed: attach again)
         with torch.no_grad():
-            torch.testing.assert_close(moe(x), modules_path(moe, x), atol=1e-6, rtol=1e-5)
-        assert decode_calls == [1], module_name
+            out = moe(x)
+        torch.testing.assert_close(out, modules_path(moe, x), atol=1e-6, rtol=1e-5)
+        assert_kernel_computes(moe, x, out, cfg)
     weight = moe.gate.weight.detach().clone()
     del moe.gate.weight
     moe.gate.weight = weight
-    decode_calls.clear()
     with torch.no_grad():
         torch.testing.assert_close(moe(x), modules_path(moe, x), atol=0, rtol=0)
-    assert decode_calls == []
+    assert kernel_output(moe, x) is None
 
 
-def test_decode_step_replans_when_a_weight_changes_shape_in_place(decode_calls):
+def test_decode_step_replans_when_a_weight_changes_shape_in_place():
     """Experts pruned in place (``param.data = param.data[:4]``: the same tensors and data pointers, fewer
     experts) reach the next decode step."""
     decode_kernel_or_skip()
@@ -913,11 +926,12 @@ def test_decode_step_replans_when_a_weight_changes_shape_in_place(decode_calls):
             tensor.data = tensor.data[:4]
         moe.gate.num_experts = moe.experts.num_experts = 4
         out = moe(x)
-    assert decode_calls == [1, 1]
     torch.testing.assert_close(out, modules_path(moe, x), atol=1e-6, rtol=1e-5)
+    cfg.num_experts = 4  # (the float64 reference's router reads it)
+    assert_kernel_computes(moe, x, out, cfg)
 
 
-def test_decode_step_steps_aside_under_autocast(decode_calls):
+def test_decode_step_steps_aside_under_autocast():
     """Under CPU autocast the modules' linear layers compute in bf16 (and return bf16): the modules run."""
     decode_kernel_or_skip()
     cfg, moe = kernel_moe(_experts_implementation=K3_GROUPED_MM)
@@ -926,11 +940,12 @@ def test_decode_step_steps_aside_under_autocast(decode_calls):
         with torch.no_grad():
             out = moe(x)
         expected = modules_path(moe, x)
-    assert decode_calls == [] and out.dtype == expected.dtype == torch.bfloat16
+        assert kernel_output(moe, x) is None
+    assert out.dtype == expected.dtype == torch.bfloat16
     assert torch.equal(out, expected)
 
 
-def test_bf16_decode_step_steps_aside_for_experts_the_experts_kernel_does_not_take(decode_calls):
+def test_bf16_decode_step_steps_aside_for_experts_the_experts_kernel_does_not_take():
     """bf16 experts larger than the experts kernel takes (3 D I > SMALL_EXPERT_FLOATS) run torch's bf16 products in
     the modules, rounded at each step: not the decode kernel's quantity, so the modules run (their bits)."""
     decode_kernel_or_skip()
@@ -940,7 +955,7 @@ def test_bf16_decode_step_steps_aside_for_experts_the_experts_kernel_does_not_ta
     x = inputs(1, 2, cfg.hidden_size).bfloat16()
     with torch.no_grad():
         out = moe(x)
-    assert decode_calls == [] and torch.equal(out, modules_path(moe, x))
+    assert kernel_output(moe, x) is None and torch.equal(out, modules_path(moe, x))
 
 
 def test_decode_step_needs_the_sigmoid_the_modules_router_uses(monkeypatch):
