@@ -1,0 +1,100 @@
+"""Memory of a segment training step as the trajectory grows (issue 47).
+
+For each trajectory length and mode, in a fresh process: a small K3 model (every K3 feature on, tiny widths by
+default) runs one `segment_backward` step over a random trajectory in fixed segments, and the script prints the
+peak resident memory during the step minus the resident memory before it, the model built (Linux: the peak is reset
+through ``/proc/self/clear_refs`` just before the step and read from ``VmHWM``; the first step also loads the
+kernels, the same in every row), and the bytes of the state the step keeps
+across segments (MLA latents; in exact mode also the saved boundary KDA states and the latents' gradient buffer).
+Memory, not time: other processes on the machine do not change it.
+
+    python bench/bench_segments.py                                   # 4K, 16K, 64K at 2K segments, both modes
+    python bench/bench_segments.py --contexts 4096 8192 --segment 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
+
+
+def _state_bytes(model, length: int, segment: int, mode: str) -> int:
+    """What the step holds across segments: the MLA latents, plus in exact mode their gradient buffer and the KDA
+    state and conv window at each segment boundary."""
+    config = model.config
+    mla = sum(t == "full_attention" for t in config.layer_types)
+    kda = len(config.layer_types) - mla
+    latents = mla * length * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+    if mode == "truncated":
+        return latents
+    heads, dim = config.linear_num_heads, config.linear_head_dim
+    per_boundary = kda * (heads * dim * dim + 3 * heads * dim * (config.linear_conv_kernel_size - 1)) * 4
+    return 2 * latents + per_boundary * (-(-length // segment))
+
+
+def measure(length: int, segment: int, mode: str, hidden: int, threads: int) -> dict:
+    import ctypes
+    import gc
+
+    import torch
+
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize
+    from transformers_k3.segments import segment_backward
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = KimiK3TextConfig.tiny(hidden_size=hidden)
+    model = kernelize(KimiK3ForCausalLM(config).train())
+    ids = torch.randint(3, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # (freed memory back to the OS, so the start is what is in use)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = _status("VmRSS")
+    result = segment_backward(model, ids, segment_len=segment, mode=mode)
+    peak = _status("VmHWM")
+    return {"length": length, "segment": segment, "mode": mode, "step_peak_mib": (peak - before) / 2**20,
+            "state_mib": _state_bytes(model, length, segment, mode) / 2**20, "loss": float(result.loss)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--segment", type=int, default=2048)
+    parser.add_argument("--modes", nargs="+", default=["truncated", "exact"], choices=["truncated", "exact"])
+    parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (KimiK3TextConfig.tiny)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--one", nargs=2, metavar=("LENGTH", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(int(args.one[0]), args.segment, args.one[1], args.hidden, args.threads)))
+        return
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    print("| trajectory tokens | segment | mode | step peak over its start (MiB) | state kept across segments (MiB) |")
+    print("|---:|---:|---|---:|---:|")
+    for mode in args.modes:
+        for length in args.contexts:
+            out = subprocess.run([sys.executable, __file__, "--one", str(length), mode, "--segment", str(args.segment),
+                                  "--hidden", str(args.hidden), "--threads", str(args.threads)],
+                                 env=env, capture_output=True, text=True, check=True)  # fmt: skip
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"| {length} | {args.segment} | {mode} | {row['step_peak_mib']:.1f} | {row['state_mib']:.1f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
