@@ -742,17 +742,17 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
     if device.type == "cuda":
         layouts.append(("embeddings on cpu, the rest on cuda:0", lambda n: {
             "model.embed_tokens": "cpu", **{f"model.layers.{i}": 0 for i in range(n)}, "model.norm": 0,
-            "model.output_attn_res_norm": 0, "model.output_attn_res_proj": 0, "lm_head": 0}))
+            "model.output_attn_res": 0, "lm_head": 0}))
         if torch.cuda.device_count() >= 2:
             layouts.append(("layers over cuda:0 and cuda:1, final read on cuda:1", lambda n: {
                 "model.embed_tokens": 0, **{f"model.layers.{i}": int(i >= n // 2) for i in range(n)},
-                "model.norm": 1, "model.output_attn_res_norm": 1, "model.output_attn_res_proj": 1, "lm_head": 1}))
+                "model.norm": 1, "model.output_attn_res": 1, "lm_head": 1}))
         else:
             report.add("paths", "SKIPPED", "device_map over two GPUs", "one CUDA device")
     else:  # the same map with every module on the CPU: checks the module names and accelerate's hooks
         layouts.append(("every module on cpu (dry)", lambda n: {
             "model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" for i in range(n)}, "model.norm": "cpu",
-            "model.output_attn_res_norm": "cpu", "model.output_attn_res_proj": "cpu", "lm_head": "cpu"}))
+            "model.output_attn_res": "cpu", "lm_head": "cpu"}))
     for label, layout in layouts:
         name = f"device_map: {label}"
         if over(name):

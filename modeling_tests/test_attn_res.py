@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
-from transformers_k3.modeling_kimi_k3 import KimiK3AttnResRead
+from transformers_k3.modeling_kimi_k3 import KimiK3BlockAttnRes
 
-from references import load_fla_reference
+from references import load, load_fla_reference, randomize_
 
 
 def spec_attn_res(candidates, w, n, eps):
@@ -18,6 +18,15 @@ def spec_attn_res(candidates, w, n, eps):
                           for r in candidates])
     alpha = scores.softmax(0)
     return sum(a.unsqueeze(-1) * r.double() for a, r in zip(alpha, candidates)), alpha
+
+
+def attn_res_read(w, n, eps):
+    """A read point (a layer's FFN side) holding pseudo-query ``w`` and key norm ``n``."""
+    read = KimiK3BlockAttnRes(KimiK3TextConfig.tiny(hidden_size=w.numel(), rms_norm_eps=eps), layer_idx=1, side="mlp")
+    with torch.no_grad():
+        read.pseudo_query.copy_(w.view(1, -1))
+        read.key_norm.copy_(n)
+    return read
 
 
 @pytest.mark.parametrize("stacked", [True, False])
@@ -35,7 +44,7 @@ def test_read_matches_spec_formula_and_fla_naive(monkeypatch, stacked, seq):
     H, eps = 64, 1e-5
     candidates = [torch.randn(2, seq, H) * s for s in (1.0, 3.0, 0.5, 2.0)]
     w, n = torch.randn(H), 1 + 0.1 * torch.randn(H)
-    mix, alpha = KimiK3AttnResRead(eps)(candidates, w.view(1, H), n)
+    mix, alpha = attn_res_read(w, n, eps)(*candidates)
     want_mix, want_alpha = spec_attn_res(candidates, w, n, eps)
     assert (mix.double() - want_mix).abs().max() <= 1e-5
     assert (alpha.double() - want_alpha).abs().max() <= 1e-6
@@ -50,9 +59,8 @@ def test_score_depends_only_on_norm_times_proj():
     H = 32
     candidates = [torch.randn(3, H) for _ in range(3)]
     w, n = torch.randn(H), torch.rand(H) + 0.5
-    read = KimiK3AttnResRead(1e-6)
-    a = read(candidates, w, n)[0]
-    b = read(candidates, n * w, torch.ones(H))[0]
+    a = attn_res_read(w, n, 1e-6)(*candidates)[0]
+    b = attn_res_read(n * w, torch.ones(H), 1e-6)(*candidates)[0]
     assert (a - b).abs().max() <= 1e-6
 
 
@@ -81,9 +89,9 @@ def test_first_layer_reads_the_embeddings(tiny_model):
 def test_zero_pseudo_queries_give_the_mean_of_candidates(tiny_model):
     with torch.no_grad():
         for layer in tiny_model.model.layers:
-            layer.self_attention_res_proj.weight.zero_()
-            layer.mlp_res_proj.weight.zero_()
-        tiny_model.model.output_attn_res_proj.weight.zero_()
+            layer.self_attention_res.pseudo_query.zero_()
+            layer.mlp_res.pseudo_query.zero_()
+        tiny_model.model.output_attn_res.pseudo_query.zero_()
     ids = torch.randint(3, 512, (1, 6))
     out = tiny_model(ids, output_attn_res_weights=True)
     for weights in out.attn_res_weights:
@@ -118,17 +126,17 @@ def test_stack_matches_a_literal_reimplementation_of_the_spec(tiny_model):
     with torch.no_grad():
         bank, p = [], model.embed_tokens(ids)
         for l, layer in enumerate(model.layers):
-            mix, _ = spec_attn_res(bank + [p], layer.self_attention_res_proj.weight[0],
-                                   layer.self_attention_res_norm.weight, eps)
+            mix, _ = spec_attn_res(bank + [p], layer.self_attention_res.pseudo_query[0],
+                                   layer.self_attention_res.key_norm, eps)
             x = layer.input_layernorm(mix.float())
             if l % config.attn_res_block_size == 0:
                 bank, p = bank + [p], None
             a = layer.self_attn(x)
             a = a[0] if isinstance(a, tuple) else a
             p = a if p is None else p + a
-            mix, _ = spec_attn_res(bank + [p], layer.mlp_res_proj.weight[0], layer.mlp_res_norm.weight, eps)
+            mix, _ = spec_attn_res(bank + [p], layer.mlp_res.pseudo_query[0], layer.mlp_res.key_norm, eps)
             p = p + layer.mlp(layer.post_attention_layernorm(mix.float()))
-        mix, _ = spec_attn_res(bank + [p], model.output_attn_res_proj.weight[0], model.output_attn_res_norm.weight, eps)
+        mix, _ = spec_attn_res(bank + [p], model.output_attn_res.pseudo_query[0], model.output_attn_res.key_norm, eps)
         want = model.norm(mix.float())
         got = model(ids).last_hidden_state
     assert len(bank) == math.ceil(config.num_hidden_layers / config.attn_res_block_size)
@@ -145,3 +153,37 @@ def test_hidden_states_are_the_pre_norm_reads(tiny_model):
     assert len(out.hidden_states) == L + 1
     assert torch.equal(out.hidden_states[0], tiny_model.model.embed_tokens(ids))
     assert torch.equal(out.hidden_states[-1], out.last_hidden_state)
+
+
+def test_checkpoints_keep_the_release_names_and_both_layouts_load(tmp_path):
+    """Each read owns its weights (``{read}.pseudo_query`` / ``{read}.key_norm``); checkpoints keep the release's
+    ``{read}_proj.weight`` / ``{read}_norm.weight``: save_pretrained writes those, ``save_original_format=False`` the
+    module's names, and both load back identically, as does the layout save_original_format=False wrote before the
+    reads owned their weights (fused experts, the release's AttnRes names)."""
+    from safetensors.torch import load_file, save_file
+
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval(), seed=5)
+    ids = torch.randint(3, 512, (1, 6))
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path / "release", save_original_format=True)
+    model.save_pretrained(tmp_path / "ours", save_original_format=False)
+    release = load_file(tmp_path / "release" / "model.safetensors")
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    reads = [f"model.layers.{i}.{side}" for i in range(6) for side in ("self_attention_res", "mlp_res")]
+    reads.append("model.output_attn_res")
+    for read in reads:
+        assert f"{read}_proj.weight" in release and f"{read}_norm.weight" in release
+        assert torch.equal(ours[f"{read}.pseudo_query"], release[f"{read}_proj.weight"])
+        assert torch.equal(ours[f"{read}.key_norm"], release[f"{read}_norm.weight"])
+    assert not any(name.endswith((".pseudo_query", ".key_norm")) for name in release)
+    before = tmp_path / "before"
+    before.mkdir()
+    for f in (tmp_path / "ours").iterdir():
+        if f.suffix != ".safetensors":
+            (before / f.name).write_bytes(f.read_bytes())
+    save_file({(k.replace(".pseudo_query", "_proj.weight").replace(".key_norm", "_norm.weight")): v
+               for k, v in ours.items()}, str(before / "model.safetensors"), metadata={"format": "pt"})
+    for directory in ("release", "ours", "before"):
+        with torch.no_grad():
+            assert torch.equal(load(KimiK3ForCausalLM, tmp_path / directory)(ids).logits, want), directory

@@ -393,7 +393,7 @@ def test_loss_backward_and_gradient_checkpointing(tiny_model):
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in tiny_model.named_parameters() if p.grad is not None}
-    assert "model.layers.3.self_attention_res_proj.weight" in grads
+    assert "model.layers.3.self_attention_res.pseudo_query" in grads
     assert grads["model.layers.0.self_attn.A_log"].abs().sum() > 0
     tiny_model.zero_grad()
     tiny_model.activation_checkpointing_enable()

@@ -10,6 +10,7 @@ import hmac
 import itertools
 import json
 import os
+import re
 import tempfile
 import warnings
 
@@ -73,6 +74,11 @@ def _strided_sample(tensor: torch.Tensor, values: int = 4096) -> torch.Tensor:
     return tensor[tuple(slice(None, None, max(1, -(-size // per_dim))) for size in tensor.shape)]
 
 
+# An AttnRes read's key norm is hashed under its checkpoint name, as before the read's module owned it: caches saved
+# then keep their fingerprint (conversion/keymap.py's attn_res_checkpoint_name; the cache does not import conversion)
+_ATTN_RES_KEY_NORM = re.compile(r"(?<=_res)\.key_norm$")
+
+
 def _fingerprint_samples(decoder: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The (name, strided view) pairs `weights_fingerprint` hashes: the embedding, and for every decoder layer each
     1-D parameter (norm weights, KDA decay parameters, biases), the first matrix of its attention and of its MLP /
@@ -83,6 +89,7 @@ def _fingerprint_samples(decoder: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, param in layer.named_parameters():
             block = name.split(".", 1)[0]
             if param.dim() <= 1 or "lora" in name:
+                name = _ATTN_RES_KEY_NORM.sub("_norm.weight", name)
                 samples.append((f"layers.{index}.{name}", _strided_sample(param, 1024 if param.dim() <= 1 else 4096)))
             elif block in ("self_attn", "mlp") and block not in firsts:
                 firsts[block] = name

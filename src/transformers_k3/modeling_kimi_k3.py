@@ -1098,28 +1098,46 @@ def attn_res_read_stacked(candidates: Sequence[torch.Tensor], query: torch.Tenso
     return (stacked * weights.unsqueeze(-1)).sum(0).to(candidates[0].dtype), weights
 
 
-class KimiK3AttnResRead(nn.Module):
-    """One AttnRes read point. It holds no weights (the checkpoint keeps ``*_res_proj``/``*_res_norm`` on
-    the decoder layer under their official names); it exists so that transformers' output recorders can
-    capture the pre-norm mixture (``output_hidden_states``) and the depth weights
-    (``output_attn_res_weights``) at every read.
+class KimiK3BlockAttnRes(nn.Module):
+    """One Block AttnRes read point (attention or FFN side of a layer, or the model's final read): it owns the read's
+    pseudo-query ``w`` and key norm ``n`` (the checkpoint's ``{read}_proj.weight`` / ``{read}_norm.weight``, renamed
+    at load and back at save) and the snapshot rule. Called with the candidates (the bank, then the running partial
+    sum) it returns ``(mix, weights)``, ``weights`` of shape ``[num_candidates, batch, seq]``: transformers' output
+    recorders capture the pre-norm mixture (``output_hidden_states``) and the depth weights
+    (``output_attn_res_weights``), and accelerate's hooks place its weights, at every read.
 
-    Returns ``(mix, weights)`` with ``weights`` of shape ``[num_candidates, batch, seq]``.
-    """
+    With AttnRes off it holds nothing and returns its single candidate (the classic residual stream)."""
 
-    def __init__(self, eps: float):
+    def __init__(self, config: KimiK3TextConfig, layer_idx: int | None = None, side: str = "output"):
         super().__init__()
-        self.eps = eps
+        self.eps = config.rms_norm_eps
+        # The bank takes a snapshot at the attention side of every S-th layer, after that layer's read.
+        self.starts_block = (config.use_attn_res and side == "attention"
+                             and layer_idx % config.attn_res_block_size == 0)
+        if not config.use_attn_res:
+            self.key_norm = self.pseudo_query = None
+            return
+        key_norm, pseudo_query = torch.ones(config.hidden_size), torch.zeros(1, config.hidden_size)
+        # (draws what the nn.Linear that held the pseudo-query drew when built: a seeded model keeps its weights)
+        nn.init.kaiming_uniform_(torch.empty(1, config.hidden_size), a=math.sqrt(5))
+        if side == "attention" and layer_idx == 0:
+            # Layer 0's attention side reads a single candidate (the embeddings), whose softmax weight is 1 whatever
+            # these hold. The checkpoint has them, so they are kept, as buffers: a parameter that never gets a
+            # gradient breaks DDP with `find_unused_parameters=False` (Trainer's choice under gradient checkpointing).
+            self.register_buffer("key_norm", key_norm)
+            self.register_buffer("pseudo_query", pseudo_query)
+        else:
+            self.key_norm = nn.Parameter(key_norm)
+            self.pseudo_query = nn.Parameter(pseudo_query)
 
-    def forward(self, candidates: Sequence[torch.Tensor], query: torch.Tensor | None = None,
-                key_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, *candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if len(candidates) == 1:
             # A single candidate has weight 1 (the first layer, or AttnRes switched off): no work.
             only = candidates[0]
             return only, only.new_ones(1, *only.shape[:-1], dtype=torch.float32)
         if sum(r.numel() for r in candidates) <= STACKED_MAX_ELEMENTS:
-            return attn_res_read_stacked(candidates, query, key_norm, self.eps)
-        weights = attn_res_scores(candidates, query, key_norm, self.eps)
+            return attn_res_read_stacked(candidates, self.pseudo_query, self.key_norm, self.eps)
+        weights = attn_res_scores(candidates, self.pseudo_query, self.key_norm, self.eps)
         return attn_res_mix(candidates, weights), weights
 
 
@@ -1138,16 +1156,6 @@ class KimiK3CausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     r"""attn_res_weights (`tuple[torch.FloatTensor]`, *optional*): see `KimiK3ModelOutputWithPast`."""
 
     attn_res_weights: tuple[torch.FloatTensor, ...] | None = None
-
-
-class KimiK3StoredWeight(nn.Module):
-    """A checkpoint tensor the computation never reads, kept as a persistent buffer named ``weight`` so that the
-    official key (e.g. ``layers.0.self_attention_res_proj.weight``) loads and saves unchanged."""
-
-    def __init__(self, shape: tuple[int, ...], initial: float):
-        super().__init__()
-        self.register_buffer("weight", torch.full(shape, initial))
-        self._initial = initial
 
 
 def packed_sequence_boundaries(position_ids, cu_seq_lens_q, attention_mask, past_key_values,
@@ -1196,38 +1204,15 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.mlp = KimiK3SparseMoE(config) if self.is_moe else KimiK3MLP(config)
         self.input_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps=eps)
-        self.use_attn_res = config.use_attn_res
-        self.self_attention_res_norm = self.self_attention_res_proj = self.mlp_res_norm = self.mlp_res_proj = None
-        if self.use_attn_res:
-            self.self_attention_res_norm = KimiK3RMSNorm(hidden, eps=eps)
-            self.self_attention_res_proj = nn.Linear(hidden, 1, bias=False)
-            self.mlp_res_norm = KimiK3RMSNorm(hidden, eps=eps)
-            self.mlp_res_proj = nn.Linear(hidden, 1, bias=False)
-            if layer_idx == 0:
-                # Layer 0's attention side reads a single candidate (the embeddings), whose softmax weight is 1
-                # whatever these hold. The checkpoint has them, so they are kept, as buffers: a parameter that
-                # never gets a gradient breaks DDP with `find_unused_parameters=False` (Trainer's choice under
-                # gradient checkpointing).
-                self.self_attention_res_norm = KimiK3StoredWeight((hidden,), 1.0)
-                self.self_attention_res_proj = KimiK3StoredWeight((1, hidden), 0.0)
-        # The bank takes a snapshot at the attention side of every S-th layer, after that layer's read.
-        self.snapshot = self.use_attn_res and layer_idx % config.attn_res_block_size == 0
-        self.attn_side_read = KimiK3AttnResRead(eps)
-        self.mlp_side_read = KimiK3AttnResRead(eps)
+        self.self_attention_res = KimiK3BlockAttnRes(config, layer_idx, "attention")
+        self.mlp_res = KimiK3BlockAttnRes(config, layer_idx, "mlp")
 
-    # (the AttnRes reads use these weights without calling their modules: accelerate's offload hooks are fired here)
-    @force_accelerate_hooks(["self_attention_res_proj", "self_attention_res_norm", "mlp_res_proj", "mlp_res_norm"])
     def forward(self, partial: torch.Tensor, *bank: torch.Tensor, attention_mask=None, past_key_values=None,
                 cu_seqlens: torch.LongTensor | None = None, **kwargs) -> tuple[torch.Tensor, ...]:
         """``(partial, *bank) -> (partial, *bank)``; the bank is passed positionally so that gradient
         checkpointing sees every tensor."""
-        if self.use_attn_res:
-            mix = self.attn_side_read([*bank, partial], self.self_attention_res_proj.weight,
-                                      self.self_attention_res_norm.weight)[0]
-        else:
-            mix = self.attn_side_read([partial])[0]
-        x = self.input_layernorm(mix)
-        if self.snapshot:
+        x = self.input_layernorm(self.self_attention_res(*bank, partial)[0])
+        if self.self_attention_res.starts_block:
             bank, partial = (*bank, partial), None
         if self.layer_type == "linear_attention":
             # packed sequences: KDA state and conv windows restart at every boundary
@@ -1236,12 +1221,7 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if isinstance(attn_out, tuple):
             attn_out = attn_out[0]
         partial = attn_out if partial is None else partial + attn_out
-
-        if self.use_attn_res:
-            mix = self.mlp_side_read([*bank, partial], self.mlp_res_proj.weight, self.mlp_res_norm.weight)[0]
-        else:
-            mix = partial
-        ffn_in = self.post_attention_layernorm(mix)
+        ffn_in = self.post_attention_layernorm(self.mlp_res(*bank, partial)[0])
         if self.is_moe:  # (the router computes its logits where the model records them)
             partial = partial + self.mlp(ffn_in, kwargs.get("output_router_logits", False))
         else:
@@ -1295,12 +1275,13 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3Router, index=0),
         "hidden_states": [
-            OutputRecorder(KimiK3AttnResRead, index=0, layer_name="attn_side_read",
+            OutputRecorder(KimiK3BlockAttnRes, index=0, layer_name="self_attention_res",
                            capture_initial_hidden_state=False),
-            OutputRecorder(KimiK3AttnResRead, index=0, layer_name="output_read", capture_initial_hidden_state=False),
+            OutputRecorder(KimiK3BlockAttnRes, index=0, layer_name="output_attn_res",
+                           capture_initial_hidden_state=False),
         ],
         "attentions": OutputRecorder(KimiK3MLA, index=1),
-        "attn_res_weights": OutputRecorder(KimiK3AttnResRead, index=1),
+        "attn_res_weights": OutputRecorder(KimiK3BlockAttnRes, index=1),
     }
 
     @torch.no_grad()
@@ -1320,15 +1301,13 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, KimiK3GatedRMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, KimiK3StoredWeight):
-            init.constant_(module.weight, module._initial)
-        elif isinstance(module, KimiK3DecoderLayer) and module.use_attn_res:
-            # The paper's init: zero pseudo-queries, so every read starts as the mean of its candidates.
-            if isinstance(module.self_attention_res_proj, nn.Linear):
-                init.zeros_(module.self_attention_res_proj.weight)
-            init.zeros_(module.mlp_res_proj.weight)
-        elif isinstance(module, KimiK3Model) and module.config.use_attn_res:
-            init.zeros_(module.output_attn_res_proj.weight)
+        elif isinstance(module, KimiK3BlockAttnRes) and module.pseudo_query is not None:
+            init.ones_(module.key_norm)
+            if isinstance(module.pseudo_query, nn.Parameter):
+                # N(0, initializer_range), as transformers initialised the nn.Linear that held it: not the paper's zeros
+                init.normal_(module.pseudo_query, mean=0.0, std=std)
+            else:
+                init.zeros_(module.pseudo_query)  # (layer 0's attention side: never read)
 
 class KimiK3Model(KimiK3PreTrainedModel):
     def __init__(self, config: KimiK3TextConfig):
@@ -1336,11 +1315,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.output_attn_res_norm = self.output_attn_res_proj = None
-        if config.use_attn_res:
-            self.output_attn_res_norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-        self.output_read = KimiK3AttnResRead(config.rms_norm_eps)
+        self.output_attn_res = KimiK3BlockAttnRes(config)
         self.norm = KimiK3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         # A plain load_state_dict (Trainer's resume) reads the release layout save_pretrained writes.
@@ -1357,8 +1332,6 @@ class KimiK3Model(KimiK3PreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
-    # (the final AttnRes read uses these weights without calling their modules: accelerate's hooks are fired here)
-    @force_accelerate_hooks(["output_attn_res_proj", "output_attn_res_norm"])
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: KimiK3HybridCache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
@@ -1437,14 +1410,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens, **kwargs)
 
         partial, *bank = state
-        if self.config.use_attn_res:
-            # under a device_map these two weights may sit on another device than the last layer, and no
-            # accelerate hook moves the read's inputs (the read owns no weights)
-            device = self.output_attn_res_proj.weight.device
-            mix = self.output_read([t.to(device) for t in (*bank, partial)], self.output_attn_res_proj.weight,
-                                   self.output_attn_res_norm.weight.to(device))[0]
-        else:
-            mix = self.output_read([partial])[0]
+        mix = self.output_attn_res(*bank, partial)[0]
         return KimiK3ModelOutputWithPast(last_hidden_state=self.norm(mix), **{OUTPUT_CACHE_FIELD: past_key_values})
 
 

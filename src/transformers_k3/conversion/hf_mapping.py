@@ -10,6 +10,9 @@ Registered (by `register_conversion_mappings`, called once from ``transformers_k
   - ``language_model.`` prefix dropped when a text model reads a multimodal checkpoint;
   - ``block_sparse_moe.`` -> ``mlp.`` (`MoEAliasRenaming`; saving writes ``block_sparse_moe.`` back for the
     MoE layers' tensors, never for the dense layer's ``mlp.{gate,up,down}_proj``);
+  - ``{read}_proj.weight`` / ``{read}_norm.weight`` -> ``{read}.pseudo_query`` / ``{read}.key_norm`` for each
+    Block AttnRes read (``self_attention_res``, ``mlp_res``, ``output_attn_res``: the read's module owns its
+    weights); saving writes the checkpoint's names back;
   - ``A_log`` ``[1, 1, nh, 1]`` / the release's zero-padded ``[head_dim]`` -> ``[nh]`` (`NormalizeALog`; a
     non-zero padding entry is an `ALogPaddingError`, which transformers reports by tensor name and then raises
     at the end of loading); saved as the release's fp32 ``[max(nh, head_dim)]`` (`PadALog`);
@@ -40,6 +43,7 @@ Every layout above loads back with identical weights.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from contextlib import contextmanager
 
@@ -47,7 +51,15 @@ import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
-from .keymap import MOE_ALIAS, normalize_a_log, pad_a_log, release_a_log_length
+from .keymap import (
+    ATTN_RES_READS,
+    ATTN_RES_TENSORS,
+    MOE_ALIAS,
+    attn_res_module_name,
+    normalize_a_log,
+    pad_a_log,
+    release_a_log_length,
+)
 from .quant import check_mxfp4_shapes, dequantize_mxfp4
 
 _GATE_UP = ("w1", "w3")
@@ -287,13 +299,14 @@ def release_layout_pre_hook(module, state_dict, prefix, *args) -> None:
     """``load_state_dict`` pre-hook for a K3 model (text or multimodal root): a state dict in the release's
     layout (what ``save_pretrained`` writes; transformers' Trainer restores its checkpoints with a plain
     ``load_state_dict``) is brought to the model's names, as ``from_pretrained`` does: ``block_sparse_moe.`` ->
-    ``mlp.``, the zero-padded ``A_log`` -> ``[nh]`` (a non-zero padding entry raises `ALogPaddingError`).
+    ``mlp.``, the AttnRes reads' checkpoint names -> the model's (`attn_res_module_name`), the zero-padded
+    ``A_log`` -> ``[nh]`` (a non-zero padding entry raises `ALogPaddingError`).
     The per-expert weights are then fused by the experts' own pre-hook. Edits ``state_dict`` in place."""
     config = getattr(module, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     num_heads = getattr(text, "linear_num_heads", None)
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        name = key
+        name = attn_res_module_name(key)
         if f".{MOE_ALIAS}." in name:
             name = name.replace(f".{MOE_ALIAS}.", ".mlp.")
         value = state_dict[key]
@@ -314,6 +327,10 @@ def text_model_mapping() -> list[WeightRenaming | WeightConverter]:
         # a text model reading a multimodal checkpoint (AutoModelForCausalLM on the composite config)
         OneWayRenaming(source_patterns=r"^language_model\.", target_patterns=""),
         MoEAliasRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
+        # each Block AttnRes read owns its weights (`{read}.pseudo_query`, `{read}.key_norm`); checkpoints keep
+        # `{read}_proj.weight` / `{read}_norm.weight`, and saving writes those back
+        *[WeightRenaming(source_patterns=rf"{read}{re.escape(saved)}", target_patterns=f"{read}.{tensor}")
+          for read in ATTN_RES_READS for tensor, saved in ATTN_RES_TENSORS.items()],
         WeightConverter(source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log",
                         operations=[NormalizeALog()]),
         # Routed experts, plain or MXFP4 per expert -> fused. The plain `weight` pattern comes first: saving

@@ -17,6 +17,12 @@ after the heads), ``[nh]``, ``[1,1,nh,1]``         padding must be exactly zero:
 ``rotary_emb.{inv_freq,cos_cached,sin_cached}``    dropped (K3 has no RoPE)
 =================================================  ======================================================
 
+A Block AttnRes read (``self_attention_res``, ``mlp_res`` of each layer, the model's ``output_attn_res``) holds
+its weights on its own module: ``{read}.pseudo_query`` / ``{read}.key_norm`` in the model are the checkpoint's
+``{read}_proj.weight`` / ``{read}_norm.weight`` (`attn_res_checkpoint_name`, `attn_res_module_name`). Every
+layout on disk (the release, the converters' output, ``save_pretrained``'s default) keeps the checkpoint's names;
+``save_pretrained(save_original_format=False)`` writes the model's, and both load.
+
 A multimodal checkpoint keeps the text model under ``language_model.`` (``language_model.model.layers…``,
 ``language_model.lm_head.weight``); ``vision_tower.*`` and ``mm_projector.*`` are the same in both layouts.
 A text-only checkpoint has no prefix. Writing the release's layout (`release_text_name`, `pad_a_log`,
@@ -65,14 +71,35 @@ _MOE_MLP_RE = re.compile(r"(\.layers\.\d+)\.mlp\.(?=(?:gate|experts|shared_exper
 MOE_ALIAS = "block_sparse_moe"
 
 
+# Block AttnRes: each read's weights, in the model (``{read}.pseudo_query``) and in checkpoints (``{read}_proj.weight``)
+ATTN_RES_READS = ("self_attention_res", "mlp_res", "output_attn_res")
+ATTN_RES_TENSORS = {"pseudo_query": "_proj.weight", "key_norm": "_norm.weight"}
+_READ = rf"(?:^|(?<=\.))({'|'.join(ATTN_RES_READS)})"
+_ATTN_RES_MODEL_RE = re.compile(rf"{_READ}\.({'|'.join(ATTN_RES_TENSORS)})$")
+_ATTN_RES_CHECKPOINT_RE = re.compile(rf"{_READ}({'|'.join(map(re.escape, ATTN_RES_TENSORS.values()))})$")
+_ATTN_RES_MODEL_TENSOR = {saved: tensor for tensor, saved in ATTN_RES_TENSORS.items()}
+
+
+def attn_res_checkpoint_name(name: str) -> str:
+    """A model tensor name -> the checkpoint's (``….self_attention_res.pseudo_query`` ->
+    ``….self_attention_res_proj.weight``); every other name, a checkpoint name included, is unchanged."""
+    return _ATTN_RES_MODEL_RE.sub(lambda m: m[1] + ATTN_RES_TENSORS[m[2]], name)
+
+
+def attn_res_module_name(name: str) -> str:
+    """The inverse of `attn_res_checkpoint_name`: a checkpoint name -> the model's; other names unchanged."""
+    return _ATTN_RES_CHECKPOINT_RE.sub(lambda m: f"{m[1]}.{_ATTN_RES_MODEL_TENSOR[m[2]]}", name)
+
+
 class ALogPaddingError(CheckpointError):
     """``A_log`` stored padded (the release's ``[head_dim]`` form) with a non-zero padding entry."""
 
 
 def release_text_name(name: str) -> str:
     """Our text tensor name -> the release's: ``layers.{i}.mlp.`` of a MoE layer -> ``layers.{i}.block_sparse_moe.``
-    (the dense layer's ``mlp.{gate,up,down}_proj`` and every other name are unchanged)."""
-    return _MOE_MLP_RE.sub(rf"\1.{MOE_ALIAS}.", name)
+    (the dense layer's ``mlp.{gate,up,down}_proj`` and every other name are unchanged), an AttnRes read's weights
+    under the checkpoint's names (`attn_res_checkpoint_name`)."""
+    return _MOE_MLP_RE.sub(rf"\1.{MOE_ALIAS}.", attn_res_checkpoint_name(name))
 
 
 def release_a_log_length(num_heads: int, head_dim: int) -> int:
@@ -100,13 +127,14 @@ def is_rotary_cache(name: str) -> bool:
 
 
 def canonical_text_name(name: str) -> str:
-    """An official / Moonshot text tensor name (with or without ``language_model.``, with either alias)
-    -> the name inside our text model (``model.layers.…``, ``lm_head.weight``)."""
+    """An official / Moonshot text tensor name (with or without ``language_model.``, with either alias), or one of
+    the model's -> our checkpoint name (``model.layers.…``, ``lm_head.weight``; AttnRes weights under the
+    checkpoint's names, `attn_res_checkpoint_name`)."""
     if name.startswith(TEXT_PREFIX):
         name = name[len(TEXT_PREFIX):]
     if name.startswith("layers."):
         name = "model." + name
-    return name.replace(".block_sparse_moe.", ".mlp.")
+    return attn_res_checkpoint_name(name.replace(".block_sparse_moe.", ".mlp."))
 
 
 def layer_index(name: str) -> int | None:
@@ -314,6 +342,10 @@ def kimi_linear_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_heads:
 
 __all__ = [
     "ALogPaddingError",
+    "ATTN_RES_READS",
+    "ATTN_RES_TENSORS",
+    "attn_res_checkpoint_name",
+    "attn_res_module_name",
     "EXPERT_KINDS",
     "FP32_TENSOR_RE",
     "MOE_ALIAS",

@@ -43,11 +43,10 @@ def _ships_mxfp4_experts(cls, path, kwargs) -> bool:
 
 def _narrow_for_bnb_4bit(cls, path, quantization_config, kwargs):
     """A copy of a bitsandbytes 4-bit ``quantization_config`` whose ``llm_int8_skip_modules`` also holds the linear
-    layers its CPU kernel cannot pack (blocks of 32 output rows x 64 input columns): at full size the 1-wide AttnRes
-    pseudo-query projections (``*_res_proj``), in small configs also narrow KDA / MLA / latent projections. Quantized,
-    they fail at the first forward with a reshape error from inside bitsandbytes; kept in the model dtype they cost a
-    few KB at full size (on any device). transformers' default skips (the LM head) are kept and a user's list is
-    extended, not replaced; the caller's object is left as it was."""
+    layers its CPU kernel cannot pack (blocks of 32 output rows x 64 input columns): none at full size, in small
+    configs narrow KDA / MLA / latent projections. Quantized, they fail at the first forward with a reshape error
+    from inside bitsandbytes; kept in the model dtype they cost a few KB. transformers' default skips (the LM head)
+    are kept and a user's list is extended, not replaced; the caller's object is left as it was."""
     import copy
 
     from transformers.quantizers.base import get_keys_to_not_convert

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..conversion.keymap import TEXT_PREFIX
+from ..conversion.keymap import TEXT_PREFIX, attn_res_checkpoint_name
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,16 @@ def _meta_state(model_cls, config) -> dict[str, Expected]:
         torch.set_default_dtype(previous)
     state = model.state_dict()
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    # (under the checkpoint's names: the AttnRes reads' weights are saved as `{read}_proj.weight` / `_norm.weight`)
     return {
-        name: Expected(tuple(t.shape), torch.float32 if t.dtype == torch.float32 else None, name in tied)
+        attn_res_checkpoint_name(name): Expected(tuple(t.shape), torch.float32 if t.dtype == torch.float32 else None,
+                                                 name in tied)
         for name, t in state.items()
     }
 
 
 def expected_tensors(config, composite: bool) -> tuple[dict[str, Expected], bool]:
-    """``({name: Expected}, vision_checked)`` in our layout for ``config``. For a composite config the
+    """``({name: Expected}, vision_checked)`` in our checkpoint layout for ``config``. For a composite config the
     vision tensors are only known when `KimiK3ForConditionalGeneration` exists; otherwise the caller
     copies them through unchecked (``vision_checked`` False)."""
     from ..modeling_kimi_k3 import KimiK3ForCausalLM
