@@ -1205,7 +1205,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = KimiK3RMSNorm(hidden, eps=eps)
         self.self_attention_res = KimiK3BlockAttnRes(config, layer_idx, "attention")
-        self.mlp_res = KimiK3BlockAttnRes(config, layer_idx, "mlp")
+        # (with AttnRes off the FFN side reads the stream as is; the attention side's read stays, for the recorders)
+        self.mlp_res = KimiK3BlockAttnRes(config, layer_idx, "mlp") if config.use_attn_res else None
 
     def forward(self, partial: torch.Tensor, *bank: torch.Tensor, attention_mask=None, past_key_values=None,
                 cu_seqlens: torch.LongTensor | None = None, **kwargs) -> tuple[torch.Tensor, ...]:
@@ -1221,7 +1222,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         if isinstance(attn_out, tuple):
             attn_out = attn_out[0]
         partial = attn_out if partial is None else partial + attn_out
-        ffn_in = self.post_attention_layernorm(self.mlp_res(*bank, partial)[0])
+        mix = partial if self.mlp_res is None else self.mlp_res(*bank, partial)[0]
+        ffn_in = self.post_attention_layernorm(mix)
         if self.is_moe:  # (the router computes its logits where the model records them)
             partial = partial + self.mlp(ffn_in, kwargs.get("output_router_logits", False))
         else:
