@@ -349,6 +349,15 @@ def test_bad_arguments_are_named(model, ids):
         segment_backward(model, ids, torch.full_like(ids, -100), segment_len=8)
 
 
+def test_gradient_checkpointing_is_refused_by_name(ids):
+    """transformers' checkpointed layers drop the cache, which would hide every segment's incoming state: refused."""
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train()
+    model.gradient_checkpointing_enable()
+    for mode in ("exact", "truncated"):
+        with pytest.raises(KimiK3SegmentError, match="gradient_checkpointing_disable"):
+            segment_backward(model, ids, segment_len=16, mode=mode)
+
+
 def test_exact_and_truncated_on_the_pytorch_path(model, ids):
     """Without the fused CPU kernels (the PyTorch KDA and attention paths), exact mode over 4 segments is full-context
     backprop, truncated mode over 2 is the forward from a no-grad prefix cache and over 4 the full-context forward
