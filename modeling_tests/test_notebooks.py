@@ -20,7 +20,8 @@ needs_small = pytest.mark.skipif(not (SMALL_DIR / "model.safetensors").exists(),
 
 def test_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
-    assert {"quickstart.ipynb", "lora_finetuning.ipynb", "long_context.ipynb", "vision.ipynb"} <= names
+    assert {"quickstart.ipynb", "lora_finetuning.ipynb", "long_context.ipynb", "vision.ipynb",
+            "segment_training.ipynb"} <= names
 
 
 @needs_small
