@@ -2,7 +2,7 @@
 full-context loss over its tokens (states computed once without gradients, or replayed from cache files, which are
 checked against the trajectory), and transformers' Trainer, fed sampled segments, lowers a held-out segment's loss.
 `SegmentTrainer`'s step over whole trajectories in exact mode takes full-context backpropagation's gradient (with
-and without gradient accumulation) and lowers the loss."""
+and without gradient accumulation) and Quantile Balancing's bias update, and lowers the loss."""
 
 import copy
 
@@ -172,3 +172,29 @@ def test_segment_trainer_refuses_what_it_cannot_train(tmp_path):
         trainer.training_step(model, {"input_ids": ids, "attention_mask": torch.zeros_like(ids)})
     with pytest.raises(KimiK3SegmentError, match="drop the other columns"):
         trainer.training_step(model, {"input_ids": ids, "pixel_values": ids})
+
+
+def test_segment_trainer_with_quantile_balancing(tmp_path):
+    """Quantile Balancing under SegmentTrainer (exact mode, 4 segments): one step moves every router's selection
+    bias as a plain Trainer's full-context step does (the no-grad boundary pass shows the routers the same tokens
+    again with the same scores, which leaves the quantiles and loads as they are)."""
+    from transformers_k3 import QuantileBalancingCallback
+
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()))
+    gen = torch.Generator().manual_seed(4)
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(3, 512, (2, 64), generator=gen)]
+    biases = {}
+    for name, trainer_cls, kwargs in (("full", Trainer, {}),
+                                      ("exact", SegmentTrainer, dict(segment_len=16, segment_mode="exact"))):
+        trained = copy.deepcopy(model)
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=1,
+                                 learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True)  # fmt: skip
+        trainer_cls(model=trained.train(), args=args, train_dataset=data, callbacks=[QuantileBalancingCallback()],
+                    **kwargs).train()  # fmt: skip
+        biases[name] = {n: b.clone() for n, b in trained.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert biases["full"] and biases["full"].keys() == biases["exact"].keys()
+    start = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert any(not torch.equal(biases["full"][n], start[n]) for n in start)  # the step moved them
+    for name in start:
+        torch.testing.assert_close(biases["exact"][name], biases["full"][name], atol=1e-6, rtol=0)
