@@ -469,14 +469,18 @@ def test_a_crop_beyond_the_recorded_window_is_refused(tiny_model):
 
 
 def test_media_items_are_declared_and_reset():
-    """The multimodal model's record of the media behind the held media slots is the cache's own attribute."""
+    """The multimodal model's record of the media behind the held media slots is the cache's own attribute; media
+    given again for the held slots must be the ones it was built from."""
     cache = KimiK3HybridCache(KimiK3TextConfig.tiny())
     assert cache.media_items is None
-    cache.record_media([("image", "b", 4)], new_sequence=False)
+    cache.update_media([("image", "b", 4)], held=10)
     assert cache.media_items is None  # (unknown stays unknown)
-    cache.record_media([("image", "b", 4), ("image", "a", 0)], new_sequence=True)
+    cache.update_media([("image", "b", 4), ("image", "a", 0)], held=0)
     assert cache.media_items == [("image", "a", 0), ("image", "b", 4)]
-    cache.record_media([("video", "c", 9)], new_sequence=False)
+    cache.update_media([("video", "c", 9)], held=5)
+    assert cache.media_items == [("image", "a", 0), ("image", "b", 4), ("video", "c", 9)]
+    with pytest.raises(KimiK3CacheError, match="other images or videos"):
+        cache.update_media([("image", "other pixels", 0)], held=5)
     assert cache.media_items == [("image", "a", 0), ("image", "b", 4), ("video", "c", 9)]
     cache.reset()
     assert cache.media_items is None

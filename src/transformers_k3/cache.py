@@ -24,6 +24,7 @@ import os
 import threading
 import weakref
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -560,6 +561,17 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
         pass
 
 
+class KimiK3CacheStep(NamedTuple):
+    """What a forward learns from `KimiK3HybridCache.begin_step` (`NO_CACHE_STEP` without a cache)."""
+
+    checked: bool  # generate() feeds its own token under its own mask: the inputs need no value checks (host reads)
+    continuing: bool  # the cache held tokens before the step (a Python flag: no length read)
+    offset: int | torch.Tensor  # the step's first position (a static cache's device tensor: no host read)
+
+
+NO_CACHE_STEP = KimiK3CacheStep(checked=False, continuing=False, offset=0)
+
+
 class KimiK3HybridCache(KimiK3CacheIO, Cache):
     """Decoding state of a K3 text model: one `KimiK3KDACacheLayer` per KDA layer and one
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
@@ -572,6 +584,8 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
     # (class defaults: a cache pickled by an earlier version has none of these attributes)
     _in_generate: int | None = None
     _loaded_fingerprint: str | None = None
+    _layout_checked: KimiK3TextConfig | None = None
+    _latent_layers: tuple | None = None
     media_items: list | None = None
 
     def __init__(self, config: KimiK3TextConfig | KimiK3Config, max_cache_len: int | None = None,
@@ -640,8 +654,10 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         self._token_count = 0
         self._token_capacity = max_cache_len or 256
         self._writer = None  # weak reference to the text model that last wrote to the cache (for `save`)
-        self._check_next_input = False  # set by generate() for a cache it was given: check its first input
-        self._generated_step = False  # set by generate() for its decode steps: their inputs need no value checks
+        self._check_next_input = False  # armed by `begin_generate`: `plan_generate_step` checks the first input
+        self._generated_step = False  # set by `plan_generate_step` for generate()'s own decode steps
+        self._layout_checked: KimiK3TextConfig | None = None  # the model config `begin_step` last found fitting
+        self._latent_layers = tuple(layer for layer in layers if isinstance(layer, KimiK3MLACacheLayer))
         self._in_generate: int | None = None  # the thread whose generate() uses the cache: others are refused
         self._loaded_fingerprint: str | None = None  # the weights fingerprint of the file it was loaded from
         # The images and videos behind the media slots it holds (the multimodal model's records, one per item:
@@ -664,9 +680,96 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         try:
             yield self
         finally:
-            self._in_generate = None
+            # (a call that raised between planning a step and running it leaves no mark for the next forward)
+            self._in_generate, self._check_next_input, self._generated_step = None, False, False
 
-    def check_not_in_use_elsewhere(self) -> None:
+    # ------------------------------------------------------------------------------------------ entry points
+    def begin_step(self, config: KimiK3TextConfig, input_ids: torch.Tensor | None,
+                   inputs_embeds: torch.Tensor | None = None, attention_mask=None,
+                   model: nn.Module | None = None) -> KimiK3CacheStep:
+        """The one call a model's forward makes on its cache, before any layer updates it. Refuses a cache built for
+        another layout than `config`'s or held by a generate() call in another thread (`KimiK3CacheError`, not
+        while compiling: they were checked eagerly), records the ids of the step's tokens (`input_ids`, None:
+        unknown; positions the 2-D `attention_mask` masks as padding; another batch than the held one is refused)
+        and which `model` wrote them, and returns what the forward needs (`KimiK3CacheStep`). The step's shape, device
+        and dtype are `inputs_embeds`' (else `input_ids`' and the model's embedding dtype)."""
+        if not torch.compiler.is_compiling():
+            if config is not self._layout_checked:  # (the same config object: checked once, not every step)
+                self._check_layout(config)
+                self._layout_checked = config
+            self._check_not_in_use_elsewhere()
+        checked, self._generated_step = self._generated_step, False
+        continuing = self.holds_tokens()
+        offset = self.get_query_offset()
+        if isinstance(attention_mask, dict):  # (generate()'s per-kind masks: KDA's is the 2-D padding mask)
+            attention_mask = attention_mask.get("linear_attention")
+        self._record_tokens(input_ids, inputs_embeds, attention_mask, model)
+        return KimiK3CacheStep(checked, continuing, offset)
+
+    def begin_generate(self, config: KimiK3TextConfig, prefill_chunk_size: int | None = None) -> None:
+        """Called by generate() for a cache it was given: refuses another layout than `config`'s and a chunked
+        prefill from a filled cache (its chunks carry only new tokens, so the held ones could not be checked), and
+        arms the check of the call's first input (`plan_generate_step`)."""
+        self._check_layout(config)
+        if prefill_chunk_size is not None and self.get_seq_length() > 0:
+            raise KimiK3CacheError(
+                f"generate(prefill_chunk_size={prefill_chunk_size}) cannot continue from a filled cache "
+                f"({self.get_seq_length()} tokens): its chunks carry only the new tokens, so input_ids could not be "
+                "checked against the tokens the cache holds. Pass prefill_chunk_size=None (only the tokens past the "
+                "cache are computed), or feed the new tokens in chunks yourself with model(chunk, "
+                "past_key_values=cache, use_cache=True) first")
+        self._check_next_input = True
+
+    def plan_generate_step(self, input_ids: torch.Tensor, next_sequence_length: int | None,
+                           attention_mask: torch.Tensor | None = None, first_iteration: bool = False,
+                           embedded: bool = False) -> int | None:
+        """Called by generate() before each step (`input_ids`: the whole sequence so far): how many trailing tokens
+        the step computes (`next_sequence_length` as generate() asked, or the tokens past the cache where it asked
+        for all of them), refusing by `KimiK3CacheError` a call's first input that does not extend the tokens the
+        cache holds (`embedded`: fed as inputs_embeds, no ids to compare). Marks generate()'s own decode steps
+        (one token of its own under its own mask) for `begin_step`: their inputs need no value checks."""
+        holds = self.holds_tokens()  # (a Python flag: a static cache's length is on the device after compiled steps)
+        first, self._check_next_input = self._check_next_input, False
+        # (a decode step of generate()'s own loop needs no count)
+        cached = self.get_seq_length() if holds and (first or next_sequence_length != 1) else 0
+        self._generated_step = next_sequence_length == 1 and holds and not first and not first_iteration
+        if first and cached and not embedded:
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 \
+                    and attention_mask.shape[-1] != input_ids.shape[1]:
+                raise KimiK3CacheError(
+                    f"the cache passed as past_key_values holds {cached} tokens; pass the whole sequence (the "
+                    "history the cache holds, then the new tokens) as input_ids with an attention_mask of the "
+                    f"same length, got {input_ids.shape[1]} ids and a mask of {attention_mask.shape[-1]} positions")
+            # (None: assisted / prompt-lookup decoding's first step, the whole sequence unsliced)
+            next_sequence_length = input_ids.shape[1] - cached
+            if next_sequence_length > 0:
+                self._check_continuation(input_ids, attention_mask)
+        elif next_sequence_length is None and 0 < cached < input_ids.shape[1]:
+            next_sequence_length = input_ids.shape[1] - cached
+        if next_sequence_length is not None and next_sequence_length <= 0:
+            raise KimiK3CacheError(
+                f"the cache passed as past_key_values already holds {cached} tokens but input_ids has "
+                f"{input_ids.shape[1]}: pass the whole sequence (the history the cache holds, then the new "
+                "tokens) as input_ids, as generate() returned it; only the tokens past the cache are computed")
+        return next_sequence_length
+
+    def update_media(self, items: list, held: int) -> None:
+        """Called by the multimodal model with the media records (kind, pixel digest, first slot) of its input,
+        whose first `held` positions this cache holds: those of the held part must be the ones it was built from
+        (`KimiK3CacheError`: a recurrent state cannot be matched by the ``<|media_pad|>`` ids alone); it then
+        records every item it holds (a new sequence exactly `items`; unknown stays unknown)."""
+        seen = sorted(item for item in items if item[2] < held)
+        if held and self.media_items is not None and seen and seen != sorted(self.media_items):
+            raise KimiK3CacheError(
+                "this KimiK3HybridCache was built from other images or videos than the ones given for the tokens "
+                "it holds (the same `<|media_pad|>` slots, different pixels): generation would continue from "
+                "another conversation's state. Pass the same media as before, or no past_key_values.")
+        if not held:
+            self.media_items = sorted(items)
+        elif self.media_items is not None:
+            self.media_items = sorted(set(self.media_items) | set(items))
+
+    def _check_not_in_use_elsewhere(self) -> None:
         """`KimiK3CacheError` when a generate() call in another thread holds this cache (a forward stepping it
         meanwhile would corrupt both)."""
         owner = self._in_generate
@@ -675,7 +778,7 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
                 "this KimiK3HybridCache is in use by a generate() call in another thread: a forward on it now would "
                 "interleave with that call's steps. Use a copy (copy.deepcopy(cache)) or wait for the call to finish")
 
-    def check_layout(self, config: KimiK3TextConfig) -> None:
+    def _check_layout(self, config: KimiK3TextConfig) -> None:
         """`KimiK3CacheError` unless this cache was built for a model whose layers are those of `config` (the same
         layer kinds in the same order, the same latent and KDA widths)."""
         mine, theirs = self.config, config
@@ -688,6 +791,7 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
             f"{len(theirs.layer_types)} ({_layout(theirs)}): build it from the model's own config, "
             "KimiK3HybridCache(model.config)")
 
+    # ------------------------------------------------------------------------------------------ layers
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
 
@@ -704,11 +808,19 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
     def holds_tokens(self, layer_idx: int | None = None) -> bool:
         """Whether the cache (or MLA layer `layer_idx`) holds any token, without reading a length from the device
         (a static cache's compiled steps leave their length there)."""
-        layers = self.layers if layer_idx is None else [self.layers[layer_idx]]
-        return any(layer.holds for layer in layers if isinstance(layer, KimiK3MLACacheLayer))
+        if layer_idx is not None:
+            return self.layers[layer_idx].holds
+        return any(layer.holds for layer in self._latents())
+
+    def _latents(self) -> tuple:
+        """The MLA cache layers, in order (kept from construction: the layout never changes)."""
+        if self._latent_layers is None:  # (a cache pickled before they were kept)
+            self._latent_layers = tuple(layer for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer))
+        return self._latent_layers
 
     def _first_latent_layer(self) -> KimiK3MLACacheLayer | None:
-        return next((layer for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer)), None)
+        latents = self._latents()
+        return latents[0] if latents else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held: the MLA layer's length, the first MLA layer's for a KDA layer (its state has no length; what
@@ -778,20 +890,25 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         self._tokens[:, self._token_count:end] = ids
         self._token_count = end
 
-    def record_tokens(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None, model: nn.Module | None = None) -> None:
-        """Called by the text model's forward before its layers update the cache: remember the ids of the
-        ``inputs_embeds.shape[1]`` positions it is about to consume (None: unknown), with masked positions as
-        padding, and which model wrote them (`save` fingerprints its weights)."""
-        batch, length = inputs_embeds.shape[:2]
+    def _record_tokens(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None = None, model: nn.Module | None = None) -> None:
+        """`begin_step`'s record: the ids of the positions the step is about to consume (None: unknown), with
+        masked positions as padding, and which model wrote them (`save` fingerprints its weights). It runs before
+        the model's value checks: ids of a step refused after it lie past the layers' length, and the next sync
+        (`_synced_token_count`) drops them."""
+        step = inputs_embeds if inputs_embeds is not None else input_ids
+        if step.dim() < 2 or 0 in step.shape[:2]:
+            return  # (ids of no [batch, tokens] shape: the model's input checks name them before any layer runs)
+        batch, length = step.shape[:2]
         if self._tokens is None and not torch.compiler.is_compiling() and not any(
                 getattr(layer, "is_initialized", False) for layer in self.layers if isinstance(layer, KimiK3MLACacheLayer)):
             # the first forward allocates every buffer: refused here, before, when they cannot fit
             first = self._first_latent_layer()
             reserved = max(first.initial_capacity, length) if first is not None else length
-            check_cache_fits(self.config, reserved, batch, first.storage_dtype or inputs_embeds.dtype
-                             if first is not None else inputs_embeds.dtype, inputs_embeds.device, static=self.static,
-                             model=model)
+            dtype = (inputs_embeds.dtype if inputs_embeds is not None else
+                     _text_decoder(model).embed_tokens.weight.dtype if model is not None else torch.get_default_dtype())
+            check_cache_fits(self.config, reserved, batch, first.storage_dtype or dtype if first is not None else dtype,
+                             step.device, static=self.static, model=model)
         # (inside a compiled step of a static cache the length stays on the device: the batch was checked eagerly)
         held = 0 if self.static and torch.compiler.is_compiling() else self._synced_token_count()
         if held and self._tokens.shape[0] != batch:
@@ -800,42 +917,18 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
                 "cache continues the batch it was built with. For beam search or several return sequences from a "
                 "filled cache, call `cache.batch_repeat_interleave(n)` first; otherwise pass a fresh cache")
         if input_ids is None or tuple(input_ids.shape) != (batch, length):
-            ids = torch.full((batch, length), UNKNOWN_TOKEN, dtype=torch.long, device=inputs_embeds.device)
+            ids = torch.full((batch, length), UNKNOWN_TOKEN, dtype=torch.long, device=step.device)
         else:
             ids = input_ids.to(torch.long)
-        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[-1] >= length:
+        if (attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] == batch
+                and attention_mask.shape[-1] >= length):
             ids = ids.masked_fill(attention_mask[:, -length:].to(ids.device) == 0, PAD_POSITION)
         self._append_tokens(ids)
         if model is not None and not torch.compiler.is_compiling():
             if self._writer is None or self._writer() is not model:
                 self._writer = weakref.ref(model)
 
-    def expect_continuation(self) -> None:
-        """Mark the next input as the first of a generate() call given this cache: `take_expected_continuation`
-        then says it must be checked (generate's own later steps extend the record by construction)."""
-        self._check_next_input = True
-
-    def take_expected_continuation(self) -> bool:
-        """Whether `expect_continuation` was called since the last call of this method."""
-        expected, self._check_next_input = self._check_next_input, False
-        return expected
-
-    def mark_generated_step(self, generated: bool) -> None:
-        """Set by generate() before each step: whether it is a decode step feeding back the model's own token under
-        the previous step's mask extended by ones, whose values the model then need not check (a host sync)."""
-        self._generated_step = generated
-
-    def generated_step_marked(self) -> bool:
-        """Whether the next input was marked by `mark_generated_step`, left marked (the multimodal model's check;
-        its text model takes the mark)."""
-        return getattr(self, "_generated_step", False)
-
-    def take_generated_step(self) -> bool:
-        """Whether the next input was marked by `mark_generated_step` (read once)."""
-        generated, self._generated_step = self.generated_step_marked(), False
-        return generated
-
-    def check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def _check_continuation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Raise `KimiK3CacheError` unless ``input_ids`` (``[B, >= S]``, the caller's whole sequence) starts with the
         S tokens this cache holds: the same rows, the same ids, padding where the cache has padding (any pad id).
         Positions the cache got as ``inputs_embeds`` without ids match any id."""
@@ -878,14 +971,6 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         super().crop(tokens_to_remove)
         self._synced_token_count()
 
-    def record_media(self, items: list, new_sequence: bool) -> None:
-        """Remember the media items of the tokens this cache holds (records as the multimodal model makes them):
-        a new sequence holds exactly `items`; a continuation adds them to the known ones (unknown stays unknown)."""
-        if new_sequence:
-            self.media_items = sorted(items)
-        elif self.media_items is not None:
-            self.media_items = sorted(set(self.media_items) | set(items))
-
     def reset(self) -> None:
         super().reset()
         self._token_count = 0
@@ -921,7 +1006,8 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
 
     def nbytes(self) -> int:
         """Bytes actually held for the cached context (MLA latents up to their length, KDA states, token ids)."""
-        total = self._token_count * self._tokens.shape[0] * self._tokens.element_size() if self._tokens is not None else 0
+        total = (self._synced_token_count() * self._tokens.shape[0] * self._tokens.element_size()
+                 if self._tokens is not None else 0)
         for layer in self.layers:
             if isinstance(layer, KimiK3MLACacheLayer):
                 total += layer.nbytes()
@@ -930,5 +1016,6 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         return total
 
 
-__all__ = ["KimiK3CacheError", "KimiK3CacheFileError", "KimiK3CacheSizeError", "KimiK3HybridCache",
+__all__ = ["NO_CACHE_STEP", "KimiK3CacheError", "KimiK3CacheFileError", "KimiK3CacheSizeError", "KimiK3CacheStep",
+           "KimiK3HybridCache",
            "KimiK3KDACacheLayer", "KimiK3MLACacheLayer", "cache_bytes", "check_cache_fits", "weights_fingerprint"]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._compat import CACHE_KWARG, either_cache
-from .cache import KimiK3CacheError, KimiK3CacheSizeError, KimiK3HybridCache, check_cache_fits
+from .cache import KimiK3CacheSizeError, KimiK3HybridCache, check_cache_fits
 
 def _padding_problem(attention_mask: torch.Tensor):
     """A 2-D attention mask may mask tokens before a row's first attended one (left padding) or after its last (right
@@ -254,40 +254,15 @@ class KimiK3GenerationMixin:
         it (a recurrent KDA state absorbs it twice: wrong tokens from the first step).
 
         The first input of a generate() call given a filled `KimiK3HybridCache` must be the whole sequence and start
-        with the tokens the cache holds (`KimiK3HybridCache.check_continuation`), else `KimiK3CacheError`: a KDA
+        with the tokens the cache holds (`KimiK3HybridCache.plan_generate_step`), else `KimiK3CacheError`: a KDA
         state continued under another prompt gives an answer that differs from a fresh run. A first step fed as
         ``inputs_embeds`` has no ids to compare and is not checked."""
         past_key_values = either_cache(cache, past_key_values)
-        if past_key_values is not None and input_ids is not None:
-            hybrid = isinstance(past_key_values, KimiK3HybridCache)
-            # (whether it holds tokens without reading a length: a static cache's is on the device after compiled steps)
-            holds = past_key_values.holds_tokens() if hybrid else past_key_values.get_seq_length() > 0
-            first = hybrid and past_key_values.take_expected_continuation()
-            # (a decode step of generate()'s own loop needs no count)
-            cached = past_key_values.get_seq_length() if holds and (first or next_sequence_length != 1) else 0
-            embedded = kwargs.get("inputs_embeds") is not None and kwargs.get("is_first_iteration")
-            mask = kwargs.get("attention_mask")
-            if hybrid:
-                # (the decode loop asks for one token; a first step or a continuation's is checked in full)
-                past_key_values.mark_generated_step(next_sequence_length == 1 and holds and not first
-                                                    and not kwargs.get("is_first_iteration"))
-            if first and cached and not embedded:
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != input_ids.shape[1]:
-                    raise KimiK3CacheError(
-                        f"the cache passed as past_key_values holds {cached} tokens; pass the whole sequence (the "
-                        "history the cache holds, then the new tokens) as input_ids with an attention_mask of the "
-                        f"same length, got {input_ids.shape[1]} ids and a mask of {mask.shape[-1]} positions")
-                # (None: assisted / prompt-lookup decoding's first step, the whole sequence unsliced)
-                next_sequence_length = input_ids.shape[1] - cached
-                if next_sequence_length > 0:
-                    past_key_values.check_continuation(input_ids, mask)
-            elif next_sequence_length is None and 0 < cached < input_ids.shape[1]:
-                next_sequence_length = input_ids.shape[1] - cached
-            if next_sequence_length is not None and next_sequence_length <= 0:
-                raise KimiK3CacheError(
-                    f"the cache passed as past_key_values already holds {cached} tokens but input_ids has "
-                    f"{input_ids.shape[1]}: pass the whole sequence (the history the cache holds, then the new "
-                    "tokens) as input_ids, as generate() returned it; only the tokens past the cache are computed")
+        if isinstance(past_key_values, KimiK3HybridCache) and input_ids is not None:
+            first_iteration = kwargs.get("is_first_iteration")
+            next_sequence_length = past_key_values.plan_generate_step(
+                input_ids, next_sequence_length, kwargs.get("attention_mask"), first_iteration=first_iteration,
+                embedded=kwargs.get("inputs_embeds") is not None and first_iteration)
         kwargs[CACHE_KWARG] = past_key_values
         return super().prepare_inputs_for_generation(input_ids, next_sequence_length=next_sequence_length, **kwargs)
 
@@ -309,16 +284,7 @@ class KimiK3GenerationMixin:
         given = model_kwargs.get(CACHE_KWARG)
         if given is not None:
             if isinstance(given, KimiK3HybridCache):
-                given.check_layout(self.config.get_text_config())
-                if generation_config.prefill_chunk_size is not None and given.get_seq_length() > 0:
-                    # chunked prefill feeds only each chunk's ids: the history is never seen, so never checked
-                    raise KimiK3CacheError(
-                        f"generate(prefill_chunk_size={generation_config.prefill_chunk_size}) cannot continue from a "
-                        f"filled cache ({given.get_seq_length()} tokens): its chunks carry only the new tokens, so "
-                        "input_ids could not be checked against the tokens the cache holds. Pass "
-                        "prefill_chunk_size=None (only the tokens past the cache are computed), or feed the new "
-                        "tokens in chunks yourself with model(chunk, past_key_values=cache, use_cache=True) first")
-                given.expect_continuation()
+                given.begin_generate(self.config.get_text_config(), generation_config.prefill_chunk_size)
             # transformers' own handling of a given cache (marks it the caller's, so generate() returns it intact)
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
                                                          batch_size, max_cache_length)

@@ -28,7 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ._compat import MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_cache
-from .cache import KimiK3HybridCache
+from .cache import NO_CACHE_STEP, KimiK3HybridCache
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .conversion.release_format import KimiK3ReleaseFormatMixin
 from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_reads_are_free, _input_ids_problem,
@@ -1349,13 +1349,17 @@ class KimiK3Model(KimiK3PreTrainedModel):
         if inputs_embeds is not None and (inputs_embeds.dim() != 3 or 0 in inputs_embeds.shape[:2]):
             raise KimiK3InputError(f"inputs_embeds must be [batch, tokens, hidden] with at least one row and token, "
                                    f"got shape {tuple(inputs_embeds.shape)}")
+        # The cache's one entry point (the multimodal model makes it for its text model): it checks it fits this
+        # model, records the step's ids (its ids behind the multimodal model's inputs_embeds) and says what it held.
+        step = kwargs.pop("cache_step", None)
+        if step is None:
+            step = (past_key_values.begin_step(self.config, input_ids, inputs_embeds, attention_mask, model=self)
+                    if isinstance(past_key_values, KimiK3HybridCache) else NO_CACHE_STEP)
         # generate() feeds its decode steps its own tokens under a checked mask; off the CPU a cached step's ids are
         # left to the embedding's device-side bounds check: the value checks left are read in one host sync
-        if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.take_generated_step()):
-            # (a Python flag, not the length: a static cache keeps its length on the device inside a compiled step)
-            continuing = isinstance(past_key_values, KimiK3HybridCache) and past_key_values.holds_tokens()
+        if not step.checked:
             id_problem = (_input_ids_problem(input_ids, self.embed_tokens.num_embeddings,
-                                             range_check=not continuing or _host_reads_are_free(input_ids))
+                                             range_check=not step.continuing or _host_reads_are_free(input_ids))
                           if inputs_embeds is None else None)
             batch, tokens = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
             packed = batch == 1 and past_key_values is None and attention_mask is None
@@ -1371,28 +1375,22 @@ class KimiK3Model(KimiK3PreTrainedModel):
                                                 past_key_values, inputs_embeds.shape[0])
         if use_cache and past_key_values is None and cu_seqlens is None:  # a packed row cannot be continued
             past_key_values = KimiK3HybridCache(self.config)
+            step = past_key_values.begin_step(self.config, input_ids, inputs_embeds, attention_mask, model=self)
         if past_key_values is not None and not isinstance(past_key_values, KimiK3HybridCache):
             raise TypeError(
                 f"Kimi K3 keeps KDA states and MLA latents in a `KimiK3HybridCache`, got {type(past_key_values).__name__}. "
                 "Pass `past_key_values=KimiK3HybridCache(model.config)` or let the model create one (`use_cache=True`)."
             )
-        if isinstance(past_key_values, KimiK3HybridCache) and not torch.compiler.is_compiling():
-            past_key_values.check_layout(self.config)
-            past_key_values.check_not_in_use_elsewhere()
-        cache_ids = kwargs.pop("cache_token_ids", input_ids)  # the multimodal model's ids behind its inputs_embeds
-        if past_key_values is not None:  # the cache learns what it holds: generate() refuses a prompt not extending it
-            past_key_values.record_tokens(cache_ids, inputs_embeds, attention_mask, model=self)
         if position_ids is None and prepared is None:
             # (a static cache gives its offset as a tensor: no length is read inside a compiled step)
-            past_seen = past_key_values.get_query_offset() if past_key_values is not None else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + step.offset
             position_ids = position_ids.unsqueeze(0)
 
         # The text model is position-free (NoPE MLA, no RoPE in KDA): positions only shape the MLA mask.
         if prepared is not None:
             mla_mask = prepared.get("full_attention")
-        elif (cu_seqlens is None and inputs_embeds.shape[1] > 1 and past_key_values is not None
-                and past_key_values.get_seq_length() > 0 and not kwargs.get("output_attentions")
+        elif (cu_seqlens is None and inputs_embeds.shape[1] > 1 and step.continuing
+                and not kwargs.get("output_attentions")
                 and uses_blockwise_attention(self.config, inputs_embeds)
                 and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())))):
             mla_mask = None  # a chunk after cached tokens: MLA masks causally itself, no [T, context] mask

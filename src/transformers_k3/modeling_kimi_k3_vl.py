@@ -544,16 +544,21 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                 logits_to_keep: int | torch.Tensor = 0, cache=None, **kwargs) -> KimiK3CausalLMOutputWithPast:
         past_key_values = either_cache(cache, past_key_values)
         has_media = pixel_values is not None or pixel_values_videos is not None
+        if inputs_embeds is None and input_ids is None:
+            raise ValueError("Pass `input_ids` (or `inputs_embeds`).")
+        held = past_key_values.get_seq_length() if past_key_values is not None else 0
+        hybrid = isinstance(past_key_values, KimiK3HybridCache)
+        held_ids = past_key_values.token_ids if has_media and held and hybrid else None  # (read before the step's)
+        step = None
+        if hybrid:  # the cache's one entry point for this forward, made here for the text model
+            step = past_key_values.begin_step(self.config.text_config, input_ids, inputs_embeds, attention_mask,
+                                              model=self.get_decoder())
         if inputs_embeds is None:
-            if input_ids is None:
-                raise ValueError("Pass `input_ids` (or `inputs_embeds`).")
             embedding = self.get_input_embeddings()
-            if not (isinstance(past_key_values, KimiK3HybridCache) and past_key_values.generated_step_marked()):
+            if step is None or not step.checked:
                 check_input_ids(input_ids, embedding.num_embeddings)  # (generate()'s own decode steps: no host read)
             inputs_embeds = embedding(input_ids)
-        held = past_key_values.get_seq_length() if past_key_values is not None else 0
         if has_media:
-            held_ids = past_key_values.token_ids if held else None
             if self.config.media_placeholder_token_id is None:
                 raise KimiK3ConfigError(
                     "Invalid Kimi K3 config field `media_placeholder_token_id`: it is null, so no token marks where "
@@ -585,7 +590,8 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                                                records)
                 if pixels is not None:
                     video_embeds = torch.cat(self.get_video_features(pixels, grid))
-            self._check_held_media(past_key_values, held, records)
+            if hybrid:
+                past_key_values.update_media(records, held)
             typed = mm_token_type_ids is not None
             for name, embeds in (("image", image_embeds), ("video", video_embeds)):
                 inputs_embeds = self._scatter(name, masks[name][:, held:], embeds, inputs_embeds, typed)
@@ -596,31 +602,15 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
                     f"the input has {n_slots} media placeholder tokens (`<|media_pad|>`, id "
                     f"{self.config.media_placeholder_token_id}) but no pixel_values / pixel_values_videos were given "
                     "(0 features)")
-        if isinstance(past_key_values, KimiK3HybridCache) and not held and not has_media:
-            past_key_values.record_media([], new_sequence=True)  # what the check of a later continuation compares with
-        # The text model gets embeddings; its cache records the ids behind them (`<|media_pad|>` for media slots),
-        # so that generate() can check a later prompt against them (None: inputs_embeds given, ids unknown).
+        if hybrid and not held and not has_media:
+            past_key_values.update_media([], held)  # what the check of a later continuation compares with
+        # The text model gets embeddings; the step above recorded the ids behind them (`<|media_pad|>` for media
+        # slots), so that generate() can check a later prompt against them (None: inputs_embeds given, ids unknown).
         return self.language_model(
             input_ids=None, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
-            cache_token_ids=input_ids, **kwargs,
+            cache_step=step, **kwargs,
         )
-
-    @staticmethod
-    def _check_held_media(past_key_values, held: int, records: list) -> None:
-        """Media of the held part given again must be the ones the cache was built from (a recurrent state cannot be
-        matched by the ``<|media_pad|>`` ids alone); the cache then records every item it holds."""
-        if not isinstance(past_key_values, KimiK3HybridCache):
-            return
-        known = past_key_values.media_items
-        seen = sorted(record for record in records if record[2] < held)
-        if held and known is not None and seen:
-            if seen != sorted(known):
-                raise KimiK3CacheError(
-                    "this KimiK3HybridCache was built from other images or videos than the ones given for the tokens "
-                    "it holds (the same `<|media_pad|>` slots, different pixels): generation would continue from "
-                    "another conversation's state. Pass the same media as before, or no past_key_values.")
-        past_key_values.record_media(records, new_sequence=not held)
 
 
 __all__ = [
