@@ -572,6 +572,15 @@ class KimiK3CacheStep(NamedTuple):
 NO_CACHE_STEP = KimiK3CacheStep(checked=False, continuing=False, offset=0)
 
 
+class KimiK3LatentView(NamedTuple):
+    """What an MLA layer gets back from `KimiK3HybridCache.update_mla`."""
+
+    latent: torch.Tensor  # the held tokens' latents, then the step's ``[B, S, D]`` (static: the whole buffer)
+    past_len: int  # tokens held before the step (0 for a static cache, whose count stays on the device)
+    had_past: bool  # whether any token was held before the step (a Python flag: no length read)
+    position: torch.Tensor | None  # a static layer's token count after the step, on its device; None when growing
+
+
 class KimiK3HybridCache(KimiK3CacheIO, Cache):
     """Decoding state of a K3 text model: one `KimiK3KDACacheLayer` per KDA layer and one
     `KimiK3MLACacheLayer` per MLA layer, in layer order. Built by ``generate()`` by default; build it
@@ -800,10 +809,14 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         cache: its whole buffer, ``max_cache_len`` rows, of which the first `get_seq_length` hold tokens)."""
         return self.layers[layer_idx].update(latent_states)[0]
 
-    def static_position(self, layer_idx: int) -> torch.Tensor | None:
-        """A static MLA layer's token count as its device tensor (what a compiled step masks by, reading no length),
-        None for a growing one."""
-        return getattr(self.layers[layer_idx], "position", None)
+    def update_mla(self, latent_states: torch.Tensor, layer_idx: int) -> KimiK3LatentView:
+        """An MLA layer's one call per forward: append its new latent ``[B, T, kv_lora_rank + rope]`` and get back
+        the view it attends over with what it needs to mask it (`KimiK3LatentView`)."""
+        layer = self.layers[layer_idx]
+        had_past = layer.holds
+        # (a static layer's count stays on the device: a compiled step masks by `position`, reading no length)
+        past_len, position = (0, layer.position) if self.static else (layer.length, None)
+        return KimiK3LatentView(layer.update(latent_states)[0], past_len, had_past, position)
 
     def holds_tokens(self, layer_idx: int | None = None) -> bool:
         """Whether the cache (or MLA layer `layer_idx`) holds any token, without reading a length from the device
@@ -1017,5 +1030,5 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
 
 
 __all__ = ["NO_CACHE_STEP", "KimiK3CacheError", "KimiK3CacheFileError", "KimiK3CacheSizeError", "KimiK3CacheStep",
-           "KimiK3HybridCache",
+           "KimiK3HybridCache", "KimiK3LatentView",
            "KimiK3KDACacheLayer", "KimiK3MLACacheLayer", "cache_bytes", "check_cache_fits", "weights_fingerprint"]

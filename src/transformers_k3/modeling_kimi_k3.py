@@ -698,11 +698,8 @@ class KimiK3MLA(nn.Module):
         latent = self._latent(hidden_states)
         past_len, has_past, static = 0, False, None
         if past_key_values is not None:
-            static = past_key_values.static_position(self.layer_idx)
-            has_past = past_key_values.holds_tokens(self.layer_idx)
             # (a compiled decode step of a static cache reads no length: the absorbed path masks by `position`)
-            past_len = past_key_values.get_seq_length(self.layer_idx) if static is None else 0
-            latent = past_key_values.update_latent(latent, self.layer_idx)
+            latent, past_len, has_past, static = past_key_values.update_mla(latent, self.layer_idx)
 
         if absorb is None:
             # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
