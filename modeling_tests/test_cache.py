@@ -28,6 +28,7 @@ from transformers_k3 import (
     KimiK3ForCausalLM,
     KimiK3ForConditionalGeneration,
     KimiK3HybridCache,
+    KimiK3InputError,
     KimiK3Model,
     KimiK3TextConfig,
     kernelize,
@@ -72,6 +73,29 @@ def test_a_cache_reused_for_another_prompt_is_refused_and_a_continuation_equals_
     history = torch.cat([sequences, prompt_b], 1)
     assert torch.equal(greedy(tiny_model, history, 6, past_key_values=cache), greedy(tiny_model, history, 6))
     assert torch.equal(greedy(tiny_model, history, 6), greedy(tiny_model, history, 6, use_cache=False))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_a_step_refused_by_the_models_checks_leaves_the_cache_as_it_was(tiny_model, static):
+    """The cache records a step's ids before the model checks their values: a refused step (an id outside the
+    vocabulary, a mask holding 2) leaves the record, its size and the continuation as without it."""
+    ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    cache = KimiK3HybridCache(tiny_model.config, max_cache_len=32, static=static)
+    with torch.no_grad():
+        tiny_model(ids[:, :6], past_key_values=cache, use_cache=True)
+        held_bytes = cache.nbytes()
+        bad = ids[:, 6:9].clone()
+        bad[0, 1] = tiny_model.config.vocab_size
+        with pytest.raises(KimiK3InputError, match="outside this model's vocabulary"):
+            tiny_model(bad, past_key_values=cache, use_cache=True)
+        with pytest.raises(KimiK3InputError, match="only 0 and 1"):
+            tiny_model(ids[:, 6:9], attention_mask=torch.full((1, 9), 2), past_key_values=cache, use_cache=True)
+        assert cache.get_seq_length() == 6 and torch.equal(cache.token_ids, ids[:, :6])
+        assert cache.nbytes() == held_bytes
+        logits = tiny_model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
+        fresh = tiny_model(ids).logits[:, 6:]
+    torch.testing.assert_close(logits, fresh, rtol=1e-4, atol=1e-4)
+    assert torch.equal(cache.token_ids, ids)
 
 
 def test_only_the_new_tokens_with_a_full_mask_is_refused(tiny_model):
