@@ -12,11 +12,14 @@ interpreter when it imports mlx_lm. Every engine loads the same directory, casts
 codes and scales keep their integer types) and returns the same two things. The table says whether it loaded, kept
 the experts packed, how far its logits are from ours (max abs, max abs over max |logit|) and how many greedy tokens
 agree. ``--json`` writes the rows for scripts and tests. Exit status 1 when an engine that loaded differs by more than
-``--rtol`` or greedy decoding diverges. docs/mxfp4.md "Other engines" gives the tolerance and what each engine does.
+``--rtol``, greedy decoding diverges, or the experts did not stay packed. docs/mxfp4.md "Other engines" gives the
+tolerance and what each engine does.
 
 llama.cpp: its K3 converter (`convert_hf_to_gguf.py`) ships with llama.cpp's sources, not with the `gguf` package;
-the row says whether a converter was found (``--llama-cpp DIR``, a llama.cpp checkout) and, if so, reads the GGUF it
-wrote back with `gguf`'s reader (expert tensor types and shapes). Running a GGUF needs a llama.cpp build.
+the llama-cpp-python sdist vendors one (``pip download --no-deps --no-binary :all: llama-cpp-python``, then
+``--llama-cpp <unpacked>/vendor/llama.cpp``). The row converts the directory with it (the directory needs its
+tokenizer, as any llama.cpp conversion does) and reads the GGUF back with that converter's `gguf` reader: the expert
+stacks must be MXFP4 and, dequantized, equal ours. Running the GGUF needs a llama.cpp build, which this does not do.
 """
 
 import argparse
@@ -100,7 +103,8 @@ def run_mlx(directory: Path, ids: list[int], steps: int, python: str | None) -> 
 
 
 def run_llama_cpp(directory: Path, llama_cpp: str | None) -> dict:
-    """Converts with llama.cpp's own converter where one is given, then reads the GGUF back (types, shapes)."""
+    """Converts with llama.cpp's own converter where one is given, then reads the GGUF back: the routed experts
+    must be MXFP4 and, dequantized, equal ours dequantized (the repack only moves bits)."""
     row = {"engine": "llama.cpp (convert + gguf reader)", "loaded": False}
     script = Path(llama_cpp) / "convert_hf_to_gguf.py" if llama_cpp else None
     if script is None or not script.is_file():
@@ -113,13 +117,46 @@ def run_llama_cpp(directory: Path, llama_cpp: str | None) -> dict:
         if done.returncode != 0:
             row["note"] = (done.stderr.strip().splitlines() or ["convert failed"])[-1]
             return row
+        sys.path.insert(0, str(script.parent / "gguf-py"))  # the converter's own gguf, as it wrote with it
         from gguf import GGUFReader
+        from gguf.quants import dequantize
 
         tensors = GGUFReader(out).tensors
-        experts = [t for t in tensors if "_exps" in t.name]
+        experts = [t for t in tensors if "_exps." in t.name]
         row.update(loaded=True, packed=bool(experts) and all(t.tensor_type.name == "MXFP4" for t in experts),
-                   note=f"{len(tensors)} tensors, experts {sorted({t.tensor_type.name for t in experts})}")
+                   expert_max_abs=_gguf_expert_diff(directory, experts, dequantize),
+                   note=f"{len(tensors)} tensors, {len(experts)} expert stacks {sorted({t.tensor_type.name for t in experts})}")
     return row
+
+
+def _gguf_expert_diff(directory: Path, experts, dequantize) -> float:
+    """Largest difference between a GGUF's expert stacks and the directory's experts, both dequantized."""
+    import torch
+    from safetensors import safe_open
+
+    from transformers_k3.conversion import dequantize_mxfp4
+
+    files = {}
+    for path in directory.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            files.update({name: path for name in f.keys()})
+    root = "language_model." if any(n.startswith("language_model.") for n in files) else ""
+
+    def tensor(name):
+        with safe_open(files[name], "pt") as f:
+            return f.get_tensor(name)
+
+    worst = 0.0
+    for t in experts:
+        _, layer, kind, _ = t.name.split(".")
+        w = {"ffn_gate_exps": "w1", "ffn_down_exps": "w2", "ffn_up_exps": "w3"}[kind]
+        theirs = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        prefix = f"{root}model.layers.{layer}.block_sparse_moe.experts."
+        ours = torch.stack([dequantize_mxfp4(tensor(f"{prefix}{e}.{w}.weight_packed"),
+                                             tensor(f"{prefix}{e}.{w}.weight_scale"), torch.float32)
+                            for e in range(theirs.shape[0])])
+        worst = max(worst, (theirs - ours).abs().max().item() if theirs.shape == ours.shape else float("inf"))
+    return worst
 
 
 def compare(row: dict, logits, greedy: list[int]) -> dict:
@@ -134,20 +171,22 @@ def compare(row: dict, logits, greedy: list[int]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| engine | loaded | experts packed | logits max abs | max abs / max abs logit | greedy match | note |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| engine | loaded | experts packed | logits max abs | max abs / max abs logit | greedy match "
+             "| expert values max abs | note |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         num = (lambda k: f"{r[k]:.2e}" if k in r else "-")
         match = f"{r['greedy_match']}/{r['steps']}" if "greedy_match" in r else "-"
         note = r.get("note", "")
         lines.append(f"| {r['engine']} | {'yes' if r['loaded'] else 'no'} | {r.get('packed', '-')} | {num('max_abs')} "
-                     f"| {num('max_rel')} | {match} | {note if isinstance(note, str) else ' '.join(note)} |")
+                     f"| {num('max_rel')} | {match} | {num('expert_max_abs')} | {note if isinstance(note, str) else ' '.join(note)} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path, help="a checkpoint in the release's layout")
+    parser.add_argument("--reference", type=Path,
+                        help="compute our side from this directory instead (e.g. the release, to check an export)")
     parser.add_argument("--mlx-python", help="interpreter with mlx and mlx-lm (default: K3_MLX_PYTHON, else this one)")
     parser.add_argument("--llama-cpp", help="a llama.cpp source directory holding convert_hf_to_gguf.py")
     parser.add_argument("--steps", type=int, default=16, help="greedy tokens to compare (default 16)")
@@ -158,13 +197,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     ids = [int(i) for i in args.prompt.split(",")]
-    logits, greedy = reference(args.directory, ids, args.steps)
+    logits, greedy = reference(args.reference or args.directory, ids, args.steps)
     rows = [compare(run_mlx(args.directory, ids, args.steps, args.mlx_python), logits, greedy),
             run_llama_cpp(args.directory, args.llama_cpp)]
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    bad = [r for r in rows if "max_rel" in r and (r["max_rel"] > args.rtol or r["greedy_match"] < r["steps"])]
+    bad = [r for r in rows if ("max_rel" in r and (r["max_rel"] > args.rtol or r["greedy_match"] < r["steps"]))
+           or r.get("expert_max_abs", 0) != 0 or r.get("packed") is False]
     return 1 if bad else 0
 
 

@@ -3,8 +3,9 @@
 A tiny release with every K3 feature on and MXFP4 routed experts (official layout, references.py) is loaded packed,
 written back with ``export_release`` and handed to ``conversion/check_engines.py``, which runs mlx-lm in its own
 interpreter: mlx-lm must load the experts as they are (its mxfp4 mode, no re-quantization) and agree with our fp32
-logits within 1e-4 of the largest logit, greedy decoding identical over 16 tokens. A copy with every expert scale one
-power of two up must fail the same check, so the tolerance tells a layout error from summation order.
+logits within 1e-4 of the largest logit, greedy decoding identical over 16 tokens. mlx-lm on a copy with every expert
+scale one power of two up, against us on the intact export, must fail the same check: the tolerance tells a layout
+error from summation order.
 
 mlx-lm is not a dependency: the test runs where ``K3_MLX_PYTHON`` names an interpreter with mlx and mlx-lm (on Linux
 ``pip install mlx mlx-cpu mlx-lm``), or where this interpreter imports mlx_lm, and skips otherwise.
@@ -59,10 +60,10 @@ def exported(request, tmp_path_factory):
     return release, root / "export"
 
 
-def check(directory: Path, tmp_path: Path) -> tuple[int, dict]:
+def check(directory: Path, tmp_path: Path, *extra: str) -> tuple[int, dict]:
     rows = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(SCRIPT), str(directory), "--mlx-python", MLX_PYTHON,
-                           "--json", str(rows)], capture_output=True, text=True, timeout=600)
+                           "--json", str(rows), *extra], capture_output=True, text=True, timeout=600)
     assert rows.is_file(), done.stderr[-3000:]
     return done.returncode, next(r for r in json.loads(rows.read_text()) if r["engine"] == "mlx-lm")
 
@@ -94,5 +95,5 @@ def test_a_scale_one_power_of_two_off_fails_the_check(exported, tmp_path):
             save_file(state, broken / path.name, metadata={"format": "pt"})
         else:
             (broken / path.name).write_bytes(path.read_bytes())
-    status, row = check(broken, tmp_path)
+    status, row = check(broken, tmp_path, "--reference", str(export))  # ours on the intact export
     assert row["loaded"] and row["max_rel"] > RTOL and status == 1, row
