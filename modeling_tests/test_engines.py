@@ -29,7 +29,7 @@ from transformers_k3 import (KimiK3Config, KimiK3ForCausalLM, KimiK3ForCondition
 from references import BF16, FP32, RELEASE_RULES, load, release_state, shard_tensors, write_release
 
 MLX_PYTHON = os.environ.get("K3_MLX_PYTHON") or (sys.executable if importlib.util.find_spec("mlx_lm") else None)
-pytestmark = pytest.mark.skipif(MLX_PYTHON is None, reason="mlx-lm not importable (set K3_MLX_PYTHON)")
+needs_mlx = pytest.mark.skipif(MLX_PYTHON is None, reason="mlx-lm not importable (set K3_MLX_PYTHON)")
 SCRIPT = Path(__file__).resolve().parents[1] / "conversion" / "check_engines.py"
 RTOL = 1e-4
 
@@ -76,6 +76,7 @@ def test_the_export_is_the_release(exported):
         assert torch.equal(ours[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
 
 
+@needs_mlx
 def test_mlx_lm_loads_the_export_packed_and_agrees(exported, tmp_path):
     status, row = check(exported[1], tmp_path)
     assert row["loaded"], row
@@ -85,6 +86,7 @@ def test_mlx_lm_loads_the_export_packed_and_agrees(exported, tmp_path):
     assert status == 0
 
 
+@needs_mlx
 def test_a_scale_one_power_of_two_off_fails_the_check(exported, tmp_path):
     export = exported[1]
     broken = tmp_path / "broken"
