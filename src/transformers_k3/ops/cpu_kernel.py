@@ -88,6 +88,10 @@ HEADERS = tuple(
                                  "kernels.h")
 )
 
+# Run once the library's operators exist: `transformers_k3.ops` (the package, above both) adds `reference.register`,
+# so that the loader does not import the reference operators, which compute with functions that use this module.
+ON_LOAD: list = []
+
 _lock = threading.Lock()
 _state: dict = {"tried": False, "lib": None, "error": None}
 
@@ -918,10 +922,11 @@ def _register_python_parts() -> None:
     autograd(ns + "gemm_bf16_f32", _gemm_backward, setup_context=_gemm_setup)
     autograd(ns + "selected_scores", _selected_backward, setup_context=_selected_setup)
     autograd(ns + "moe_experts", _experts_backward, setup_context=_experts_setup)
-    from . import mxfp4_torch, reference
+    from . import mxfp4_torch
 
     mxfp4_torch.register()  # (the packed MXFP4 experts' operators)
-    reference.register()  # (every other device: the operators in PyTorch)
+    for register in ON_LOAD:  # (every other device: the operators in PyTorch, `reference.register`)
+        register()
 
 
 def _activation_args(activation: tuple) -> tuple[int, float, float]:
