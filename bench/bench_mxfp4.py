@@ -3,6 +3,7 @@ routing scale (896 experts, top-16) on a width where the experts dominate the by
 
     python bench/bench_mxfp4.py                          # latent 512, intermediate 512, 256-token prefill
     python bench/bench_mxfp4.py --latent 1024 --prefill-tokens 512 --decode-calls 50
+    python bench/bench_mxfp4.py --tables model                # the bench model's decode step alone
 
 One latent K3 MoE layer (`KimiK3SparseMoE`: hidden 2 x latent, router, latent projections with norm, one shared
 expert at full width) built in fp32 with random weights, its routed experts quantized with the release's rule
@@ -17,7 +18,18 @@ Two tables: the routed experts alone (the same routing for every row) and the wh
 token; median of ``--decode-calls`` calls) and a prefill (``--prefill-tokens`` tokens; best of ``--reps``), no
 grad. "expert MB/token" is what the experts read per token (decode: the ``k`` routed experts' weights and scales;
 prefill: every expert hit at least once, divided by the tokens); "GB/s" that over the time, the distance from
-the memory roofline (the copy rate of this machine, measured first, is printed beside it)."""
+the memory roofline (the copy rate of this machine, measured first, is printed beside it).
+
+A third table, ``model``: a decode step of a small K3 bench model built that way (`bench_long_context.k3_config_dict`:
+KDA + gated NoPE MLA, Block AttnRes, the latent MoE with SiTU-GLU, its norm and a shared expert, hidden 256, vocab
+4096), ``--model-layers`` layers (the first dense) with the same 896 experts / top-16 and ``--model-intermediate``
+wide experts, so the routed experts are most of the bytes a bf16 token reads. Built once in fp32 with seeded
+weights, every layer's experts quantized with the release's rule and written back dequantized; ``bf16`` is that
+model cast, ``packed`` the bf16 model with each `KimiK3Experts` replaced by a `KimiK3PackedExperts` holding the
+packed stacks (what the quantizer's load builds) under ``"k3_mxfp4"``; all three with the fused CPU kernels attached
+(`transformers_k3.kernelize`, as the README says). A greedy decode after a ``--prompt-tokens`` prefill: the median
+of ``--decode-calls`` steps; "MB/token" is every weight the step reads (all non-expert weights, one embedding row,
+and the ``k`` routed experts of every MoE layer)."""
 
 from __future__ import annotations
 
@@ -99,12 +111,140 @@ def build(args):
     return {"packed": packed, "bf16": bf16, "fp32": fp32}
 
 
-def expert_bytes(layer) -> int:
-    """Bytes of one expert's weights (and scales) as the layer stores them."""
-    experts = layer.experts
+def expert_bytes(experts) -> int:
+    """Bytes of one expert's weights (and scales) as an experts module stores them."""
     names = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale") if hasattr(experts, "gate_up_packed") \
         else ("gate_up_proj", "down_proj")  # fmt: skip
     return sum(getattr(experts, n)[0].numel() * getattr(experts, n).element_size() for n in names)
+
+
+def model_config(args):
+    """The K3-featured bench model's config (bench_long_context) at ``--model-layers`` layers (every fourth MLA, the
+    first dense) with ``--experts`` / ``--top-k`` routed experts ``--model-intermediate`` wide."""
+    from bench_long_context import k3_config_dict
+
+    from transformers_k3 import KimiK3TextConfig
+
+    layers = args.model_layers
+    full = [i for i in range(1, layers + 1) if i % 4 == 0]
+    values = k3_config_dict()
+    values.update(num_hidden_layers=layers, num_experts=args.experts, num_experts_per_token=args.top_k,
+                  moe_intermediate_size=args.model_intermediate)  # fmt: skip
+    values["linear_attn_config"] = {**values["linear_attn_config"], "full_attn_layers": full,
+                                    "kda_layers": [i for i in range(1, layers + 1) if i not in full]}  # fmt: skip
+    config = KimiK3TextConfig(**values)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_models(args, prompt):
+    """The bench model in fp32 (experts quantized, dequantized back), bf16 and packed, each kernelized; and the
+    largest difference (relative) between the packed and the bf16 model's logits on ``prompt``, both run in fp32."""
+    from bench_long_context import kernelized
+
+    from transformers_k3 import KimiK3ForCausalLM
+    from transformers_k3.modeling_kimi_k3 import KimiK3Experts
+    from transformers_k3.ops.mxfp4 import MXFP4_EXPERTS
+    from transformers_k3.quantization_kimi_k3 import KimiK3PackedExperts
+
+    torch.manual_seed(0)
+    fp32 = KimiK3ForCausalLM(model_config(args)).eval()
+    stacks = {name: quantize_experts(m) for name, m in fp32.named_modules() if isinstance(m, KimiK3Experts)}
+    bf16 = cast_copy(fp32, torch.bfloat16, drop=())
+    packed = cast_copy(fp32, torch.bfloat16, drop=tuple(f"{name}." for name in stacks))
+    for name, (gate_up, gate_up_scale, down, down_scale) in stacks.items():
+        parent, _, child = name.rpartition(".")
+        with torch.device("meta"):
+            experts = KimiK3PackedExperts(packed.get_submodule(name).config)
+        for buffer, t in (("gate_up_packed", gate_up), ("gate_up_scale", gate_up_scale), ("down_packed", down),
+                          ("down_scale", down_scale)):  # fmt: skip
+            experts.register_buffer(buffer, t)
+        setattr(packed.get_submodule(parent), child, experts)
+    packed.set_experts_implementation(MXFP4_EXPERTS)
+    models = {"packed": packed, "bf16": bf16, "fp32": fp32}
+    for model in models.values():
+        bad = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        assert not bad, bad
+    with torch.no_grad():  # packed against bf16, both run in fp32 (same weights; bf16 -> fp32 -> bf16 is exact)
+        reference = bf16.float()(input_ids=prompt).logits
+        error = (packed.float()(input_ids=prompt).logits - reference).abs().max() / reference.abs().max()
+        bf16.to(torch.bfloat16), packed.to(torch.bfloat16)
+    for model in models.values():
+        kernelized(model)
+    return models, len(stacks), error.item()
+
+
+def cast_copy(model, dtype: torch.dtype, drop: tuple[str, ...]):
+    """A copy of ``model`` in ``dtype``, each parameter cast once (no full-precision copy of the model first); the
+    parameters named under a ``drop`` prefix left on the meta device."""
+    from torch import nn
+
+    memo = {}
+    for name, p in model.named_parameters():
+        value = torch.empty(p.shape, device="meta") if name.startswith(drop) else p.detach().to(dtype)
+        memo[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo).to(dtype)
+
+
+def model_bytes(model, top_k: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) bytes a decode step reads: every weight but the routed experts and the embedding
+    table, one embedding row, and ``top_k`` experts of every MoE layer."""
+    from transformers_k3.modeling_kimi_k3 import KimiK3Experts
+    from transformers_k3.quantization_kimi_k3 import KimiK3PackedExperts
+
+    kinds = (KimiK3Experts, KimiK3PackedExperts)
+    routed = [m for m in model.modules() if isinstance(m, kinds)]
+    skip = {id(t) for m in routed for t in (*m.parameters(), *m.buffers())}
+    embed = model.get_input_embeddings().weight
+    skip.add(id(embed))
+    other = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    other += embed[0].numel() * embed.element_size()
+    return other, sum(top_k * expert_bytes(m) for m in routed)
+
+
+def decode_step_time(model, prompt, steps: int) -> tuple[float, torch.Tensor]:
+    """Median seconds of a greedy decode step after prefilling ``prompt`` (one untimed step first), and the
+    prefill's last logits (fp32)."""
+    with torch.no_grad():
+        out = model(input_ids=prompt, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[0, -1].float()
+        token, times = logits.argmax().view(1, 1), []
+        for i in range(steps + 1):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            if i:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times), logits
+
+
+def model_table(args, rate: float) -> None:
+    config = model_config(args)
+    prompt = torch.randint(3, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
+    models, moe_layers, packed_error = build_models(args, prompt)
+    print(f"\n## model: decode step of the K3 bench model ({config.num_hidden_layers} layers, {moe_layers} MoE, "
+          f"hidden {config.hidden_size}, E={args.experts} k={args.top_k} latent {config.routed_expert_hidden_size} "
+          f"I={config.moe_intermediate_size}; prompt {args.prompt_tokens} tokens, median of {args.decode_calls} steps)")
+    print("| row | ms/token | tokens/s | non-expert MB/token | expert MB/token | MB/token | GB/s | of copy rate | "
+          "vs bf16 | logits vs fp32 |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = args.rows.split(",")
+    timed = {name: decode_step_time(models[name], prompt, args.decode_calls) for name in dict.fromkeys([*rows, "fp32"])}
+    reference = timed["fp32"][1]  # (fp32 always runs: the logits the others' are compared with)
+    results = {}
+    for name in rows:
+        seconds, logits = timed[name]
+        other, routed = model_bytes(models[name], args.top_k)
+        results[name] = seconds
+        ratio = results["bf16"] / seconds if "bf16" in results else float("nan")
+        error = ((logits - reference).abs().max() / reference.abs().max()).item()
+        total = other + routed
+        print(f"| {name} | {seconds * 1e3:.2f} | {1 / seconds:,.0f} | {other / 1e6:.3f} | {routed / 1e6:.3f} | "
+              f"{total / 1e6:.2f} | {total / seconds / 1e9:.2f} | {total / seconds / 1e9 / rate:.0%} | {ratio:.2f}x | "
+              f"{error:.1e} |", flush=True)  # fmt: skip
+    if "bf16" in results and "packed" in results:
+        print(f"|  packed vs bf16 | | | | | | | | {results['bf16'] / results['packed']:.2f}x | |")
+    print(f"packed vs bf16 model, both run in fp32 (the same weights), prefill logits: {packed_error:.1e} (relative)")
 
 
 def timed_median(fn, calls: int) -> float:
@@ -138,7 +278,14 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="bf16,packed,fp32", help="which of bf16, packed, fp32 to run (bf16 first: the ratios)")
+    parser.add_argument("--tables", default="experts,layer,model", help="which of experts, layer, model to run")
+    parser.add_argument("--model-layers", type=int, default=4, help="the bench model's layers (the first dense)")
+    parser.add_argument("--model-intermediate", type=int, default=1024, help="the bench model's expert width")
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="the bench model's prefill before decoding")
     args = parser.parse_args()
+    tables = args.tables.split(",")
+    if not set(tables) <= {"experts", "layer", "model"}:
+        parser.error(f"--tables: choose among experts, layer, model, got {args.tables!r}")
     torch.set_num_threads(args.threads)
 
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -149,7 +296,6 @@ def main():
     ALL_EXPERTS_FUNCTIONS.register(MXFP4_EXPERTS, mxfp4_experts_forward)  # (the bench's own registration)
     cpu_kernel.library()
     rate = copy_rate()
-    layers = build(args)
     rows = args.rows.split(",")
     E, k, D = args.experts, args.top_k, args.latent
     gen = torch.Generator().manual_seed(1)
@@ -158,9 +304,11 @@ def main():
         index = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
         return index, torch.rand(tokens, k, generator=gen)
 
-    print(f"# torch {torch.__version__}, {args.threads} threads, copy rate {rate:.1f} GB/s, E={E} k={k} "
-          f"latent={D} hidden={2 * D} I={args.intermediate}, prefill {args.prefill_tokens} tokens")  # fmt: skip
-    for table in ("experts", "layer"):
+    layer_shape = f", layer: latent={D} hidden={2 * D} I={args.intermediate}, prefill {args.prefill_tokens} tokens"
+    print(f"# torch {torch.__version__}, {args.threads} threads, copy rate {rate:.1f} GB/s, E={E} k={k}"
+          f"{layer_shape if {'experts', 'layer'} & set(tables) else ''}")  # fmt: skip
+    layers = build(args) if {"experts", "layer"} & set(tables) else None
+    for table in [t for t in ("experts", "layer") if t in tables]:
         print(f"\n## {table}\n| step | row | time (ms) | tokens/s | expert MB/token | GB/s | vs bf16 |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for step, tokens in (("decode", 1), ("prefill", args.prefill_tokens)):
@@ -178,13 +326,16 @@ def main():
                     fn = lambda: layer(xs)  # noqa: E731
                 with torch.no_grad():
                     seconds = timed_median(fn, args.decode_calls) if step == "decode" else timed_best(fn, args.reps)
-                per_token = expert_bytes(layer) * (k if tokens == 1 else hit) / tokens
+                per_token = expert_bytes(layer.experts) * (k if tokens == 1 else hit) / tokens
                 results[name] = seconds
                 ratio = results["bf16"] / seconds if "bf16" in results else float("nan")
                 print(f"| {step} | {name} | {seconds * 1e3:.2f} | {tokens / seconds:,.0f} | {per_token / 1e6:.2f} | "
                       f"{per_token * tokens / seconds / 1e9:.1f} | {ratio:.2f}x |", flush=True)  # fmt: skip
             if "bf16" in results and "packed" in results:
                 print(f"|  | packed vs bf16 | | | | | {results['bf16'] / results['packed']:.2f}x |")
+    del layers
+    if "model" in tables:
+        model_table(args, rate)
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 

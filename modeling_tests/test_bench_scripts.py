@@ -222,3 +222,23 @@ def test_ab_eager_k3_decode_row_runs():
                                 timeout=600)
     assert code == 0, output
     assert json.loads(stdout.strip().splitlines()[-1])["seconds"] > 0, output
+
+
+def test_bench_mxfp4_model_decode_runs_at_a_tiny_size():
+    """bench_mxfp4's bench-model table (the K3 bench model with its experts packed, bf16 and fp32) runs, prints a
+    row for each with the bytes a decode step reads (MXFP4: 4.25 bits a weight), and its packed model computes the
+    bf16 model's function (both run in fp32; not its speed)."""
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_mxfp4.py", "--threads", "1", "--tables", "model", "--experts", "16",
+        "--top-k", "4", "--model-intermediate", "32", "--prompt-tokens", "4", "--decode-calls", "2", timeout=300,
+    )  # fmt: skip
+    assert code == 0, output
+    assert "## model: decode step of the K3 bench model (4 layers, 3 MoE" in stdout, output
+    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+    assert {"bf16", "packed", "fp32"} <= rows.keys(), stdout
+    expert_mb = {name: float(rows[name][5]) for name in ("bf16", "packed", "fp32")}
+    assert expert_mb["fp32"] == pytest.approx(2 * expert_mb["bf16"], rel=0.02), stdout
+    assert expert_mb["packed"] == pytest.approx(expert_mb["bf16"] * 17 / 64, rel=0.02), stdout  # 4.25 bits / 16
+    assert all(float(rows[name][2]) > 0 for name in ("bf16", "packed", "fp32")), stdout
+    check = next(line for line in stdout.splitlines() if line.startswith("packed vs bf16 model, both run in fp32"))
+    assert float(check.split(": ")[1].split()[0]) < 1e-5, stdout  # the packed model computes the bf16 one's function
