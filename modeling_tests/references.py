@@ -571,6 +571,19 @@ def random_mxfp4(rows: int, cols: int, gen) -> tuple[torch.Tensor, torch.Tensor]
     return packed.contiguous(), scale
 
 
+def release_vision_state(config) -> dict:
+    """Random bf16 vision tower and projector tensors for a composite release fixture, under the release's names."""
+    from transformers_k3 import KimiK3ForConditionalGeneration
+
+    with torch.device("meta"):
+        meta = KimiK3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(3)
+    vision = {name: (0.05 * torch.randn(tuple(t.shape), generator=gen)).to(BF16)
+              for name, t in meta.state_dict().items() if name.startswith(("vision_tower.", "mm_projector."))}
+    assert vision and all(re.search(RELEASE_RULES[-1][0], n) for n in vision)
+    return vision
+
+
 def release_state(config, composite: bool, mxfp4: bool, seed: int, vision_state=None) -> dict:
     gen = torch.Generator().manual_seed(seed)
     text = config.get_text_config()

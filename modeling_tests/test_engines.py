@@ -14,7 +14,6 @@ mlx-lm is not a dependency: the test runs where ``K3_MLX_PYTHON`` names an inter
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,22 +25,12 @@ from safetensors.torch import load_file, save_file
 from transformers_k3 import (KimiK3Config, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, KimiK3TextConfig,
                              export_release)
 
-from references import BF16, FP32, RELEASE_RULES, load, release_state, shard_tensors, write_release
+from references import FP32, load, release_state, release_vision_state, shard_tensors, write_release
 
 MLX_PYTHON = os.environ.get("K3_MLX_PYTHON") or (sys.executable if importlib.util.find_spec("mlx_lm") else None)
 needs_mlx = pytest.mark.skipif(MLX_PYTHON is None, reason="mlx-lm not importable (set K3_MLX_PYTHON)")
 SCRIPT = Path(__file__).resolve().parents[1] / "conversion" / "check_engines.py"
 RTOL = 1e-4
-
-
-def _vision_state(config) -> dict:
-    with torch.device("meta"):
-        meta = KimiK3ForConditionalGeneration(config)
-    gen = torch.Generator().manual_seed(3)
-    vision = {name: (0.05 * torch.randn(tuple(t.shape), generator=gen)).to(BF16)
-              for name, t in meta.state_dict().items() if name.startswith(("vision_tower.", "mm_projector."))}
-    assert vision and all(re.search(RELEASE_RULES[-1][0], n) for n in vision)
-    return vision
 
 
 @pytest.fixture(scope="module", params=["composite", "text"])
@@ -50,7 +39,7 @@ def exported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "composite":  # the release's own form: kimi_k3 with a kimi_linear text_config
         config = KimiK3Config.tiny()
-        state, cls = release_state(config, True, True, 2, _vision_state(config)), KimiK3ForConditionalGeneration
+        state, cls = release_state(config, True, True, 2, release_vision_state(config)), KimiK3ForConditionalGeneration
     else:
         config = KimiK3TextConfig.tiny()
         state, cls = release_state(config, False, True, 1), KimiK3ForCausalLM
