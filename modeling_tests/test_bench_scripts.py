@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -18,11 +20,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}  # the sc
 
 
 def _bench_module(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # why: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    # run_path registers the module while it runs, where its dataclasses look it up
+    return types.SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / f"{name}.py"), run_name=f"_bench_{name}"))
 
 
 def _run(*command, timeout=120):
