@@ -9,12 +9,12 @@ import traceback
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import transformers_k3.modeling_kimi_k3 as mla
 import transformers_k3.modeling_kimi_k3 as modeling
 from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
-import transformers_k3.modeling_kimi_k3 as kda_layer
+from transformers_k3.modeling_kimi_k3 import KimiK3DeltaAttention
 from transformers_k3.ops.kda import chunk_kda, fused_recurrent_kda
 
 from references import randomize_
@@ -24,21 +24,38 @@ SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "al
 
 
 def _to_host(args, kwargs) -> bool:
-    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU as its target (from a GPU: a blocking copy). Only a
-    literal ``"cpu"`` counts: here every device is the CPU, so ``.to(other.device)`` cannot be told apart."""
-    target = kwargs.get("device", args[0] if args else None)
+    """Whether ``Tensor.to(*args, **kwargs)`` (the tensor first in ``args``) names the CPU as its target (from a GPU:
+    a blocking copy). Only a literal ``"cpu"`` counts: here every device is the CPU, so ``.to(other.device)`` cannot
+    be told apart."""
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
     return not kwargs.get("non_blocking") and isinstance(target, str) and torch.device(target).type == "cpu"
+
+
+# the Tensor methods that copy to the host: on CPU tensors they dispatch no aten op, so their torch-function calls count
+HOST_COPIES = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+class _HostCopies(TorchFunctionMode):
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_COPIES or func is torch.Tensor.to and _to_host(args, kwargs):
+            self.record()
+        return func(*args, **kwargs)
 
 
 class HostSyncs(TorchDispatchMode):
     """Counts host syncs by the source line (file:line) of the innermost non-torch frame that caused each: the aten
     ops that read a value, and the Tensor methods that copy to the host, which on CPU tensors dispatch nothing
-    (``tolist``, ``cpu``, ``numpy``, ``to("cpu")``)."""
+    (``tolist``, ``cpu``, ``numpy``, ``to("cpu")``), seen as torch-function calls."""
 
     def __init__(self):
         super().__init__()
         self.where = collections.Counter()
-        self._methods = {}
+        self._copies = _HostCopies(self._record)
 
     def _record(self) -> None:
         frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and f.filename != __file__]
@@ -46,21 +63,14 @@ class HostSyncs(TorchDispatchMode):
         self.where[f"{caller.filename}:{caller.lineno}" if caller else "?"] += 1
 
     def __enter__(self):
-        for name in ("tolist", "cpu", "numpy", "to"):
-            method = self._methods[name] = getattr(torch.Tensor, name)
-
-            def counted(tensor, *args, _method=method, _name=name, **kwargs):
-                if _name != "to" or _to_host(args, kwargs):
-                    self._record()
-                return _method(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, counted)  # why: CPU host copies dispatch no aten op to count
+        self._copies.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, method in self._methods.items():
-            setattr(torch.Tensor, name, method)  # why: restores what __enter__ replaced
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._copies.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name.split("::")[-1] in SYNC_OPS:
@@ -80,22 +90,17 @@ def model():
 
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
-    """The plain model (no kernels) with the device-dependent choices made as on a GPU (MLA's path, host reads
-    not free)."""
-    # why: this machine has no GPU; these are the device-dependent choices a GPU run makes
-    monkeypatch.setattr(mla, "uses_blockwise_attention", lambda config, hidden: False)
-    # why: as above (the model's own copy of the choice)
-    monkeypatch.setattr(modeling, "uses_blockwise_attention", lambda config, hidden: False)
-    # why: as above (host reads cost a sync on a GPU)
+    """The plain model (no kernels) with the device-dependent choice made as on a GPU: host reads are not free."""
+    # why: this machine has no GPU, where reading a tensor's values on the host costs a sync
     monkeypatch.setattr(modeling, "_host_reads_are_free", lambda tensor: False)
     with torch.no_grad():
         yield
 
 
 @pytest.fixture
-def fake_fla(monkeypatch):
-    """fla's kernels replaced by stand-ins that return the right shapes without reading anything, so that only our
-    wrappers around fla run (the KDA layers take the fla path as with CUDA tensors)."""
+def fake_fla(model):
+    """Stand-ins for fla's kernels in the KDA layers' kernel slot (what they call for CUDA tensors; no CUDA or Triton
+    here): they return the right shapes without reading anything, so only our code around the kernel runs."""
 
     calls = []
 
@@ -104,9 +109,13 @@ def fake_fla(monkeypatch):
         state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
         return torch.zeros_like(v), state if output_final_state else None
 
-    # why: no CUDA or Triton here; the KDA layers' choice for CUDA tensors (fla's kernels) gets stand-ins
-    monkeypatch.setattr(kda_layer, "_delta_rule_kernels", lambda device, kernel: (chunk, chunk))
+    layers = [layer for layer in model.modules() if isinstance(layer, KimiK3DeltaAttention)]
+    kept = [layer.kernel for layer in layers]
+    for layer in layers:
+        layer.kernel = (chunk, chunk)
     yield calls
+    for layer, kernel in zip(layers, kept):
+        layer.kernel = kernel
 
 
 PROMPT = torch.randint(3, 400, (2, 6), generator=torch.Generator().manual_seed(0))
