@@ -248,11 +248,12 @@ def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(mod
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatch, lower_bound):
+def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(lower_bound):
     """K3's gate is ``lower_bound * sigmoid(.)``, inside (lower_bound, 0): with the bound in [-5, 0) the layer's
     prefill asks fla's chunk_kda for safe_gate (its faster path for bounded gates, which it never used); Kimi
-    Linear's unbounded softplus gate does not. fla stubbed (no Triton here), the call's keywords recorded."""
-    import transformers_k3.modeling_kimi_k3 as kda_layers
+    Linear's unbounded softplus gate does not. A stand-in for fla's kernels in the KDA layers' kernel slot (no Triton
+    here) records the call's keywords."""
+    from transformers_k3.modeling_kimi_k3 import KimiK3DeltaAttention
 
     seen = []
 
@@ -263,10 +264,11 @@ def test_the_layer_asks_flas_chunked_kernel_for_its_bounded_gate_path(monkeypatc
         state = torch.zeros(q.shape[0], v.shape[2], q.shape[3], v.shape[3])
         return torch.zeros_like(v), state if output_final_state else None
 
-    # why: the KDA layers' kernels for CUDA tensors (fla's) stood in for on CPU tensors (no Triton here)
-    monkeypatch.setattr(kda_layers, "_delta_rule_kernels", lambda device, kernel: (chunk, chunk))
     config = KimiK3TextConfig.tiny(linear_attn_config={"gate_lower_bound": lower_bound})
     model = KimiK3ForCausalLM(config).eval()
+    for layer in model.modules():
+        if isinstance(layer, KimiK3DeltaAttention):
+            layer.kernel = (chunk, chunk)
     with torch.no_grad():
         model(torch.randint(3, 400, (1, 40)))
     assert seen and all(flag == (lower_bound is not None) for flag in seen), seen
