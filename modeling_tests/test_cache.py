@@ -455,6 +455,42 @@ def test_an_empty_cache_round_trips(tiny_model, tmp_path):
     assert torch.equal(greedy(tiny_model, ids, 3, past_key_values=restored), greedy(tiny_model, ids, 3))
 
 
+# ---------------------------------------------------------------- the state as a whole (training in segments)
+def test_a_state_taken_and_started_from_continues_like_the_cache_it_came_from(tiny_model):
+    """`state(detached=True)` survives the next forward (copies), a fresh cache `start_from` it gives the same next
+    logits as the cache it came from, and `detach_` keeps the values while cutting the training forward's graph."""
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(3))
+    cache = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(ids[:, :9], past_key_values=cache, use_cache=True)
+        state = cache.state(detached=True)
+        kinds = tiny_model.config.layer_types
+        assert sorted(state.kda) == [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+        assert sorted(state.latents) == [i for i, kind in enumerate(kinds) if kind != "linear_attention"]
+        assert all(latent.shape[1] == 9 for latent in state.latents.values())
+        kda_before = {i: tuple(x.clone() for x in pair) for i, pair in state.kda.items()}
+        want = tiny_model(ids[:, 9:], past_key_values=cache, use_cache=True).logits
+        for i, pair in state.kda.items():  # (the copies did not follow the cache's in-place decode steps)
+            for got, kept in zip(pair, kda_before[i]):
+                assert torch.equal(got, kept)
+        restored = KimiK3HybridCache(tiny_model.config)
+        restored.start_from(state)
+        assert restored.get_seq_length() == 9
+        torch.testing.assert_close(tiny_model(ids[:, 9:], past_key_values=restored, use_cache=True).logits, want,
+                                   rtol=0, atol=0)
+    trained = KimiK3HybridCache(tiny_model.config)
+    tiny_model(ids[:, :9], past_key_values=trained, use_cache=True)
+    live = trained.state()
+    assert all(x.requires_grad for pair in live.kda.values() for x in pair)
+    values = {i: tuple(x.detach().clone() for x in pair) for i, pair in live.kda.items()}
+    assert trained.detach_() is trained
+    after = trained.state()
+    assert not any(x.requires_grad for pair in after.kda.values() for x in pair)
+    assert not any(latent.requires_grad for latent in after.latents.values())
+    for i, pair in after.kda.items():
+        assert all(torch.equal(a, b) for a, b in zip(pair, values[i]))
+
+
 # ---------------------------------------------------------------- rollback (the cache owns the KDA history)
 @pytest.mark.parametrize("recorded_length", [5, 20])
 def test_crop_after_recorded_forwards_continues_like_a_fresh_run(tiny_model, recorded_length):

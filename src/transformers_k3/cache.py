@@ -310,6 +310,14 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
     def is_croppable(self) -> bool:
         return self.record_past
 
+    def detach_(self) -> None:
+        """Cut the held state from the graph that computed it (same storage: a static layer keeps its addresses)."""
+        if self.has_state:
+            self.conv_states[0] = self.conv_states[0].detach()
+            self.recurrent_states[0] = self.recurrent_states[0].detach()
+            if self.static:
+                _keep_address(self.conv_states[0], self.recurrent_states[0])
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.has_state:
             self.conv_states[0] = self.conv_states[0].repeat_interleave(repeats, dim=0)
@@ -428,6 +436,11 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
             buffer = kept.new_empty(kept.shape[0], self.latent.shape[1], kept.shape[2])
             buffer[:, : self.length] = kept
             self.latent = buffer
+
+    def detach_(self) -> None:
+        """Cut the held latents from the graph that computed them (same storage)."""
+        if self.latent is not None:
+            self.latent = self.latent.detach()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # (beam search, every step: in place, so the buffer keeps its capacity and is never regrown)
@@ -554,6 +567,11 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
         if self.is_initialized:
             self.latent.copy_(self.latent.index_select(0, beam_idx.to(self.latent.device)))
 
+    def detach_(self) -> None:
+        super().detach_()
+        if self.latent is not None:
+            _keep_address(self.latent)
+
     def offload(self):  # (a static buffer stays where it is: moving it would change its address)
         pass
 
@@ -579,6 +597,13 @@ class KimiK3LatentView(NamedTuple):
     past_len: int  # tokens held before the step (0 for a static cache, whose count stays on the device)
     had_past: bool  # whether any token was held before the step (a Python flag: no length read)
     position: torch.Tensor | None  # a static layer's token count after the step, on its device; None when growing
+
+
+class KimiK3CacheState(NamedTuple):
+    """The decoding state a cache holds, by layer index (`KimiK3HybridCache.state`, `KimiK3HybridCache.start_from`)."""
+
+    kda: dict[int, tuple[torch.Tensor, torch.Tensor]]  # KDA layer -> (fp32 recurrent state, conv window)
+    latents: dict[int, torch.Tensor]  # MLA layer -> its held tokens' latents ``[B, S, D]``
 
 
 class KimiK3HybridCache(KimiK3CacheIO, Cache):
@@ -818,6 +843,38 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         past_len, position = (0, layer.position) if self.static else (layer.length, None)
         return KimiK3LatentView(layer.update(latent_states)[0], past_len, had_past, position)
 
+    # ------------------------------------------------------------------------------------------ state as a whole
+    def state(self, detached: bool = False) -> KimiK3CacheState:
+        """The state held: each KDA layer's ``(recurrent state [B, H, K, V], conv window [B, 3P, K-1])`` where it
+        holds one, each MLA layer's held latents (a view of its buffer) where it holds tokens. `detached`: cut from
+        any graph, the KDA tensors copied (later steps update them in place), for a state that outlives the next
+        forward."""
+        kda, latents = {}, {}
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, KimiK3MLACacheLayer):
+                if layer.holds:
+                    latent = layer.latent[:, : layer.length]
+                    latents[idx] = latent.detach() if detached else latent
+            elif layer.has_state:
+                tensors = (layer.recurrent_state, layer.conv_state)
+                kda[idx] = tuple(t.detach().clone() for t in tensors) if detached else tensors
+        return KimiK3CacheState(kda, latents)
+
+    def start_from(self, state: KimiK3CacheState) -> None:
+        """Hold `state` (in an empty cache): copies of its KDA tensors (a decode step updates the held ones in place,
+        which a leaf tensor refuses) and its latents appended; both stay in the graph of the tensors given."""
+        for idx, (recurrent, window) in state.kda.items():
+            self.layers[idx].update(recurrent.clone(), window.clone())
+        for idx, latent in state.latents.items():
+            self.layers[idx].update(latent)
+
+    def detach_(self) -> KimiK3HybridCache:
+        """Cut the held state from the graph of the forward that computed it, in place (values and buffers kept);
+        return the cache."""
+        for layer in self.layers:
+            layer.detach_()
+        return self
+
     def holds_tokens(self, layer_idx: int | None = None) -> bool:
         """Whether the cache (or MLA layer `layer_idx`) holds any token, without reading a length from the device
         (a static cache's compiled steps leave their length there)."""
@@ -1029,6 +1086,7 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         return total
 
 
-__all__ = ["NO_CACHE_STEP", "KimiK3CacheError", "KimiK3CacheFileError", "KimiK3CacheSizeError", "KimiK3CacheStep",
+__all__ = ["NO_CACHE_STEP", "KimiK3CacheError", "KimiK3CacheFileError", "KimiK3CacheSizeError", "KimiK3CacheState",
+           "KimiK3CacheStep",
            "KimiK3HybridCache", "KimiK3LatentView",
            "KimiK3KDACacheLayer", "KimiK3MLACacheLayer", "cache_bytes", "check_cache_fits", "weights_fingerprint"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3MLACacheLayer
+from .cache import KimiK3CacheState, KimiK3HybridCache
 
 __all__ = ["KimiK3SegmentError", "SegmentBoundary", "SegmentResult", "boundary_states", "cache_from_boundary",
            "detach_cache", "segment_backward", "segment_bounds"]
@@ -65,26 +65,6 @@ def segment_bounds(length: int, segment_len: int) -> list[tuple[int, int]]:
     return [(start, min(start + segment_len, length)) for start in range(0, length, segment_len)]
 
 
-def _layers(cache: KimiK3HybridCache, kind) -> list[int]:
-    return [i for i, layer in enumerate(cache.layers) if isinstance(layer, kind)]
-
-
-def _snapshot(cache: KimiK3HybridCache, start: int) -> SegmentBoundary:
-    """The cache's KDA state as a boundary, copied (a later decode step updates the held tensors in place)."""
-    kda = {}
-    for i in _layers(cache, KimiK3KDACacheLayer):
-        layer = cache.kda_layer(i)
-        if layer.has_state:
-            kda[i] = (layer.recurrent_state.detach().clone(), layer.conv_state.detach().clone())
-    return SegmentBoundary(start, kda)
-
-
-def _latents(cache: KimiK3HybridCache) -> dict[int, torch.Tensor]:
-    """Each MLA layer's held latents ``[B, S, D]`` (a view of its buffer)."""
-    return {i: cache.layers[i].latent[:, : cache.layers[i].length] for i in _layers(cache, KimiK3MLACacheLayer)
-            if cache.layers[i].holds}  # fmt: skip
-
-
 def _check(model, input_ids: torch.Tensor, labels: torch.Tensor | None, mode: str) -> torch.Tensor:
     if mode not in MODES:
         raise KimiK3SegmentError(f"mode must be one of {MODES}, got {mode!r}")
@@ -113,29 +93,24 @@ def boundary_states(model, input_ids: torch.Tensor, segment_len: int):
     boundaries = []
     with torch.no_grad():
         for start, end in bounds:
-            boundaries.append(_snapshot(cache, start))
+            boundaries.append(SegmentBoundary(start, cache.state(detached=True).kda))
             model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return boundaries, {i: t.detach() for i, t in _latents(cache).items()}
+    return boundaries, cache.state(detached=True).latents
 
 
 def cache_from_boundary(config, boundary: SegmentBoundary, latents: dict[int, torch.Tensor], capacity: int, leaves: bool):
     """A cache holding ``boundary`` and the latents' first ``boundary.start`` rows; with ``leaves`` each of those
     is a leaf requiring grad, returned as ``{("kda", i): (state, window), ("mla", i): prefix}``."""
     cache = KimiK3HybridCache(config, max_cache_len=capacity)
+    state = KimiK3CacheState(dict(boundary.kda), {i: latent[:, : boundary.start] for i, latent in latents.items()}
+                             if boundary.start else {})  # fmt: skip
     held = {}
-    for i, (state, window) in boundary.kda.items():
-        if leaves:
-            state, window = state.detach().requires_grad_(), window.detach().requires_grad_()
-            held["kda", i] = (state, window)
-        # (a clone: a short segment's convolution updates the held window in place, which a leaf refuses)
-        cache.kda_layer(i).update(state.clone(), window.clone())
-    if boundary.start:
-        for i, latent in latents.items():
-            prefix = latent[:, : boundary.start]
-            if leaves:
-                prefix = prefix.detach().requires_grad_()
-                held["mla", i] = prefix
-            cache.update_latent(prefix, i)
+    if leaves:
+        state = KimiK3CacheState({i: tuple(x.detach().requires_grad_() for x in pair) for i, pair in state.kda.items()},
+                                 {i: prefix.detach().requires_grad_() for i, prefix in state.latents.items()})
+        held = {**{("kda", i): pair for i, pair in state.kda.items()},
+                **{("mla", i): prefix for i, prefix in state.latents.items()}}  # fmt: skip
+    cache.start_from(state)
     return cache, held
 
 
@@ -173,8 +148,8 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
             loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
             loss.backward()
             losses.append(loss.detach())
-            boundary = _snapshot(cache, end)
-            latents = {i: t.detach() for i, t in _latents(cache).items()}
+            state = cache.state(detached=True)
+            boundary, latents = SegmentBoundary(end, state.kda), state.latents
         return SegmentResult(sum(losses), losses, tokens)
 
     boundaries, latents = boundary_states(model, input_ids, segment_len)
@@ -185,15 +160,17 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
         loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
         outputs, cotangents = [loss], [torch.ones_like(loss)]
         if end < length:
+            left = cache.state()
             for (kind, i), grads in state_grads.items():
-                layer = cache.kda_layer(i)
-                for value, grad in zip((layer.recurrent_state, layer.conv_state), grads):
+                for value, grad in zip(left.kda[i], grads):
                     if grad is not None and value.requires_grad:
                         outputs.append(value)
                         cotangents.append(grad)
-            for i, (mine, grad) in _latent_rows(cache, latent_grads, start, end):
-                outputs.append(mine)
-                cotangents.append(grad)
+            for i, grad in latent_grads.items():
+                rows = left.latents[i][:, start:end]  # (the segment's latent rows as the cache holds them)
+                if rows.requires_grad:
+                    outputs.append(rows)
+                    cotangents.append(grad[:, start:end])
         torch.autograd.backward(outputs, cotangents)
         losses.append(loss.detach())
         state_grads = {}
@@ -206,25 +183,9 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     return SegmentResult(sum(losses), losses, tokens)
 
 
-def _latent_rows(cache, latent_grads, start, end):
-    """``(layer, (the segment's latent rows as the cache holds them, their gradient from later segments))``."""
-    for i, grad in latent_grads.items():
-        rows = cache.layers[i].latent[:, start:end]
-        if rows.requires_grad:
-            yield i, (rows, grad[:, start:end])
-
-
 def detach_cache(cache: KimiK3HybridCache) -> KimiK3HybridCache:
     """Make the state a training forward left in ``cache`` a constant, in place, and return the cache: its KDA states
     and conv windows and its MLA latents keep their values but no longer lead back into that forward's graph, so the
     next segment's ``model(ids, past_key_values=cache, labels=...)`` can backpropagate after the previous segment's
     graph was freed (truncated training with one cache)."""
-    for i in _layers(cache, KimiK3KDACacheLayer):
-        layer = cache.kda_layer(i)
-        if layer.has_state:
-            layer.update(layer.recurrent_state.detach(), layer.conv_state.detach())
-    for i in _layers(cache, KimiK3MLACacheLayer):
-        layer = cache.layers[i]
-        if layer.latent is not None:
-            layer.latent = layer.latent.detach()
-    return cache
+    return cache.detach_()
