@@ -300,3 +300,163 @@ def test_a_nan_scale_is_refused_at_load(release, tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"layers.2.mlp.experts`: expert 3 w2: .*E8M0"):
         KimiK3ForCausalLM.from_pretrained(tmp_path / "bad")
+
+
+# ----- Streaming the experts from disk (KimiK3Mxfp4Config(stream_experts=True), docs/mxfp4.md) -----
+
+def _streamed(path, dtype=FP32, per_read=32):
+    return load(KimiK3ForCausalLM, path, dtype=dtype,
+                quantization_config=KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=per_read))
+
+
+def _release_expert_bytes(config) -> int:
+    """One expert's bytes in the release: ``w1``, ``w3`` ``[I, D]`` and ``w2`` ``[D, I]``, half a byte a weight
+    plus one scale byte per 32 weights."""
+    d, i = config.routed_expert_hidden_size or config.hidden_size, config.moe_intermediate_size
+    return 3 * (d * i // 2 + d * i // 32)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_streamed_experts_give_the_packed_models_logits(release, dtype):
+    """Equal to the fully loaded packed model, bit for bit: each read's experts are computed by the same grouped
+    products over the same rows and summed in the same order, however few experts one read holds."""
+    from transformers_k3 import expert_stream
+    from transformers_k3.quantization_kimi_k3 import KimiK3StreamedExperts
+
+    packed = load(KimiK3ForCausalLM, release, dtype=dtype)
+    with torch.no_grad():
+        want = packed(IDS).logits
+    for per_read in (32, 3, 1):
+        streamed = _streamed(release, dtype, per_read)
+        assert isinstance(streamed.model.layers[1].mlp.experts, KimiK3StreamedExperts)
+        assert not [n for n, _ in streamed.named_buffers() if ".mlp.experts." in n]
+        with torch.no_grad():
+            assert torch.equal(streamed(IDS).logits, want), per_read
+        stream = expert_stream(streamed)
+        assert stream.staging_bytes == min(per_read, 8) * _release_expert_bytes(streamed.config)
+    assert expert_stream(packed) is None
+    prompt = IDS[:1, :8]
+    greedy = {"max_new_tokens": 32, "min_new_tokens": 32, "do_sample": False}
+    assert torch.equal(streamed.generate(prompt, **greedy), packed.generate(prompt, **greedy))
+
+
+def test_streamed_decode_reads_the_routed_experts_once_per_token(release):
+    """A decode step of one token reads top-k experts of every MoE layer, and the counters say so."""
+    from transformers_k3 import expert_stream
+
+    model = _streamed(release, FP32, per_read=2)
+    stream = expert_stream(model)
+    config = model.config
+    moe_layers = sum(1 for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    assert stream.checkpoint_expert_bytes == moe_layers * config.num_experts * _release_expert_bytes(config)
+    with torch.no_grad():
+        out = model(IDS[:1, :6], use_cache=True)
+        prefill = stream.bytes_read
+        assert stream.tokens == 6 and 0 < prefill <= moe_layers * config.num_experts * _release_expert_bytes(config)
+        stream.reset()
+        model(IDS[:1, 6:7], past_key_values=out.past_key_values, use_cache=True)
+    per_token = moe_layers * config.num_experts_per_token * _release_expert_bytes(config)
+    assert (stream.bytes_read, stream.tokens, stream.bytes_per_token) == (per_token, 1, per_token)
+
+
+def test_streamed_experts_backward_equals_the_packed_models(release):
+    """Gradients reach the inputs through streamed experts as through packed ones (each read's stacks stay the
+    ones its products ran on: a read under autograd does not reuse the staging stacks)."""
+    grads = []
+    for model in (load(KimiK3ForCausalLM, release, dtype=FP32), _streamed(release, FP32, per_read=1)):
+        embeds = model.get_input_embeddings()(IDS).detach().requires_grad_()
+        model(inputs_embeds=embeds).logits.float().pow(2).mean().backward()
+        grads.append(embeds.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_streaming_refuses_what_it_cannot_do(release, release_bf16_experts, tmp_path):
+    from transformers_k3.quantization_kimi_k3 import StreamedExpertsError
+
+    model = _streamed(release)
+    with pytest.raises(StreamedExpertsError, match="copy that checkpoint"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "model.safetensors").exists()
+    with pytest.raises(CheckpointError, match="not MXFP4"):
+        KimiK3ForCausalLM.from_pretrained(release_bf16_experts, quantization_config=KimiK3Mxfp4Config(stream_experts=True))
+    with pytest.raises(ValueError, match="dequantize=True"):
+        KimiK3Mxfp4Config(dequantize=True, stream_experts=True)
+    with pytest.raises(ValueError, match="positive integer"):
+        KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=0)
+    with pytest.raises(TypeError, match="stream_experts"):
+        KimiK3Mxfp4Config(stream_experts="yes")
+
+
+def test_a_streamed_nan_scale_is_refused_when_read(release, tmp_path):
+    """Streaming reads no expert at load, so a bad scale is reported by the read that meets it, by expert."""
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    state = shard_tensors(release)
+    for expert in range(8):
+        name = f"model.layers.2.block_sparse_moe.experts.{expert}.w2.weight_scale"
+        state[name] = state[name].clone()
+        state[name][0, 0] = 255  # (E8M0's NaN)
+    write_state_dict(state, tmp_path / "bad", max_shard_size=40_000)
+    (tmp_path / "bad" / "config.json").write_text((release / "config.json").read_text())
+    model = _streamed(tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=r"layers.2.mlp.experts`: expert \d w2: .*E8M0"), torch.no_grad():
+        model(IDS)
+
+
+_STREAMED_RSS = textwrap.dedent("""
+    import json, sys, torch
+    import transformers_k3
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3Mxfp4Config, expert_stream
+
+    def status():
+        fields = {}
+        for line in open("/proc/self/status"):
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0]) * 1024 if value.strip().endswith("kB") else 0
+        return fields
+
+    stream = KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=8)
+    ids = torch.tensor(json.loads(sys.argv[3]))
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    warm = KimiK3ForCausalLM.from_pretrained(sys.argv[2], quantization_config=stream)  # (code paths, kernels loaded)
+    warm.generate(ids, **greedy)
+    del warm
+    before = status()
+    model = KimiK3ForCausalLM.from_pretrained(sys.argv[1], quantization_config=stream)
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, **greedy)
+    after = status()
+    torch.save({"logits": logits, "tokens": tokens}, sys.argv[4])
+    s = expert_stream(model)
+    print(json.dumps({"peak": after["VmHWM"] - before["VmRSS"], "checkpoint": s.checkpoint_expert_bytes,
+                      "staging": s.staging_bytes, "per_token": s.bytes_per_token,
+                      "file": after["RssFile"] - before["RssFile"]}))
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc/self/status (Linux)")
+def test_streamed_decode_peak_rss_is_bounded_below_the_checkpoint(wide_release, release, tmp_path):
+    """A model larger than the memory it is given, measured: a fresh process loads a checkpoint with streamed
+    experts and decodes; the peak resident set it adds (``VmHWM`` minus the resident set before loading, after a
+    first streamed load and decode warmed the code paths) stays at most half the checkpoint's expert bytes, and
+    the logits and greedy tokens equal the fully loaded packed model's (computed here, in another process)."""
+    path, config = wide_release
+    ids = IDS[:1, :12]
+    out = tmp_path / "streamed.pt"
+    args = [sys.executable, "-c", _STREAMED_RSS, str(path), str(release), json.dumps(ids.tolist()), str(out)]
+    result = subprocess.run(args, capture_output=True, text=True, check=True)
+    measured = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    experts = 5 * config.num_experts * _release_expert_bytes(config)
+    print(f"streamed decode: peak RSS added {measured['peak'] / 2**20:.1f} MiB "
+          f"({measured['peak'] / experts:.3f}x the checkpoint's {experts / 2**20:.1f} MiB of experts; staging "
+          f"{measured['staging'] / 2**20:.1f} MiB, file-backed {measured['file'] / 2**20:.1f} MiB), "
+          f"{measured['per_token'] / 2**20:.2f} MiB of experts read per token")
+    assert measured["checkpoint"] == experts
+    assert measured["peak"] <= 0.5 * experts, measured
+    got = torch.load(out)
+    packed = load(KimiK3ForCausalLM, path)
+    with torch.no_grad():
+        assert torch.equal(got["logits"], packed(ids).logits)
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    assert torch.equal(got["tokens"], packed.generate(ids, **greedy))

@@ -37,6 +37,7 @@ _EXPORTS = {
     "KimiK3InputError": "generation_kimi_k3",
     "KimiK3ForCausalLM": "modeling_kimi_k3",
     "KimiK3Mxfp4Config": "quantization_kimi_k3",
+    "expert_stream": "quantization_kimi_k3",
     "KimiK3Model": "modeling_kimi_k3",
     "KimiK3PreTrainedModel": "modeling_kimi_k3",
     "KimiK3ForConditionalGeneration": "modeling_kimi_k3_vl",
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
     from .generation_kimi_k3 import KimiK3InputError
     from .modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3Model, KimiK3PreTrainedModel
     from .ops.kernel_layers import kernelize
-    from .quantization_kimi_k3 import KimiK3Mxfp4Config
+    from .quantization_kimi_k3 import KimiK3Mxfp4Config, expert_stream
     from .modeling_kimi_k3_vl import KimiK3ForConditionalGeneration, KimiK3VLPreTrainedModel
     from .processing_kimi_k3 import KimiK3Processor, KimiK3ProcessorError
     from .small import load_small

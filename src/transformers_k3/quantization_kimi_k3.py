@@ -19,6 +19,7 @@ and saves them back bit for bit.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 
 import torch
@@ -31,9 +32,11 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .conversion.hf_mapping import FuseExperts, _expert_pattern, _recorded
 from .conversion.quant import QuantFormatError, check_mxfp4_values, mxfp4_scale_2d
+from .conversion.expert_stream import ExpertStream
 from .conversion.streaming import mapped_page_releaser
 from .modeling_kimi_k3 import GLU, KimiK3Experts, experts_widths
 from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
+from .ops.mxfp4_stream import streamed_mxfp4_experts
 
 K3_MXFP4 = "k3_mxfp4"  # the quant_method, and the experts-interface name (ops.mxfp4.MXFP4_EXPERTS)
 _STACKS = {  # buffer -> (release projections stacked along the rows, release tensor kind)
@@ -49,14 +52,28 @@ class KimiK3Mxfp4Config(QuantizationConfigMixin):
     """How ``from_pretrained`` takes the release's MXFP4 routed experts: packed (``dequantize=False``, the uint8
     bytes as they ship, computed by ``"k3_mxfp4"``) or dequantized to the model's dtype (``dequantize=True``)."""
 
-    def __init__(self, dequantize: bool = False, **kwargs):
+    def __init__(self, dequantize: bool = False, stream_experts: bool = False, stream_experts_per_read: int = 32,
+                 **kwargs):  # fmt: skip
         self.quant_method = K3_MXFP4
-        if not isinstance(dequantize, bool):
-            raise TypeError(f"KimiK3Mxfp4Config: dequantize must be True or False, got {dequantize!r}")
+        for name, value in (("dequantize", dequantize), ("stream_experts", stream_experts)):
+            if not isinstance(value, bool):
+                raise TypeError(f"KimiK3Mxfp4Config: {name} must be True or False, got {value!r}")
+        if not isinstance(stream_experts_per_read, int) or isinstance(stream_experts_per_read, bool) \
+                or stream_experts_per_read < 1:
+            raise ValueError("KimiK3Mxfp4Config: stream_experts_per_read must be a positive integer (the most experts "
+                             f"held in memory at once), got {stream_experts_per_read!r}")  # fmt: skip
+        if dequantize and stream_experts:
+            raise ValueError("KimiK3Mxfp4Config: stream_experts reads the packed bytes from disk; it cannot be "
+                             "combined with dequantize=True")
         self.keep_packed = not dequantize
+        self.stream_experts = stream_experts
+        self.stream_experts_per_read = stream_experts_per_read
 
     def to_dict(self) -> dict:
-        return {"quant_method": self.quant_method, "dequantize": not self.keep_packed}
+        out = {"quant_method": self.quant_method, "dequantize": not self.keep_packed}
+        if self.stream_experts:
+            out.update(stream_experts=True, stream_experts_per_read=self.stream_experts_per_read)
+        return out
 
 
 @use_experts_implementation
@@ -92,6 +109,52 @@ class KimiK3PackedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, mxfp4 packed")  # fmt: skip
+
+
+class KimiK3StreamedExperts(nn.Module):
+    """A MoE layer's routed experts left in the checkpoint's files (``KimiK3Mxfp4Config(stream_experts=True)``,
+    docs/mxfp4.md "Streaming the experts from disk"): each forward reads the packed bytes of the experts its tokens
+    route to (`ExpertStream.read`, at most ``per_read`` at a time) and computes them as ``"k3_mxfp4"`` does
+    (`streamed_mxfp4_experts`). No tensors: nothing of the experts is resident between forwards."""
+
+    def __init__(self, config, stream: ExpertStream, key: str) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = experts_widths(config)
+        self.glu = GLU.from_config(config)
+        self.stream, self.key = stream, key
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        return self.glu.packed(gate_up_out)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        stream, dtype = self.stream, hidden_states.dtype
+        # autograd keeps the stacks a product ran on, so a later read must not overwrite them
+        fresh = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
+        stream.count_tokens(self.key, hidden_states.shape[0])
+        return streamed_mxfp4_experts(hidden_states, top_k_index, top_k_weights, self.num_experts,
+                                      lambda experts: stream.read(self.key, experts, dtype, fresh), stream.per_read,
+                                      self._apply_gate)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, mxfp4 streamed from disk")  # fmt: skip
+
+
+class StreamedExpertsError(ValueError):
+    """What a model streaming its experts from disk cannot do (save them: it holds none)."""
+
+
+def expert_stream(model) -> ExpertStream | None:
+    """The `ExpertStream` of a model loaded with ``KimiK3Mxfp4Config(stream_experts=True)`` (its counters say
+    how many expert bytes it read per token: ``bytes_read``, ``tokens``, ``bytes_per_token``, ``reset()``), or
+    None for any other model."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    return getattr(quantizer, "stream", None) if isinstance(quantizer, KimiK3Mxfp4HfQuantizer) else None
+
+
+# The release's per-expert tensors (after the loader's renaming) that a streaming load leaves in the files
+_STREAMED_KEYS = r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.w[123]\.weight_(?:packed|scale|shape)$"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class StackPackedExperts(ConversionOps):
@@ -187,14 +250,21 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
     a quantizer). Decisions taken once, at load: the experts modules swapped, the conversions replaced."""
 
     requires_calibration = False
+    stream: ExpertStream | None = None
 
     @property
     def packed(self) -> bool:
         return self.quantization_config.keep_packed
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    @property
+    def streaming(self) -> bool:
+        return self.packed and self.quantization_config.stream_experts
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if not self.packed:
             return model
+        if self.streaming:
+            return self._stream_experts(model, checkpoint_files)
         swapped = 0
         for name, module in list(model.named_modules()):
             if isinstance(module, KimiK3Experts):
@@ -207,9 +277,34 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
             model.set_experts_implementation(MXFP4_EXPERTS)
         return model
 
+    def _stream_experts(self, model, checkpoint_files):
+        """Every `KimiK3Experts` becomes a `KimiK3StreamedExperts` over one `ExpertStream` of the checkpoint's
+        shards (built from their headers; the experts' bytes are never loaded), and the checkpoint's expert tensors
+        are expected to stay unread."""
+        if not checkpoint_files:
+            raise StreamedExpertsError("stream_experts reads the routed experts from the checkpoint's safetensors "
+                                       "files: from_pretrained needs a checkpoint directory, not a state_dict")
+        layers = {}
+        for name, module in model.named_modules():
+            if isinstance(module, KimiK3Experts):
+                match = _LAYER.search(name + ".")
+                if match is None or int(match.group(1)) in layers:
+                    raise StreamedExpertsError(f"stream_experts: cannot tell which checkpoint layer `{name}` is")
+                layers[int(match.group(1))] = (name, *experts_widths(module.config))
+        self.stream = ExpertStream.from_checkpoint(checkpoint_files, layers,
+                                                   self.quantization_config.stream_experts_per_read)
+        for name, *_ in layers.values():
+            parent, _, child = name.rpartition(".")
+            streamed = KimiK3StreamedExperts(model.get_submodule(name).config, self.stream, name)
+            setattr(model.get_submodule(parent), child, streamed)
+        model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()), _STREAMED_KEYS}
+        return model
+
     def update_weight_conversions(self, weight_conversions, model):
         if not self.packed:
             return weight_conversions
+        if self.streaming:  # (the experts stay in the files: no conversion loads them)
+            return [c for c in weight_conversions if not _is_experts_converter(c)]
         out = []
         for converter in weight_conversions:
             out.extend(packed_conversions(converter) if _is_experts_converter(converter) else [converter])
@@ -228,6 +323,11 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self, safe_serialization=None) -> bool:
+        if self.streaming:
+            raise StreamedExpertsError(
+                "this model streams its routed experts from the checkpoint it was loaded from and holds none of them, "
+                "so save_pretrained would write a checkpoint without experts: copy that checkpoint instead, or load "
+                "it with KimiK3Mxfp4Config() (experts in memory) to save")
         return True
 
     @property
@@ -236,7 +336,7 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
 
     @property
     def is_compileable(self) -> bool:
-        return True
+        return not self.streaming  # (a streamed layer reads files per step)
 
 
 def _check_layer(name: str, experts: KimiK3PackedExperts, dtype: torch.dtype) -> None:
@@ -309,5 +409,6 @@ def _remove_quantizer(model) -> None:
 
 ALL_EXPERTS_FUNCTIONS.register(K3_MXFP4, mxfp4_experts_forward)
 
-__all__ = ["K3_MXFP4", "KimiK3Mxfp4Config", "KimiK3Mxfp4HfQuantizer", "KimiK3PackedExperts", "PackedOffloadWarning",
-           "SplitPackedExperts", "StackPackedExperts", "packed_conversions"]  # fmt: skip
+__all__ = ["K3_MXFP4", "KimiK3Mxfp4Config", "KimiK3Mxfp4HfQuantizer", "KimiK3PackedExperts", "KimiK3StreamedExperts",
+           "PackedOffloadWarning", "SplitPackedExperts", "StackPackedExperts", "StreamedExpertsError",
+           "expert_stream", "packed_conversions"]  # fmt: skip
