@@ -29,7 +29,14 @@ model cast, ``packed`` the bf16 model with each `KimiK3Experts` replaced by a `K
 packed stacks (what the quantizer's load builds) under ``"k3_mxfp4"``; all three with the fused CPU kernels attached
 (`transformers_k3.kernelize`, as the README says). A greedy decode after a ``--prompt-tokens`` prefill: the median
 of ``--decode-calls`` steps; "MB/token" is every weight the step reads (all non-expert weights, one embedding row,
-and the ``k`` routed experts of every MoE layer)."""
+and the ``k`` routed experts of every MoE layer).
+
+A fourth table, ``stream``: that bench model exported in the release's layout (`export_release`, MXFP4
+experts), loaded packed (in RAM) and with ``KimiK3Mxfp4Config(stream_experts=True)`` (the experts read
+from the files each step, docs/mxfp4.md "Streaming the experts from disk"), kernelized: the decode step with the
+shards in the page cache, and with their pages dropped before every step (``posix_fadvise(DONTNEED)`` on the
+shards only: each step reads its experts from the disk); "expert MB/token read" is the stream's own counter, and
+the logits are compared with the packed model's (the same bytes: they are equal)."""
 
 from __future__ import annotations
 
@@ -252,6 +259,68 @@ def model_table(args, rate: float) -> None:
           f"{packed_error(models, prompt):.1e} (relative)")
 
 
+def stream_table(args) -> None:
+    import tempfile
+
+    from bench_long_context import kernelized
+
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3Mxfp4Config, expert_stream, export_release
+
+    config = model_config(args)
+    prompt = torch.randint(3, config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
+    models, moe_layers = build_models(args)
+    with tempfile.TemporaryDirectory(prefix="k3-stream-", dir=args.stream_dir) as parent:
+        directory = os.path.join(parent, "release")
+        export_release(models["fp32"], directory, dtype="bf16", mxfp4=True)  # (the experts' bytes: the same codes)
+        del models
+        shards = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        for name in shards:
+            with open(os.path.join(directory, name), "rb+") as f:
+                os.fsync(f.fileno())  # (written pages must be clean for the page cache to drop them)
+        quantization = KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=args.top_k)
+        packed = kernelized(KimiK3ForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval())
+        streamed = kernelized(KimiK3ForCausalLM.from_pretrained(directory, dtype=torch.bfloat16,
+                                                                quantization_config=quantization).eval())
+        stream = expert_stream(streamed)
+        total = sum(os.path.getsize(os.path.join(directory, f)) for f in shards)
+
+        def drop_pages():
+            for name in shards:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+        print(f"\n## stream: decode step of the K3 bench model ({config.num_hidden_layers} layers, {moe_layers} MoE, "
+              f"E={args.experts} k={args.top_k} I={config.moe_intermediate_size}), experts streamed from a release-"
+              f"layout export ({total / 1e6:.0f} MB of shards, {stream.checkpoint_expert_bytes / 1e6:.0f} MB of "
+              f"experts, staging {args.top_k} experts), prompt {args.prompt_tokens} tokens, median of "
+              f"{args.decode_calls} steps")  # fmt: skip
+        print("| row | ms/token | tokens/s | expert MB/token read | expert GB/s | vs packed in RAM | logits vs packed |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        base, reference = decode_step_time(packed, prompt, args.decode_calls)
+        print(f"| packed in RAM | {base * 1e3:.2f} | {1 / base:,.0f} | | | 1.00x | |", flush=True)
+        for row, before in (("streamed, page cache", None), ("streamed, from disk", drop_pages)):
+            with torch.no_grad():
+                out = streamed(input_ids=prompt, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[0, -1].float()
+                token, times = logits.argmax().view(1, 1), []
+                for i in range(args.decode_calls + 1):
+                    if before is not None:
+                        before()
+                    if i == 1:
+                        stream.reset()
+                    start = time.perf_counter()
+                    out = streamed(input_ids=token, past_key_values=cache, use_cache=True)
+                    token = out.logits[:, -1:].argmax(-1)
+                    if i:
+                        times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            error = ((logits - reference).abs().max() / reference.abs().max()).item()
+            print(f"| {row} | {seconds * 1e3:.2f} | {1 / seconds:,.1f} | {stream.bytes_per_token / 1e6:.2f} | "
+                  f"{stream.bytes_per_token / seconds / 1e9:.2f} | {base / seconds:.2f}x | {error:.1e} |", flush=True)
+        stream.close()
+
+
 def timed_median(fn, calls: int) -> float:
     fn()
     times = []
@@ -283,14 +352,15 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="bf16,packed,fp32", help="which of bf16, packed, fp32 to run (bf16 first: the ratios)")
-    parser.add_argument("--tables", default="experts,layer,model", help="which of experts, layer, model to run")
+    parser.add_argument("--tables", default="experts,layer,model", help="which of experts, layer, model, stream to run")
     parser.add_argument("--model-layers", type=int, default=4, help="the bench model's layers (the first dense)")
     parser.add_argument("--model-intermediate", type=int, default=1024, help="the bench model's expert width")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="the bench model's prefill before decoding")
+    parser.add_argument("--stream-dir", default=None, help="where the stream table writes its export (default: tmp)")
     args = parser.parse_args()
     tables = args.tables.split(",")
-    if not set(tables) <= {"experts", "layer", "model"}:
-        parser.error(f"--tables: choose among experts, layer, model, got {args.tables!r}")
+    if not set(tables) <= {"experts", "layer", "model", "stream"}:
+        parser.error(f"--tables: choose among experts, layer, model, stream, got {args.tables!r}")
     torch.set_num_threads(args.threads)
 
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -341,6 +411,8 @@ def main():
     del layers
     if "model" in tables:
         model_table(args, rate)
+    if "stream" in tables:
+        stream_table(args)
     print(f"\nload average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -241,3 +241,22 @@ def test_bench_mxfp4_model_decode_runs_at_a_tiny_size():
     assert all(float(rows[name][2]) > 0 for name in ("bf16", "packed", "fp32")), stdout
     check = next(line for line in stdout.splitlines() if line.startswith("packed vs bf16 model, both run in fp32"))
     assert float(check.split(": ")[1].split()[0]) < 1e-5, stdout  # the packed model computes the bf16 one's function
+
+
+def test_bench_mxfp4_stream_table_runs_at_a_tiny_size():
+    """bench_mxfp4's stream table (the bench model exported in the release's layout, its experts streamed from the
+    files) runs, reads per decode token exactly the ``k`` routed experts of each MoE layer, and its logits equal
+    the same export loaded packed in RAM (not its speed)."""
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_mxfp4.py", "--threads", "1", "--tables", "stream", "--experts", "16",
+        "--top-k", "4", "--model-intermediate", "32", "--prompt-tokens", "4", "--decode-calls", "2", timeout=300,
+    )  # fmt: skip
+    assert code == 0, output
+    assert "## stream: decode step of the K3 bench model (4 layers, 3 MoE" in stdout, output
+    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+    assert {"packed in RAM", "streamed, page cache", "streamed, from disk"} <= rows.keys(), stdout
+    latent = _bench_module("bench_long_context").k3_config_dict()["routed_expert_hidden_size"]
+    per_token = 3 * 4 * 3 * (latent * 32 // 2 + latent * 32 // 32)  # 3 MoE layers, top-4, w1 / w3 / w2
+    for name in ("streamed, page cache", "streamed, from disk"):
+        assert float(rows[name][4]) == pytest.approx(per_token / 1e6, abs=0.006), stdout
+        assert float(rows[name][7]) == 0.0, stdout  # (the logits equal the packed model's)
