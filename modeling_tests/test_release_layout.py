@@ -430,3 +430,21 @@ def test_composite_config_of_a_text_only_release_is_text_only(release_text_bf16)
         assert getattr(config.text_config, key) == getattr(expected, key), key
     with pytest.raises(ValueError, match="for text only use KimiK3ForCausalLM"):
         KimiK3ForConditionalGeneration.from_pretrained(release_text_bf16)
+
+
+@pytest.mark.parametrize("which", ["vl_mxfp4", "text_mxfp4_kept"])
+def test_streamed_experts_of_a_composite_release_and_a_converted_checkpoint(which, release_vl_mxfp4,
+                                                                            release_text_mxfp4, tmp_path):
+    """``KimiK3Mxfp4Config(stream_experts=True)`` finds the experts under the composite release's names
+    (``language_model.…block_sparse_moe.experts…``) and under our converter's (MXFP4 kept, ``mlp.experts…``), and
+    gives the packed model's logits bit for bit."""
+    from transformers_k3 import KimiK3ForConditionalGeneration, KimiK3Mxfp4Config
+
+    if which == "vl_mxfp4":
+        path, cls = release_vl_mxfp4[0], KimiK3ForConditionalGeneration
+    else:
+        path, cls = tmp_path / "ours", KimiK3ForCausalLM
+        convert_official_checkpoint(release_text_mxfp4, path, progress=False, keep_quantized=True)
+    packed = load(cls, path, dtype=torch.float32)
+    streamed = load(cls, path, dtype=torch.float32, quantization_config=KimiK3Mxfp4Config(stream_experts=True))
+    assert torch.equal(logits(streamed, IDS), logits(packed, IDS))
