@@ -699,10 +699,11 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         self.media_items: list | None = None
 
     @contextmanager
-    def generating(self):
-        """Held by generate() while it uses this cache: a second generate() given the same cache meanwhile (another
-        thread) raises `KimiK3CacheError` instead of interleaving its steps with the first one's (both outputs
-        would be wrong). Released when the call ends, also when it raises."""
+    def generating(self, config: KimiK3TextConfig):
+        """generate()'s one call on a cache it is given, held while it runs: refuses a second concurrent generate()
+        given the same cache (another thread; both outputs would be wrong) and a cache built for another layout than
+        `config`'s (`KimiK3CacheError`), and arms the check of the call's first input (`plan_generate_step`).
+        Released when the call ends, also when it raises."""
         with _IN_USE_LOCK:
             if self._in_generate is not None:
                 raise KimiK3CacheError(
@@ -712,6 +713,8 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
                     "or wait for the first call to finish")
             self._in_generate = threading.get_ident()
         try:
+            self._check_layout(config)
+            self._check_next_input = True
             yield self
         finally:
             # (a call that raised between planning a step and running it leaves no mark for the next forward)
@@ -739,20 +742,6 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
             attention_mask = attention_mask.get("linear_attention")
         self._record_tokens(input_ids, inputs_embeds, attention_mask, model)
         return KimiK3CacheStep(checked, continuing, offset)
-
-    def begin_generate(self, config: KimiK3TextConfig, prefill_chunk_size: int | None = None) -> None:
-        """Called by generate() for a cache it was given: refuses another layout than `config`'s and a chunked
-        prefill from a filled cache (its chunks carry only new tokens, so the held ones could not be checked), and
-        arms the check of the call's first input (`plan_generate_step`)."""
-        self._check_layout(config)
-        if prefill_chunk_size is not None and self.get_seq_length() > 0:
-            raise KimiK3CacheError(
-                f"generate(prefill_chunk_size={prefill_chunk_size}) cannot continue from a filled cache "
-                f"({self.get_seq_length()} tokens): its chunks carry only the new tokens, so input_ids could not be "
-                "checked against the tokens the cache holds. Pass prefill_chunk_size=None (only the tokens past the "
-                "cache are computed), or feed the new tokens in chunks yourself with model(chunk, "
-                "past_key_values=cache, use_cache=True) first")
-        self._check_next_input = True
 
     def plan_generate_step(self, input_ids: torch.Tensor, next_sequence_length: int | None,
                            attention_mask: torch.Tensor | None = None, first_iteration: bool = False,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._compat import CACHE_KWARG, either_cache
-from .cache import KimiK3CacheSizeError, KimiK3HybridCache, check_cache_fits
+from .cache import KimiK3CacheError, KimiK3CacheSizeError, KimiK3HybridCache, check_cache_fits
 
 def _padding_problem(attention_mask: torch.Tensor):
     """A 2-D attention mask may mask tokens before a row's first attended one (left padding) or after its last (right
@@ -241,7 +241,8 @@ class KimiK3GenerationMixin:
         _check_generation_inputs(args, kwargs)
         cache = either_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
         # (a cache given to a running generate() refuses a second concurrent one: both would step one state)
-        claimed = cache.generating() if isinstance(cache, KimiK3HybridCache) else nullcontext()
+        claimed = cache.generating(self.config.get_text_config()) if isinstance(cache, KimiK3HybridCache) \
+            else nullcontext()
         with claimed, _cache_kept_in_train_mode(self):
             return super().generate(*args, **kwargs)
 
@@ -279,12 +280,19 @@ class KimiK3GenerationMixin:
     # override: transformers builds its own cache classes here; no public hook names a model's cache class
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent). A cache it is
-        given has its first input checked against the tokens it holds (`prepare_inputs_for_generation`)."""
+        """generate() builds our hybrid cache (DynamicCache cannot hold KDA state next to an MLA latent). A filled cache
+        it is given refuses a chunked prefill (its chunks carry only new tokens, so the held ones could not be
+        checked) and has its first input checked against the tokens it holds (`prepare_inputs_for_generation`)."""
         given = model_kwargs.get(CACHE_KWARG)
         if given is not None:
-            if isinstance(given, KimiK3HybridCache):
-                given.begin_generate(self.config.get_text_config(), generation_config.prefill_chunk_size)
+            chunk = generation_config.prefill_chunk_size
+            if isinstance(given, KimiK3HybridCache) and chunk is not None and given.get_seq_length() > 0:
+                raise KimiK3CacheError(
+                    f"generate(prefill_chunk_size={chunk}) cannot continue from a filled cache "
+                    f"({given.get_seq_length()} tokens): its chunks carry only the new tokens, so input_ids could not "
+                    "be checked against the tokens the cache holds. Pass prefill_chunk_size=None (only the tokens past "
+                    "the cache are computed), or feed the new tokens in chunks yourself with model(chunk, "
+                    "past_key_values=cache, use_cache=True) first")
             # transformers' own handling of a given cache (marks it the caller's, so generate() returns it intact)
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
                                                          batch_size, max_cache_length)
