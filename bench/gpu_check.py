@@ -776,17 +776,21 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
     name = "chunks after the cache (blockwise attention over the context, log-sum-exp merged) equal one forward"
     if not over(name):
         try:
-            import transformers_k3.modeling_kimi_k3 as mla
+            from transformers_k3.modeling_kimi_k3 import KimiK3MLA
 
             ids = long_row[:, : 3 * 24]
-            block, mla.CONTEXT_BLOCK = mla.CONTEXT_BLOCK, 16  # several context blocks to merge
+            layers = [layer for layer in model.modules() if isinstance(layer, KimiK3MLA)]
+            block = layers[0].context_block
+            for layer in layers:
+                layer.context_block = 16  # several context blocks to merge
             try:
                 with torch.no_grad():
                     whole = model(ids).logits
                     cache = model(ids[:, :24], use_cache=True).past_key_values
                     parts = [whole[:, :24]] + [model(ids[:, s:s + 24], past_key_values=cache).logits for s in (24, 48)]
             finally:
-                mla.CONTEXT_BLOCK = block
+                for layer in layers:
+                    layer.context_block = block
             ok, detail = compare(whole.float(), torch.cat(parts, 1).float(), tolerance("model", torch.float32))
             report.add("paths", "PASS" if ok else "FAIL", name, detail)
         except Exception:  # noqa: BLE001

@@ -6,6 +6,7 @@ a cache (blockwise under SDPA, merged over context blocks by log-sum-exp; expand
 rows, and the flash-attention family's 2-D padding mask."""
 
 import copy
+import functools
 import types
 
 import pytest
@@ -368,9 +369,9 @@ def test_the_blockwise_chunk_through_cudas_log_sum_exp_kernel(long_context, monk
     at long contexts), through the memory-efficient kernel's log-sum-exp, whose rows come padded to a multiple of 32.
     Emulated: that kernel's documented outputs in plain math, behind the CUDA wrapper; the chunk is the formula's."""
     layer, x, prefilled = long_context
+    like_cuda = functools.partial(mla._cuda_efficient_attention, kernel=_efficient_attention_like_cuda)
     # why: CUDA's kernel (no GPU here) as its documented outputs, on CPU tensors, behind the CUDA wrapper
-    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", _efficient_attention_like_cuda)
-    monkeypatch.setitem(mla.LSE_KERNELS, "cpu", mla._cuda_efficient_attention)  # why: the same, its dispatch
+    monkeypatch.setitem(mla.LSE_KERNELS, "cpu", like_cuda)
     with torch.no_grad():
         chunk = layer(x[:, -24:], past_key_values=copy.deepcopy(prefilled))[0]
     torch.testing.assert_close(chunk.double(), reference_mla(layer, x, last=24), atol=2e-5, rtol=1e-5)

@@ -268,14 +268,13 @@ def test_absorbed_decode_logits_are_fp32_sums_of_the_bf16_products(kernels):
             assert (rounded - want).abs().max() > 1e-3 * want.abs().max()
 
 
-def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model, monkeypatch):
+def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model):
     """A bf16 decode step's attention in latent space against the same attention in float64 on the same bf16 inputs,
     at logits spread as in a trained model (several units): with fp32 logits, in one pass of the kernels or in two
     without them, ~3x closer (0.33 % vs 1.0 % relative) than with a bf16 matmul's logits (every logit rounded to 8
     bits before the softmax)."""
     import torch.nn.functional as F
 
-    import transformers_k3.modeling_kimi_k3 as mla_module
     from transformers_k3 import kernelize
 
     def bf16_logits(latent, queries, scale, value_dim, new_tokens, block, mask=None):
@@ -292,9 +291,8 @@ def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model, monkeypatch):
         layer = mla.to(torch.bfloat16)
         for name in ("fp32 logits, kernels", "fp32 logits, no kernels", "bf16 logits"):
             kernelize(layer, name == "fp32 logits, kernels")
-            if name == "bf16 logits":
-                # why: the bf16-logits attention is the baseline being measured, not something the model can run
-                monkeypatch.setattr(mla_module, "latent_attention", bf16_logits)
+            if name == "bf16 logits":  # (the baseline being measured, in the layer's kernel slot)
+                layer.kernel = bf16_logits
             got = layer._absorbed_attention(query, latent, None).double()
             errors[name] = ((got - reference).norm() / reference.norm()).item()
         mla.float()
@@ -303,20 +301,17 @@ def test_bf16_absorbed_decode_keeps_logits_in_fp32(tiny_model, monkeypatch):
     assert errors["fp32 logits, no kernels"] * 2 < errors["bf16 logits"], errors
 
 
-def test_blockwise_context_attention_matches_masked_attention(tiny_model, monkeypatch):
+def test_blockwise_context_attention_matches_masked_attention(tiny_model):
     """A chunk after cached tokens attends to the context block by block, merging by log-sum-exp (no [T, context]
     mask): equal to expanded attention under the explicit causal mask, for blocks that split the context unevenly."""
-    import transformers_k3.modeling_kimi_k3 as mla_module
-
     mla = next(layer.self_attn for layer in tiny_model.model.layers if layer.layer_type == "full_attention")
     x = torch.randn(2, 60, tiny_model.config.hidden_size)
     causal = torch.ones(25, 60, dtype=torch.bool).tril(35)[None, None]
-    results = []
+    results, default = [], mla.context_block
     with torch.no_grad():
-        for block, mask in ((None, causal), (7, None), (35, None), (1000, None)):
-            if block is not None:
-                # why: blocks that split a 35-token context unevenly, without a 16K-token context
-                monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", block)
+        # blocks that split a 35-token context unevenly, without a 16K-token context
+        for block, mask in ((default, causal), (7, None), (35, None), (1000, None)):
+            mla.context_block = block
             cache = KimiK3HybridCache(tiny_model.config)
             mla(x[:, :35], past_key_values=cache)
             results.append(mla(x[:, 35:], attention_mask=mask, past_key_values=cache, absorb=False)[0])
@@ -331,14 +326,15 @@ def _operand_shapes(run) -> set[tuple[int, ...]]:
     return {tuple(shape) for event in prof.events() for shape in event.input_shapes if shape}
 
 
-def test_chunked_prefill_builds_no_context_mask(tiny_model, monkeypatch):
+def test_chunked_prefill_builds_no_context_mask(tiny_model):
     """An unpadded chunk after cached tokens builds no [T, context] tensor (a mask or whole score rows would be
     [T, context]: 4 GiB at a million tokens; MLA attends block by block) and still equals one forward; a padded batch
     (which keeps its mask) chunked equals its one forward too."""
-    import transformers_k3.modeling_kimi_k3 as mla_module
+    from transformers_k3.modeling_kimi_k3 import KimiK3MLA
 
-    # why: several context blocks without a 16K-token context
-    monkeypatch.setattr(mla_module, "CONTEXT_BLOCK", 16)
+    layers = [layer for layer in tiny_model.modules() if isinstance(layer, KimiK3MLA)]
+    for layer in layers:
+        layer.context_block = 16  # several context blocks without a 16K-token context
     ids = torch.randint(3, 512, (2, 100))
     with torch.no_grad():
         full = tiny_model(ids).logits
@@ -543,37 +539,39 @@ def test_crop_without_recording_is_refused(tiny_model):
         cache.crop(-2)
 
 
-def _count_rollbacks(monkeypatch):
-    from transformers_k3.cache import KimiK3KDACacheLayer
+def _count_rollbacks(model):
+    """The tokens taken back from ``model``'s cache between its calls (its length after a call against its length
+    after the call before plus the tokens fed, on the same cache), read through a forward hook: a test proves
+    rollback only if a candidate was rejected, which the tokens alone do not show."""
+    undone, last = [], {}
 
-    undone = []
-    original = KimiK3KDACacheLayer.crop
+    def after(module, args, kwargs, output):
+        cache, fed = output.past_key_values, kwargs.get("input_ids", args[0] if args else None)
+        fed = (fed if fed is not None else kwargs["inputs_embeds"]).shape[1]
+        if last.get("cache") is cache:
+            undone.append(last["length"] + fed - cache.get_seq_length())
+        last.update(cache=cache, length=cache.get_seq_length())
 
-    def crop(self, tokens_to_remove):
-        undone.append(-tokens_to_remove)
-        return original(self, tokens_to_remove)
-
-    # why: the test proves rollback only if a candidate was rejected, which the tokens alone do not show
-    monkeypatch.setattr(KimiK3KDACacheLayer, "crop", crop)
+    model.register_forward_hook(after, with_kwargs=True)
     return undone
 
 
-def test_prompt_lookup_decoding_equals_greedy(tiny_model, monkeypatch):
+def test_prompt_lookup_decoding_equals_greedy(tiny_model):
     # a repetitive prompt so that n-gram lookup proposes (and often gets wrong) candidates
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])
     want = greedy(tiny_model, ids, 24)
-    undone = _count_rollbacks(monkeypatch)
+    undone = _count_rollbacks(tiny_model)
     got = greedy(tiny_model, ids, 24, prompt_lookup_num_tokens=4)
     assert torch.equal(want, got)
     assert any(n > 0 for n in undone), "no candidate was ever rejected: the rollback path was not exercised"
 
 
-def test_assisted_decoding_equals_greedy(tiny_model, monkeypatch):
+def test_assisted_decoding_equals_greedy(tiny_model):
     assistant = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny(num_hidden_layers=3, linear_attn_config={
         "kda_layers": [1, 2], "full_attn_layers": [3]})).eval(), seed=7)
     ids = torch.randint(3, 512, (1, 10))
     want = greedy(tiny_model, ids, 20)
-    undone = _count_rollbacks(monkeypatch)
+    undone = _count_rollbacks(tiny_model)
     got = greedy(tiny_model, ids, 20, assistant_model=assistant)
     assert torch.equal(want, got)
     assert any(n > 0 for n in undone)

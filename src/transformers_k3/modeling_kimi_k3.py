@@ -481,9 +481,9 @@ def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
         LSE_BACKWARDS if training else LSE_KERNELS)
 
 
-def _cuda_efficient_attention(query, key, value, causal: bool, scale: float):
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, None, True, 0.0, causal, scale=scale)[:2]
+def _cuda_efficient_attention(query, key, value, causal: bool, scale: float,
+                              kernel=torch.ops.aten._scaled_dot_product_efficient_attention):
+    out, lse = kernel(query, key, value, None, True, 0.0, causal, scale=scale)[:2]
     return out, lse[..., : query.shape[-2]].float()  # (its log-sum-exp rows come padded to a multiple of 32)
 
 
@@ -583,6 +583,7 @@ class KimiK3MLA(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         self.num_key_value_groups = 1
+        self.context_block = CONTEXT_BLOCK  # (an attribute: smaller blocks bound a chunked prefill's memory lower)
         hidden = config.hidden_size
         # the latent norms' eps: 1e-6 by default, as the release's own modeling_kimi_linear.py builds them (no eps
         # argument; mlx-lm and transformers' Kimi Linear agree), where SGLang / vLLM / llama.cpp use rms_norm_eps
@@ -647,8 +648,8 @@ class KimiK3MLA(nn.Module):
         # The logits, the mask (causality over the new tokens without one), the softmax and the weighted sum. The
         # logits stay fp32: a bf16 matmul would round each to 8 bits before the softmax, making a decode step less
         # accurate than the prefill's attention (SGLang's K3 decode kernels keep them in fp32 too).
-        o_latent = (self.kernel or latent_attention)(latent, q_cat, self.scaling, self.kv_lora_rank, q_len, CONTEXT_BLOCK,
-                                    attention_mask)  # [B, n*T, r]
+        o_latent = (self.kernel or latent_attention)(latent, q_cat, self.scaling, self.kv_lora_rank, q_len,
+                                                     self.context_block, attention_mask)  # [B, n*T, r]
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 
@@ -657,7 +658,7 @@ class KimiK3MLA(nn.Module):
         by the step, not the context. Returns ``[B, T, n, dv]``.
 
         The new tokens attend to each other with a causal kernel; the cached context is expanded through
-        ``kv_b_proj`` `CONTEXT_BLOCK` tokens at a time and attended without a mask; the partial results are merged
+        ``kv_b_proj`` ``context_block`` tokens at a time and attended without a mask; the partial results are merged
         by their log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context
         ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs a kernel's
         log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors). Under autograd (a segment trained after its
@@ -680,11 +681,12 @@ class KimiK3MLA(nn.Module):
                 return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling
                                                       ).transpose(1, 2)  # fmt: skip
             # (the backward expands each block again: the context's K/V are never kept)
-            pieces = [latent[:, past_len:]] + [latent[:, start:end] for start, end in blocks(past_len, CONTEXT_BLOCK)]
+            pieces = [latent[:, past_len:]] + [latent[:, start:end]
+                                               for start, end in blocks(past_len, self.context_block)]
             out = BlockwiseAttention.apply(query, self._expand, self.scaling, max(pad, 0), *pieces)
             return out[..., : self.v_head_dim].transpose(1, 2)
         parts = [attend(latent[:, past_len:], causal=True)]
-        for start, end in blocks(past_len, CONTEXT_BLOCK):  # (a graph guards on their count, not the length)
+        for start, end in blocks(past_len, self.context_block):  # (a graph guards on their count, not the length)
             parts.append(attend(latent[:, start:end], causal=False))
         out, _ = merge_attention_blocks(parts)
         return out.to(query.dtype).transpose(1, 2)
