@@ -1,5 +1,6 @@
 """Router, experts, dense MLP and the Stable Latent MoE (spec 6.2, 6.3 and 11.1 items 8 and 9)."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -17,26 +18,34 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
 
 @pytest.fixture(params=["grouped", "gathered", "fused", "fused_sgemm"])
-def k3_path(request, monkeypatch):
+def k3_path(request):
     """`k3_grouped_mm` has these paths on CPU: with the experts' kernel attached (`kernelize`, see `on_path`) the
     fused C++ kernel (fp32, forward and backward; for small experts on AVX-512 or AVX2 its own register-blocked
-    products, else sgemm: "fused_sgemm" forces the latter), and without it the grouped GEMM and (for few
-    assignments) gathered expert weights; the tests that take this fixture run it once with each forced."""
-    if request.param.startswith("fused"):
-        if cpu_kernel.library() is None:
-            pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
-        if request.param == "fused_sgemm":
-            monkeypatch.setattr(cpu_kernel, "_small_gemm_override", False)  # why: sgemm, whatever the shape
-        return request.param
-    limit = 1e18 if request.param == "gathered" else -1
-    # why: one PyTorch path for every shape (the rule picks by size)
-    monkeypatch.setattr(experts_module, "GATHER_MAX_ELEMENTS_PER_EXPERT", limit)
+    products, else sgemm: "fused_sgemm" asks for the latter), and without it the grouped GEMM and (for few
+    assignments) gathered expert weights; the tests that take this fixture run it once on each."""
+    if request.param.startswith("fused") and cpu_kernel.library() is None:
+        pytest.skip(f"fused CPU kernels unavailable: {cpu_kernel.load_error()}")
     return request.param
 
 
 def on_path(experts, k3_path):
-    """``experts`` with the experts kernel attached (`kernelize`) on the fused paths of `k3_path`."""
-    return kernelize(experts) if k3_path.startswith("fused") else experts
+    """``experts`` computing on the path `k3_path` names, through their kernel slot (what ``"k3_grouped_mm"``
+    calls): the fused kernel as `kernelize` attaches it, that kernel on sgemm whatever the shape, or one PyTorch
+    path (gathered weights or the grouped GEMM) whatever the shape."""
+    if k3_path == "fused":
+        return kernelize(experts)
+    if k3_path == "fused_sgemm":
+        kernelize(experts)
+        experts.kernel = functools.partial(experts_module.cpu_kernel_experts_forward, small_gemm=False)
+        return experts
+    limit = 1e18 if k3_path == "gathered" else -1
+
+    def pytorch_path(self, hidden_states, top_k_index, top_k_weights):
+        return experts_module.torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights,
+                                                    getattr(self, "_is_expert_parallel", False), limit)
+
+    experts.kernel = pytorch_path
+    return experts
 
 
 def inputs(*shape, seed=100, dtype=torch.float32):
@@ -366,7 +375,7 @@ def test_experts_outputs_and_gradients_match_the_per_token_loop(impl, case, k3_p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatch):
+def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype):
     """Up to 4 tokens without autograd the experts kernel runs each assignment's products as dot products over the
     stored weights (no transposed copies): the float64 per-token loop's output (fp32: 1e-5; bf16: the kernel's
     fp32 result rounded once, so within a bf16 rounding), the same bits with 1, 2 or 3 threads, sentinel ids
@@ -377,12 +386,15 @@ def test_experts_kernel_decode_step_matches_the_per_token_loop(dtype, monkeypatc
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=8e-3)
 
     def on_threads(experts, x, idx, w):  # the kernel's output, the same bits on 1, 2 and 3 threads
-        outs = []
-        for threads in (1, 2, 3):
-            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)  # why: thread counts this machine lacks
-            with torch.no_grad():
-                outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
-                                                   experts.glu))  # fmt: skip
+        outs, before = [], torch.get_num_threads()
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)  # (more threads than cores still runs that many workers)
+                with torch.no_grad():
+                    outs.append(cpu_kernel.moe_experts(x, idx, w, experts.gate_up_proj, experts.down_proj, False,
+                                                       experts.glu))  # fmt: skip
+        finally:
+            torch.set_num_threads(before)
         assert all(torch.equal(o, outs[0]) for o in outs[1:]) and outs[0].dtype == dtype
         return outs[0]
 
@@ -962,10 +974,8 @@ def test_decode_step_needs_the_sigmoid_the_modules_router_uses(monkeypatch):
     """The decode kernel selects from the kernels' sigmoid; where that is not bitwise torch.sigmoid (another torch
     build: the modules' router then selects from torch's scores) the modules run."""
     decode_kernel_or_skip()
-    lib = cpu_kernel.library()
     # why: simulates a torch build whose sigmoid is not the kernel's bit for bit
     monkeypatch.setattr(cpu_kernel, "_sigmoid_matches_torch", lambda lib: False)
-    monkeypatch.delattr(lib, "k3_moe_decode_max_tokens_value", raising=False)  # why: drops the cached answer (restored afterwards)
     assert cpu_kernel.moe_decode_max_tokens() == 0
 
 

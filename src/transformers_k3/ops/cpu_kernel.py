@@ -1084,7 +1084,6 @@ def _threads() -> int:
 #   [N k, D].
 SMALL_EXPERT_FLOATS = 3 * 64 * 1024
 SMALL_MIN_ROWS_PER_EXPERT = 3
-_small_gemm_override: bool | None = None  # tests force one path (None: the rule above)
 
 
 def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_tokens: int, num_experts: int,
@@ -1093,8 +1092,6 @@ def experts_small_gemm(hidden: int, inter: int, top_k: int, threads: int, num_to
     build). With bf16 weights (``bf16``), which the sgemm path does not take, whenever the experts are small: the
     other choice is then the PyTorch path, which is slower and larger at any token count (a decode step
     included)."""
-    if _small_gemm_override is not None:
-        return _small_gemm_override and bool(_feature("small_gemm_available"))
     if bf16:
         return bool(_feature("small_gemm_available")) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS
     return (bool(_feature("small_gemm_available")) and 3 * hidden * inter <= SMALL_EXPERT_FLOATS

@@ -72,18 +72,19 @@ def _weights(self: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cpu_kernel_experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+    small_gemm: bool | None = None,
 ) -> torch.Tensor:
     """The ``"k3_cpu_kernel"`` experts implementation, and the experts' kernel `kernelize` attaches: the fused CPU
-    experts kernel (`cpu_kernel.moe_experts`, forward and backward) on the tensors it takes, else
-    `torch_grouped_experts` (the same function)."""
+    experts kernel (`cpu_kernel.moe_experts`, forward and backward; ``small_gemm`` as there) on the tensors it
+    takes, else `torch_grouped_experts` (the same function)."""
     if self.has_bias or not self.has_gate or self.has_post_expert_norm:
         raise NotImplementedError(f"{K3_CPU_KERNEL!r} supports gated experts without biases or post-expert norms")
     gate_up_proj, down_proj = _weights(self, K3_CPU_KERNEL)
     expert_parallel = getattr(self, "_is_expert_parallel", False)
     if not expert_parallel and cpu_kernel.experts_applies(hidden_states, top_k_weights, gate_up_proj, down_proj):
         out = cpu_kernel.moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                                     self.is_transposed, self.glu)  # fmt: skip
+                                     self.is_transposed, self.glu, small_gemm=small_gemm)  # fmt: skip
         if out is not None:
             return out
     return torch_grouped_experts(self, hidden_states, top_k_index, top_k_weights, expert_parallel)
@@ -140,12 +141,13 @@ def attach_experts(experts: nn.Module):
 
 def torch_grouped_experts(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-    expert_parallel: bool,
+    expert_parallel: bool, gather_max_elements: float = GATHER_MAX_ELEMENTS_PER_EXPERT,
 ) -> torch.Tensor:
-    """`k3_grouped_mm` in PyTorch: gathered weights for few assignments, else the sorted grouped GEMMs."""
+    """`k3_grouped_mm` in PyTorch: gathered weights for few assignments (assignments x weights per expert at most
+    ``gather_max_elements`` x the number of experts), else the sorted grouped GEMMs."""
     num_tokens, top_k = top_k_index.shape
     per_expert = self.gate_up_proj[0].numel() + self.down_proj[0].numel()
-    if num_tokens * top_k * per_expert <= GATHER_MAX_ELEMENTS_PER_EXPERT * self.num_experts and not expert_parallel:
+    if num_tokens * top_k * per_expert <= gather_max_elements * self.num_experts and not expert_parallel:
         return _gathered_experts(self, hidden_states, top_k_index, top_k_weights)
     sorted_ids, perm = torch.sort(top_k_index.reshape(-1))
     # histc, not bincount: a static output shape, so torch.compile traces the step without a graph break. CPU's
