@@ -31,21 +31,27 @@ def attn_res_read(w, n, eps):
 
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("seq", [1, 5])
-def test_read_matches_spec_formula_and_fla_naive(monkeypatch, stacked, seq):
+def test_read_matches_spec_formula_and_fla_naive(stacked, seq):
     """Both ways a read is computed (the candidates stacked, as for a decode step's small reads, or one by one, as
-    for a long prefill's), at a decode step's and a short prompt's length, against the spec's formula in float64
-    and fla's naive AttnRes."""
-    import transformers_k3.modeling_kimi_k3 as attn_res
+    for a long prefill's), each called on the same inputs, and the read point, at a decode step's and a short
+    prompt's length, against the spec's formula in float64 and fla's naive AttnRes."""
+    from transformers_k3.modeling_kimi_k3 import attn_res_mix, attn_res_read_stacked, attn_res_scores
 
-    # why: the read is stacked or one by one by size; the threshold puts the same inputs through each way
-    monkeypatch.setattr(attn_res, "STACKED_MAX_ELEMENTS", 1 << 30 if stacked else 0)
     fla = load_fla_reference("ops/attnres/naive.py")
     torch.manual_seed(0)
     H, eps = 64, 1e-5
     candidates = [torch.randn(2, seq, H) * s for s in (1.0, 3.0, 0.5, 2.0)]
     w, n = torch.randn(H), 1 + 0.1 * torch.randn(H)
-    mix, alpha = attn_res_read(w, n, eps)(*candidates)
+    read = attn_res_read(w, n, eps)
+    if stacked:
+        mix, alpha = attn_res_read_stacked(candidates, read.pseudo_query, read.key_norm, eps)
+    else:
+        alpha = attn_res_scores(candidates, read.pseudo_query, read.key_norm, eps)
+        mix = attn_res_mix(candidates, alpha)
     want_mix, want_alpha = spec_attn_res(candidates, w, n, eps)
+    read_mix, read_alpha = read(*candidates)
+    assert (read_mix.double() - want_mix).abs().max() <= 1e-5
+    assert (read_alpha.double() - want_alpha).abs().max() <= 1e-6
     assert (mix.double() - want_mix).abs().max() <= 1e-5
     assert (alpha.double() - want_alpha).abs().max() <= 1e-6
     ref_mix, ref_alpha = fla.naive_attnres(w, candidates, n, rms_eps=eps, return_weights=True)
