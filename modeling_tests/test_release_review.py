@@ -9,7 +9,6 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -138,32 +137,48 @@ def test_save_pretrained_after_loading_our_converted_layout_is_consistent_and_ex
 
 def test_push_to_hub_uploads_the_saved_config(tiny, tmp_path):
     """save_pretrained(push_to_hub=True) uploads what the (staged) save wrote: the hub repo gets the same config.json
-    (ours, kimi_k3_text) and weights as the local directory, under the repo id asked for."""
+    (ours, kimi_k3_text) and weights as the local directory, under the repo id asked for. The Hub's side (no network
+    in tests) answers huggingface_hub's HTTP requests through its public client factory: create the repo, no model
+    card yet, every file a regular blob, and the commit, whose files are kept."""
+    import base64
+
     import huggingface_hub
-    import transformers.utils.hub as transformers_hub
+    import huggingface_hub.utils._http as hub_http  # (no public getter for the factory to put back)
 
-    uploaded = {}
+    httpx = sys.modules[type(huggingface_hub.get_session()).__module__.split(".")[0]]  # httpx2, or httpx before
+    commits = {}
 
-    def upload(self, *, repo_id, folder_path, allow_patterns, **kwargs):  # the hub's side (no network in tests)
-        assert repo_id == "me/k3"
-        uploaded.update(json.loads((Path(folder_path) / "config.json").read_text()))
-        uploaded["files"] = set(allow_patterns)
+    def hub(request):
+        path = request.url.path
+        if path == "/api/repos/create":
+            body = json.loads(request.content)
+            return httpx.Response(200, json={"url": f"https://huggingface.co/{body['organization']}/{body['name']}"})
+        if path == "/api/validate-yaml":
+            return httpx.Response(200, json={})
+        if path.startswith("/api/models/") and "/preupload/" in path:
+            files = json.loads(request.content)["files"]
+            return httpx.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                                       for f in files]})  # fmt: skip
+        if path.startswith("/api/models/") and "/commit/" in path:
+            repo_id = path.removeprefix("/api/models/").split("/commit/")[0]
+            for line in request.content.decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    commits.setdefault(repo_id, {})[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            return httpx.Response(200, json={"commitUrl": f"https://huggingface.co/{repo_id}/commit/{'a' * 40}",
+                                             "commitOid": "a" * 40, "pullRequestUrl": None})  # fmt: skip
+        return httpx.Response(404, headers={"X-Error-Code": "EntryNotFound"}, json={"error": "not on this hub"})
 
-    repo = mock.MagicMock()
-    repo.repo_id = "me/k3"
-    with (
-        # why: the hub's side of push_to_hub (no network in tests)
-        mock.patch.object(huggingface_hub.HfApi, "create_repo", lambda self, *a, **k: repo),
-        # why: the hub's side of push_to_hub (no network in tests)
-        mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload),
-        # why: the hub's side of push_to_hub (no network in tests)
-        mock.patch.object(transformers_hub, "create_and_tag_model_card", lambda *a, **k: mock.MagicMock()),
-    ):
+    huggingface_hub.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(hub), follow_redirects=True))
+    try:
         tiny.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="me/k3")
+    finally:
+        huggingface_hub.set_client_factory(hub_http.default_client_factory)
     on_disk = json.loads((tmp_path / "hub" / "config.json").read_text())
     assert on_disk["model_type"] == "kimi_k3_text"
-    assert uploaded["model_type"] == on_disk["model_type"]
-    assert {"config.json", "model.safetensors"} <= uploaded["files"]
+    uploaded = commits["me/k3"]
+    assert uploaded["config.json"] == (tmp_path / "hub" / "config.json").read_bytes()
+    assert uploaded["model.safetensors"] == (tmp_path / "hub" / "model.safetensors").read_bytes()
 
 
 def test_an_unknown_quant_method_does_not_switch_the_dtype_check_off(tiny, tmp_path):
