@@ -183,25 +183,28 @@ def test_varlen_equals_separate_runs(fla_naive, with_state):
 
 @pytest.mark.parametrize("group_elements", [1, 3 * 32 * 16])
 @pytest.mark.parametrize("grad", [False, True])
-def test_chunked_groups_of_steps(fla_naive, monkeypatch, group_elements, grad):
+def test_chunked_groups_of_steps(fla_naive, group_elements, grad):
     """The chunked path gathers, solves and scans the sequence a group of consecutive steps at a time;
     groups of one step and of a few steps (one that ends inside the padded last block, uneven counts
-    of active packed sequences) give fla's answer, with and without autograd (in-place state)."""
-    monkeypatch.setattr(kda_ops, "_GROUP_ELEMENTS", group_elements)  # why: group sizes real shapes reach rarely
+    of active packed sequences: sizes real shapes reach rarely, asked for by ``group_elements``) give fla's
+    answer, with and without autograd (in-place state)."""
     q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 16, "k3", seed=21)
+
+    def chunked(q, k, v, g, beta, state, bounds=None):
+        with torch.set_grad_enabled(grad):
+            inputs = [x.clone().requires_grad_(grad) for x in (q, k, v, g, beta)]
+            return kda_ops.chunked_reference(*inputs, state, bounds, 16**-0.5, kda_ops.TORCH_CHUNK_SIZE,
+                                             group_elements)  # fmt: skip
+
     ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    with torch.set_grad_enabled(grad):
-        inputs = [x.clone().requires_grad_(grad) for x in (q, k, v, g, beta)]
-        o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
+    o, s = chunked(q, k, v, g, beta, h0)
     assert_close(o, ref_o)
     assert_close(s, ref_s)
     lengths = [70, 5, 33, 0, 42]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     flat = [x[:1, : sum(lengths)] for x in (q, k, v, g, beta)]
     states = torch.randn(len(lengths), 2, 16, 16, generator=torch.Generator().manual_seed(5))
-    with torch.set_grad_enabled(grad):
-        inputs = [x.clone().requires_grad_(grad) for x in flat]
-        o, s = chunk_kda(*inputs, initial_state=states, output_final_state=True, cu_seqlens=cu)
+    o, s = chunked(*flat, states, cu.tolist())
     for i, (start, end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
         piece = [x[:, start:end] for x in flat]
         ref_o, ref_s = fla_naive(*piece, initial_state=states[i : i + 1], output_final_state=True)

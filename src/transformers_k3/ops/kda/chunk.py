@@ -41,21 +41,23 @@ _FLUSH = 1e-19
 _GROUP_ELEMENTS = 1 << 18
 
 
-def chunked_reference(q, k, v, g, beta, state, bounds, scale, chunk):
+def chunked_reference(q, k, v, g, beta, state, bounds, scale, chunk, group_elements=_GROUP_ELEMENTS):
     """The chunked path on plain arguments (``q`` not yet scaled, ``beta`` ``[B, T, H]``, ``state`` ``[N, H, K, V]``
     in sequence order, ``bounds`` the packed sequences' host bounds or None): ``(o [B, T, H, V], final [N, H, K,
     V])``, sequence order. Differentiable when its inputs require grad (then it runs the out-of-place code)."""
     batch, length = q.shape[:2]
     layout = Layout(batch, length, bounds, chunk, q.device)
-    o, final = chunked(q, k, v, g, beta[..., None], layout.sort_states(state.contiguous()), layout, scale)
+    o, final = chunked(q, k, v, g, beta[..., None], layout.sort_states(state.contiguous()), layout, scale,
+                       group_elements=group_elements)
     return o, layout.unsort_states(final)
 
 
-def chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None):
+def chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None, group_elements=_GROUP_ELEMENTS):
     """WY/UT-transform chunked KDA over ``[B, T, H, D]`` inputs (``q`` not yet scaled, ``beta`` ``[B, T, H, 1]``)
     from the rank-ordered states ``[N, H, K, V]``; returns ``[B, T, H, V]`` outputs and the rank-ordered final
     states. ``gate_bound``: a bound on ``|g|`` the caller guarantees (:func:`_gate_bound`), which a traced graph
-    uses to decide whether to factor its sub-chunks' decays.
+    uses to decide whether to factor its sub-chunks' decays. ``group_elements``: the elements per ``[rows, C, D]``
+    tensor a group of steps holds (below).
 
     Per chunk, with ``G_r`` the cumulative log-decay from the chunk start to token ``r`` (inclusive) and
     ``S0`` the state entering the chunk, the corrected values ``n_r = beta_r (v_r - k_r^T S_{r-1}')``
@@ -78,7 +80,7 @@ def chunked(q, k, v, g, beta, state, layout, scale, gate_bound=None):
     sub = _SUB_CHUNK
     while chunk % sub:
         sub //= 2
-    group = max(1, _GROUP_ELEMENTS // (chunk * max(key_dim, value_dim)))
+    group = max(1, group_elements // (chunk * max(key_dim, value_dim)))
     # A sub-chunk's decay span is at most sub * max|g|: when that fits, every diagonal block may be factored and no
     # group needs its own check (a host sync per group on a GPU; this is one per call). A traced graph cannot branch
     # on a value: there the caller's bound on |g| decides, and without one the diagonal blocks are taken whole.
