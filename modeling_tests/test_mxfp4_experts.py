@@ -16,8 +16,10 @@ from transformers_k3.conversion.quant import QuantFormatError, dequantize_mxfp4,
 from transformers_k3.modeling_kimi_k3 import situ_glu
 from transformers_k3.modeling_kimi_k3 import K3_GROUPED_MM, KimiK3Experts
 from transformers_k3.ops import cpu_kernel, mxfp4, mxfp4_torch
+from transformers_k3.ops.kernel_layers import kernelize
+from transformers_k3.quantization_kimi_k3 import KimiK3PackedExperts
 
-from references import make_config
+from references import make_config, make_moe, modules_path, ref_glu
 
 FP32_EPS, BF16_ULP = 2.0**-24, 2.0**-8
 
@@ -343,3 +345,227 @@ def test_bench_runs_at_a_tiny_size():
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| decode |") or line.startswith("| prefill |")]
     assert len(rows) == 12, result.stdout  # two tables, two steps, three rows each
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode step: a MoE layer with packed experts in one kernel call (kernelize: `moe_decode_mxfp4`)
+# ----------------------------------------------------------------------------------------------------
+
+
+def packed_layer(dtype=torch.float32, seed=0, **overrides):
+    """A `KimiK3SparseMoE` (references.make_moe) whose experts are packed with the release's rule, in ``dtype`` (the
+    selection bias fp32, as a bf16 load keeps it), kernelized; and its four stacks."""
+    cfg, moe = make_moe(seed=seed, **overrides)
+    plain = moe.experts
+    packed = KimiK3PackedExperts(cfg)
+    e, i, d = plain.num_experts, plain.intermediate_dim, plain.hidden_dim
+    for name, weight, n, k in (("gate_up", plain.gate_up_proj, 2 * i, d), ("down", plain.down_proj, d, i)):
+        codes, scales = quantize_mxfp4_release(weight.detach().reshape(-1, k))
+        getattr(packed, f"{name}_packed").copy_(codes.view(e, n, k // 2))
+        getattr(packed, f"{name}_scale").copy_(scales.view(e, n, k // 32))
+    moe.experts = packed
+    moe = moe.to(dtype)
+    moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.float()
+    stacks = (packed.gate_up_packed, packed.gate_up_scale, packed.down_packed, packed.down_scale)
+    return cfg, kernelize(moe), stacks
+
+
+def packed_layer64(moe, stacks, x, cfg):
+    """The layer in float64 from the spec's formulas, one token at a time, the experts' weights dequantized."""
+    p = {k: v.detach().double() for k, v in moe.state_dict().items()}
+    gate_up, down = weights64(*stacks[:2]), weights64(*stacks[2:])
+    inter, out = cfg.moe_intermediate_size, []
+    for y in x.double().reshape(-1, cfg.hidden_size):
+        scores = torch.sigmoid(p["gate.weight"] @ y)
+        chosen = torch.argsort(scores + p["gate.e_score_correction_bias"], descending=True)[: cfg.num_experts_per_tok]
+        weights = scores[chosen] / (scores[chosen].sum() if cfg.moe_renormalize else 1.0) * cfg.routed_scaling_factor
+        latent = cfg.routed_expert_hidden_size is not None
+        z = p["routed_expert_down_proj.weight"] @ y if latent else y
+        r = sum(w * (down[e] @ ref_glu(gate_up[e, :inter] @ z, gate_up[e, inter:] @ z, cfg))
+                for e, w in zip(chosen.tolist(), weights))  # fmt: skip
+        if latent and cfg.latent_moe_use_norm:
+            r = r / torch.sqrt((r * r).mean() + cfg.rms_norm_eps) * p["routed_expert_norm.weight"]
+        routed = p["routed_expert_up_proj.weight"] @ r if latent else r
+        if cfg.num_shared_experts > 0:
+            a, u = p["shared_experts.gate_proj.weight"] @ y, p["shared_experts.up_proj.weight"] @ y
+            routed = routed + p["shared_experts.down_proj.weight"] @ ref_glu(a, u, cfg)
+        out.append(routed)
+    return torch.stack(out).reshape(x.shape)
+
+
+def decode_kernel():
+    if cpu_kernel.library() is None or cpu_kernel.moe_decode_max_tokens() == 0:
+        pytest.skip("the fused decode step needs the CPU kernels with AVX-512 or AVX2")
+
+
+def layer_kernel(moe, x):
+    """The layer's attached decode kernel on ``x`` (None: none attached, or it steps aside for the modules)."""
+    with torch.no_grad():
+        return None if moe.kernel is None else moe.kernel(x.reshape(-1, x.shape[-1]))
+
+
+PACKED_DECODE_CASES = {
+    "latent": {},
+    "latent_no_norm": {"latent_moe_use_norm": False},
+    "non_latent": {"routed_expert_hidden_size": None},
+    "no_shared": {"num_shared_experts": 0},
+    "silu": {"hidden_act": "silu"},
+    "silu_no_shared": {"hidden_act": "silu", "num_shared_experts": 0},
+    "no_linear_cap": {"activation_situ_linear_beta": None},
+    "top16_of_896": {"num_experts": 896, "num_experts_per_tok": 16},
+    "router_fp32": {"router_fp32": True},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(PACKED_DECODE_CASES))
+def test_packed_decode_step_matches_float64_and_the_packed_modules(case, dtype):
+    """A decode step (1-4 tokens, no autograd) of a layer with packed experts is one kernel call, the layer's value:
+    in fp32 within 1e-5 of the float64 reference of the dequantized math and of the packed modules (the sums in
+    another order); in bf16 the modules' values (rounded where they round) within a bf16 rounding, and within
+    2e-2 of the float64 reference, as the modules are."""
+    decode_kernel()
+    cfg, moe, stacks = packed_layer(dtype, **PACKED_DECODE_CASES[case])
+    for n in (1, 2, 4):
+        x = torch.randn(1, n, cfg.hidden_size, generator=gen(100 + n)).to(dtype)
+        with torch.no_grad():
+            out = moe(x)
+        kernel = layer_kernel(moe, x)
+        assert kernel is not None and out.dtype == dtype and torch.equal(out.reshape(kernel.shape), kernel)
+        modules = modules_path(moe, x)
+        reference = packed_layer64(moe, stacks, x, cfg)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out, modules, atol=1e-6, rtol=1e-5)
+        else:
+            torch.testing.assert_close(out.float(), modules.float(), atol=1e-2 * float(modules.abs().max()), rtol=2**-7)
+            assert ((out.double() - reference).norm() / reference.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_decode_operator(dtype):
+    """``moe_decode_mxfp4`` passes opcheck; its PyTorch implementation (every other device) computes what the CPU
+    kernel computes; a scale stack of the wrong shape is a named error."""
+    decode_kernel()
+    cfg, moe, stacks = packed_layer(dtype, num_experts=16, num_experts_per_tok=4)
+    gate, shared = moe.gate, moe.shared_experts
+    linears = [m.weight.detach() for m in (moe.routed_expert_down_proj, moe.routed_expert_up_proj, shared.gate_proj,
+                                           shared.up_proj, shared.down_proj)]  # fmt: skip
+    decode = cpu_kernel.MoeDecode(dtype, gate.weight.detach(), gate.e_score_correction_bias, gate.top_k,
+                                  gate.renormalize, gate.routed_scaling_factor, linears[0],
+                                  moe.routed_expert_norm.weight.detach(), moe.routed_expert_norm.variance_epsilon,
+                                  linears[1], stacks[0], stacks[2], moe.experts.glu, tuple(linears[2:]),
+                                  gate_up_scale=stacks[1], down_scale=stacks[3])  # fmt: skip
+    assert decode.usable
+    op = torch.ops.transformers_k3.moe_decode_mxfp4.default
+    y = torch.randn(3, cfg.hidden_size, generator=gen(7)).to(dtype)
+    torch.library.opcheck(op, (y, *decode.args))
+    with torch.no_grad():
+        got = op(y, *decode.args)
+        other = op.redispatch(torch._C.DispatchKeySet(DispatchKey.CUDA), y, *decode.args)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), other.float(), **tol)
+    torch.testing.assert_close(got.float(), modules_path(moe, y).float(), **tol)
+    args = list(decode.args)
+    args[10] = args[10][:, :, :-1]  # (gate_up_scale)
+    with pytest.raises(RuntimeError, match="gate_up_scale must have shape"):
+        op(y, *args)
+
+
+def test_packed_decode_step_reads_the_stacks_at_each_call():
+    """Stacks written in place or replaced (a buffer set anew: no registration hook) reach the next decode step."""
+    decode_kernel()
+    cfg, moe, stacks = packed_layer()
+    x = torch.randn(1, 1, cfg.hidden_size, generator=gen(5))
+    outs = []
+    for change in (None, "in_place", "replaced"):
+        if change == "in_place":
+            moe.experts.down_scale.add_(1)  # every down weight doubled
+        elif change == "replaced":
+            moe.experts.gate_up_packed = moe.experts.gate_up_packed ^ 0x08  # every gate/up code's sign flipped
+        with torch.no_grad():
+            outs.append(moe(x))
+        current = (moe.experts.gate_up_packed, moe.experts.gate_up_scale, moe.experts.down_packed,
+                   moe.experts.down_scale)  # fmt: skip
+        torch.testing.assert_close(outs[-1].double(), packed_layer64(moe, current, x, cfg), atol=1e-5, rtol=1e-5)
+        assert layer_kernel(moe, x) is not None
+    assert all(not torch.allclose(a, b) for a, b in zip(outs, outs[1:]))
+
+
+def test_packed_decode_step_steps_aside_where_the_modules_must_run():
+    """Autograd, a hook on the packed experts, LoRA over them (PEFT's custom module: another class), stacks on the
+    meta device or a layer beyond the one-thread kernel's size run the modules, with their result."""
+    decode_kernel()
+    cfg, moe, stacks = packed_layer()
+    x = torch.randn(1, 2, cfg.hidden_size, generator=gen(6))
+    expected = modules_path(moe, x)
+    with torch.enable_grad():
+        assert moe.kernel(x.reshape(-1, cfg.hidden_size).requires_grad_()) is None
+    handle = moe.experts.register_forward_hook(lambda *args: None)
+    kernelize(moe)
+    assert layer_kernel(moe, x) is None
+    with torch.no_grad():
+        assert torch.equal(moe(x), expected)
+    handle.remove()
+    kernelize(moe)
+    assert layer_kernel(moe, x) is not None
+
+    class Wrapped(KimiK3PackedExperts):  # (a LoRA or offloading wrapper is another class)
+        pass
+
+    wrapped = Wrapped(cfg)
+    wrapped.load_state_dict(moe.experts.state_dict())
+    moe.experts = wrapped
+    assert layer_kernel(moe, x) is None
+    with torch.no_grad():
+        assert torch.equal(moe(x), expected)
+    big_cfg, big, _ = packed_layer(hidden_size=512, routed_expert_hidden_size=256, num_experts=64,
+                                   num_experts_per_tok=16, moe_intermediate_size=768)  # fmt: skip
+    assert 16 * 3 * 256 * 768 > cpu_kernel.MOE_DECODE_MAX_MACS_MXFP4[torch.float32]
+    big_x = torch.randn(1, 1, 512, generator=gen(8))
+    assert layer_kernel(big, big_x) is None
+    with torch.no_grad():
+        torch.testing.assert_close(big(big_x), modules_path(big, big_x), atol=0, rtol=0)
+
+
+def test_kernelized_packed_model_decodes_as_the_plain_packed_model():
+    """A tiny K3 with packed experts, kernelized (every MoE layer's decode step one kernel call): its cached greedy
+    decode gives the tokens of the same model without kernels and of the model holding the dequantized experts,
+    its decode-step logits within 1e-5 (relative) of theirs, in fp32."""
+    import copy
+
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
+    from transformers_k3.modeling_kimi_k3 import KimiK3SparseMoE
+
+    decode_kernel()
+    torch.manual_seed(0)
+    dequantized = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    plain = copy.deepcopy(dequantized)
+    for name, experts in list(dequantized.named_modules()):
+        if not isinstance(experts, KimiK3Experts):
+            continue
+        packed = KimiK3PackedExperts(plain.get_submodule(name).config)
+        e, i, d = experts.num_experts, experts.intermediate_dim, experts.hidden_dim
+        for stack, weight, n, k in (("gate_up", experts.gate_up_proj, 2 * i, d), ("down", experts.down_proj, d, i)):
+            codes, scales = quantize_mxfp4_release(weight.detach().reshape(-1, k))
+            getattr(packed, f"{stack}_packed").copy_(codes.view(e, n, k // 2))
+            getattr(packed, f"{stack}_scale").copy_(scales.view(e, n, k // 32))
+            with torch.no_grad():
+                weight.copy_(weights64(getattr(packed, f"{stack}_packed"), getattr(packed, f"{stack}_scale")).float())
+        parent, _, child = name.rpartition(".")
+        setattr(plain.get_submodule(parent), child, packed)
+    plain.set_experts_implementation(mxfp4.MXFP4_EXPERTS)  # (as the quantizer's load sets it)
+    fused = kernelize(copy.deepcopy(plain))
+    kernelize(dequantized)
+    assert all(m.kernel is not None for m in fused.modules() if isinstance(m, KimiK3SparseMoE))
+    prompt = torch.randint(3, 200, (1, 8), generator=gen(9))
+    greedy = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
+    with torch.no_grad():
+        tokens = [model.generate(prompt, **greedy) for model in (fused, plain, dequantized)]
+        assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[0], tokens[2])
+        steps = []
+        for model in (fused, plain, dequantized):
+            out = model(tokens[0][:, :-1], use_cache=True)
+            steps.append(model(tokens[0][:, -1:], past_key_values=out.past_key_values, use_cache=True).logits)
+    for other in steps[1:]:
+        assert (steps[0] - other).abs().max() <= 1e-5 * other.abs().max()

@@ -35,6 +35,7 @@ from .conversion.quant import QuantFormatError, check_mxfp4_values, mxfp4_scale_
 from .conversion.expert_stream import ExpertStream
 from .conversion.streaming import mapped_page_releaser
 from .modeling_kimi_k3 import GLU, KimiK3Experts, experts_widths
+from .ops.kernel_layers import kernel_layer
 from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forward
 from .ops.mxfp4_stream import streamed_mxfp4_experts
 
@@ -76,6 +77,7 @@ class KimiK3Mxfp4Config(QuantizationConfigMixin):
         return out
 
 
+@kernel_layer("k3_mxfp4_experts")  # (named for its MoE layer's decode kernel, `ops.moe.attach_sparse_moe`)
 @use_experts_implementation
 class KimiK3PackedExperts(nn.Module):
     """`KimiK3Experts` with the release's MXFP4 bytes as four uint8 buffers (docs/mxfp4.md "The layout per layer"):

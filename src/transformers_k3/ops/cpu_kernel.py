@@ -916,6 +916,7 @@ def _register_python_parts() -> None:
                 empty_as(gate_up) if mask[2] else none(x), empty_as(down) if mask[3] else none(x))  # fmt: skip
 
     fake(ns + "moe_decode")(lambda y, *weights_and_settings: empty_as(y))
+    fake(ns + "moe_decode_mxfp4")(lambda y, *weights_and_settings: empty_as(y))
 
     autograd(ns + "rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
     autograd(ns + "glu", _glu_backward, setup_context=_glu_setup)
@@ -950,6 +951,9 @@ def moe_decode_max_tokens() -> int:
 # calls cost more than its products (timings: bench/RESULTS.md). With more threads the modules' products
 # take less time, their calls do not: the limits keep the kernel's own time at about the calls' cost.
 MOE_DECODE_MAX_MACS = {torch.float32: 1 << 20, torch.bfloat16: 1 << 21}
+# Packed MXFP4 experts read a quarter of bf16's bytes per multiply-add and the modules' packed products pay more
+# fixed costs per call (the sort and gathers of `mxfp4.mxfp4_experts`).
+MOE_DECODE_MAX_MACS_MXFP4 = {torch.float32: 1 << 23, torch.bfloat16: 1 << 23}
 
 
 class MoeDecode:
@@ -959,30 +963,42 @@ class MoeDecode:
     [E, H]`` (the layer's dtype, or fp32), ``bias [E]`` fp32, the latent projections ``[L, H]`` / ``[H, L]`` and
     the norm's weight ``[L]`` (None: not a latent layer; ``norm`` None: no norm), the experts ``[E, 2I, L]`` /
     ``[E, L, I]``, ``activation`` as for `moe_experts`, ``shared`` the shared expert's gate, up ``[S, H]`` and down
-    ``[H, S]`` weights or None. The same quantities as the modules compute (bf16: rounded where they round), the
-    sums in another order. ``usable`` False where the weights do not fit (dtypes, layouts, devices, tensor types;
-    the operator checks the shapes), the layer is too large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts for the experts
+    ``[H, S]`` weights or None. ``gate_up_scale`` / ``down_scale`` given: the experts are packed MXFP4
+    (``gate_up`` / ``down`` their uint8 codes ``[E, 2I, L/2]`` / ``[E, L, I/2]``, the scales ``[E, 2I, L/32]`` /
+    ``[E, L, I/32]``, `ops.mxfp4`'s layout; ``transformers_k3::moe_decode_mxfp4``). The same quantities as the
+    modules compute (bf16: rounded where they round), the sums in another order. ``usable`` False where the
+    weights do not fit (dtypes, layouts, devices, tensor types; the operator checks the shapes), the layer is too
+    large for one thread (`MOE_DECODE_MAX_MACS`) or, in bf16, its experts in the layer's dtype for the experts
     kernel (`experts_small_gemm`: the modules then run torch's bf16 products); a call returns None where ``y`` does
     not (then run the modules). Made for each call from the tensors the modules hold then."""
 
     def __init__(self, dtype: torch.dtype, router: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
                  scale: float, down_latent: torch.Tensor | None, norm: torch.Tensor | None, eps: float,
                  up_latent: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor, activation: tuple,
-                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                 gate_up_scale: torch.Tensor | None = None,
+                 down_scale: torch.Tensor | None = None) -> None:  # fmt: skip
         self.dtype, self.usable = dtype, False
+        packed = gate_up_scale is not None
         f32 = torch.float32
         if (dtype is not f32 and dtype is not torch.bfloat16) or (router.dtype is not dtype and router.dtype is not f32):
             return
         if bias.dtype is not f32:  # (a model cast with .to(): the router's own path selects on bias.float() too)
             bias = bias.float()
-        # (one pass over the tensors, not any() or several loops: this runs on every decode step of every MoE layer)
-        for t in (router, bias, gate_up, down, down_latent, up_latent, norm, *(shared or ())):
-            if t is None:
-                continue
-            if type(t) not in _PLAIN_TENSORS or not t.is_cpu or not t.is_contiguous():
-                return
-            if t.dtype is not dtype and t is not router and t is not bias:
-                return
+        if packed and down_scale is None:
+            return
+        # (one pass over the tensors, no any() or comprehensions: this runs on every decode step of every MoE layer)
+        experts = (gate_up, gate_up_scale, down, down_scale) if packed else (gate_up, down)
+        groups = (((router, bias), None), (experts, torch.uint8 if packed else dtype),
+                  ((down_latent, up_latent, norm, *(shared or ())), dtype))  # fmt: skip
+        for tensors, wanted in groups:
+            for t in tensors:
+                if t is None:
+                    continue
+                if type(t) not in _PLAIN_TENSORS or not t.is_cpu or not t.is_contiguous():
+                    return
+                if wanted is not None and t.dtype is not wanted:
+                    return
         # The sizes the dispatch decision needs; the operator checks every shape against them and names a misfit
         # (the modules' own products would fail on it too).
         if router.dim() != 2 or gate_up.dim() != 3:
@@ -992,18 +1008,21 @@ class MoeDecode:
         width = latent or hidden
         inter = gate_up.shape[1] // 2
         shared_inter = 0 if shared is None else shared[0].shape[0]
-        if num_experts == 0 or not 1 <= top_k <= min(16, num_experts):
+        if num_experts == 0 or not 1 <= top_k <= min(16, num_experts) or (packed and (width % 32 or inter % 32)):
             return
         macs = num_experts * hidden + 2 * latent * hidden + 3 * shared_inter * hidden + top_k * 3 * width * inter
-        if macs > MOE_DECODE_MAX_MACS[dtype]:
+        if macs > (MOE_DECODE_MAX_MACS_MXFP4 if packed else MOE_DECODE_MAX_MACS)[dtype]:
             return
-        if dtype is torch.bfloat16 and not experts_small_gemm(width, inter, top_k, 1, 1, num_experts, bf16=True):
+        if dtype is torch.bfloat16 and not packed and not experts_small_gemm(width, inter, top_k, 1, 1, num_experts,
+                                                                             bf16=True):  # fmt: skip
             return  # (bf16 experts the experts kernel does not take: the modules' bf16 products round at each step)
         kind, beta, linear_beta = _activation_args(activation)
         self.hidden = hidden
         shared = (None, None, None) if shared is None else shared
         self.args = (router, bias, top_k, bool(renormalize), float(scale), down_latent, norm, float(eps), up_latent,
-                     gate_up, down, kind, beta, linear_beta, *shared)  # fmt: skip
+                     *experts, kind, beta, linear_beta, *shared)  # fmt: skip
+        ops = torch.ops.transformers_k3
+        self.op = ops.moe_decode_mxfp4.default if packed else ops.moe_decode.default
         self.usable = True
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor | None:
@@ -1012,7 +1031,7 @@ class MoeDecode:
         if torch.is_grad_enabled() and y.requires_grad:
             return None
         try:
-            return torch.ops.transformers_k3.moe_decode.default(y, *self.args)
+            return self.op(y, *self.args)
         except NotImplementedError:  # (the selection kernel unavailable)
             return None
 

@@ -35,6 +35,7 @@ KERNEL_LAYERS: dict[str, Callable[[nn.Module], Callable | None] | None] = {
     "k3_mlp": attach_mlp,
     "k3_rms_norm": attach_rms_norm,
     "k3_experts": attach_experts,
+    "k3_mxfp4_experts": None,
     "k3_kda": attach_kda,
     "k3_mla": attach_mla,
 }

@@ -108,13 +108,15 @@ def attach_mlp(mlp: nn.Module) -> Callable | None:
 
 def attach_sparse_moe(layer: nn.Module) -> Callable | None:
     """The MoE layer's decode kernel (`MoeDecodeKernel`: the whole layer in one call on a few tokens without
-    autograd), where its modules are the plain ones it computes: the exact router, experts, latent norm and
-    shared-expert classes, `KernelLinear` layers without bias, no hooks or replaced forwards, settings the kernel
-    takes. None otherwise (LoRA, quantized or offloaded modules, grouped or softmax routing, ...)."""
+    autograd), where its modules are the plain ones it computes: the exact router, experts (plain, or packed MXFP4:
+    ``"k3_mxfp4_experts"``), latent norm and shared-expert classes, `KernelLinear` layers without bias, no hooks or
+    replaced forwards, settings the kernel takes. None otherwise (LoRA, other quantized or offloaded modules,
+    grouped or softmax routing, ...)."""
     gate, experts, shared = layer.gate, layer.experts, layer.shared_experts
     down, norm, up = layer.routed_expert_down_proj, layer.routed_expert_norm, layer.routed_expert_up_proj
+    packed = _kind(experts) == "k3_mxfp4_experts"
     if (
-        _kind(gate) != "k3_router" or _kind(experts) != "k3_experts"
+        _kind(gate) != "k3_router" or (_kind(experts) != "k3_experts" and not packed)
         or (norm is not None and _kind(norm) != "k3_rms_norm") or (shared is not None and _kind(shared) != "k3_mlp")
         or (down is None) != (up is None) or (norm is not None and down is None)
     ):  # fmt: skip
@@ -129,13 +131,16 @@ def attach_sparse_moe(layer: nn.Module) -> Callable | None:
         if type(m) is not KernelLinear or m.bias is not None:
             return None
     if (
-        experts.is_transposed or (shared is not None and shared.glu != experts.glu)
+        (shared is not None and shared.glu != experts.glu)
         or gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16
-        or getattr(experts, "_is_expert_parallel", False) or experts.has_bias or not experts.has_gate
-        or experts.has_post_expert_norm
+        or getattr(experts, "_is_expert_parallel", False)
     ):  # fmt: skip
         return None
-    return MoeDecodeKernel(gate, experts, norm, linears, down is not None, shared is not None)
+    if not packed and (
+        experts.is_transposed or experts.has_bias or not experts.has_gate or experts.has_post_expert_norm
+    ):
+        return None  # (packed experts are always gated, untransposed, without biases or a post-expert norm)
+    return MoeDecodeKernel(gate, experts, norm, linears, down is not None, shared is not None, packed)
 
 
 class MoeDecodeKernel:
@@ -146,10 +151,11 @@ class MoeDecodeKernel:
 
     The router's, experts' and norm's parameters are read once after attaching or a change (`forget`: torch's
     parameter-registration hook, or an attribute deleted from a kernel layer); the linear layers' through their own
-    `KernelLinear.tensors`; the selection bias, a buffer that ``.to()`` replaces without a hook, at every call."""
+    `KernelLinear.tensors`; the selection bias and packed experts' stacks, buffers that ``.to()`` replaces without
+    a hook, at every call."""
 
-    def __init__(self, gate, experts, norm, linears, latent: bool, has_shared: bool) -> None:
-        self.layer_modules = (gate, experts, norm, linears, latent, has_shared)
+    def __init__(self, gate, experts, norm, linears, latent: bool, has_shared: bool, packed: bool = False) -> None:
+        self.layer_modules = (gate, experts, norm, linears, latent, has_shared, packed)
         self.weights = None
 
     def __getstate__(self) -> dict:
@@ -160,7 +166,9 @@ class MoeDecodeKernel:
         for m in (gate, experts, norm):
             if m is not None:
                 _WATCHERS.setdefault(m, weakref.WeakSet()).add(self)
-        weights = (gate.weight, experts.gate_up_proj, experts.down_proj, None if norm is None else norm.weight)
+        packed = self.layer_modules[-1]
+        weights = (gate.weight, None if packed else experts.gate_up_proj, None if packed else experts.down_proj,
+                   None if norm is None else norm.weight)  # fmt: skip
         if not all(w is None or isinstance(w, nn.Parameter) for w in weights):
             return False
         return weights
@@ -168,7 +176,7 @@ class MoeDecodeKernel:
     def __call__(self, y: torch.Tensor, output_router_logits: bool = False) -> torch.Tensor | None:
         if not y.is_cpu or torch.is_grad_enabled() or y.shape[0] > cpu_kernel.moe_decode_max_tokens():
             return None
-        gate, experts, norm, linears, latent, has_shared = self.layer_modules
+        gate, experts, norm, linears, latent, has_shared, packed = self.layer_modules
         if output_router_logits or torch.is_autocast_enabled("cpu") or gate.logits_observers:
             return None
         if gate.use_softmax or gate.num_expert_group != 1 or gate.top_k > 16:  # (settings changed on a built layer)
@@ -179,6 +187,10 @@ class MoeDecodeKernel:
         if weights is False:
             return None
         router, gate_up, down_w, norm_w = weights
+        scales = ()
+        if packed:  # (the packed stacks: uint8 buffers)
+            gate_up, down_w = experts.gate_up_packed, experts.down_packed
+            scales = (experts.gate_up_scale, experts.down_scale)
         linear_weights = []
         for m in linears:  # (a loop, not a comprehension: every decode step)
             tensors = m.tensors
@@ -191,7 +203,7 @@ class MoeDecodeKernel:
             y.dtype, router, gate.e_score_correction_bias, gate.top_k, gate.renormalize, gate.routed_scaling_factor,
             linear_weights[0] if latent else None, norm_w, 0.0 if norm is None else norm.variance_epsilon,
             linear_weights[1] if latent else None, gate_up, down_w, experts.glu,
-            tuple(linear_weights[-3:]) if has_shared else None,
+            tuple(linear_weights[-3:]) if has_shared else None, *scales,
         )  # fmt: skip
         return kernel(y) if kernel.usable else None
 

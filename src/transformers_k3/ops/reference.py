@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .mxfp4_torch import mxfp4_grouped_mm, mxfp4_grouped_mm_backward  # (the packed MXFP4 experts' operators)
 from .experts import eager_experts
+from .mxfp4 import mxfp4_experts
 from .torch_internals import dispatch_keys, dispatch_keys_guard
 
 
@@ -219,12 +220,39 @@ def moe_decode(y, router, bias, top_k: int, renormalize: bool, scale: float, dow
     """The MoE layer as its modules compute it (`KimiK3SparseMoE`): the fp32 sigmoid router's top-k of the biased
     scores, the chosen scores renormalised and scaled, the latent projection, the routed experts (fp32, rounded
     once), the latent norm and projection back, plus the shared expert, each linear layer in ``y``'s dtype."""
+
+    def experts(x, index, weights):
+        return _experts32(x, index, weights, gate_up, down, False, kind, beta, linear_beta).to(y.dtype)
+
+    return _decode(y, router, bias, top_k, renormalize, scale, down_latent, norm, eps, up_latent, experts, kind, beta,
+                   linear_beta, shared_gate, shared_up, shared_down)  # fmt: skip
+
+
+def moe_decode_mxfp4(y, router, bias, top_k: int, renormalize: bool, scale: float, down_latent, norm, eps: float,
+                     up_latent, gate_up_packed, gate_up_scale, down_packed, down_scale, kind: int, beta: float,
+                     linear_beta: float, shared_gate, shared_up, shared_down) -> torch.Tensor:  # fmt: skip
+    """`moe_decode` with packed MXFP4 routed experts, as the packed experts' modules compute them
+    (`mxfp4.mxfp4_experts` on the PyTorch products: in ``y``'s dtype, the GLU in fp32 rounded once)."""
+    def experts(x, index, weights):
+        def apply_gate(gate_up):
+            inter = gate_up.shape[-1] // 2
+            return glu(gate_up[:, :inter], gate_up[:, inter:], kind, beta, linear_beta)
+
+        return mxfp4_experts(x, index, weights, gate_up_packed, gate_up_scale, down_packed, down_scale, apply_gate,
+                             kernel=False)  # fmt: skip
+
+    return _decode(y, router, bias, top_k, renormalize, scale, down_latent, norm, eps, up_latent, experts, kind, beta,
+                   linear_beta, shared_gate, shared_up, shared_down)  # fmt: skip
+
+
+def _decode(y, router, bias, top_k, renormalize, scale, down_latent, norm, eps, up_latent, experts, kind, beta,
+            linear_beta, shared_gate, shared_up, shared_down) -> torch.Tensor:  # fmt: skip
+    """The layer around its routed experts, ``experts(x, index, weights) -> [N, D]`` in ``y``'s dtype."""
     index, selected = router_sigmoid_topk(y.float() @ router.float().t(), bias, top_k)
     if renormalize:
         selected = selected / (selected.sum(dim=-1, keepdim=True) + 1e-20)
     routed_in = y if down_latent is None else F.linear(y, down_latent)
-    routed = _experts32(routed_in, index, selected * scale, gate_up, down, False, kind, beta, linear_beta)
-    routed = routed.to(y.dtype)
+    routed = experts(routed_in, index, selected * scale)
     if norm is not None:
         routed = (F.rms_norm(routed.float(), (routed.shape[-1],), eps=eps) * norm.float()).to(y.dtype)
     if up_latent is not None:
@@ -259,7 +287,7 @@ OPERATORS = (
     "kda_chunk_forward", "router_topk", "router_sigmoid_topk", "sigmoid", "selected_scores", "router_backward",
     "router_screened_topk", "gemm_bf16_f32", "latent_scores", "latent_attention", "linear_bf16", "glu",
     "glu_backward", "rms_norm", "rms_norm_backward", "moe_experts", "moe_experts_backward", "moe_decode",
-    "mxfp4_grouped_mm", "mxfp4_grouped_mm_backward",
+    "moe_decode_mxfp4", "mxfp4_grouped_mm", "mxfp4_grouped_mm_backward",
 )  # fmt: skip
 
 

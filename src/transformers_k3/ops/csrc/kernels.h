@@ -62,6 +62,10 @@ int k3_mxfp4_grouped_mm_backward(const void* grad, int grad_bf16, int64_t rows, 
                                  const uint8_t* scales, int64_t n_experts, int k, const int64_t* offsets,
                                  void* grad_x, int n_threads);
 
+// out [n] = x [k] times n packed MXFP4 weight rows (codes [n, k/2], scales [n, k/32]; k a multiple of 32), each
+// sum in fp32 as k3_mxfp4_grouped_mm sums a decode step's rows (the same operations, on AVX2).
+void k3_mxfp4_dots(const float* x, const uint8_t* codes, const uint8_t* scales, int64_t n, int k, float* out);
+
 int k3_moe_decode_max_tokens();
 int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64_t n_tokens, void* out);
 

@@ -19,10 +19,15 @@
 // * the selection is k3_router_sigmoid_topk's on those logits (sigmoid scores, the bias for the choice only,
 //   ties to the lower id), the weights the chosen scores renormalized over the k and scaled.
 // * the GLUs are the experts kernel's (glu_simd.h), the routing weight applied to the GLU output as there.
+// * packed MXFP4 experts (the release's codes and E8M0 scales, mxfp4_cpu.cpp's layout): each product is
+//   k3_mxfp4_dots's (k3_mxfp4_grouped_mm's sums for a decode row), rounded where the packed experts' modules
+//   (transformers_k3.ops.mxfp4.mxfp4_experts) round in a bf16 layer: the gate/up product and the GLU output to
+//   bf16, the GLU output then times the routing weight in fp32, the down product and the experts' sum in fp32.
 //
 // Layout: row-major; y [N, H] and out [N, H] in the layer's dtype (fp32, or bf16 as raw bits), N <= kMaxTokens;
 // every weight as its module stores it ([out, in]; the experts [E, 2I, D] and [E, D, I]), in the layer's dtype,
-// except the router's weight, fp32 where `router_fp32`; the selection bias fp32 [E].
+// except the router's weight, fp32 where `router_fp32`, and packed experts (uint8 codes [E, 2I, D/2] / [E, D, I/2]
+// with scales [E, 2I, D/32] / [E, D, I/32]); the selection bias fp32 [E].
 
 #include <cmath>
 #include <cstdint>
@@ -54,6 +59,7 @@ struct Layer {
   int hidden, latent, inter, shared_inter, top_k;
   int64_t n_experts;
   const void *router, *down_latent, *norm, *up_latent, *gate_up, *down, *shared_gate, *shared_up, *shared_down;
+  const uint8_t *gate_up_scale, *down_scale;  // (null: the experts are not packed)
   // (null norm: none)
   bool router_fp32, renormalize;
   const float* bias;
@@ -100,7 +106,29 @@ int token(const Layer& l, const float* y, const uint16_t* y16, float* out) {
   }
   const int64_t gate_up_size = (int64_t)2 * I * D, down_size = (int64_t)D * I;
   const int elem = l.bf16 ? 2 : 4;
-  for (int j = 0; j < l.top_k; ++j) {
+  for (int j = 0; j < l.top_k && l.gate_up_scale != nullptr; ++j) {  // packed MXFP4 experts
+    const int64_t e = index[j];
+    const uint8_t* gu = static_cast<const uint8_t*>(l.gate_up) + e * gate_up_size / 2;
+    const uint8_t* dn = static_cast<const uint8_t*>(l.down) + e * down_size / 2;
+    k3_mxfp4_dots(x, gu, l.gate_up_scale + e * gate_up_size / 32, 2 * I, D, h.data());
+    const float one = 1.0f;
+    if (l.bf16) round_bf16(h.data(), 2 * I);
+    if (l.bf16 && l.act_kind == 0) {  // (bf16 SiLU: torch's silu, then the product, each rounded)
+      for (int i = 0; i < I; ++i) glu[i] = h[i] / (1.0f + std::exp(-h[i]));
+      round_bf16(glu.data(), I);
+      for (int i = 0; i < I; ++i) glu[i] *= h[I + i];
+    } else {
+      k3::glu::rows<false>(h.data(), nullptr, l.bf16 ? &one : &scores[j], glu.data(), nullptr, 1, I, l.act_kind,
+                           l.act_beta, l.act_linear_beta);
+    }
+    if (l.bf16) {
+      round_bf16(glu.data(), I);
+      for (int i = 0; i < I; ++i) glu[i] *= scores[j];
+    }
+    k3_mxfp4_dots(glu.data(), dn, l.down_scale + e * down_size / 32, D, I, o.data());
+    for (int i = 0; i < D; ++i) acc[i] += o[i];
+  }
+  for (int j = 0; j < l.top_k && l.gate_up_scale == nullptr; ++j) {
     const char* gu = static_cast<const char*>(l.gate_up) + index[j] * gate_up_size * elem;
     const char* dn = static_cast<const char*>(l.down) + index[j] * down_size * elem;
     if (l.bf16)  // (the experts kernel's products: fp32 from the bf16 values, exactly)
@@ -171,14 +199,16 @@ int k3_moe_decode_max_tokens() {
 
 // out [N, H] = the MoE layer on y [N, H] (see the top of this file), the layer described once by
 // desc (int64) = {hidden, bf16, router, router_fp32, bias, E, k, renormalize, down_latent, latent, norm, up_latent,
-//                 gate_up, down, inter, act_kind, shared_gate, shared_up, shared_down, shared_inter}
+//                 gate_up, down, inter, act_kind, shared_gate, shared_up, shared_down, shared_inter,
+//                 gate_up_scale, down_scale}
 // params (fp32) = {scale, eps, act_beta, act_linear_beta}
 // (pointers as integers; `bf16`: y, out and the weights are bf16 bits, the router's weight fp32 where
 // `router_fp32`; `latent` 0: no latent projections, `norm` 0: no norm on the latent; `shared_inter` 0: no shared
-// expert; the activation as k3_moe_experts_forward's: kind 0 SiLU, 1 SiTU with beta and the up half's cap, <= 0
-// none), so that a decode step's call passes five arguments. Returns 0, 1 on invalid arguments or where it cannot
-// run (N > kMaxTokens, no AVX-512 or AVX2), 3 where the selection kernel is unavailable (k3_router_sigmoid_topk's
-// status).
+// expert; `gate_up_scale` 0: the experts in the layer's dtype, else packed MXFP4 (`gate_up` and `down` their
+// codes, both widths multiples of 32); the activation as k3_moe_experts_forward's: kind 0 SiLU, 1 SiTU with beta
+// and the up half's cap, <= 0 none), so that a decode step's call passes five arguments. Returns 0, 1 on invalid
+// arguments or where it cannot run (N > kMaxTokens, no AVX-512 or AVX2), 3 where the selection kernel is
+// unavailable (k3_router_sigmoid_topk's status).
 int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64_t n_tokens, void* out) {
 #if K3_HAVE_SIMD
   auto ptr = [&](int i) { return reinterpret_cast<const void*>(static_cast<intptr_t>(desc[i])); };
@@ -190,9 +220,14 @@ int k3_moe_decode(const int64_t* desc, const float* params, const void* y, int64
       top_k > n_experts || latent < 0 || inter <= 0 || shared_inter < 0 ||
       (act_kind != 0 && !(act_kind == 1 && act_beta > 0.0f)))
     return 1;
+  const bool packed = desc[20] != 0;
+  if (packed != (desc[21] != 0) || (packed && (((latent > 0 ? latent : hidden) % 32) != 0 || inter % 32 != 0)))
+    return 1;
   const k3::FlushDenormals flush;  // (as the experts kernel and the GLU kernel run)
   const Layer l{desc[1] != 0, hidden, latent, inter, shared_inter, top_k, n_experts, ptr(2), ptr(8),
-                ptr(10), ptr(11), ptr(12), ptr(13), ptr(16), ptr(17), ptr(18), desc[3] != 0, desc[7] != 0,
+                ptr(10), ptr(11), ptr(12), ptr(13), ptr(16), ptr(17), ptr(18),
+                static_cast<const uint8_t*>(ptr(20)), static_cast<const uint8_t*>(ptr(21)), desc[3] != 0,
+                desc[7] != 0,
                 static_cast<const float*>(ptr(4)), params[0], params[1], act_kind, act_beta, params[3]};
   std::vector<float> yf(hidden), of(hidden);
   for (int64_t t = 0; t < n_tokens; ++t) {

@@ -134,6 +134,37 @@ void register_dots(const float* const* x, int64_t blocks, const uint8_t* codes, 
   for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
 }
 
+// One row x [k] times 4 weight rows (each `row_bytes` codes and `blocks` scales after the last): each row's sums
+// are register_dots<1>'s, operation for operation (the four rows interleaved for independent chains).
+void register_rows4(const float* x, int64_t blocks, const uint8_t* codes, int64_t row_bytes, const uint8_t* scales,
+                    float* sums) {
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodesTimesTwo));
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                 x3 = _mm256_loadu_ps(xb + 24);
+    for (int r = 0; r < 4; ++r) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * row_bytes + b * 16));
+      const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
+      const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+      const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0)));
+      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v1, v1)));
+      const __m256 s = _mm256_set1_ps(kHalfScales.value[scales[r * blocks + b]]);
+      __m256 p = _mm256_mul_ps(x0, w0);
+      __m256 q = _mm256_mul_ps(x1, w1);
+      p = _mm256_fmadd_ps(x2, w2, p);
+      q = _mm256_fmadd_ps(x3, w3, q);
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p, q), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) sums[r] = hsum(acc[r]);
+}
+
 // R rows of x (stride ldx) times 4 dequantized weight rows (stride ldw), k a multiple of 8: sums[r * 4 + j].
 template <int R>
 void tile_dots(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* sums) {
@@ -238,6 +269,27 @@ inline int grouped_rows(const void* in, bool bf16, int64_t rows, int64_t in_widt
 }  // namespace
 
 extern "C" {
+
+void k3_mxfp4_dots(const float* x, const uint8_t* codes, const uint8_t* scales, int64_t n, int k, float* out) {
+  const int64_t blocks = k / kBlock, row_bytes = k / 2;
+#ifdef K3_MXFP4_AVX2
+  int64_t c = 0;
+  for (; c + 4 <= n; c += 4) register_rows4(x, blocks, codes + c * row_bytes, row_bytes, scales + c * blocks, out + c);
+  for (; c < n; ++c) register_dots<1>(&x, blocks, codes + c * row_bytes, scales + c * blocks, out + c);
+#else
+  float w[kBlock];
+  for (int64_t c = 0; c < n; ++c) {
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      dequantize_row(codes + c * row_bytes, scales + c * blocks, b, 1, w);
+      float block = 0.0f;
+      for (int i = 0; i < kBlock; ++i) block += x[b * kBlock + i] * w[i];
+      total += block;
+    }
+    out[c] = total;
+  }
+#endif
+}
 
 int k3_mxfp4_grouped_mm(const void* x, int x_bf16, int64_t rows, int k, const uint8_t* codes, const uint8_t* scales,
                         int64_t n_experts, int n, const int64_t* offsets, void* out, int n_threads) {

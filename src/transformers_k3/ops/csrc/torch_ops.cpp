@@ -475,12 +475,15 @@ const void* weight_ptr(const std::optional<Tensor>& t, const char* op, const cha
   return t->const_data_ptr();
 }
 
-Tensor moe_decode(const Tensor& y, const Tensor& router, const Tensor& bias, int64_t top_k, bool renormalize,
-                  double scale, const std::optional<Tensor>& down_latent, const std::optional<Tensor>& norm,
-                  double eps, const std::optional<Tensor>& up_latent, const Tensor& gate_up, const Tensor& down,
-                  int64_t kind, double beta, double linear_beta, const std::optional<Tensor>& shared_gate,
-                  const std::optional<Tensor>& shared_up, const std::optional<Tensor>& shared_down) {
-  const char* op = "moe_decode";
+// The whole-layer decode step (moe_decode_cpu.cpp); `gate_up_scale` / `down_scale` given: the experts are packed
+// MXFP4 (`gate_up` [E, 2I, D/2] and `down` [E, D, I/2] uint8 codes, scales [E, 2I, D/32] / [E, D, I/32]).
+Tensor moe_decode_call(const char* op, const Tensor& y, const Tensor& router, const Tensor& bias, int64_t top_k,
+                       bool renormalize, double scale, const std::optional<Tensor>& down_latent,
+                       const std::optional<Tensor>& norm, double eps, const std::optional<Tensor>& up_latent,
+                       const Tensor& gate_up, const Tensor& down, int64_t kind, double beta, double linear_beta,
+                       const std::optional<Tensor>& shared_gate, const std::optional<Tensor>& shared_up,
+                       const std::optional<Tensor>& shared_down, const std::optional<Tensor>& gate_up_scale,
+                       const std::optional<Tensor>& down_scale) {
   const at::ScalarType dtype = y.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": y must be float32 or bfloat16, got ", dtype);
   check_tensor(y, op, "y", dtype, 2);
@@ -494,12 +497,17 @@ Tensor moe_decode(const Tensor& y, const Tensor& router, const Tensor& bias, int
   TORCH_CHECK(down_latent.has_value() == up_latent.has_value() && (down_latent.has_value() || !norm.has_value()),
               op, ": down_latent and up_latent come together (norm only with them)");
   const int64_t latent = down_latent.has_value() ? down_latent->size(0) : 0, width = latent ? latent : hidden;
-  TORCH_CHECK(gate_up.dim() == 3, op, ": gate_up must be [E, 2I, D], got ", gate_up.sizes());
+  const bool packed = gate_up_scale.has_value();
+  TORCH_CHECK(gate_up.dim() == 3, op, ": gate_up must be [E, 2I, ", packed ? "D/2" : "D", "], got ", gate_up.sizes());
   const int64_t inter = gate_up.size(1) / 2;
+  TORCH_CHECK(!packed || (width % 32 == 0 && inter % 32 == 0), op, ": packed MXFP4 experts need widths that are "
+              "multiples of 32, got ", width, " and ", inter);
+  const at::ScalarType experts_dtype = packed ? at::kByte : dtype;
+  const int64_t pack = packed ? 2 : 1;
   const int64_t shared_inter = shared_gate.has_value() ? shared_gate->size(0) : 0;
   TORCH_CHECK(shared_gate.has_value() == shared_up.has_value() && shared_up.has_value() == shared_down.has_value(),
               op, ": the shared expert's three weights come together");
-  const std::array<int64_t, 20> desc{
+  const std::array<int64_t, 22> desc{
       hidden,
       dtype == at::kBFloat16,
       reinterpret_cast<intptr_t>(router.const_data_ptr()),
@@ -512,20 +520,46 @@ Tensor moe_decode(const Tensor& y, const Tensor& router, const Tensor& bias, int
       latent,
       reinterpret_cast<intptr_t>(weight_ptr(norm, op, "norm", dtype, {latent})),
       reinterpret_cast<intptr_t>(weight_ptr(up_latent, op, "up_latent", dtype, {hidden, latent})),
-      reinterpret_cast<intptr_t>(weight_ptr(gate_up, op, "gate_up", dtype, {n_experts, 2 * inter, width})),
-      reinterpret_cast<intptr_t>(weight_ptr(down, op, "down", dtype, {n_experts, width, inter})),
+      reinterpret_cast<intptr_t>(
+          weight_ptr(gate_up, op, "gate_up", experts_dtype, {n_experts, 2 * inter, width / pack})),
+      reinterpret_cast<intptr_t>(weight_ptr(down, op, "down", experts_dtype, {n_experts, width, inter / pack})),
       inter,
       kind,
       reinterpret_cast<intptr_t>(weight_ptr(shared_gate, op, "shared_gate", dtype, {shared_inter, hidden})),
       reinterpret_cast<intptr_t>(weight_ptr(shared_up, op, "shared_up", dtype, {shared_inter, hidden})),
       reinterpret_cast<intptr_t>(weight_ptr(shared_down, op, "shared_down", dtype, {hidden, shared_inter})),
       shared_inter,
+      reinterpret_cast<intptr_t>(
+          weight_ptr(gate_up_scale, op, "gate_up_scale", at::kByte, {n_experts, 2 * inter, width / 32})),
+      reinterpret_cast<intptr_t>(
+          weight_ptr(down_scale, op, "down_scale", at::kByte, {n_experts, width, inter / 32})),
   };
   const std::array<float, 4> params{(float)scale, (float)eps, (float)beta, (float)linear_beta};
   const Tensor x = y.contiguous();
   Tensor out = at::empty(x.sizes(), x.options());
   check_status(k3_moe_decode(desc.data(), params.data(), x.const_data_ptr(), x.size(0), out.mutable_data_ptr()), op);
   return out;
+}
+
+Tensor moe_decode(const Tensor& y, const Tensor& router, const Tensor& bias, int64_t top_k, bool renormalize,
+                  double scale, const std::optional<Tensor>& down_latent, const std::optional<Tensor>& norm,
+                  double eps, const std::optional<Tensor>& up_latent, const Tensor& gate_up, const Tensor& down,
+                  int64_t kind, double beta, double linear_beta, const std::optional<Tensor>& shared_gate,
+                  const std::optional<Tensor>& shared_up, const std::optional<Tensor>& shared_down) {
+  return moe_decode_call("moe_decode", y, router, bias, top_k, renormalize, scale, down_latent, norm, eps, up_latent,
+                         gate_up, down, kind, beta, linear_beta, shared_gate, shared_up, shared_down, std::nullopt,
+                         std::nullopt);
+}
+
+Tensor moe_decode_mxfp4(const Tensor& y, const Tensor& router, const Tensor& bias, int64_t top_k, bool renormalize,
+                        double scale, const std::optional<Tensor>& down_latent, const std::optional<Tensor>& norm,
+                        double eps, const std::optional<Tensor>& up_latent, const Tensor& gate_up_packed,
+                        const Tensor& gate_up_scale, const Tensor& down_packed, const Tensor& down_scale, int64_t kind,
+                        double beta, double linear_beta, const std::optional<Tensor>& shared_gate,
+                        const std::optional<Tensor>& shared_up, const std::optional<Tensor>& shared_down) {
+  return moe_decode_call("moe_decode_mxfp4", y, router, bias, top_k, renormalize, scale, down_latent, norm, eps,
+                         up_latent, gate_up_packed, down_packed, kind, beta, linear_beta, shared_gate, shared_up,
+                         shared_down, gate_up_scale, down_scale);
 }
 
 int64_t small_gemm_available() { return k3_moe_small_gemm_available(); }
@@ -622,6 +656,10 @@ TORCH_LIBRARY(transformers_k3, m) {
   m.def("moe_decode(Tensor y, Tensor router, Tensor bias, int top_k, bool renormalize, float scale, "
         "Tensor? down_latent, Tensor? norm, float eps, Tensor? up_latent, Tensor gate_up, Tensor down, int kind, "
         "float beta, float linear_beta, Tensor? shared_gate, Tensor? shared_up, Tensor? shared_down) -> Tensor");
+  m.def("moe_decode_mxfp4(Tensor y, Tensor router, Tensor bias, int top_k, bool renormalize, float scale, "
+        "Tensor? down_latent, Tensor? norm, float eps, Tensor? up_latent, Tensor gate_up_packed, Tensor gate_up_scale, "
+        "Tensor down_packed, Tensor down_scale, int kind, float beta, float linear_beta, Tensor? shared_gate, "
+        "Tensor? shared_up, Tensor? shared_down) -> Tensor");
   m.def("mxfp4_grouped_mm(Tensor x, Tensor packed, Tensor scale, Tensor offsets) -> Tensor");
   m.def("mxfp4_grouped_mm_backward(Tensor grad, Tensor packed, Tensor scale, Tensor offsets) -> Tensor");
 }
@@ -645,6 +683,7 @@ TORCH_LIBRARY_IMPL(transformers_k3, CPU, m) {
   m.impl("moe_experts", &moe_experts);
   m.impl("moe_experts_backward", &moe_experts_backward);
   m.impl("moe_decode", &moe_decode);
+  m.impl("moe_decode_mxfp4", &moe_decode_mxfp4);
   m.impl("mxfp4_grouped_mm", &mxfp4_grouped_mm);
   m.impl("mxfp4_grouped_mm_backward", &mxfp4_grouped_mm_backward);
 }
