@@ -50,6 +50,11 @@ import time
 import torch
 
 
+# The timings' clock: wall time, or (``--clock thread``) the time the calling thread computed, which other
+# processes on a shared machine do not move (one thread: all of a step's work is on it).
+CLOCK = [time.perf_counter]
+
+
 def copy_rate(megabytes: int = 512) -> float:
     """This machine's memory copy rate (GB/s read + written), best of five."""
     src = torch.empty(megabytes << 18, dtype=torch.float32).fill_(1.0)
@@ -221,11 +226,11 @@ def decode_step_time(model, prompt, steps: int) -> tuple[float, torch.Tensor]:
         cache, logits = out.past_key_values, out.logits[0, -1].float()
         token, times = logits.argmax().view(1, 1), []
         for i in range(steps + 1):
-            start = time.perf_counter()
+            start = CLOCK[0]()
             out = model(input_ids=token, past_key_values=cache, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             if i:
-                times.append(time.perf_counter() - start)
+                times.append(CLOCK[0]() - start)
     return statistics.median(times), logits
 
 
@@ -325,9 +330,9 @@ def timed_median(fn, calls: int) -> float:
     fn()
     times = []
     for _ in range(calls):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK[0]() - start)
     return statistics.median(times)
 
 
@@ -335,9 +340,9 @@ def timed_best(fn, reps: int) -> float:
     fn()
     best = math.inf
     for _ in range(reps):
-        start = time.perf_counter()
+        start = CLOCK[0]()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, CLOCK[0]() - start)
     return best
 
 
@@ -357,11 +362,19 @@ def main():
     parser.add_argument("--model-intermediate", type=int, default=1024, help="the bench model's expert width")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="the bench model's prefill before decoding")
     parser.add_argument("--stream-dir", default=None, help="where the stream table writes its export (default: tmp)")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="time the steps by wall clock or by this thread's CPU time (with --threads 1)")
     args = parser.parse_args()
     tables = args.tables.split(",")
     if not set(tables) <= {"experts", "layer", "model", "stream"}:
         parser.error(f"--tables: choose among experts, layer, model, stream, got {args.tables!r}")
     torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        if args.threads != 1:
+            parser.error("--clock thread times one thread's work: use it with --threads 1")
+        if "stream" in tables:
+            parser.error("--clock thread does not count the stream table's waits for the disk: use the wall clock")
+        CLOCK[0] = time.thread_time
 
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -380,7 +393,7 @@ def main():
         return index, torch.rand(tokens, k, generator=gen)
 
     layer_shape = f", layer: latent={D} hidden={2 * D} I={args.intermediate}, prefill {args.prefill_tokens} tokens"
-    print(f"# torch {torch.__version__}, {args.threads} threads, copy rate {rate:.1f} GB/s, E={E} k={k}"
+    print(f"# torch {torch.__version__}, {args.threads} threads, {args.clock} clock, copy rate {rate:.1f} GB/s, E={E} k={k}"
           f"{layer_shape if {'experts', 'layer'} & set(tables) else ''}")  # fmt: skip
     layers = build(args) if {"experts", "layer"} & set(tables) else None
     for table in [t for t in ("experts", "layer") if t in tables]:
