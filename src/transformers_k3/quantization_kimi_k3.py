@@ -14,6 +14,8 @@ and saves them back bit for bit.
   stack each checkpoint tensor's bytes into its slice, shard by shard (no floating-point copy of a layer); after
   loading, `check_packed_experts` once per layer. Saving reverses the conversions (`SplitPackedExperts`: the release's
   per-expert names and bytes); ``config.json`` carries this ``quantization_config``, so the save reloads packed.
+  With ``stream_experts=True`` every `KimiK3Experts` becomes a `KimiK3StreamedExperts` over one `ExpertStream` of
+  the shards instead, and no conversion loads the experts (docs/mxfp4.md "Streaming the experts from disk").
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ _STACKS = {  # buffer -> (release projections stacked along the rows, release te
 @register_quantization_config(K3_MXFP4)
 class KimiK3Mxfp4Config(QuantizationConfigMixin):
     """How ``from_pretrained`` takes the release's MXFP4 routed experts: packed (``dequantize=False``, the uint8
-    bytes as they ship, computed by ``"k3_mxfp4"``) or dequantized to the model's dtype (``dequantize=True``)."""
+    bytes as they ship, computed by ``"k3_mxfp4"``) or dequantized to the model's dtype (``dequantize=True``).
+    ``stream_experts=True`` leaves the packed experts in the checkpoint's files and reads each step's routed ones
+    (`KimiK3StreamedExperts`), ``stream_experts_per_read`` experts at most in memory at a time."""
 
     def __init__(self, dequantize: bool = False, stream_experts: bool = False, stream_experts_per_read: int = 32,
                  **kwargs):  # fmt: skip
