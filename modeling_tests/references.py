@@ -67,19 +67,47 @@ def logits(model, ids):
         return model(ids).logits
 
 
-def adamw_losses(model: torch.nn.Module, steps: int = 3) -> list[float]:
-    """The losses of ``steps`` AdamW steps (lr 1e-2) on the whole fixed batch the distributed workers split between
-    their ranks: the single-process reference of their global-batch losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+# The distributed tests' lr: at 1e-2 AdamW's first step turns fp32 rounding of near-zero gradient entries into
+# loss differences above 1e-5 between summation orders (docs/correctness.md, "Training trajectories").
+ADAMW_LR = 1e-3
+
+
+def global_batch() -> torch.Tensor:
+    return torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
+def adamw_losses(model: torch.nn.Module, steps: int = 3, parts: int = 1) -> list[float]:
+    """The losses of ``steps`` AdamW steps (lr ``ADAMW_LR``) on the whole global batch: the single-process reference
+    of the distributed workers' global-batch losses. ``parts > 1``: each step backpropagates the batch's equal parts
+    one after the other, each loss scaled by ``1 / parts`` (the same gradient, summed in another order)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
     losses = []
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        total = 0.0
+        for ids in global_batch().chunk(parts):
+            loss = model(input_ids=ids, labels=ids).loss / parts
+            loss.backward()
+            total += loss.item()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses
+
+
+def global_batch_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the mean loss over the global batch (left cleared on the model)."""
+    model(input_ids=global_batch(), labels=global_batch()).loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def gradients_rel_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest ``max |got - want| / max |want|`` over the parameters, and its parameter (fp32 rounding ~1e-7;
+    the same parameters must have gradients)."""
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    return max(((got[n].float() - want[n]).abs().max().item() / want[n].abs().max().clamp_min(1e-30).item(), n)
+               for n in want)
 
 
 def run_torchrun(worker: str, *args: str, processes: int = 2, timeout: int = 600, env: dict | None = None) -> dict:

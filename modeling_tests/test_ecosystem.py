@@ -30,7 +30,7 @@ from transformers_k3.chat import (
     parse_kimi_k3_response,
 )
 
-from references import adamw_losses, randomize_, run_torchrun
+from references import adamw_losses, global_batch_gradients, gradients_rel_diff, randomize_, run_torchrun
 
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
@@ -589,24 +589,43 @@ def test_no_split_modules_keep_decoder_layers_whole():
 
 
 # ================================================================ distributed (2 processes)
+def test_a_batch_split_in_two_trains_like_the_whole_batch():
+    """The distributed tests' premise, in one process: at their lr, two halves of the global batch backpropagated
+    one after the other (the same gradient, summed in another order) give the whole batch's AdamW losses to fp32
+    rounding (1e-5 relative). A distributed test failing while this passes is the engine's, not the summation order's
+    (docs/correctness.md, "Training trajectories")."""
+    torch.manual_seed(0)
+    whole = adamw_losses(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train())
+    torch.manual_seed(0)
+    halves = adamw_losses(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train(), parts=2)
+    assert whole[-1] < whole[0] - 0.5
+    assert halves == pytest.approx(whole, rel=1e-5)
+
+
 @pytest.mark.distributed
-def test_ddp_and_fsdp2_on_two_cpu_processes():
+def test_ddp_and_fsdp2_on_two_cpu_processes(tmp_path):
     """torchrun, 2 CPU processes, gloo: DDP through accelerate and FSDP2 (torch `fully_shard` per decoder layer, as
     accelerate's FSDP2 path does; accelerate does not run FSDP on CPU, see _distributed_worker.py) each train 3
-    AdamW steps on half of a global batch per rank; the per-step global loss equals single-process training on the
-    whole batch (1e-5 relative; measured identical to the printed digits). FSDP2 with bf16 compute follows it to
-    bf16 accuracy with the fused CPU kernels attached. ~25 s, mostly two Python start-ups."""
+    AdamW steps on half of a global batch per rank. The first step's gradients, gathered whole, equal single-process
+    gradients on the whole batch (1e-5 of each parameter's largest entry), and the per-step global loss equals
+    single-process training on the whole batch (1e-5 relative). FSDP2 with bf16 compute follows it to bf16 accuracy
+    with the fused CPU kernels attached. ~25 s, mostly two Python start-ups."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
-    result = run_torchrun("_distributed_worker.py", timeout=240)
+    result = run_torchrun("_distributed_worker.py", tmp_path, timeout=240)
     assert result["distributed_type"].endswith("MULTI_CPU") and result["ddp_wrapper"] == "DistributedDataParallel"
     assert abs(result["fsdp_local_fraction"] - 0.5) < 0.01  # parameters really sharded over the 2 ranks
 
     torch.manual_seed(0)
-    single = adamw_losses(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train())
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train()
+    grads = global_batch_gradients(model)
+    single = adamw_losses(model)
     print("single", single, "ddp", result["ddp"], "fsdp2", result["fsdp2"])
     assert single[-1] < single[0] - 0.5
     for engine in ("ddp", "fsdp2"):
+        worst, name = gradients_rel_diff(torch.load(tmp_path / f"{engine}_grads.pt"), grads)
+        print(engine, "first-step gradients:", worst, name)
+        assert worst <= 1e-5, (engine, worst, name)
         assert result[engine] == pytest.approx(single, rel=1e-5), engine
     # bf16 compute with the fused kernels attached (`kernelize`): the same training to bf16 accuracy
     print("fsdp2_bf16", result["fsdp2_bf16"])

@@ -14,7 +14,8 @@ import torch
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 
-from references import adamw_losses, randomize_, release_state, run_torchrun, write_release
+from references import (adamw_losses, global_batch_gradients, gradients_rel_diff, randomize_, release_state,
+                        run_torchrun, write_release)
 
 pytestmark = [
     pytest.mark.distributed,
@@ -68,15 +69,21 @@ def test_parallel_model_equals_the_single_process_model(checkpoints, mode, proce
 def test_deepspeed_zero3_trains_like_one_process(tmp_path):
     """DeepSpeed ZeRO-3 on 2 CPU processes (gloo, DeepSpeed's CPU accelerator), loaded the user's way
     (``HfDeepSpeedConfig`` + ``from_pretrained``: the fused experts and the release's A_log are converted to the
-    whole shapes, not the partitioned ones): 3 AdamW steps on half of a global batch per rank give the global
-    losses of one process training on the whole batch, with half the parameters on each rank."""
+    whole shapes, not the partitioned ones): with half the parameters on each rank and half of a global batch per
+    rank, the first step's gradients, gathered whole, equal one process's on the whole batch (1e-5 of each
+    parameter's largest entry), and 3 AdamW steps give the global losses of one process training on the whole batch
+    (1e-5 relative)."""
     pytest.importorskip("deepspeed")
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).train()
     model.save_pretrained(tmp_path / "model")
-    result = run_torchrun("_deepspeed_worker.py", tmp_path / "model", env={"DS_ACCELERATOR": "cpu"})
+    result = run_torchrun("_deepspeed_worker.py", tmp_path / "model", tmp_path, env={"DS_ACCELERATOR": "cpu"})
+    grads = global_batch_gradients(model)
     single = adamw_losses(model)
     assert single[-1] < single[0] - 0.5
+    worst, name = gradients_rel_diff(torch.load(tmp_path / "grads.pt"), grads)
+    print("first-step gradients:", worst, name, "losses:", result["losses"], single)
+    assert worst <= 1e-5, (worst, name)
     assert result["losses"] == pytest.approx(single, rel=1e-5), (result, single)
     assert abs(result["held_fraction"] - 0.5) < 0.01, result
 
