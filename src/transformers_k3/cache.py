@@ -594,9 +594,18 @@ class KimiK3LatentView(NamedTuple):
     """What an MLA layer gets back from `KimiK3HybridCache.update_mla`."""
 
     latent: torch.Tensor  # the held tokens' latents, then the step's ``[B, S, D]`` (static: the whole buffer)
-    past_len: int  # tokens held before the step (0 for a static cache, whose count stays on the device)
+    past_len: int  # tokens held before the step (0 inside a graph over a static cache: its count stays on the device)
     had_past: bool  # whether any token was held before the step (a Python flag: no length read)
     position: torch.Tensor | None  # a static layer's token count after the step, on its device; None when growing
+
+    def held(self, step_len: int) -> tuple[torch.Tensor, int]:
+        """``(latents of the tokens held [B, S, D], tokens held before the step)`` for a step of `step_len` tokens
+        that attends without masking a static buffer's empty rows: the buffer cut to them (inside a graph its count
+        is read from the device), a growing view as it is."""
+        if self.position is None:
+            return self.latent, self.past_len
+        length = int(self.position) if torch.compiler.is_compiling() else self.past_len + step_len
+        return self.latent[:, :length], length - step_len
 
 
 class KimiK3CacheState(NamedTuple):
@@ -828,9 +837,13 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         the view it attends over with what it needs to mask it (`KimiK3LatentView`)."""
         layer = self.layers[layer_idx]
         had_past = layer.holds
-        # (a static layer's count stays on the device: a compiled step masks by `position`, reading no length)
-        past_len, position = (0, layer.position) if self.static else (layer.length, None)
-        return KimiK3LatentView(layer.update(latent_states)[0], past_len, had_past, position)
+        if not self.static:
+            past_len = layer.length
+            return KimiK3LatentView(layer.update(latent_states)[0], past_len, had_past, None)
+        latent = layer.update(latent_states)[0]
+        # (inside a graph a static layer's count stays on the device: the layer masks by `position`)
+        past_len = 0 if torch.compiler.is_compiling() else layer.length - latent_states.shape[1]
+        return KimiK3LatentView(latent, past_len, had_past, layer.position)
 
     # ------------------------------------------------------------------------------------------ state as a whole
     def state(self, detached: bool = False) -> KimiK3CacheState:

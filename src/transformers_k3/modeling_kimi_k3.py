@@ -701,7 +701,8 @@ class KimiK3MLA(nn.Module):
         past_len, has_past, static = 0, False, None
         if past_key_values is not None:
             # (a compiled decode step of a static cache reads no length: the absorbed path masks by `position`)
-            latent, past_len, has_past, static = past_key_values.update_mla(latent, self.layer_idx)
+            view = past_key_values.update_mla(latent, self.layer_idx)
+            latent, past_len, has_past, static = view
 
         if absorb is None:
             # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
@@ -714,9 +715,8 @@ class KimiK3MLA(nn.Module):
         if static is not None and not absorb and torch.compiler.is_compiling() and not flash:
             # a graph reads no length: every row of the static latent, those past its tokens masked
             attention_mask = static_attention_mask(static_slots_mask(static, q_len, latent.shape[1]), attention_mask)
-        elif static is not None and not absorb:  # the rows past a static latent's tokens are cut (eager steps)
-            past_len = past_key_values.get_seq_length(self.layer_idx) - q_len
-            latent = latent[:, : past_len + q_len]
+        elif static is not None and not absorb:  # eager steps attend over the held rows of a static latent only
+            latent, past_len = view.held(q_len)
             if attention_mask is not None and attention_mask.dim() == 4:
                 attention_mask = attention_mask[..., : past_len + q_len]
         if absorb:
