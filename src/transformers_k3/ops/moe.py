@@ -151,8 +151,9 @@ class MoeDecodeKernel:
 
     The router's, experts' and norm's parameters are read once after attaching or a change (`forget`: torch's
     parameter-registration hook, or an attribute deleted from a kernel layer); the linear layers' through their own
-    `KernelLinear.tensors`; the selection bias and packed experts' stacks, buffers that ``.to()`` replaces without
-    a hook, at every call."""
+    `KernelLinear.tensors`; the selection bias and packed experts' stacks at every call, the only correct choice:
+    ``Module._apply`` (``.to()``, ``.float()``) rebinds a buffer without firing any hook, so one held since attaching
+    could go stale, and a parameter in its place would change what DDP broadcasts and what ``parameters()`` holds."""
 
     def __init__(self, gate, experts, norm, linears, latent: bool, has_shared: bool, packed: bool = False) -> None:
         self.layer_modules = (gate, experts, norm, linears, latent, has_shared, packed)
