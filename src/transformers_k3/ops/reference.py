@@ -10,44 +10,17 @@ backward operators differentiate these forwards with autograd, so their gradient
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 
 from .mxfp4_torch import mxfp4_grouped_mm, mxfp4_grouped_mm_backward  # (the packed MXFP4 experts' operators)
 from .experts import eager_experts
 from .mxfp4 import mxfp4_experts
-from .torch_internals import dispatch_keys, dispatch_keys_guard
+from .torch_internals import autograd_inside_operator
 
 
 def _none(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0, dtype=torch.float32)  # (an output not asked for)
-
-
-@contextlib.contextmanager
-def autograd_inside_operator() -> Iterator[None]:
-    """Record autograd inside an operator's implementation. The dispatcher runs an operator's CPU kernel with the
-    autograd keys excluded (the operator's own autograd formula has already run), and a compiled graph calls it
-    with ADInplaceOrView and other keys excluded as well (then in-place writes into views, which the PyTorch path
-    makes, would be differentiated wrongly): the block runs with a fresh thread's dispatch keys instead (autocast
-    off, so the recomputation is in the inputs' dtype, as the kernel's forward was)."""
-    include, exclude = _default_dispatch_keys()
-    with dispatch_keys_guard(include, exclude):
-        yield
-
-
-@functools.cache
-def _default_dispatch_keys():
-    """The thread-local dispatch key sets a new thread starts with (included, excluded)."""
-    found = []
-    reader = threading.Thread(target=lambda: found.append(dispatch_keys()))
-    reader.start()
-    reader.join()
-    return found[0]
 
 
 def _grads(outputs, cotangents, inputs, mask):

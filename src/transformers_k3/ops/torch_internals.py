@@ -3,6 +3,11 @@ API to move to once it exists. Nothing else in the package reads these."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -49,3 +54,26 @@ def dispatch_keys() -> tuple:
     """This thread's local dispatch key sets ``(included, excluded)`` (see `dispatch_keys_guard`).
     move to: the same public API as `dispatch_keys_guard`."""
     return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+@contextlib.contextmanager
+def autograd_inside_operator() -> Iterator[None]:
+    """Record autograd inside an operator's implementation. The dispatcher runs an operator's CPU kernel with the
+    autograd keys excluded (the operator's own autograd formula has already run), and a compiled graph calls it
+    with ADInplaceOrView and other keys excluded as well (then in-place writes into views, which the PyTorch path
+    makes, would be differentiated wrongly): the block runs with a fresh thread's dispatch keys instead (autocast
+    off, so the recomputation is in the inputs' dtype, as the kernel's forward was).
+    move to: the same public API as `dispatch_keys_guard`."""
+    include, exclude = _default_dispatch_keys()
+    with dispatch_keys_guard(include, exclude):
+        yield
+
+
+@functools.cache
+def _default_dispatch_keys():
+    """The thread-local dispatch key sets a new thread starts with (included, excluded)."""
+    found = []
+    reader = threading.Thread(target=lambda: found.append(dispatch_keys()))
+    reader.start()
+    reader.join()
+    return found[0]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_kernel
-from ..reference import autograd_inside_operator
+from ..torch_internals import autograd_inside_operator
 from .chunk import chunked_reference
 from .layout import host_bounds
 
