@@ -28,7 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ._compat import MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_cache
-from .cache import NO_CACHE_STEP, KimiK3HybridCache
+from .cache import NO_CACHE_STEP, KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3LatentView, KimiK3MLACacheLayer
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .conversion.release_format import KimiK3ReleaseFormatMixin
 from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_reads_are_free, _input_ids_problem,
@@ -1185,6 +1185,65 @@ def packed_sequence_boundaries(position_ids, cu_seq_lens_q, attention_mask, past
     return torch.cat([starts, starts.new_tensor([positions.numel()])])
 
 
+class KimiK3CarriedState:
+    """One layer's cached state carried through a gradient-checkpointed layer as tensors, and the cache interface its
+    attention calls (`kda_layer`, `update_mla`) over them. transformers' checkpointed layer runs without the cache,
+    since its recompute in the backward would write the cache a second time from the state the first run left; so the
+    model reads the layer's incoming state (`take`) before the layer, passes it positionally (checkpointing then saves
+    it, gives it a gradient and recomputes from it), gets the new state back among the layer's outputs (`new_state`)
+    and stores it after the layer (`put`). The layer's forward is then a function of its inputs alone."""
+
+    def __init__(self, layer_type: str, held: Sequence[torch.Tensor], conv_width: int):
+        self.kda = self.prefix = self.rows = None
+        if layer_type == "linear_attention":
+            self.kda = KimiK3KDACacheLayer(conv_width)
+            if held:  # (copies: a short step's convolution updates the held window in place, a recompute must not see it)
+                self.kda.update(held[0].clone(), held[1].clone())
+        elif held:
+            self.prefix = held[0]
+
+    @staticmethod
+    def take(cache: KimiK3HybridCache, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """The state layer `layer_idx` starts from: a KDA layer's ``(recurrent state, conv window)``, an MLA layer's
+        held latents ``[B, S, D]``; nothing at a sequence start. Copies where `put` will write in place (an MLA
+        buffer, a static cache's states): checkpointing saves its inputs and refuses one changed before the backward."""
+        layer = cache.layers[layer_idx]
+        if isinstance(layer, KimiK3MLACacheLayer):
+            return (layer.latent[:, : layer.length].clone(),) if layer.holds else ()
+        if not layer.has_state:
+            return ()
+        state = layer.recurrent_state, layer.conv_state
+        return tuple(t.clone() for t in state) if layer.static else state
+
+    @staticmethod
+    def put(cache: KimiK3HybridCache, layer_idx: int, state: Sequence[torch.Tensor]) -> None:
+        """Store what `new_state` returned for layer `layer_idx`."""
+        if isinstance(cache.layers[layer_idx], KimiK3MLACacheLayer):
+            cache.update_latent(state[0], layer_idx)
+        else:
+            cache.kda_layer(layer_idx).update(*state)
+
+    def new_state(self) -> tuple[torch.Tensor, ...]:
+        """A KDA layer's final ``(recurrent state, conv window)``, an MLA layer's new latent rows ``[B, T, D]``."""
+        if self.kda is not None:
+            return self.kda.recurrent_state, self.kda.conv_state
+        return (self.rows,)
+
+    def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
+        return self.kda
+
+    def update_mla(self, latent_states: torch.Tensor, layer_idx: int) -> KimiK3LatentView:
+        self.rows = latent_states
+        if self.prefix is None:
+            return KimiK3LatentView(latent_states, 0, False, None)
+        prefix = self.prefix.to(latent_states.device, latent_states.dtype)
+        return KimiK3LatentView(torch.cat([prefix, latent_states], dim=1), prefix.shape[1], True, None)
+
+
+# the tensors `KimiK3CarriedState.new_state` returns, by layer type
+CARRIED_OUTPUTS = {"linear_attention": 2, "full_attention": 1}
+
+
 class KimiK3DecoderLayer(GradientCheckpointingLayer):
     """One K3 layer. Its input is the AttnRes state: the running partial sum ``p`` of the current block and
     the bank of earlier block snapshots. With AttnRes off the bank stays empty and each read returns ``p``,
@@ -1208,9 +1267,16 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
         self.mlp_res = KimiK3BlockAttnRes(config, layer_idx, "mlp") if config.use_attn_res else None
 
     def forward(self, partial: torch.Tensor, *bank: torch.Tensor, attention_mask=None, past_key_values=None,
-                cu_seqlens: torch.LongTensor | None = None, **kwargs) -> tuple[torch.Tensor, ...]:
+                cu_seqlens: torch.LongTensor | None = None, carried: int | None = None,
+                **kwargs) -> tuple[torch.Tensor, ...]:
         """``(partial, *bank) -> (partial, *bank)``; the bank is passed positionally so that gradient
-        checkpointing sees every tensor."""
+        checkpointing sees every tensor. With ``carried`` (under gradient checkpointing with a cache), the last
+        ``carried`` positional tensors are the layer's cached state (`KimiK3CarriedState`) and its new state follows
+        the bank in the output."""
+        if carried is not None:
+            bank, held = bank[: len(bank) - carried], bank[len(bank) - carried:]
+            past_key_values = KimiK3CarriedState(self.layer_type, held, self.self_attn.conv_size - 1
+                                                 if self.layer_type == "linear_attention" else 0)
         x = self.input_layernorm(self.self_attention_res(*bank, partial)[0])
         if self.self_attention_res.starts_block:
             bank, partial = (*bank, partial), None
@@ -1227,6 +1293,8 @@ class KimiK3DecoderLayer(GradientCheckpointingLayer):
             partial = partial + self.mlp(ffn_in, kwargs.get("output_router_logits", False))
         else:
             partial = partial + self.mlp(ffn_in)
+        if carried is not None:
+            return (partial, *bank, *past_key_values.new_state())
         return (partial, *bank)
 
 
@@ -1406,6 +1474,14 @@ class KimiK3Model(KimiK3PreTrainedModel):
         state = (inputs_embeds,)  # (partial sum, *bank)
         for layer in self.layers:
             mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask
+            if past_key_values is not None and layer.gradient_checkpointing and layer.training:
+                # a checkpointed layer is recomputed in the backward: its cached state goes in and out as tensors
+                held = KimiK3CarriedState.take(past_key_values, layer.layer_idx)
+                out = layer(*state, *held, attention_mask=mask, cu_seqlens=cu_seqlens, carried=len(held), **kwargs)
+                count = CARRIED_OUTPUTS[layer.layer_type]
+                KimiK3CarriedState.put(past_key_values, layer.layer_idx, out[-count:])
+                state = out[:-count]
+                continue
             state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens, **kwargs)
 
         partial, *bank = state

@@ -74,10 +74,6 @@ def _check(model, input_ids: torch.Tensor, labels: torch.Tensor | None, mode: st
     if labels.shape != input_ids.shape:
         raise KimiK3SegmentError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got "
                                  f"{tuple(labels.shape)}")  # fmt: skip
-    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        raise KimiK3SegmentError("gradient checkpointing runs the layers without the cache (transformers drops "
-                                 "past_key_values in a checkpointed layer), so a segment would not see the state it "
-                                 "starts from: call model.gradient_checkpointing_disable()")  # fmt: skip
     if getattr(model.config, "router_aux_loss_coef", 0):
         raise KimiK3SegmentError("the router's auxiliary loss is a mean over one call's tokens, not a sum over the "
                                  "trajectory: set config.router_aux_loss_coef = 0 (K3 balances with the selection "
