@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
 from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig
 from transformers_k3.segment_data import SegmentCollator, SegmentDataset, SegmentStateStore, SegmentTrainer
@@ -172,6 +172,11 @@ def test_segment_trainer_refuses_what_it_cannot_train(tmp_path):
         trainer.training_step(model, {"input_ids": ids, "attention_mask": torch.zeros_like(ids)})
     with pytest.raises(KimiK3SegmentError, match="drop the other columns"):
         trainer.training_step(model, {"input_ids": ids, "pixel_values": ids})
+    # packed rows, as transformers' flattening collator makes them: named, with what to do instead
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": list(range(3, 12))},
+                                                                        {"input_ids": list(range(3, 10))}])
+    with pytest.raises(KimiK3SegmentError, match=r"packed rows .*position_ids.*own trajectory"):
+        trainer.training_step(model, dict(packed))
 
 
 def test_segment_trainer_with_quantile_balancing(tmp_path):

@@ -349,6 +349,10 @@ def test_bad_arguments_are_named(model, ids):
         segment_backward(model, ids, ids[:, :10], segment_len=8)
     with pytest.raises(KimiK3SegmentError, match="no token has a label"):
         segment_backward(model, ids, torch.full_like(ids, -100), segment_len=8)
+    # a packed row (two sequences, positions restarting): the state would run from one into the other
+    positions = torch.cat([torch.arange(40), torch.arange(24)]).expand(2, -1)
+    with pytest.raises(KimiK3SegmentError, match=r"packed rows .*position_ids.*own trajectory"):
+        segment_backward(model, ids, segment_len=16, position_ids=positions)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -461,6 +465,32 @@ def test_bf16_segments_are_as_close_to_float64_as_a_full_context_bf16_step(one_t
         assert full_error <= 1.25 * peer_error, (autocast, full_error, peer_error)
         assert all(e <= 1.25 * min(full_error, peer_error) for e in errors.values()), (autocast, errors, full_error,
                                                                                        peer_error)  # fmt: skip
+
+
+def test_a_compiled_segment_forward_has_eager_gradients(one_thread):
+    """torch.compile(fullgraph=True) of the model, run on a segment from a cache a no-grad prefix filled (truncated
+    mode's step), with the loss: the graph holds the whole forward (a break raises) and its loss and gradients are
+    eager's. The backend is aot_eager (dynamo capture, AOTAutograd's forward and backward graphs, no code generation,
+    as in test_compile_packed)."""
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()), std=0.05).train()
+    ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+
+    def segment(forward):
+        cache = KimiK3HybridCache(model.config)
+        with torch.no_grad():
+            model(ids[:, :32], past_key_values=cache, use_cache=True)
+        loss = forward(input_ids=ids[:, 32:], past_key_values=cache, labels=ids[:, 32:]).loss
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    want = segment(model)
+    torch._dynamo.reset()
+    got = segment(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    torch._dynamo.reset()
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+    _assert_same_gradients(got[1], want[1])
 
 
 def test_exact_and_truncated_on_the_pytorch_path(model, ids):

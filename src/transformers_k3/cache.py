@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -844,6 +845,27 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         # (inside a graph a static layer's count stays on the device: the layer masks by `position`)
         past_len = 0 if torch.compiler.is_compiling() else layer.length - latent_states.shape[1]
         return KimiK3LatentView(latent, past_len, had_past, layer.position)
+
+    def layer_state(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """One layer's held state as tensors, for a layer that runs without the cache (a gradient-checkpointed one,
+        `KimiK3CarriedState`): a KDA layer's ``(recurrent state, conv window)``, an MLA layer's held latents
+        ``[B, S, D]``; nothing at a sequence start. Copies where `hold_layer_state` writes in place (an MLA buffer, a
+        static cache's states): checkpointing saves its inputs and refuses one changed before the backward."""
+        layer = self.layers[layer_idx]
+        if isinstance(layer, KimiK3MLACacheLayer):
+            return (layer.latent[:, : layer.length].clone(),) if layer.holds else ()
+        if not layer.has_state:
+            return ()
+        state = layer.recurrent_state, layer.conv_state
+        return tuple(t.clone() for t in state) if layer.static else state
+
+    def hold_layer_state(self, layer_idx: int, state: Sequence[torch.Tensor]) -> None:
+        """Store what a layer that ran without the cache computed: a KDA layer's final ``(recurrent state, conv
+        window)``, an MLA layer's new latent rows ``[B, T, D]`` (appended)."""
+        if isinstance(self.layers[layer_idx], KimiK3MLACacheLayer):
+            self.layers[layer_idx].update(state[0])
+        else:
+            self.layers[layer_idx].update(*state)
 
     # ------------------------------------------------------------------------------------------ state as a whole
     def state(self, detached: bool = False) -> KimiK3CacheState:

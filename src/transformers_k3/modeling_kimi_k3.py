@@ -28,7 +28,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ._compat import MASK_CACHE_KWARG, OUTPUT_CACHE_FIELD, either_cache, output_cache
-from .cache import NO_CACHE_STEP, KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3LatentView, KimiK3MLACacheLayer
+from .cache import NO_CACHE_STEP, KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3LatentView
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .conversion.release_format import KimiK3ReleaseFormatMixin
 from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_reads_are_free, _input_ids_problem,
@@ -1189,9 +1189,10 @@ class KimiK3CarriedState:
     """One layer's cached state carried through a gradient-checkpointed layer as tensors, and the cache interface its
     attention calls (`kda_layer`, `update_mla`) over them. transformers' checkpointed layer runs without the cache,
     since its recompute in the backward would write the cache a second time from the state the first run left; so the
-    model reads the layer's incoming state (`take`) before the layer, passes it positionally (checkpointing then saves
-    it, gives it a gradient and recomputes from it), gets the new state back among the layer's outputs (`new_state`)
-    and stores it after the layer (`put`). The layer's forward is then a function of its inputs alone."""
+    model reads the layer's incoming state (`KimiK3HybridCache.layer_state`) before the layer, passes it positionally
+    (checkpointing then saves it, gives it a gradient and recomputes from it), gets the new state back among the
+    layer's outputs (`new_state`) and stores it after the layer (`KimiK3HybridCache.hold_layer_state`). The layer's
+    forward is then a function of its inputs alone."""
 
     def __init__(self, layer_type: str, held: Sequence[torch.Tensor], conv_width: int):
         self.kda = self.prefix = self.rows = None
@@ -1201,27 +1202,6 @@ class KimiK3CarriedState:
                 self.kda.update(held[0].clone(), held[1].clone())
         elif held:
             self.prefix = held[0]
-
-    @staticmethod
-    def take(cache: KimiK3HybridCache, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        """The state layer `layer_idx` starts from: a KDA layer's ``(recurrent state, conv window)``, an MLA layer's
-        held latents ``[B, S, D]``; nothing at a sequence start. Copies where `put` will write in place (an MLA
-        buffer, a static cache's states): checkpointing saves its inputs and refuses one changed before the backward."""
-        layer = cache.layers[layer_idx]
-        if isinstance(layer, KimiK3MLACacheLayer):
-            return (layer.latent[:, : layer.length].clone(),) if layer.holds else ()
-        if not layer.has_state:
-            return ()
-        state = layer.recurrent_state, layer.conv_state
-        return tuple(t.clone() for t in state) if layer.static else state
-
-    @staticmethod
-    def put(cache: KimiK3HybridCache, layer_idx: int, state: Sequence[torch.Tensor]) -> None:
-        """Store what `new_state` returned for layer `layer_idx`."""
-        if isinstance(cache.layers[layer_idx], KimiK3MLACacheLayer):
-            cache.update_latent(state[0], layer_idx)
-        else:
-            cache.kda_layer(layer_idx).update(*state)
 
     def new_state(self) -> tuple[torch.Tensor, ...]:
         """A KDA layer's final ``(recurrent state, conv window)``, an MLA layer's new latent rows ``[B, T, D]``."""
@@ -1476,10 +1456,10 @@ class KimiK3Model(KimiK3PreTrainedModel):
             mask = kda_mask if layer.layer_type == "linear_attention" else mla_mask
             if past_key_values is not None and layer.gradient_checkpointing and layer.training:
                 # a checkpointed layer is recomputed in the backward: its cached state goes in and out as tensors
-                held = KimiK3CarriedState.take(past_key_values, layer.layer_idx)
+                held = past_key_values.layer_state(layer.layer_idx)
                 out = layer(*state, *held, attention_mask=mask, cu_seqlens=cu_seqlens, carried=len(held), **kwargs)
                 count = CARRIED_OUTPUTS[layer.layer_type]
-                KimiK3CarriedState.put(past_key_values, layer.layer_idx, out[-count:])
+                past_key_values.hold_layer_state(layer.layer_idx, out[-count:])
                 state = out[:-count]
                 continue
             state = layer(*state, attention_mask=mask, past_key_values=past_key_values, cu_seqlens=cu_seqlens, **kwargs)

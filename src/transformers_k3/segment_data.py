@@ -23,8 +23,8 @@ from torch.utils.data import Dataset
 from transformers import Trainer
 
 from .cache import KimiK3HybridCache
-from .segments import (IGNORE_INDEX, MODES, KimiK3SegmentError, SegmentBoundary, boundary_states, cache_from_boundary,
-                       segment_backward, segment_bounds)
+from .segments import (IGNORE_INDEX, MODES, PACKED_ROWS, PACKING_KEYS, KimiK3SegmentError, SegmentBoundary,
+                       boundary_states, cache_from_boundary, segment_backward, segment_bounds)
 
 __all__ = ["SegmentCollator", "SegmentDataset", "SegmentStateStore", "SegmentTrainer"]
 
@@ -152,6 +152,9 @@ class SegmentTrainer(Trainer):
 
     def training_step(self, model, inputs: dict, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
         unknown = set(inputs) - {"input_ids", "labels", "attention_mask"}
+        packing = [key for key in PACKING_KEYS if key in inputs]
+        if packing:
+            raise KimiK3SegmentError(PACKED_ROWS.format(keys=", ".join(packing)))
         if unknown:
             raise KimiK3SegmentError(f"a SegmentTrainer batch holds input_ids, labels and attention_mask, got "
                                      f"{sorted(unknown)}: drop the other columns")  # fmt: skip

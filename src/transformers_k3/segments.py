@@ -65,7 +65,18 @@ def segment_bounds(length: int, segment_len: int) -> list[tuple[int, int]]:
     return [(start, min(start + segment_len, length)) for start in range(0, length, segment_len)]
 
 
-def _check(model, input_ids: torch.Tensor, labels: torch.Tensor | None, mode: str) -> torch.Tensor:
+# what transformers' DataCollatorWithFlattening adds to mark several sequences packed in one row
+PACKING_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+PACKED_ROWS = ("packed rows (several sequences in one row, marked by {keys}, as DataCollatorWithFlattening makes "
+               "them) cannot be trained in segments: the state a segment leaves would carry one sequence into the "
+               "next, and a forward from a cache does not restart it. Give each sequence its own trajectory (a row of "
+               "input_ids, or its own item), without a flattening collator")
+
+
+def _check(model, input_ids: torch.Tensor, labels: torch.Tensor | None, mode: str, kwargs: dict) -> torch.Tensor:
+    packing = [key for key in PACKING_KEYS if kwargs.get(key) is not None]
+    if packing:
+        raise KimiK3SegmentError(PACKED_ROWS.format(keys=", ".join(packing)))
     if mode not in MODES:
         raise KimiK3SegmentError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -126,7 +137,7 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     (``-100`` ignores a token). ``num_items_in_batch``: the label count to divide by, as transformers' loss takes it
     (gradient accumulation over several calls); default, the trajectory's own. Extra keyword arguments go to every
     segment's forward. Returns the loss."""
-    labels = _check(model, input_ids, labels, mode)
+    labels = _check(model, input_ids, labels, mode, kwargs)
     length = input_ids.shape[1]
     shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     tokens = int((shift_labels != IGNORE_INDEX).sum())
