@@ -184,6 +184,52 @@ def test_export_release_of_a_packed_model_writes_the_release_as_it_came(release,
     assert "quantization_config" not in json.loads((tmp_path / "dequantized" / "config.json").read_text())
 
 
+def test_export_of_a_fused_save_of_a_packed_model_writes_the_release_as_it_came(release, tmp_path):
+    """A packed model saved in our fused layout (``save_original_format=False``: each layer's four stacks) exports
+    with ``mxfp4=True`` to the release as it came: every tensor's name, dtype, shape and bytes (the experts' bytes
+    sliced from the stacks, not re-quantized) and the release's ``config.json``; the export loads packed with the
+    same logits. ``mxfp4=False`` writes every expert dequantized by the release's rule."""
+    from transformers_k3.convert.export import export_to_official
+
+    model = load(KimiK3ForCausalLM, release, dtype=BF16)
+    model.save_pretrained(tmp_path / "fused", save_original_format=False, max_shard_size="40KB")
+    fused = shard_tensors(tmp_path / "fused")
+    assert "model.layers.1.mlp.experts.gate_up_packed" in fused and not any(map(_is_expert, fused))
+    export_to_official(tmp_path / "fused", tmp_path / "exported", max_shard_size="40KB", progress=False, mxfp4=True)
+    original = shard_tensors(release)
+    _assert_same_tensors(original, shard_tensors(tmp_path / "exported"), "exported")
+    assert sum(map(_is_expert, original)) == 5 * 8 * 3 * 2
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["quantization_config"] == release_quantization_config()
+    assert config == json.loads((release / "config.json").read_text())
+    again = load(KimiK3ForCausalLM, tmp_path / "exported", dtype=BF16)
+    assert {t.dtype for _, t in again.model.layers[1].mlp.experts.named_buffers()} == {torch.uint8}
+    assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+    export_to_official(tmp_path / "fused", tmp_path / "dequantized", max_shard_size="40KB", progress=False)
+    dequantized = shard_tensors(tmp_path / "dequantized")
+    assert not any(n.endswith(("weight_packed", "weight_scale")) for n in dequantized)
+    assert "quantization_config" not in json.loads((tmp_path / "dequantized" / "config.json").read_text())
+    for name, packed in original.items():
+        if name.endswith(".weight_packed"):
+            stem = name[: -len("_packed")]
+            want = dequantize_mxfp4(packed, original[stem + "_scale"], BF16)
+            assert dequantized[stem].dtype == BF16 and torch.equal(dequantized[stem], want), stem
+
+    # a layer's stacks that are not the packed layout's (one missing, or not uint8) are refused by name
+    from transformers_k3.conversion.streaming import write_state_dict
+
+    for broken, change in (("no_scale", lambda t: t.pop("model.layers.2.mlp.experts.down_scale")),
+                           ("float", lambda t: t.update({"model.layers.2.mlp.experts.down_scale":
+                                                         t["model.layers.2.mlp.experts.down_scale"].float()}))):
+        state = dict(fused)
+        change(state)
+        write_state_dict(state, tmp_path / broken, max_shard_size=40_000)
+        (tmp_path / broken / "config.json").write_text((tmp_path / "fused" / "config.json").read_text())
+        with pytest.raises(CheckpointError, match="model.layers.2.mlp.experts.down_(packed|scale)"):
+            export_to_official(tmp_path / broken, tmp_path / "refused", dry_run=True, mxfp4=True)
+
+
 def test_expert_resident_bytes_against_the_bf16_model(release):
     packed = load(KimiK3ForCausalLM, release, dtype=BF16)
     bf16 = load(KimiK3ForCausalLM, release, dtype=BF16, quantization_config=KimiK3Mxfp4Config(dequantize=True))

@@ -67,6 +67,11 @@ def parse_size(size: int | str) -> int:
 
 # --------------------------------------------------------------------------------------------------
 # Reading
+# The stacks of MXFP4 bytes a `KimiK3PackedExperts` layer saves under with ``save_original_format=False``
+PACKED_EXPERT_STACKS = (".mlp.experts.gate_up_packed", ".mlp.experts.gate_up_scale", ".mlp.experts.down_packed",
+                        ".mlp.experts.down_scale")
+
+
 def non_float_problem(name: str, dtype: torch.dtype) -> str | None:
     """Why a tensor of ``dtype`` cannot be the K3 weight ``name``, or None. Every K3 weight is floating point
     (bf16/fp16/fp32, FP8, E8M0); the only integer tensors are MXFP4 ``weight_packed`` (uint8 nibbles) and
@@ -75,6 +80,8 @@ def non_float_problem(name: str, dtype: torch.dtype) -> str | None:
     if dtype.is_floating_point:
         return None
     if dtype == torch.uint8 and name.endswith((".weight_packed", ".weight_scale")):
+        return None
+    if dtype == torch.uint8 and name.endswith(PACKED_EXPERT_STACKS):  # (`KimiK3PackedExperts` saved fused)
         return None
     return (f"tensor `{name}` is stored as {str(dtype).replace('torch.', '')}, which cannot be a K3 weight (weights "
             "are floating point; only MXFP4 `weight_packed`/`weight_scale` are uint8); the file is corrupt or not "
@@ -316,7 +323,8 @@ class _Reader:
 class Piece:
     """``fn([inputs...]) -> tensor`` written to elements ``[dst_offset, dst_offset + numel)`` of its output.
     ``select`` indexes the first source before it is read (``get_slice``), so slicing a fused tensor reads
-    only the slice. ``expect_shape`` is the shape ``fn`` must return."""
+    only the slice; ``selects_rest`` does so for the other sources, one entry (or None) each. ``expect_shape`` is
+    the shape ``fn`` must return."""
 
     sources: tuple[TensorInfo, ...]
     expect_shape: tuple[int, ...]
@@ -324,6 +332,7 @@ class Piece:
     fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
     select: tuple | None = None
     note: str = ""
+    selects_rest: tuple[tuple | None, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -494,7 +503,8 @@ def execute_plan(plan: Sequence[OutputTensor], directory: str | os.PathLike, max
                 items = sorted(by_file[path], key=lambda item: item[1].sources[0].offset)
                 for tensor, piece in items:
                     inputs = [reader.read(piece.sources[0], piece.select)]
-                    inputs += [reader.read(info) for info in piece.sources[1:]]
+                    rest = piece.selects_rest or (None,) * (len(piece.sources) - 1)
+                    inputs += [reader.read(info, select) for info, select in zip(piece.sources[1:], rest, strict=True)]
                     try:
                         value = piece.fn(inputs) if piece.fn is not None else inputs[0]
                     except CheckpointError:

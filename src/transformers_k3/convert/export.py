@@ -1,9 +1,10 @@
 """Our layout -> the release's layout (K3_SPEC.md section 13), streamed shard by shard, for serving engines.
 
 Accepts every layout this package writes: fused experts (the converters, ``save_pretrained(...,
-save_original_format=False)``), per-expert official names (``save_pretrained``, either FFN alias), and
-per-expert MXFP4 experts kept by ``--keep-quantized``. The fused experts are read one expert slice at a time
-(``get_slice``), so no fused tensor is ever held in memory.
+save_original_format=False)``), per-expert official names (``save_pretrained``, either FFN alias),
+per-expert MXFP4 experts kept by ``--keep-quantized``, and packed MXFP4 experts (`KimiK3PackedExperts`) saved
+fused (``gate_up_packed`` / ``gate_up_scale`` / ``down_packed`` / ``down_scale`` stacks). The fused experts are
+read one expert slice at a time (``get_slice``), so no fused tensor is ever held in memory.
 
 What is written is the release's layout exactly:
 
@@ -16,9 +17,9 @@ What is written is the release's layout exactly:
   (bf16 by default) for every other floating tensor;
 * ``A_log`` as fp32 ``[max(nh, head_dim)]``: the heads, then zeros (``[128]`` for 96 heads of 128);
 * with ``mxfp4`` the routed experts as compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed`` uint8
-  ``[N, K/2]`` + E8M0 ``weight_scale`` uint8 ``[N, K/32]``): kept-quantized sources copied bit for bit, others
-  quantised by `quantize_mxfp4_release` (compressed-tensors' rule; the original bytes for weights that are
-  unchanged since they were dequantised);
+  ``[N, K/2]`` + E8M0 ``weight_scale`` uint8 ``[N, K/32]``): kept-quantized and packed sources copied bit for
+  bit, others quantised by `quantize_mxfp4_release` (compressed-tensors' rule; the original bytes for weights
+  that are unchanged since they were dequantised); without ``mxfp4``, MXFP4 sources (kept or packed) dequantised;
 * ``model.safetensors.index.json`` (``metadata.total_size`` + ``weight_map``) and a ``config.json`` with the
   release's keys (``dtype`` naming what was written, ``text_config.model_type: "kimi_linear"``, 1-based layer
   lists, the release's ``quantization_config`` with ``mxfp4``).
@@ -62,7 +63,7 @@ from ..conversion.quant import (
     mxfp4_scale_2d,
     quantize_mxfp4_release,
 )
-from ..conversion.streaming import Checkpoint, OutputTensor, Piece
+from ..conversion.streaming import PACKED_EXPERT_STACKS, Checkpoint, OutputTensor, Piece
 
 # Keys of our config that official configs do not carry: derived from others, or ours with the official
 # behaviour as default (written only when they differ from it).
@@ -107,6 +108,7 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
     outputs: dict[str, OutputTensor] = {}
     sources_of: dict[str, str] = {}
     quantized: dict[tuple[str, int, str], dict[str, object]] = {}
+    packed_stacks: dict[tuple[str, str], dict[str, object]] = {}  # (experts base, gate_up/down) -> packed/scale
     covered: set[str] = set()
 
     def add(name, tensor: OutputTensor, note: str):
@@ -145,6 +147,11 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
                 info.where())
             continue
         text = prefix + canonical_text_name(name)
+        if text.endswith(PACKED_EXPERT_STACKS):  # (read below, once both stacks of a side are known)
+            base, _, stack = text.rpartition(".")
+            side, _, kind = stack.rpartition("_")
+            packed_stacks.setdefault((base, side), {})[kind] = info
+            continue
         parsed = parse_expert_name(text)
         if parsed is not None:
             fused = parsed.fused
@@ -228,6 +235,46 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
             continue
         piece = Piece((packed, scale), block, 0, lambda x: dequantize_mxfp4(x[0], x[1], torch.float32))
         add(name, OutputTensor(name, target, block, [piece]), f"{packed.where()} (MXFP4 -> {target})")
+
+    for (base, side), parts in packed_stacks.items():
+        fused = f"{base}.{side}_proj"
+        exp = expected.get(fused)
+        packed, scale = parts.get("packed"), parts.get("scale")
+        if exp is None:
+            errors.append(f"{(packed or scale).where()}: unknown tensor (the model for this config has no `{fused}`)")
+            continue
+        if packed is None or scale is None:
+            errors.append(f"{(packed or scale).where()}: packed MXFP4 experts need both `{base}.{side}_packed` and "
+                          f"`{base}.{side}_scale`; save the model again with save_pretrained")
+            continue
+        experts, rows, cols = exp.shape
+        if tuple(packed.shape) != (experts, rows, cols // 2) or tuple(scale.shape) != (experts, rows, cols // 32) \
+                or packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+            errors.append(f"{packed.where()}: packed MXFP4 experts stored as {packed.dtype} {list(packed.shape)} / "
+                          f"{scale.dtype} {list(scale.shape)}, the config needs uint8 {[experts, rows, cols // 2]} / "
+                          f"uint8 {[experts, rows, cols // 32]}")
+            continue
+        covered.add(fused)
+        for e in range(experts):
+            for proj in ("w1", "w3") if side == "gate_up" else ("w2",):
+                offset, block = expert_block(proj, exp.shape)
+                select = (e, slice(offset, offset + block[0]))  # one expert's rows of each stack, read by get_slice
+                rows_of = f"[{e}, {offset}:{offset + block[0]}]"
+                where = f"{packed.where()}{rows_of}"
+                name = release_text_name(per_expert_name(base, e, proj))
+                if not mxfp4:
+                    piece = Piece((packed, scale), block, 0, lambda x: dequantize_mxfp4(x[0], x[1], torch.float32),
+                                  select=select, selects_rest=(select,))
+                    add(name, OutputTensor(name, target, block, [piece]), f"{where} (MXFP4 -> {target})")
+                    continue
+                stem = name[: -len("weight")]
+                shape = (block[0], block[1] // 2)
+                add(stem + "weight_packed", OutputTensor(stem + "weight_packed", torch.uint8, shape, [
+                    Piece((packed, scale), shape, 0, _checked_mxfp4_packed, select=select, selects_rest=(select,))]),
+                    f"{where} (copied; scales checked)")
+                shape = (block[0], block[1] // 32)
+                add(stem + "weight_scale", OutputTensor(stem + "weight_scale", torch.uint8, shape, [
+                    Piece((scale,), shape, select=select)]), f"{scale.where()}{rows_of} (copied)")
 
     # every expected tensor must be there (experts: every expert of every projection)
     for name, exp in expected.items():
