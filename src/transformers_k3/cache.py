@@ -598,6 +598,11 @@ class KimiK3LatentView(NamedTuple):
     past_len: int  # tokens held before the step (0 inside a graph over a static cache: its count stays on the device)
     had_past: bool  # whether any token was held before the step (a Python flag: no length read)
     position: torch.Tensor | None  # a static layer's token count after the step, on its device; None when growing
+    # the step's latents as attended: the tensor given when held unchanged (its gradient then reaches it directly,
+    # not through a buffer the context's size); the buffer's rows read back otherwise
+    step: torch.Tensor | None = None
+    # whether the held tokens' latents lead back into a graph (exact segment training); else they need no gradient
+    context_grad: bool = False
 
     def held(self, step_len: int) -> tuple[torch.Tensor, int]:
         """``(latents of the tokens held [B, S, D], tokens held before the step)`` for a step of `step_len` tokens
@@ -838,13 +843,17 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         the view it attends over with what it needs to mask it (`KimiK3LatentView`)."""
         layer = self.layers[layer_idx]
         had_past = layer.holds
+        context_grad = had_past and layer.latent.requires_grad
         if not self.static:
             past_len = layer.length
-            return KimiK3LatentView(layer.update(latent_states)[0], past_len, had_past, None)
+            latent = layer.update(latent_states)[0]
+            as_given = layer.latent.dtype == latent_states.dtype and layer.latent.device == latent_states.device
+            step = latent_states if as_given else latent[:, past_len:]
+            return KimiK3LatentView(latent, past_len, had_past, None, step, context_grad)
         latent = layer.update(latent_states)[0]
         # (inside a graph a static layer's count stays on the device: the layer masks by `position`)
         past_len = 0 if torch.compiler.is_compiling() else layer.length - latent_states.shape[1]
-        return KimiK3LatentView(latent, past_len, had_past, layer.position)
+        return KimiK3LatentView(latent, past_len, had_past, layer.position, None, context_grad)
 
     def layer_state(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         """One layer's held state as tensors, for a layer that runs without the cache (a gradient-checkpointed one,

@@ -6,9 +6,10 @@ Attention Residuals, the decoder layer, then the pretrained-model classes (K3_SP
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -414,6 +415,9 @@ ABSORB_MAX_QUERY_LEN = 16
 # A multi-token step on top of a cache (chunked prefill) attends to the cached context this many tokens at a time;
 # see `KimiK3MLA._blockwise_attention`.
 CONTEXT_BLOCK = 16384
+# Under autograd the context is attended in blocks the step's size (at least this many tokens: fewer keys a call and
+# the per-call overhead shows), so the K/V expanded for a block, and again in the backward, are bounded by the step.
+MIN_TRAINING_BLOCK = 1024
 
 
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -514,11 +518,13 @@ def _cpu_flash_attention_backward(grad_out, query, key, value, out, lse, causal:
 LSE_BACKWARDS = {"cpu": _cpu_flash_attention_backward}
 
 
-def merge_attention_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax attention ``[B, n, T, d]`` (fp32) and its log-sum-exp from those over disjoint key blocks."""
-    out, lse = parts[0]
+def merge_attention_blocks(parts: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax attention ``[B, n, T, d]`` (fp32) and its log-sum-exp from those over disjoint key blocks, merged
+    as they come (an iterator of blocks keeps one block's result alive at a time, whatever the context's length)."""
+    parts = iter(parts)
+    out, lse = next(parts)
     out = out.float()
-    for block_out, block_lse in parts[1:]:
+    for block_out, block_lse in parts:
         merged = torch.logaddexp(lse, block_lse)
         out = out * (lse - merged).exp().unsqueeze(-1) + block_out.float() * (block_lse - merged).exp().unsqueeze(-1)
         lse = merged
@@ -526,44 +532,53 @@ def merge_attention_blocks(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tu
 
 
 class BlockwiseAttention(torch.autograd.Function):
-    """Softmax attention of ``query`` over latent blocks, each expanded to K/V by ``expand`` (`KimiK3MLA._expand`),
-    attended by the fused kernel (the first block causally, top-left aligned) and merged by log-sum-exp, under
-    autograd. Only the latents, the query and the merged output are kept: the backward expands each block again and
-    runs its kernel backward with the merged output and log-sum-exp (as ring attention does), which is the gradient
-    of the softmax over all keys; the expansion's weights get theirs from a nested backward, as torch's reentrant
-    checkpoint does (so, like it, this works with ``.backward()``, not ``torch.autograd.grad``). Neither a
-    ``[T, context]`` matrix nor the context's K/V are kept."""
+    """Softmax attention of ``query`` over the step's own latents ``step`` (causally, top-left aligned) and the
+    context's ``context`` in blocks of ``block`` tokens, each expanded to K/V by ``expand`` (`KimiK3MLA._expand`),
+    attended by the fused kernel and merged by log-sum-exp, under autograd. Only the latents, the query and the merged
+    output are kept: the backward expands each block again and runs its kernel backward with the merged output and
+    log-sum-exp (as ring attention does), which is the gradient of the softmax over all keys; the expansion's weights
+    get theirs from a nested backward, as torch's reentrant checkpoint does (so, like it, this works with
+    ``.backward()``, not ``torch.autograd.grad``). Neither a ``[T, context]`` matrix nor the context's K/V are kept,
+    and a context that needs no gradient gets none computed."""
 
     @staticmethod
-    def forward(ctx, query, expand, scale, pad, *latents):
-        parts = []
-        for i, latent in enumerate(latents):
+    def forward(ctx, query, expand, scale, pad, block, step, context):
+        def attend(latent: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
             key, value = expand(latent)
-            parts.append(attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, i == 0, scale))
-        out, lse = merge_attention_blocks(parts)
+            return attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, causal, scale)
+
+        context_parts = (attend(context[:, start:end], False) for start, end in blocks(context.shape[1], block))
+        out, lse = merge_attention_blocks(itertools.chain([attend(step, True)], context_parts))
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, out, lse, *latents)
-        ctx.expand, ctx.scale, ctx.pad = expand, scale, pad
+        ctx.save_for_backward(query, out, lse, step, context)
+        ctx.expand, ctx.scale, ctx.pad, ctx.block = expand, scale, pad, block
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, out, lse, *latents = ctx.saved_tensors
+        query, out, lse, step, context = ctx.saved_tensors
         backward = LSE_BACKWARDS[query.device.type]
-        grad_query, grads = None, []
-        for i, latent in enumerate(latents):
+        grad_out = grad_out.contiguous()
+
+        def block_backward(latent: torch.Tensor, causal: bool, needs_grad: bool):
             with torch.enable_grad():
-                leaf = latent.detach().requires_grad_(ctx.needs_input_grad[4 + i])
+                leaf = latent.detach().requires_grad_(needs_grad)
                 key, value = ctx.expand(leaf)
                 if ctx.pad:
                     value = F.pad(value, (0, ctx.pad))
-            dq, dk, dv = backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(), out, lse,
-                                  i == 0, ctx.scale)  # fmt: skip
+            dq, dk, dv = backward(grad_out, query.detach(), key.detach(), value.detach(), out, lse, causal, ctx.scale)
             if key.requires_grad:
                 torch.autograd.backward((key, value), (dk, dv))
-            grad_query = dq if grad_query is None else grad_query + dq
-            grads.append(leaf.grad)
-        return grad_query, None, None, None, *grads
+            return dq, leaf.grad
+
+        grad_query, grad_step = block_backward(step, True, ctx.needs_input_grad[5])
+        grad_context = torch.empty_like(context) if ctx.needs_input_grad[6] else None
+        for start, end in blocks(context.shape[1], ctx.block):
+            dq, grad = block_backward(context[:, start:end], False, grad_context is not None)
+            grad_query += dq
+            if grad_context is not None:
+                grad_context[:, start:end] = grad
+        return grad_query, None, None, None, None, grad_step, grad_context
 
 
 @kernel_layer("k3_mla")
@@ -653,7 +668,8 @@ class KimiK3MLA(nn.Module):
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 
-    def _blockwise_attention(self, query: torch.Tensor, latent: torch.Tensor, past_len: int) -> torch.Tensor:
+    def _blockwise_attention(self, query: torch.Tensor, latent: torch.Tensor, past_len: int,
+                             step: torch.Tensor | None = None, context_grad: bool = True) -> torch.Tensor:
         """Causal attention of ``T`` new queries to ``past_len`` cached tokens plus themselves, with memory bounded
         by the step, not the context. Returns ``[B, T, n, dv]``.
 
@@ -663,7 +679,9 @@ class KimiK3MLA(nn.Module):
         ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs a kernel's
         log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors). Under autograd (a segment trained after its
         context; `LSE_BACKWARDS`: CPU tensors) `BlockwiseAttention` keeps only the latents and expands each block
-        again in the backward."""
+        again in the backward; the context then goes in blocks the step's size (`MIN_TRAINING_BLOCK`), the step's own
+        latents are ``step`` (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer) and
+        the context gets a gradient only with ``context_grad``."""
         pad = self.qk_head_dim - self.v_head_dim
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -681,14 +699,15 @@ class KimiK3MLA(nn.Module):
                 return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling
                                                       ).transpose(1, 2)  # fmt: skip
             # (the backward expands each block again: the context's K/V are never kept)
-            pieces = [latent[:, past_len:]] + [latent[:, start:end]
-                                               for start, end in blocks(past_len, self.context_block)]
-            out = BlockwiseAttention.apply(query, self._expand, self.scaling, max(pad, 0), *pieces)
+            block = min(self.context_block, max(query.shape[-2], MIN_TRAINING_BLOCK))
+            step = latent[:, past_len:] if step is None else step
+            context = latent[:, :past_len] if context_grad else latent[:, :past_len].detach()
+            out = BlockwiseAttention.apply(query, self._expand, self.scaling, max(pad, 0), block, step, context)
             return out[..., : self.v_head_dim].transpose(1, 2)
-        parts = [attend(latent[:, past_len:], causal=True)]
-        for start, end in blocks(past_len, self.context_block):  # (a graph guards on their count, not the length)
-            parts.append(attend(latent[:, start:end], causal=False))
-        out, _ = merge_attention_blocks(parts)
+        # (a graph guards on the blocks' count, not the length)
+        context_parts = (attend(latent[:, start:end], causal=False)
+                         for start, end in blocks(past_len, self.context_block))  # fmt: skip
+        out, _ = merge_attention_blocks(itertools.chain([attend(latent[:, past_len:], causal=True)], context_parts))
         return out.to(query.dtype).transpose(1, 2)
 
     # (absorbed decode reads `kv_b_proj.weight` without calling it: accelerate's offload hooks are fired here)
@@ -698,11 +717,11 @@ class KimiK3MLA(nn.Module):
         batch, q_len, _ = hidden_states.shape
         query = self._queries(hidden_states)
         latent = self._latent(hidden_states)
-        past_len, has_past, static = 0, False, None
+        past_len, has_past, static, view = 0, False, None, None
         if past_key_values is not None:
             # (a compiled decode step of a static cache reads no length: the absorbed path masks by `position`)
             view = past_key_values.update_mla(latent, self.layer_idx)
-            latent, past_len, has_past, static = view
+            latent, past_len, has_past, static = view.latent, view.past_len, view.had_past, view.position
 
         if absorb is None:
             # Absorption reads `kv_b_proj.weight` itself, so only a plain nn.Linear qualifies: an adapter (PEFT LoRA)
@@ -725,7 +744,7 @@ class KimiK3MLA(nn.Module):
         elif attention_mask is None and past_len > 0 and q_len > 1 and uses_blockwise_attention(self.config,
                                                                                               hidden_states):
             # The model passes no mask here only when every row is unpadded: causal over past + step.
-            attn_output = self._blockwise_attention(query, latent, past_len)
+            attn_output = self._blockwise_attention(query, latent, past_len, view.step, view.context_grad)
         else:
             key, value = self._expand(latent)
             interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)

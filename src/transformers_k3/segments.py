@@ -149,14 +149,14 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     bounds = segment_bounds(length, segment_len)
     losses = []
     if mode == "truncated":
-        boundary, latents = SegmentBoundary(0, {}), {}
+        # one cache, its state made a constant after each segment (a cache per segment would hold two copies of the
+        # latents while the next one is filled)
+        cache = KimiK3HybridCache(model.config, max_cache_len=length)
         for start, end in bounds:
-            cache, _ = cache_from_boundary(model.config, boundary, latents, length, leaves=False)
             loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
             loss.backward()
             losses.append(loss.detach())
-            state = cache.state(detached=True)
-            boundary, latents = SegmentBoundary(end, state.kda), state.latents
+            cache.detach_()
         return SegmentResult(sum(losses), losses, tokens)
 
     boundaries, latents = boundary_states(model, input_ids, segment_len)
