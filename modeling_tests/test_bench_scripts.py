@@ -260,3 +260,27 @@ def test_bench_mxfp4_stream_table_runs_at_a_tiny_size():
     for name in ("streamed, page cache", "streamed, from disk"):
         assert float(rows[name][4]) == pytest.approx(per_token / 1e6, abs=0.006), stdout
         assert float(rows[name][7]) == 0.0, stdout  # (the logits equal the packed model's)
+
+
+@pytest.mark.slow
+def test_bench_segments_runs_at_a_tiny_size():
+    """bench_segments prints a memory row per trajectory length and mode (tiny trajectories: checks it runs and
+    reports the state it keeps, not the memory)."""
+    code, stdout, output = _run(sys.executable, "bench/bench_segments.py", "--contexts", "256", "--segment", "128",
+                                timeout=600)  # fmt: skip
+    assert code == 0, output
+    rows = [line.split("|") for line in stdout.splitlines() if line.startswith("| 256 ")]
+    assert [row[3].strip() for row in rows] == ["truncated", "exact"], stdout
+    assert all(float(row[5]) > 0 for row in rows), stdout
+
+
+@pytest.mark.slow
+def test_bench_segment_training_runs_at_a_tiny_size():
+    """bench_segment_training trains a short toy trajectory by each route and prints the held-out loss before and
+    after (two steps each: checks it runs, not how far the loss falls)."""
+    code, stdout, output = _run(sys.executable, "bench/bench_segment_training.py", "--length", "384", "--segment",
+                                "128", "--steps", "2", "--replay-steps", "2", timeout=600)  # fmt: skip
+    assert code == 0, output
+    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+    assert {"truncated", "exact", "replay"} <= rows.keys(), stdout
+    assert all(0 < float(rows[run][4]) < 10 for run in ("truncated", "exact", "replay")), stdout
