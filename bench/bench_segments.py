@@ -8,7 +8,7 @@ kernels, the same in every row), and the bytes of the state the step keeps
 across segments (MLA latents; in exact mode also the saved boundary KDA states and the latents' gradient buffer).
 Memory, not time: other processes on the machine do not change it.
 
-    python bench/bench_segments.py                                   # 4K, 16K, 64K at 2K segments, both modes
+    python bench/bench_segments.py                                   # 4K to 64K at 2K segments, both modes
     python bench/bench_segments.py --contexts 4096 8192 --segment 1024
 """
 
@@ -73,7 +73,7 @@ def measure(length: int, segment: int, mode: str, hidden: int, threads: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--segment", type=int, default=2048)
     parser.add_argument("--modes", nargs="+", default=["truncated", "exact"], choices=["truncated", "exact"])
     parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (KimiK3TextConfig.tiny)")
