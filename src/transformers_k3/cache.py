@@ -602,7 +602,7 @@ class KimiK3LatentView(NamedTuple):
     # not through a buffer the context's size); the buffer's rows read back otherwise
     step: torch.Tensor | None = None
     # whether the held tokens' latents lead back into a graph (exact segment training); else they need no gradient
-    context_grad: bool = False
+    context_grad: bool = True
 
     def held(self, step_len: int) -> tuple[torch.Tensor, int]:
         """``(latents of the tokens held [B, S, D], tokens held before the step)`` for a step of `step_len` tokens

@@ -1236,7 +1236,8 @@ class KimiK3CarriedState:
         if self.prefix is None:
             return KimiK3LatentView(latent_states, 0, False, None)
         prefix = self.prefix.to(latent_states.device, latent_states.dtype)
-        return KimiK3LatentView(torch.cat([prefix, latent_states], dim=1), prefix.shape[1], True, None)
+        return KimiK3LatentView(torch.cat([prefix, latent_states], dim=1), prefix.shape[1], True, None, latent_states,
+                                prefix.requires_grad)  # fmt: skip
 
 
 # the tensors `KimiK3CarriedState.new_state` returns, by layer type
