@@ -71,7 +71,7 @@ def test_bf16_gradients_at_init_scale_are_as_close_to_float64_as_kimi_linears(on
     """bf16 training gradients: K3 is no further from float64 than in-tree Kimi Linear on the same weights (the
     initialisation, std 0.02), and the tiny K3 with every feature on is as close. At the larger random weights of
     `randomize_` both models are chaotic (top-k flips, and K3's latent-MoE norm with a gain of 1/rms): there bf16
-    weight rounding alone moves the gradients far in float64 math, see docs/bf16_gradients.md."""
+    weight rounding alone moves the gradients far in float64 math, see docs/correctness.md ("bf16 gradients")."""
     torch.manual_seed(0)
     kl_config = kimi_linear_config()
     reference = KimiLinearForCausalLM(kl_config)
