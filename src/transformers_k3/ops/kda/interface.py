@@ -229,10 +229,12 @@ def _torch_kda(
     ``inplace``: the final state may be written into ``initial_state`` (the single-token path does so when the
     layouts allow; the caller copies otherwise). ``gate_bound``: a bound on ``|g|`` the caller guarantees.
     ``kernel``: the fused CPU kernel computes the call where the tensors allow."""
-    if torch.is_autocast_enabled(q.device.type):
+    device_type = q.device.type
+    # (meta and other devices without autocast: asking whether it is enabled there raises)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         # (the op's precision is its own, fp32 math and state as fla's kernels: autocast would run its products in bf16
         # and refuse the state's in-place update)
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(device_type, enabled=False):
             return _torch_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                               cu_seqlens, n_seq, block, inplace, gate_bound, kernel)  # fmt: skip
     batch, length, heads, key_dim = q.shape
