@@ -237,17 +237,19 @@ def test_expert_resident_bytes_against_the_bf16_model(release):
     assert ratio <= 0.3, ratio
 
 
-_PEAK_RSS = textwrap.dedent("""
-    import json, sys, torch
-    import transformers_k3
-    from transformers_k3 import KimiK3ForCausalLM
-
+_STATUS = textwrap.dedent("""
     def status():
         fields = {}
         for line in open("/proc/self/status"):
             key, value = line.split(":", 1)
             fields[key] = int(value.split()[0]) * 1024 if value.strip().endswith("kB") else 0
         return fields
+""")  # (a fresh process's /proc/self/status in bytes, for both RSS scripts)
+
+_PEAK_RSS = textwrap.dedent("""
+    import json, sys, torch
+    import transformers_k3
+    from transformers_k3 import KimiK3ForCausalLM
 
     KimiK3ForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16)  # (code paths warm, caches filled)
     before = status()
@@ -263,7 +265,7 @@ _PEAK_RSS = textwrap.dedent("""
 
 
 def _measure_load(path: Path, warm: Path, save_to: Path | None = None) -> dict:
-    args = [sys.executable, "-c", _PEAK_RSS, str(path), str(warm)] + ([str(save_to)] if save_to else [])
+    args = [sys.executable, "-c", _STATUS + _PEAK_RSS, str(path), str(warm)] + ([str(save_to)] if save_to else [])
     result = subprocess.run(args, capture_output=True, text=True, check=True)
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
 
@@ -454,13 +456,6 @@ _STREAMED_RSS = textwrap.dedent("""
     import transformers_k3
     from transformers_k3 import KimiK3ForCausalLM, KimiK3Mxfp4Config, expert_stream
 
-    def status():
-        fields = {}
-        for line in open("/proc/self/status"):
-            key, value = line.split(":", 1)
-            fields[key] = int(value.split()[0]) * 1024 if value.strip().endswith("kB") else 0
-        return fields
-
     stream = KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=8)
     ids = torch.tensor(json.loads(sys.argv[3]))
     greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
@@ -490,7 +485,7 @@ def test_streamed_decode_peak_rss_is_bounded_below_the_checkpoint(wide_release, 
     path, config = wide_release
     ids = IDS[:1, :12]
     out = tmp_path / "streamed.pt"
-    args = [sys.executable, "-c", _STREAMED_RSS, str(path), str(release), json.dumps(ids.tolist()), str(out)]
+    args = [sys.executable, "-c", _STATUS + _STREAMED_RSS, str(path), str(release), json.dumps(ids.tolist()), str(out)]
     result = subprocess.run(args, capture_output=True, text=True, check=True)
     measured = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
     experts = 5 * config.num_experts * _release_expert_bytes(config)
