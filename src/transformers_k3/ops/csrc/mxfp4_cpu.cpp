@@ -66,22 +66,33 @@ inline void store(void* out, bool bf16, int64_t i, float v) {
     static_cast<float*>(out)[i] = v;
 }
 
+#ifdef K3_MXFP4_AVX2
+// The table and nibble mask decode_block takes (loaded once per call of its callers, outside their loops).
+inline __m128i code_table() { return _mm_load_si128(reinterpret_cast<const __m128i*>(kCodesTimesTwo)); }
+inline __m128i nibble_mask() { return _mm_set1_epi8(0x0f); }
+
+// One 16-byte block of codes as its 32 doubled E2M1 values (exact fp32), in order: w[0] values 0..7, ..., w[3] 24..31.
+inline void decode_block(const uint8_t* codes, __m128i table, __m128i nibble, __m256 w[4]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
+  const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);  // values 0..15, 16..31
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v1, v1)));
+}
+#endif
+
 // One weight row's values [k0, k0 + 32 * blocks) dequantized (exact fp32) into dst.
 inline void dequantize_row(const uint8_t* codes, const uint8_t* scales, int64_t block0, int64_t blocks, float* dst) {
 #ifdef K3_MXFP4_AVX2
-  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodesTimesTwo));
-  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i table = code_table(), nibble = nibble_mask();
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (block0 + b) * 16));
-    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
-    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-    const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);  // values 0..15, 16..31
+    __m256 w[4];
+    decode_block(codes + (block0 + b) * 16, table, nibble, w);
     const __m256 s = _mm256_set1_ps(kHalfScales.value[scales[block0 + b]]);
-    float* d = dst + b * kBlock;
-    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), s));
-    _mm256_storeu_ps(d + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0))), s));
-    _mm256_storeu_ps(d + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), s));
-    _mm256_storeu_ps(d + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v1, v1))), s));
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + b * kBlock + 8 * j, _mm256_mul_ps(w[j], s));
   }
 #else
   for (int64_t b = 0; b < blocks; ++b) {
@@ -108,26 +119,19 @@ inline float hsum(__m256 v) {
 // each 32-block's products with the doubled codes are summed, then scaled (a power of two) into the total.
 template <int R>
 void register_dots(const float* const* x, int64_t blocks, const uint8_t* codes, const uint8_t* scales, float* sums) {
-  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodesTimesTwo));
-  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i table = code_table(), nibble = nibble_mask();
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
-    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
-    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-    const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
-    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
-    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0)));
-    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
-    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v1, v1)));
+    __m256 w[4];
+    decode_block(codes + b * 16, table, nibble, w);
     const __m256 s = _mm256_set1_ps(kHalfScales.value[scales[b]]);
     for (int r = 0; r < R; ++r) {
       const float* xr = x[r] + b * kBlock;
-      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xr), w0);
-      __m256 q = _mm256_mul_ps(_mm256_loadu_ps(xr + 8), w1);
-      p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, p);
-      q = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, q);
+      __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xr), w[0]);
+      __m256 q = _mm256_mul_ps(_mm256_loadu_ps(xr + 8), w[1]);
+      p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], p);
+      q = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], q);
       acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p, q), s, acc[r]);
     }
   }
@@ -138,27 +142,20 @@ void register_dots(const float* const* x, int64_t blocks, const uint8_t* codes, 
 // are register_dots<1>'s, operation for operation (the four rows interleaved for independent chains).
 void register_rows4(const float* x, int64_t blocks, const uint8_t* codes, int64_t row_bytes, const uint8_t* scales,
                     float* sums) {
-  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodesTimesTwo));
-  const __m128i nibble = _mm_set1_epi8(0x0f);
+  const __m128i table = code_table(), nibble = nibble_mask();
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
     const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
                  x3 = _mm256_loadu_ps(xb + 24);
     for (int r = 0; r < 4; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * row_bytes + b * 16));
-      const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, nibble));
-      const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
-      const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v0, v0)));
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v1, v1)));
+      __m256 w[4];
+      decode_block(codes + r * row_bytes + b * 16, table, nibble, w);
       const __m256 s = _mm256_set1_ps(kHalfScales.value[scales[r * blocks + b]]);
-      __m256 p = _mm256_mul_ps(x0, w0);
-      __m256 q = _mm256_mul_ps(x1, w1);
-      p = _mm256_fmadd_ps(x2, w2, p);
-      q = _mm256_fmadd_ps(x3, w3, q);
+      __m256 p = _mm256_mul_ps(x0, w[0]);
+      __m256 q = _mm256_mul_ps(x1, w[1]);
+      p = _mm256_fmadd_ps(x2, w[2], p);
+      q = _mm256_fmadd_ps(x3, w[3], q);
       acc[r] = _mm256_fmadd_ps(_mm256_add_ps(p, q), s, acc[r]);
     }
   }
