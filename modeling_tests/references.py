@@ -243,6 +243,54 @@ def ref_glu(a, u, cfg):
     return beta * torch.tanh(a / beta) * torch.sigmoid(a) * (u if lin is None else lin * torch.tanh(u / lin))
 
 
+def ref_route(y, w_router, bias, cfg):
+    """Returns (selected expert ids as a list, their weights as a list) for one token ``y [H]``."""
+    logits = w_router @ y
+    s = torch.softmax(logits, -1) if cfg.moe_router_activation_func == "softmax" else torch.sigmoid(logits)
+    s_biased = (s + bias).tolist()
+    candidates = list(range(cfg.num_experts))
+    if cfg.num_expert_group > 1:
+        per_group = cfg.num_experts // cfg.num_expert_group
+        group_score = [
+            sum(sorted(s_biased[g * per_group : (g + 1) * per_group], reverse=True)[:2])
+            for g in range(cfg.num_expert_group)
+        ]
+        kept = sorted(range(cfg.num_expert_group), key=lambda g: -group_score[g])[: cfg.topk_group]
+        candidates = [e for e in candidates if e // per_group in kept]
+    chosen = sorted(candidates, key=lambda e: -s_biased[e])[: cfg.num_experts_per_tok]
+    weights = [s[e].item() for e in chosen]
+    if cfg.moe_renormalize:
+        total = sum(weights)
+        weights = [w / (total + 1e-20) for w in weights]
+    return chosen, [w * cfg.routed_scaling_factor for w in weights]
+
+
+def ref_moe(moe, x, cfg, stacks=None):
+    """The MoE layer (spec 6.2, 6.3) in float64 from the spec's formulas, one token at a time: router, routed
+    experts' GLU, latent norm, up projection and shared expert. ``stacks``: the experts' weights in float64,
+    ``(gate_up [E, 2I, H'], down [E, H', I])`` (packed experts dequantized); None: the module's own
+    ``gate_up_proj`` / ``down_proj``."""
+    p = {k: v.detach().double() for k, v in moe.state_dict().items()}
+    gate_up, down = stacks if stacks is not None else (p["experts.gate_up_proj"], p["experts.down_proj"])
+    out = []
+    for y in x.double().reshape(-1, cfg.hidden_size):
+        chosen, weights = ref_route(y, p["gate.weight"], p["gate.e_score_correction_bias"], cfg)
+        latent = cfg.routed_expert_hidden_size is not None
+        z = p["routed_expert_down_proj.weight"] @ y if latent else y
+        i = cfg.moe_intermediate_size
+        r = torch.zeros_like(z)
+        for e, w in zip(chosen, weights):
+            r = r + w * (down[e] @ ref_glu(gate_up[e, :i] @ z, gate_up[e, i:] @ z, cfg))
+        if latent and cfg.latent_moe_use_norm:
+            r = r / torch.sqrt((r * r).mean() + cfg.rms_norm_eps) * p["routed_expert_norm.weight"]
+        routed = p["routed_expert_up_proj.weight"] @ r if latent else r
+        if cfg.num_shared_experts > 0:
+            a, u = p["shared_experts.gate_proj.weight"] @ y, p["shared_experts.up_proj.weight"] @ y
+            routed = routed + p["shared_experts.down_proj.weight"] @ ref_glu(a, u, cfg)
+        out.append(routed)
+    return torch.stack(out).reshape(x.shape)
+
+
 def ref_experts(experts, x, idx, w, probe):
     """Float64 per-token, per-slot loop: the output and the gradients of ``(output * probe).sum()`` with respect
     to ``x``, ``w``, ``gate_up_proj`` and ``down_proj``."""

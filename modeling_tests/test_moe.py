@@ -12,7 +12,7 @@ from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops import experts as experts_module
 from transformers_k3.ops.kernel_layers import kernelize
 
-from references import make_config, make_moe, modules_path, randomize, ref_experts, ref_glu
+from references import make_config, make_moe, modules_path, randomize, ref_experts, ref_glu, ref_moe
 
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", K3_GROUPED_MM)
 
@@ -50,55 +50,6 @@ def on_path(experts, k3_path):
 
 def inputs(*shape, seed=100, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Independent float64 reference written from the spec formulas, one token at a time.
-# ----------------------------------------------------------------------------------------------------
-
-
-def ref_route(y, w_router, bias, cfg):
-    """Returns (selected expert ids as a list, their weights as a list) for one token ``y [H]``."""
-    logits = w_router @ y
-    s = torch.softmax(logits, -1) if cfg.moe_router_activation_func == "softmax" else torch.sigmoid(logits)
-    s_biased = (s + bias).tolist()
-    candidates = list(range(cfg.num_experts))
-    if cfg.num_expert_group > 1:
-        per_group = cfg.num_experts // cfg.num_expert_group
-        group_score = [
-            sum(sorted(s_biased[g * per_group : (g + 1) * per_group], reverse=True)[:2])
-            for g in range(cfg.num_expert_group)
-        ]
-        kept = sorted(range(cfg.num_expert_group), key=lambda g: -group_score[g])[: cfg.topk_group]
-        candidates = [e for e in candidates if e // per_group in kept]
-    chosen = sorted(candidates, key=lambda e: -s_biased[e])[: cfg.num_experts_per_tok]
-    weights = [s[e].item() for e in chosen]
-    if cfg.moe_renormalize:
-        total = sum(weights)
-        weights = [w / (total + 1e-20) for w in weights]
-    return chosen, [w * cfg.routed_scaling_factor for w in weights]
-
-
-def ref_moe(moe, x, cfg):
-    p = {k: v.detach().double() for k, v in moe.state_dict().items()}
-    out = []
-    for y in x.double().reshape(-1, cfg.hidden_size):
-        chosen, weights = ref_route(y, p["gate.weight"], p["gate.e_score_correction_bias"], cfg)
-        latent = cfg.routed_expert_hidden_size is not None
-        z = p["routed_expert_down_proj.weight"] @ y if latent else y
-        i = cfg.moe_intermediate_size
-        r = torch.zeros_like(z)
-        for e, w in zip(chosen, weights):
-            w13 = p["experts.gate_up_proj"][e]
-            r = r + w * (p["experts.down_proj"][e] @ ref_glu(w13[:i] @ z, w13[i:] @ z, cfg))
-        if latent and cfg.latent_moe_use_norm:
-            r = r / torch.sqrt((r * r).mean() + cfg.rms_norm_eps) * p["routed_expert_norm.weight"]
-        routed = p["routed_expert_up_proj.weight"] @ r if latent else r
-        if cfg.num_shared_experts > 0:
-            a, u = p["shared_experts.gate_proj.weight"] @ y, p["shared_experts.up_proj.weight"] @ y
-            routed = routed + p["shared_experts.down_proj.weight"] @ ref_glu(a, u, cfg)
-        out.append(routed)
-    return torch.stack(out).reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------------

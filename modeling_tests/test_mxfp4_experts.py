@@ -19,7 +19,7 @@ from transformers_k3.ops import cpu_kernel, mxfp4, mxfp4_torch
 from transformers_k3.ops.kernel_layers import kernelize
 from transformers_k3.quantization_kimi_k3 import KimiK3PackedExperts
 
-from references import make_config, make_moe, modules_path, ref_glu
+from references import make_config, make_moe, modules_path, ref_moe
 
 FP32_EPS, BF16_ULP = 2.0**-24, 2.0**-8
 
@@ -371,26 +371,8 @@ def packed_layer(dtype=torch.float32, seed=0, **overrides):
 
 
 def packed_layer64(moe, stacks, x, cfg):
-    """The layer in float64 from the spec's formulas, one token at a time, the experts' weights dequantized."""
-    p = {k: v.detach().double() for k, v in moe.state_dict().items()}
-    gate_up, down = weights64(*stacks[:2]), weights64(*stacks[2:])
-    inter, out = cfg.moe_intermediate_size, []
-    for y in x.double().reshape(-1, cfg.hidden_size):
-        scores = torch.sigmoid(p["gate.weight"] @ y)
-        chosen = torch.argsort(scores + p["gate.e_score_correction_bias"], descending=True)[: cfg.num_experts_per_tok]
-        weights = scores[chosen] / (scores[chosen].sum() if cfg.moe_renormalize else 1.0) * cfg.routed_scaling_factor
-        latent = cfg.routed_expert_hidden_size is not None
-        z = p["routed_expert_down_proj.weight"] @ y if latent else y
-        r = sum(w * (down[e] @ ref_glu(gate_up[e, :inter] @ z, gate_up[e, inter:] @ z, cfg))
-                for e, w in zip(chosen.tolist(), weights))  # fmt: skip
-        if latent and cfg.latent_moe_use_norm:
-            r = r / torch.sqrt((r * r).mean() + cfg.rms_norm_eps) * p["routed_expert_norm.weight"]
-        routed = p["routed_expert_up_proj.weight"] @ r if latent else r
-        if cfg.num_shared_experts > 0:
-            a, u = p["shared_experts.gate_proj.weight"] @ y, p["shared_experts.up_proj.weight"] @ y
-            routed = routed + p["shared_experts.down_proj.weight"] @ ref_glu(a, u, cfg)
-        out.append(routed)
-    return torch.stack(out).reshape(x.shape)
+    """The layer in float64 from the spec's formulas (references.ref_moe), the experts' weights dequantized."""
+    return ref_moe(moe, x, cfg, (weights64(*stacks[:2]), weights64(*stacks[2:])))
 
 
 def decode_kernel():
