@@ -223,17 +223,28 @@ def test_ab_eager_k3_decode_row_runs():
     assert json.loads(stdout.strip().splitlines()[-1])["seconds"] > 0, output
 
 
+def _table_rows(stdout):
+    """A markdown table's rows by their first cell, each row's cells split on ``|``."""
+    return {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+
+
+def _bench_mxfp4(table):
+    """bench_mxfp4's ``table`` at a tiny size (16 experts, top-4, 1 thread): its stdout and rows; it ran and
+    printed that table's heading for the K3 bench model."""
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_mxfp4.py", "--threads", "1", "--tables", table, "--experts", "16",
+        "--top-k", "4", "--model-intermediate", "32", "--prompt-tokens", "4", "--decode-calls", "2", timeout=300,
+    )  # fmt: skip
+    assert code == 0, output
+    assert f"## {table}: decode step of the K3 bench model (4 layers, 3 MoE" in stdout, output
+    return stdout, _table_rows(stdout)
+
+
 def test_bench_mxfp4_model_decode_runs_at_a_tiny_size():
     """bench_mxfp4's bench-model table (the K3 bench model with its experts packed, bf16 and fp32) runs, prints a
     row for each with the bytes a decode step reads (MXFP4: 4.25 bits a weight), and its packed model computes the
     bf16 model's function (both run in fp32; not its speed)."""
-    code, stdout, output = _run(
-        sys.executable, "bench/bench_mxfp4.py", "--threads", "1", "--tables", "model", "--experts", "16",
-        "--top-k", "4", "--model-intermediate", "32", "--prompt-tokens", "4", "--decode-calls", "2", timeout=300,
-    )  # fmt: skip
-    assert code == 0, output
-    assert "## model: decode step of the K3 bench model (4 layers, 3 MoE" in stdout, output
-    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+    stdout, rows = _bench_mxfp4("model")
     assert {"bf16", "packed", "fp32"} <= rows.keys(), stdout
     expert_mb = {name: float(rows[name][5]) for name in ("bf16", "packed", "fp32")}
     assert expert_mb["fp32"] == pytest.approx(2 * expert_mb["bf16"], rel=0.02), stdout
@@ -247,13 +258,7 @@ def test_bench_mxfp4_stream_table_runs_at_a_tiny_size():
     """bench_mxfp4's stream table (the bench model exported in the release's layout, its experts streamed from the
     files) runs, reads per decode token exactly the ``k`` routed experts of each MoE layer, and its logits equal
     the same export loaded packed in RAM (not its speed)."""
-    code, stdout, output = _run(
-        sys.executable, "bench/bench_mxfp4.py", "--threads", "1", "--tables", "stream", "--experts", "16",
-        "--top-k", "4", "--model-intermediate", "32", "--prompt-tokens", "4", "--decode-calls", "2", timeout=300,
-    )  # fmt: skip
-    assert code == 0, output
-    assert "## stream: decode step of the K3 bench model (4 layers, 3 MoE" in stdout, output
-    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+    stdout, rows = _bench_mxfp4("stream")
     assert {"packed in RAM", "streamed, page cache", "streamed, from disk"} <= rows.keys(), stdout
     latent = _bench_module("bench_long_context").k3_config_dict()["routed_expert_hidden_size"]
     per_token = 3 * 4 * 3 * (latent * 32 // 2 + latent * 32 // 32)  # 3 MoE layers, top-4, w1 / w3 / w2
@@ -281,6 +286,6 @@ def test_bench_segment_training_runs_at_a_tiny_size():
     code, stdout, output = _run(sys.executable, "bench/bench_segment_training.py", "--length", "384", "--segment",
                                 "128", "--steps", "2", "--replay-steps", "2", timeout=600)  # fmt: skip
     assert code == 0, output
-    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
+    rows = _table_rows(stdout)
     assert {"truncated", "exact", "replay"} <= rows.keys(), stdout
     assert all(0 < float(rows[run][4]) < 10 for run in ("truncated", "exact", "replay")), stdout
