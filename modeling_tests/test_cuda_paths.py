@@ -145,8 +145,9 @@ def test_a_cache_built_without_a_device_keeps_the_latents_with_the_activations(p
     mla_layer = config.layer_types.index("full_attention")
     with _CrossDeviceCopies() as counter:
         for step in range(4):
-            full = cache.update_latent(torch.zeros(2, 5 if step == 0 else 1, width, device="meta"), mla_layer)
-            assert full.device.type == "meta" and full.shape[1] == 5 + step
+            view = cache.update_mla(torch.zeros(2, 5 if step == 0 else 1, width, device="meta"), mla_layer)
+            assert view.latent.device.type == "meta" and view.latent.shape[1] == 5 + step
+            assert view.past_len == (0 if step == 0 else 4 + step)
     assert counter.copies == []
     assert cache.layers[mla_layer].latent.device.type == "meta"
 
@@ -166,7 +167,7 @@ def test_a_cache_on_the_cpu_moves_to_the_model_once(saved_cache):
     with torch.no_grad(), _CrossDeviceCopies() as counter:
         for step in range(3):
             kda(torch.zeros(2, 1, config.hidden_size, device="meta"), past_key_values=cache)
-            cache.update_latent(torch.zeros(2, 1, width, device="meta"), 2)
+            cache.update_mla(torch.zeros(2, 1, width, device="meta"), 2)
     moved = [c for c in counter.copies if c[1:] == ("cpu", "meta")]
     assert len(moved) == 3  # conv window, recurrent state, latent: each once
     assert _state_devices(cache)[0] == {"meta"} and _state_devices(cache)[2] == {"meta"}

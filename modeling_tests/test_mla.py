@@ -178,7 +178,7 @@ def _chunk_gradients_against_the_formula(layer, x, chunk_len, atol=2e-5):
     x = x.detach().clone().requires_grad_()
     context = x.shape[1] - chunk_len
     cache = KimiK3HybridCache(layer.config)
-    cache.update_latent(layer._latent(x[:, :context]), layer.layer_idx)  # (latents with a gradient, as exact mode's)
+    cache.update_mla(layer._latent(x[:, :context]), layer.layer_idx)  # (latents with a gradient, as exact mode's)
     assert uses_blockwise_attention(layer.config, x)  # CPU SDPA under autograd goes blockwise: no [T, context] mask
     chunk = layer(x[:, context:], past_key_values=cache)[0]
     probe = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(6))

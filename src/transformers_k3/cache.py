@@ -833,11 +833,6 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
     def kda_layer(self, layer_idx: int) -> KimiK3KDACacheLayer:
         return self.layers[layer_idx]
 
-    def update_latent(self, latent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Append an MLA layer's new latent ``[B, T, kv_lora_rank + rope]``; return the whole latent (a static
-        cache: its whole buffer, ``max_cache_len`` rows, of which the first `get_seq_length` hold tokens)."""
-        return self.layers[layer_idx].update(latent_states)[0]
-
     def update_mla(self, latent_states: torch.Tensor, layer_idx: int) -> KimiK3LatentView:
         """An MLA layer's one call per forward: append its new latent ``[B, T, kv_lora_rank + rope]`` and get back
         the view it attends over with what it needs to mask it (`KimiK3LatentView`)."""
