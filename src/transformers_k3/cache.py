@@ -190,7 +190,8 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
             self.recurrent_states[0] = recurrent_states
             self.is_recurrent_states_initialized[0] = True
 
-    def _store(self, states: dict, new: torch.Tensor) -> None:
+    def _store(self, states: dict, new: torch.Tensor) -> torch.Tensor:
+        """Hold `new` in `states` (filled first by `lazy_initialization`); a static layer keeps its buffer's address."""
         held = states[0]
         if self.static and held is not new and held.shape == new.shape and held.dtype == new.dtype \
                 and held.device == new.device:
@@ -199,29 +200,21 @@ class KimiK3KDACacheLayer(LinearAttentionCacheLayerMixin):
             states[0] = new
             if self.static:
                 _keep_address(new)
+        self._mark()
+        return states[0]
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Store a new conv window ``[B, 3P, K-1]`` (replaces; decode paths update it in place)."""
         if not self.is_conv_states_initialized[0]:
             self.lazy_initialization(conv_states=conv_states)
-            if self.static:
-                _keep_address(conv_states)
-        else:
-            self._store(self.conv_states, conv_states)
-        self._mark()
-        return self.conv_states[0]
+        return self._store(self.conv_states, conv_states)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """Store a new fp32 recurrent state ``[B, H, K, V]``."""
         recurrent_states = recurrent_states.to(torch.float32)
         if not self.is_recurrent_states_initialized[0]:
             self.lazy_initialization(recurrent_states=recurrent_states)
-            if self.static:
-                _keep_address(recurrent_states)
-        else:
-            self._store(self.recurrent_states, recurrent_states)
-        self._mark()
-        return self.recurrent_states[0]
+        return self._store(self.recurrent_states, recurrent_states)
 
     def _mark(self) -> None:
         self.has_previous_state[0] = self.is_conv_states_initialized[0] and self.is_recurrent_states_initialized[0]
