@@ -13,6 +13,7 @@ several shards and a layer's experts spread over more than one:
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -427,6 +428,16 @@ def test_streaming_refuses_what_it_cannot_do(release, release_bf16_experts, tmp_
     assert not (tmp_path / "saved" / "model.safetensors").exists()
     with pytest.raises(CheckpointError, match="not MXFP4"):
         KimiK3ForCausalLM.from_pretrained(release_bf16_experts, quantization_config=KimiK3Mxfp4Config(stream_experts=True))
+    from transformers_k3.conversion.expert_stream import ExpertStream
+    from transformers_k3.safetensors_header import read_safetensors_header
+
+    files = sorted(release.glob("*.safetensors"))
+    gone = next(f for f in files if any(".experts." in n for n in read_safetensors_header(f)))  # (holds experts)
+    widths = {i: (f"model.layers.{i}.mlp.experts", model.config.num_experts, model.config.routed_expert_hidden_size
+                  or model.config.hidden_size, model.config.moe_intermediate_size)
+              for i in range(model.config.first_k_dense_replace, model.config.num_hidden_layers)}  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"has no `layers.\d+` expert \d+ w[123].weight_(packed|scale)"):
+        ExpertStream.from_checkpoint([f for f in files if f != gone], widths, 2)
     with pytest.raises(ValueError, match="dequantize=True"):
         KimiK3Mxfp4Config(dequantize=True, stream_experts=True)
     with pytest.raises(ValueError, match="positive integer"):
@@ -451,50 +462,91 @@ def test_a_streamed_nan_scale_is_refused_when_read(release, tmp_path):
         model(IDS)
 
 
-_STREAMED_RSS = textwrap.dedent("""
-    import json, sys, torch
+_LIMITED = textwrap.dedent("""
+    import gc, json, logging, os, resource, sys, torch
     import transformers_k3
     from transformers_k3 import KimiK3ForCausalLM, KimiK3Mxfp4Config, expert_stream
 
+    path, warm_path, ids, headroom = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3])), int(sys.argv[4])
     stream = KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=8)
-    ids = torch.tensor(json.loads(sys.argv[3]))
     greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
-    warm = KimiK3ForCausalLM.from_pretrained(sys.argv[2], quantization_config=stream)  # (code paths, kernels loaded)
-    warm.generate(ids, **greedy)
-    del warm
+    for quantization in (stream, None):  # (both loads' code paths and kernels warm before the baseline)
+        KimiK3ForCausalLM.from_pretrained(warm_path, quantization_config=quantization).generate(ids, **greedy)
+    gc.collect()
+    page = os.sysconf("SC_PAGE_SIZE")
+    shards = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    mapped = sum(-(-os.path.getsize(f) // page) * page for f in shards)
+
+    def limit(nbytes):
+        resource.setrlimit(resource.RLIMIT_DATA, (nbytes, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+
+    class Report(logging.Handler):  # (transformers logs a failed conversion in its load report, then raises)
+        messages = []
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    logging.getLogger("transformers").addHandler(Report())
     before = status()
-    model = KimiK3ForCausalLM.from_pretrained(sys.argv[1], quantization_config=stream)
+    limit(before["VmData"] + mapped + headroom)  # (from_pretrained maps the shards copy-on-write: counted)
+    model = KimiK3ForCausalLM.from_pretrained(path, quantization_config=stream)
+    limit(before["VmData"] + headroom)
     with torch.no_grad():
         logits = model(ids).logits
     tokens = model.generate(ids, **greedy)
     after = status()
-    torch.save({"logits": logits, "tokens": tokens}, sys.argv[4])
     s = expert_stream(model)
-    print(json.dumps({"peak": after["VmHWM"] - before["VmRSS"], "checkpoint": s.checkpoint_expert_bytes,
-                      "staging": s.staging_bytes, "per_token": s.bytes_per_token,
-                      "file": after["RssFile"] - before["RssFile"]}))
+    measured = {"base": before["VmData"], "data": after["VmData"], "peak": after["VmHWM"] - before["VmRSS"],
+                "checkpoint": s.checkpoint_expert_bytes, "staging": s.staging_bytes, "per_token": s.bytes_per_token,
+                "file": after["RssFile"] - before["RssFile"]}
+    del model, s
+    gc.collect()
+    limit(before["VmData"] + mapped + headroom)
+    try:
+        KimiK3ForCausalLM.from_pretrained(path)
+        measured["control"] = None
+    except (MemoryError, RuntimeError) as error:  # (torch's allocator raises a RuntimeError with errno 12)
+        failed = [text for text in (str(error), *Report.messages) if "Cannot allocate memory" in text]
+        if not isinstance(error, MemoryError) and not failed:
+            raise
+        measured["control"] = (failed or [repr(error)])[-1][-2000:]
+    limit(resource.RLIM_INFINITY)
+    torch.save({"logits": logits, "tokens": tokens}, sys.argv[5])
+    print(json.dumps(measured))
 """)
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc/self/status (Linux)")
-def test_streamed_decode_peak_rss_is_bounded_below_the_checkpoint(wide_release, release, tmp_path):
-    """A model larger than the memory it is given, measured: a fresh process loads a checkpoint with streamed
-    experts and decodes; the peak resident set it adds (``VmHWM`` minus the resident set before loading, after a
-    first streamed load and decode warmed the code paths) stays at most half the checkpoint's expert bytes, and
-    the logits and greedy tokens equal the fully loaded packed model's (computed here, in another process)."""
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmData from /proc/self/status (Linux)")
+def test_streamed_decode_runs_under_a_memory_limit_smaller_than_the_checkpoint(wide_release, release, tmp_path):
+    """A model larger than the memory it is given, under a limit the kernel enforces: a fresh process warms the
+    code paths (a streamed and a packed load and decode of a small checkpoint), reads its own ``VmData`` (the
+    private writable memory ``RLIMIT_DATA`` counts: heap, anonymous mappings) and limits itself to that plus half
+    the checkpoint's expert bytes. Loading with streamed experts, a forward and a greedy decode run under the limit
+    and give the fully loaded packed model's logits and tokens (computed here, without a limit), and the peak
+    resident set they add (``VmHWM`` minus ``VmRSS`` before loading) stays at most half the expert bytes; the same
+    limit makes a fully loaded packed load fail to allocate the experts' stacks, so it binds. While
+    ``from_pretrained`` runs, the limit also admits the shards' sizes: transformers' loader maps every shard
+    copy-on-write, which ``RLIMIT_DATA`` counts though no page of it is copied (docs/mxfp4.md)."""
     path, config = wide_release
     ids = IDS[:1, :12]
-    out = tmp_path / "streamed.pt"
-    args = [sys.executable, "-c", _STATUS + _STREAMED_RSS, str(path), str(release), json.dumps(ids.tolist()), str(out)]
-    result = subprocess.run(args, capture_output=True, text=True, check=True)
-    measured = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
     experts = 5 * config.num_experts * _release_expert_bytes(config)
-    print(f"streamed decode: peak RSS added {measured['peak'] / 2**20:.1f} MiB "
-          f"({measured['peak'] / experts:.3f}x the checkpoint's {experts / 2**20:.1f} MiB of experts; staging "
+    out = tmp_path / "limited.pt"
+    args = [sys.executable, "-c", _STATUS + _LIMITED, str(path), str(release), json.dumps(ids.tolist()),
+            str(experts // 2), str(out)]  # fmt: skip
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1"}  # (one glibc arena: threads do not reserve heaps of their own)
+    result = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    print(f"streamed decode under RLIMIT_DATA = VmData before loading ({measured['base'] / 2**20:.1f} MiB) + "
+          f"{experts / 2 / 2**20:.1f} MiB (half the checkpoint's {experts / 2**20:.1f} MiB of experts): VmData "
+          f"{(measured['data'] - measured['base']) / 2**20:.1f} MiB above it after the decode, peak RSS added "
+          f"{measured['peak'] / 2**20:.1f} MiB ({measured['peak'] / experts:.3f}x the experts; staging "
           f"{measured['staging'] / 2**20:.1f} MiB, file-backed {measured['file'] / 2**20:.1f} MiB), "
           f"{measured['per_token'] / 2**20:.2f} MiB of experts read per token")
     assert measured["checkpoint"] == experts
+    assert measured["data"] - measured["base"] <= experts // 2
     assert measured["peak"] <= 0.5 * experts, measured
+    assert measured["control"] is not None, "a fully loaded packed model fit under the limit: it does not bind"
+    assert "experts" in measured["control"], measured["control"]  # (what failed is an allocation of expert stacks)
     got = torch.load(out)
     packed = load(KimiK3ForCausalLM, path)
     with torch.no_grad():

@@ -37,15 +37,16 @@ _PARTS = (("gate_up_packed", "w1", "weight_packed", 0), ("gate_up_packed", "w3",
 _STACKS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StreamedLayer:
-    """One MoE layer's routed experts in the checkpoint: ``spans[e]`` holds, in `_PARTS` order, ``(file index,
-    absolute byte offset, byte count)`` of expert ``e``'s six tensors."""
+    """One MoE layer's routed experts in the checkpoint: ``spans[e, p]`` holds ``(file index, absolute byte offset,
+    byte count)`` of expert ``e``'s `_PARTS` entry ``p`` (one int64 table, not a Python tuple per tensor: the
+    release has half a million expert tensors)."""
 
     experts: int
     hidden: int
     intermediate: int
-    spans: tuple[tuple[tuple[int, int, int], ...], ...]
+    spans: torch.Tensor  # int64 [experts, len(_PARTS), 3]
 
     def stack_shapes(self, count: int) -> dict[str, tuple[int, int, int]]:
         d, i = self.hidden, self.intermediate
@@ -54,7 +55,7 @@ class StreamedLayer:
 
     @property
     def expert_bytes(self) -> int:
-        return sum(n for _, _, n in self.spans[0])
+        return int(self.spans[0, :, 2].sum())
 
 
 def _data_start(path: Path) -> int:
@@ -135,7 +136,7 @@ class ExpertStream:
             for j, expert in enumerate(experts):
                 if not 0 <= expert < info.experts:
                     raise IndexError(f"`{layer}`: expert {expert} outside [0, {info.experts})")
-                for (stack, _, _, half), (file, offset, nbytes) in zip(_PARTS, info.spans[expert]):
+                for (stack, _, _, half), (file, offset, nbytes) in zip(_PARTS, info.spans[expert].tolist()):
                     target = stacks[stack][j]
                     if half is not None:
                         rows = target.shape[0] // 2
@@ -191,7 +192,10 @@ class ExpertStream:
         cols / 32]`` or ``[rows, 1, cols / 32, 1]``), else `CheckpointError` names the first tensor missing or
         wrong. Only headers are read."""
         paths = [Path(f) for f in files]
-        found: dict[tuple[int, int, str, str], tuple[int, int, int]] = {}
+        part_of = {(proj, kind): p for p, (_, proj, kind, _) in enumerate(_PARTS)}
+        tables = {layer: torch.full((experts, len(_PARTS), 3), -1, dtype=torch.int64, device="cpu")
+                  for layer, (_, experts, _, _) in layers.items()}  # (device: the loader builds under a meta default)
+        filling = {layer: table.numpy() for layer, table in tables.items()}  # (element writes without a tensor each)
         for index, path in enumerate(paths):
             if path.suffix != ".safetensors":
                 raise CheckpointError(f"{path}: streaming experts needs safetensors shards")
@@ -214,22 +218,17 @@ class ExpertStream:
                     raise CheckpointError(f"{path}: `{name}` is {str(tensor.dtype).replace('torch.', '')} "
                                           f"{list(tensor.shape)}; `{key}` ({experts} experts) needs uint8 "
                                           f"{list(expected)}")  # fmt: skip
-                found[(parsed.layer, parsed.expert, parsed.proj, parsed.kind)] = (
+                filling[parsed.layer][parsed.expert, part_of[parsed.proj, parsed.kind]] = (
                     index, start + tensor.offset, tensor.nbytes)
         streamed = {}
         for layer, (key, experts, hidden, inter) in sorted(layers.items()):
-            spans = []
-            for expert in range(experts):
-                row = []
-                for _, proj, kind, _ in _PARTS:
-                    span = found.get((layer, expert, proj, kind))
-                    if span is None:
-                        raise CheckpointError(f"the checkpoint has no `layers.{layer}` expert {expert} {proj}.{kind}, "
-                                              f"which streaming `{key}` needs: it is incomplete or its experts are "
-                                              "not MXFP4")  # fmt: skip
-                    row.append(span)
-                spans.append(tuple(row))
-            streamed[key] = StreamedLayer(experts, hidden, inter, tuple(spans))
+            missing = (tables[layer][:, :, 0] < 0).nonzero()
+            if len(missing):
+                expert, part = missing[0].tolist()
+                _, proj, kind, _ = _PARTS[part]
+                raise CheckpointError(f"the checkpoint has no `layers.{layer}` expert {expert} {proj}.{kind}, which "
+                                      f"streaming `{key}` needs: it is incomplete or its experts are not MXFP4")
+            streamed[key] = StreamedLayer(experts, hidden, inter, tables[layer])
         return cls(streamed, paths, per_read)
 
 
