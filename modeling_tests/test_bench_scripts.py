@@ -268,6 +268,28 @@ def test_bench_mxfp4_stream_table_runs_at_a_tiny_size():
 
 
 @pytest.mark.slow
+def test_bench_stream_limit_runs_at_a_tiny_size():
+    """bench_stream_limit writes its release-layout checkpoint, decodes with the experts streamed under
+    ``RLIMIT_DATA`` and reports what it read per token (exactly the ``k`` routed experts of each MoE layer), the
+    limit and the control; it deletes the checkpoint (not its speed; at this size the limit cannot refuse the
+    packed load)."""
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_stream_limit.py", "--moe-layers", "3", "--experts", "16", "--top-k", "4",
+        "--intermediate", "256", "--headroom-mb", "64", "--prompt-tokens", "4", "--tokens", "2", timeout=600,
+    )  # fmt: skip
+    assert code == 0, output
+    directory = next(line for line in stdout.splitlines() if line.startswith("wrote ")).rsplit(" to ", 1)[1]
+    assert not os.path.exists(directory), directory
+    assert "fully loaded packed under the same limit: " in stdout, output
+    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| stream")}
+    assert rows.keys() == {"streamed, page cache", "streamed, from disk"}, stdout
+    latent = _bench_module("bench_long_context").k3_config_dict()["routed_expert_hidden_size"]
+    per_token = 3 * 4 * 3 * (latent * 256 // 2 + latent * 256 // 32)  # 3 MoE layers, top-4, w1 / w3 / w2
+    for row in rows.values():
+        assert float(row[5]) == pytest.approx(per_token / 1e6, abs=0.06), stdout
+
+
+@pytest.mark.slow
 def test_bench_segments_runs_at_a_tiny_size():
     """bench_segments prints a memory row per trajectory length and mode (tiny trajectories: checks it runs and
     reports the state it keeps, not the memory)."""
