@@ -8,6 +8,8 @@ offload of packed experts, on the official-layout MXFP4 fixture (references.py):
 * ``save_pretrained`` -> ``PeftModel.from_pretrained`` into a fresh packed model gives the same logits;
 * merging re-quantizes by the release's rule (the bytes `quantize_mxfp4_release` gives for PEFT's merged dequantized
   weights) and warns; unmerging restores the loaded bytes;
+* over experts streamed from disk (``stream_experts=True``) the same adapters compute the packed model's logits and
+  gradients, a run lowers the loss and its adapter reloads into a packed model; merging there is refused by name;
 * ``infer_auto_device_map`` sizes packed experts by their bytes (the packed model fits where the bf16 one does
   not); cpu and disk offload move the uint8 stacks and the experts compute on them.
 """
@@ -232,6 +234,78 @@ def test_unsupported_lora_settings_are_refused_by_name(release):
 def test_without_the_registration_peft_names_the_module(release):
     with pytest.raises(ValueError, match="KimiK3PackedExperts"):
         peft.get_peft_model(packed(release), peft.LoraConfig(r=4, target_modules=["experts"]))
+
+
+# ---------------------------------------------------------------- streamed experts (stream_experts=True)
+def streamed(release, per_read=2):
+    return load(KimiK3ForCausalLM, release, dtype=FP32,
+                quantization_config=KimiK3Mxfp4Config(stream_experts=True, stream_experts_per_read=per_read))
+
+
+def test_lora_over_streamed_experts_computes_what_the_packed_models_does(release):
+    """The same adapters over experts read from the files (2 per read: several reads a layer) and over the packed
+    stacks in memory: equal logits, and the adapters' and inputs' gradients within fp32 rounding (a read's terms
+    reach an adapter's gradient as separate sums)."""
+    from transformers_k3.peft_mxfp4 import StreamedExpertsLoraLayer
+
+    results = []
+    for model in (lora(streamed(release), target_modules=["experts", *ATTENTION]),
+                  lora(packed(release), target_modules=["experts", *ATTENTION])):  # fmt: skip
+        embeds = model.get_input_embeddings()(IDS).detach().requires_grad_()
+        out = model(inputs_embeds=embeds).logits
+        out.pow(2).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((model, out.detach(), embeds.grad, grads))
+    (model, logits, embeds_grad, grads), (_, want, want_embeds_grad, want_grads) = results
+    assert len(expert_layers(model)) == len(MOE_LAYERS)
+    assert all(isinstance(m, StreamedExpertsLoraLayer) for m in expert_layers(model))
+    assert torch.equal(logits, want)
+    assert embeds_grad.abs().max() > 0 and rel(embeds_grad, want_embeds_grad) < 1e-5
+    assert grads.keys() == want_grads.keys() and any(".experts.lora_down_B" in n for n in grads)
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0 and rel(grad, want_grads[name]) < 1e-5, name
+
+
+def test_a_lora_run_over_streamed_experts_reloads_into_a_packed_model(release, tmp_path):
+    """The loss falls over a short run on experts read per step (only the adapters on the experts train, so the
+    gradients reach them through the streamed products), and the adapter reloads into a fresh packed model with the
+    streamed model's logits."""
+    model = lora(streamed(release), init_lora_weights=True).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    rows = torch.arange(3, 43).repeat(2, 1)
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    print("LoRA over streamed experts, losses:", [round(x, 3) for x in losses])
+    assert losses[-1] < losses[0] - 0.2
+    model.eval()
+    with torch.no_grad():
+        want = model(IDS).logits
+    model.save_pretrained(tmp_path / "adapter")
+    config = packed_experts_lora(peft.LoraConfig.from_pretrained(tmp_path / "adapter"))
+    fresh = peft.PeftModel.from_pretrained(packed(release), tmp_path / "adapter", config=config).eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(IDS).logits, want)
+    config = packed_experts_lora(peft.LoraConfig.from_pretrained(tmp_path / "adapter"))  # (and into a streamed one)
+    again = peft.PeftModel.from_pretrained(streamed(release, per_read=5), tmp_path / "adapter", config=config).eval()
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, want)
+
+
+def test_merging_into_streamed_experts_is_refused_by_name(release):
+    from transformers_k3.quantization_kimi_k3 import StreamedExpertsError
+
+    model = lora(streamed(release))
+    with pytest.raises(StreamedExpertsError, match=r"layers\.1\.mlp\.experts.*KimiK3Mxfp4Config\(\)"):
+        model.merge_adapter()
+    with pytest.raises(StreamedExpertsError, match="streams its experts"):
+        model.merge_and_unload()
+    with torch.no_grad():  # (nothing changed: the unmerged adapters still compute)
+        assert torch.equal(model(IDS).logits, lora(packed(release))(IDS).logits)
 
 
 # ---------------------------------------------------------------- accelerate

@@ -33,9 +33,9 @@ from torch import nn
 from .conversion.quant import dequantize_mxfp4, quantize_mxfp4_release
 from .ops.experts import _grouped_gemm
 from .ops.mxfp4 import mxfp4_experts
-from .quantization_kimi_k3 import KimiK3PackedExperts
+from .quantization_kimi_k3 import KimiK3PackedExperts, KimiK3StreamedExperts, StreamedExpertsError
 
-__all__ = ["PackedExpertsLoraLayer", "PackedMergeWarning", "packed_experts_lora"]
+__all__ = ["PackedExpertsLoraLayer", "PackedMergeWarning", "StreamedExpertsLoraLayer", "packed_experts_lora"]
 
 _STACKS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
 
@@ -45,12 +45,14 @@ class PackedMergeWarning(UserWarning):
 
 
 def packed_experts_lora(config: LoraConfig) -> LoraConfig:
-    """``config`` with `PackedExpertsLoraLayer` registered for `KimiK3PackedExperts` (PEFT's custom-module mapping,
+    """``config`` with `PackedExpertsLoraLayer` registered for `KimiK3PackedExperts` and `StreamedExpertsLoraLayer`
+    for `KimiK3StreamedExperts` (PEFT's custom-module mapping,
     which ``adapter_config.json`` does not keep: pass a loaded config through here again, e.g.
     ``PeftModel.from_pretrained(model, path, config=packed_experts_lora(LoraConfig.from_pretrained(path)))``)."""
     if not isinstance(config, LoraConfig):
         raise TypeError(f"packed_experts_lora takes a peft.LoraConfig, got {type(config).__name__}")
-    config._register_custom_module({KimiK3PackedExperts: PackedExpertsLoraLayer})
+    config._register_custom_module({KimiK3PackedExperts: PackedExpertsLoraLayer,
+                                    KimiK3StreamedExperts: StreamedExpertsLoraLayer})
     return config
 
 
@@ -149,9 +151,14 @@ class PackedExpertsLoraLayer(nn.Module, LoraLayer):
         gate_up_delta = self._deltas(self.lora_A, self.lora_B)
         if gate_up_delta is None:
             return base(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        return self._with_deltas(hidden_states, top_k_index, top_k_weights, gate_up_delta,
+                                 self._deltas(self.lora_down_A, self.lora_down_B))
+
+    def _with_deltas(self, hidden_states, top_k_index, top_k_weights, gate_up_delta, down_delta) -> torch.Tensor:
+        base = self.get_base_layer()
         return mxfp4_experts(hidden_states, top_k_index, top_k_weights, base.gate_up_packed, base.gate_up_scale,
                              base.down_packed, base.down_scale, base._apply_gate, gate_up_delta=gate_up_delta,
-                             down_delta=self._deltas(self.lora_down_A, self.lora_down_B))  # fmt: skip
+                             down_delta=down_delta)  # fmt: skip
 
     def get_delta_weight(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate_up [E, 2I, D], down [E, D, I])`` fp32: the adapter's per-expert weight deltas."""
@@ -211,3 +218,29 @@ class PackedExpertsLoraLayer(nn.Module, LoraLayer):
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
+
+
+class StreamedExpertsLoraLayer(PackedExpertsLoraLayer):
+    """`PackedExpertsLoraLayer` around `KimiK3StreamedExperts` (``KimiK3Mxfp4Config(stream_experts=True)``): the
+    same per-expert adapters, each read's low-rank terms added beside its packed products; the adapter it saves is
+    the packed layer's, so it loads into a model with the experts in memory. Merging is refused: the experts are the
+    checkpoint's files."""
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        return None, None  # (no tensors: the adapters stay where they are made, and move with the model)
+
+    def _with_deltas(self, hidden_states, top_k_index, top_k_weights, gate_up_delta, down_delta) -> torch.Tensor:
+        device = self.lora_A[self.active_adapters[0]].weight.device if self.active_adapters[0] in self.lora_A else None
+        if device is not None and device != hidden_states.device:
+            raise RuntimeError(f"`{self.layer_name}`: the adapters are on {device}, the activations on "
+                               f"{hidden_states.device}: move the PEFT model with .to({str(hidden_states.device)!r})")
+        return self.get_base_layer()(hidden_states, top_k_index, top_k_weights, gate_up_delta=gate_up_delta,
+                                     down_delta=down_delta)  # fmt: skip
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        if not check_adapters_to_merge(self, adapter_names):
+            return
+        raise StreamedExpertsError(
+            f"`{self.layer_name}` streams its experts from the checkpoint's files, which merging would rewrite: save "
+            "the adapter (save_pretrained) and merge it into a model loaded with KimiK3Mxfp4Config() (experts in "
+            "memory), or keep it unmerged")

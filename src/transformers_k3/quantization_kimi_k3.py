@@ -132,14 +132,25 @@ class KimiK3StreamedExperts(nn.Module):
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
         return self.glu.packed(gate_up_out)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    @property
+    def qweight(self) -> torch.Tensor:
+        """PEFT's name for a quantized layer's packed weight, where PEFT places adapters: the stream reads into host
+        memory, so an empty uint8 tensor on the CPU (``model.to(device)`` moves the adapters with the model)."""
+        return torch.empty(0, dtype=torch.uint8)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                gate_up_delta=None, down_delta=None) -> torch.Tensor:  # fmt: skip
+        """``gate_up_delta`` / ``down_delta``: low-rank terms beside the packed products (`peft_mxfp4`), as
+        `streamed_mxfp4_experts` takes them."""
         stream, dtype = self.stream, hidden_states.dtype
         # autograd keeps the stacks a product ran on, so a later read must not overwrite them
-        fresh = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad)
+        fresh = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
+                                             or gate_up_delta is not None or down_delta is not None)
         stream.count_tokens(self.key, hidden_states.shape[0])
         return streamed_mxfp4_experts(hidden_states, top_k_index, top_k_weights, self.num_experts,
                                       lambda experts: stream.read(self.key, experts, dtype, fresh), stream.per_read,
-                                      self._apply_gate)  # fmt: skip
+                                      self._apply_gate, gate_up_delta=gate_up_delta,
+                                      down_delta=down_delta)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

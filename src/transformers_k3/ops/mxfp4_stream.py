@@ -21,16 +21,22 @@ from .mxfp4 import packed_grouped_mm
 __all__ = ["streamed_mxfp4_experts"]
 
 
+# file reads planned from host-read offsets: a compiled model breaks its graph here and calls this eagerly
+@torch.compiler.disable
 def streamed_mxfp4_experts(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
     read: Callable[[list[int]], tuple[torch.Tensor, ...]], per_read: int,
     glu: Callable[[torch.Tensor], torch.Tensor], kernel: bool = True,
+    gate_up_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    down_delta: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``out [N, D]`` in ``hidden_states``' dtype, as `mxfp4.mxfp4_experts` with the layer's ``num_experts``
     experts; ``read(experts)`` (ascending ids, at most ``per_read``) returns their ``(gate_up_packed,
     gate_up_scale, down_packed, down_scale)`` stacks, on any device (moved to the activations'). Ids outside
     ``[0, num_experts)`` contribute nothing and are never read. Gradients reach ``hidden_states`` and
-    ``top_k_weights`` (``read`` must then return stacks no later read overwrites)."""
+    ``top_k_weights`` (``read`` must then return stacks no later read overwrites). ``gate_up_delta`` /
+    ``down_delta``: as for `mxfp4.mxfp4_experts`, called per read on that read's rows with offsets over all
+    ``num_experts`` (the experts of other reads given no rows)."""
     num_tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
     ids = torch.where((ids < 0) | (ids >= num_experts), num_experts, ids)  # (out-of-range ids sort last, unread)
@@ -49,8 +55,13 @@ def streamed_mxfp4_experts(
         local = offsets.index_select(0, chunk) - first
         tokens = token_ids[first:last]
         rows = hidden_states.index_select(0, tokens)
+        every = (offsets - first).clamp(0, last - first)  # (each expert's end row within this read's rows)
         gate_up = packed_grouped_mm(rows, stacks[0], stacks[1], local, kernel)
+        if gate_up_delta is not None:
+            gate_up = gate_up + gate_up_delta(rows, every)
         routed_rows = glu(gate_up) * weights[first:last]
         expert_out = packed_grouped_mm(routed_rows, stacks[2], stacks[3], local, kernel)
+        if down_delta is not None:
+            expert_out = expert_out + down_delta(routed_rows, every)
         out.index_add_(0, tokens, expert_out.float())
     return out.to(hidden_states.dtype)
