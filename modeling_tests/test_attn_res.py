@@ -92,6 +92,18 @@ def test_first_layer_reads_the_embeddings(tiny_model):
     assert torch.equal(x, want)
 
 
+def test_a_model_built_from_a_config_starts_at_the_papers_init():
+    """K3_SPEC.md 3.2: zero pseudo-queries and unit key norms, so every read of a fresh model is its candidates' mean."""
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()
+    reads = [m for m in model.modules() if isinstance(m, KimiK3BlockAttnRes) and m.pseudo_query is not None]
+    assert reads and all(not m.pseudo_query.any() and bool((m.key_norm == 1).all()) for m in reads)
+    with torch.no_grad():
+        out = model(torch.randint(3, 512, (1, 6)), output_attn_res_weights=True)
+    for weights in out.attn_res_weights:
+        assert torch.equal(weights, torch.full_like(weights, 1.0 / weights.shape[0]))
+
+
 def test_zero_pseudo_queries_give_the_mean_of_candidates(tiny_model):
     with torch.no_grad():
         for layer in tiny_model.model.layers:

@@ -1371,12 +1371,12 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
         elif isinstance(module, KimiK3GatedRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, KimiK3BlockAttnRes) and module.pseudo_query is not None:
+            # The paper's init (K3_SPEC.md 3.2): zero pseudo-queries, so every read starts as the mean of its candidates.
             init.ones_(module.key_norm)
             if isinstance(module.pseudo_query, nn.Parameter):
-                # N(0, initializer_range), as transformers initialised the nn.Linear that held it: not the paper's zeros
+                # (the earlier init's N(0, std) draw, overwritten next: a seeded model keeps its other weights)
                 init.normal_(module.pseudo_query, mean=0.0, std=std)
-            else:
-                init.zeros_(module.pseudo_query)  # (layer 0's attention side: never read)
+            init.zeros_(module.pseudo_query)
 
 class KimiK3Model(KimiK3PreTrainedModel):
     def __init__(self, config: KimiK3TextConfig):
