@@ -333,6 +333,43 @@ def test_cu_seq_lens_that_disagree_with_position_ids_are_refused(tiny_model):
             tiny_model(ids, cu_seq_lens_q=torch.tensor([0, 7, 3, 9], dtype=torch.int32))
 
 
+def test_a_packed_row_from_a_cache_is_refused_and_continued_positions_work(tiny_model):
+    """A cache holds one sequence's state per row: a row packing several sequences (position_ids restarting at 0,
+    cu_seq_lens of several sequences) given with a cache, filled or empty, is refused by name (it used to run as one
+    sequence, the KDA state and MLA latents carried from one into the next) and leaves the cache as it was; positions
+    that continue the cache's, and a mask's positions (left padding restarts them), run as without positions."""
+    ids, positions = packed_row()
+    prefix = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = tiny_model(torch.cat([prefix, ids], 1)).logits[:, 5:]
+        for fill in (prefix, None):
+            cache = KimiK3HybridCache(tiny_model.config)
+            if fill is not None:
+                tiny_model(fill, past_key_values=cache, use_cache=True)
+            with pytest.raises(KimiK3InputError, match=r"one sequence's state per row.*position_ids restarting at 0 "
+                                                       r"at token 3 of row 0.*without past_key_values"):
+                tiny_model(ids, past_key_values=cache, position_ids=positions)
+            for cu in ("cu_seq_lens_q", "cu_seq_lens_k"):
+                with pytest.raises(KimiK3InputError, match=rf"one sequence's state per row.*{cu} of 3 sequences"):
+                    tiny_model(ids, past_key_values=cache, **{cu: torch.tensor([0, 3, 7, 9], dtype=torch.int32)})
+        # the refused steps changed nothing: the filled cache continues, with positions that continue its own
+        cache = KimiK3HybridCache(tiny_model.config)
+        tiny_model(prefix, past_key_values=cache, use_cache=True)
+        with pytest.raises(KimiK3InputError, match="one sequence's state per row"):
+            tiny_model(ids, past_key_values=cache, position_ids=positions)
+        got = tiny_model(ids, past_key_values=cache, position_ids=torch.arange(5, 14)[None]).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # a packed row without a cache is still its sequences, each from the start
+        separate = torch.cat([tiny_model(ids[:, a:b]).logits for a, b in ((0, 3), (3, 7), (7, 9))], 1)
+        torch.testing.assert_close(tiny_model(ids, position_ids=positions).logits, separate, atol=1e-5, rtol=1e-5)
+        # under a mask, positions restarting at 0 are generate()'s after left padding, not packing: not refused
+        mask = torch.ones(1, 14, dtype=torch.long)
+        cache = KimiK3HybridCache(tiny_model.config)
+        tiny_model(prefix, attention_mask=mask[:, :5], past_key_values=cache, use_cache=True)
+        masked = tiny_model(ids, attention_mask=mask, past_key_values=cache, position_ids=positions).logits
+        torch.testing.assert_close(masked, want, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- static cache sizes
 def test_a_static_cache_larger_than_memory_is_refused_before_it_is_allocated(tiny_model):
     ids = torch.randint(3, 512, (1, 6))

@@ -151,6 +151,35 @@ def _position_problems(position_ids, cu_seq_lens_q, tokens: int, packed: bool) -
     return problems
 
 
+PACKED_FROM_CACHE = (
+    "a KimiK3HybridCache holds one sequence's state per row, so a row packing several sequences ({what}, as "
+    "DataCollatorWithFlattening makes them) cannot run from it: the KDA states and MLA latents would carry one "
+    "sequence into the next. Run a packed row without past_key_values (the model restarts the state at each "
+    "sequence), or give each sequence its own row of input_ids and continue the rows from one cache over the batch; "
+    "to train packed rows in segments use transformers_k3.segments.segment_backward, which takes the packing keys")
+
+
+def _packed_from_cache_problems(position_ids, kwargs: dict, tokens: int) -> list:
+    """A row packing several sequences given with a cache (and no attention mask, the packed form): ``cu_seq_lens_*``
+    of more than one sequence raise now; position_ids restarting at 0 after a row's first token are returned as
+    (flag, raise) for `_raise_problems` (not while compiling, nor for a one-token step: it reads the values)."""
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        cu = kwargs.get(name)
+        if isinstance(cu, torch.Tensor) and cu.numel() > 2:
+            raise KimiK3InputError(PACKED_FROM_CACHE.format(what=f"{name} of {cu.numel() - 1} sequences"))
+    if (position_ids is None or tokens < 2 or position_ids.dim() == 0 or torch.compiler.is_compiling()
+            or position_ids.device.type == "meta"):
+        return []
+    restarts = position_ids.reshape(-1, position_ids.shape[-1])[:, 1:] == 0
+
+    def fail():
+        row, token = (int(i) for i in restarts.nonzero()[0])
+        raise KimiK3InputError(PACKED_FROM_CACHE.format(
+            what=f"position_ids restarting at 0 at token {token + 1} of row {row}"))
+
+    return [(restarts.any(), fail)]
+
+
 def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int, range_check: bool = True):
     """`check_input_ids`'s form checks, raised now, and its range check as (flag, raise) for `_raise_problems`
     (None without `range_check`, while compiling or on meta)."""
