@@ -21,9 +21,14 @@ __all__ = ["causal_conv1d", "causal_conv1d_update"]
 _ACTIVATIONS = (None, "silu", "swish")
 
 
-def _check_weight(weight: torch.Tensor, channels: int) -> torch.Tensor:
-    """Accept both ``[D, W]`` and the ``nn.Conv1d`` layout ``[D, 1, W]`` so layers can pass their
-    parameter as is; return ``[D, W]``."""
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """Check ``x [B, T, D]``, the activation and the weight; accept both ``[D, W]`` and the ``nn.Conv1d`` layout
+    ``[D, 1, W]`` so layers can pass their parameter as is; return ``[D, W]``."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    channels = x.shape[-1]
     if weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight[:, 0]
     if weight.dim() != 2 or weight.shape[0] != channels:
@@ -34,11 +39,6 @@ def _check_weight(weight: torch.Tensor, channels: int) -> torch.Tensor:
     if weight.shape[1] < 1:
         raise ValueError(f"weight must have a kernel width W >= 1, got shape {tuple(weight.shape)}")
     return weight
-
-
-def _check_activation(activation: str | None) -> None:
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -75,11 +75,8 @@ def causal_conv1d(
         in ``x``'s dtype holding the last ``W - 1`` raw inputs of each sequence (including the tail of
         ``initial_state`` when the sequence is shorter than ``W - 1``), or ``None``.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
-    _check_activation(activation)
+    weight = _check_inputs(x, weight, activation)
     batch, length, channels = x.shape
-    weight = _check_weight(weight, channels)
     width = weight.shape[1]
     history = width - 1
     dtype = _compute_dtype(x)
@@ -201,11 +198,8 @@ def causal_conv1d_update(
     Returns:
         ``[B, T, D]`` in ``x``'s dtype.
     """
-    if x.dim() != 3:
-        raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
-    _check_activation(activation)
+    weight = _check_inputs(x, weight, activation)
     batch, _, channels = x.shape
-    weight = _check_weight(weight, channels)
     width = weight.shape[1]
     if tuple(conv_state.shape) != (batch, channels, width - 1):
         raise ValueError(
