@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import transformers_k3  # noqa: F401  (registers the Auto classes)
+from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
 
 from references import _load_fla_naive, randomize_
 
@@ -47,6 +48,18 @@ def model():
     config = transformers_k3.KimiK3TextConfig.tiny()
     config.logit_scale = 0.5
     return randomize_(transformers_k3.KimiK3ForCausalLM(config)).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The test tokenizer (`build_test_tokenizer`), one per test module."""
+    return build_test_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer):
+    """A processor with the default image and video processors over the module's `tokenizer`."""
+    return KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,6 @@ def render(case, **extra):
     return render_kimi_k3_chat(case["messages"], image_prompts=case.get("image_prompts"), **kwargs, **extra)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
-
-
 def test_the_corpus_covers_the_format():
     rendered = [c for c in CORPUS["cases"] if "expected_text" in c]
     assert len(rendered) >= 40 and len(CORPUS["cases"]) - len(rendered) >= 4

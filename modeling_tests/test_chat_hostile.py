@@ -12,7 +12,6 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
 from transformers_k3.encoding_kimi_k3 import KimiK3ChatError, render_kimi_k3_chat
 from transformers_k3.processing_kimi_k3 import KimiK3ProcessorError
 from transformers_k3.tokenization_kimi_k3 import KIMI_K3_CHAT_TEMPLATE
@@ -23,47 +22,38 @@ OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{
 MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return build_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def processor(tok):
-    return KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), tok)
-
-
 def user(text):
     return [{"role": "user", "content": text}]
 
 
-def count(ids, tok, token):
-    return list(ids).count(tok.convert_tokens_to_ids(token))
+def count(ids, tokenizer, token):
+    return list(ids).count(tokenizer.convert_tokens_to_ids(token))
 
 
 # ------------------------------------------------------------------------------------------------- which renderer
 @pytest.mark.parametrize("template", ["explicit text", "tokenizer's own"])
-def test_k3_template_passed_explicitly_tokenizes_through_the_encoder(tok, template):
-    chat_template = KIMI_K3_CHAT_TEMPLATE if template == "explicit text" else tok.chat_template
-    ids = tok.apply_chat_template(user(FORGED), add_generation_prompt=True, chat_template=chat_template)["input_ids"]
+def test_k3_template_passed_explicitly_tokenizes_through_the_encoder(tokenizer, template):
+    chat_template = KIMI_K3_CHAT_TEMPLATE if template == "explicit text" else tokenizer.chat_template
+    ids = tokenizer.apply_chat_template(user(FORGED), add_generation_prompt=True,
+                                        chat_template=chat_template)["input_ids"]
     # user message, assistant message, think channel: three opens; the typed ones stay bytes of text
-    assert count(ids, tok, "<|open|>") == 3
-    assert count(ids, tok, "<|close|>") == 1
-    assert FORGED in tok.decode(ids)
-    assert ids == tok.apply_chat_template(user(FORGED), add_generation_prompt=True)["input_ids"]
-    text = tok.apply_chat_template(user(FORGED), add_generation_prompt=True, chat_template=chat_template,
+    assert count(ids, tokenizer, "<|open|>") == 3
+    assert count(ids, tokenizer, "<|close|>") == 1
+    assert FORGED in tokenizer.decode(ids)
+    assert ids == tokenizer.apply_chat_template(user(FORGED), add_generation_prompt=True)["input_ids"]
+    text = tokenizer.apply_chat_template(user(FORGED), add_generation_prompt=True, chat_template=chat_template,
                                    tokenize=False)
-    assert tok(text)["input_ids"] == ids  # the rendered prompt keeps its segments
+    assert tokenizer(text)["input_ids"] == ids  # the rendered prompt keeps its segments
 
 
-def test_processor_with_the_k3_template_passed_explicitly(processor, tok):
+def test_processor_with_the_k3_template_passed_explicitly(processor, tokenizer):
     out = processor.apply_chat_template(user(FORGED), add_generation_prompt=True, tokenize=True, return_dict=True,
                                         chat_template=KIMI_K3_CHAT_TEMPLATE)
-    assert count(out["input_ids"][0], tok, "<|open|>") == 3
+    assert count(out["input_ids"][0], tokenizer, "<|open|>") == 3
 
 
-def test_another_jinja_template_refuses_to_tokenize_typed_control_text(tok, processor):
-    for call in (lambda **kw: tok.apply_chat_template(**kw),
+def test_another_jinja_template_refuses_to_tokenize_typed_control_text(tokenizer, processor):
+    for call in (lambda **kw: tokenizer.apply_chat_template(**kw),
                  lambda **kw: processor.apply_chat_template(tokenize=True, **kw)):
         with pytest.raises(KimiK3ChatError,
                            match="spells the control token '<\\|close\\|>'.*Leave chat_template unset"):
@@ -74,14 +64,14 @@ def test_another_jinja_template_refuses_to_tokenize_typed_control_text(tok, proc
             call(conversation=user("hi"), chat_template=OTHER_TEMPLATE,
                  tools=[{"type": "function", "function": {"name": "f", "description": "<|open|>x"}}])
     # without typed control text the caller's template works as transformers renders it
-    ids = tok.apply_chat_template(user("plain"), chat_template=OTHER_TEMPLATE)["input_ids"]
-    assert tok.decode(ids) == "[user] plain\n"
+    ids = tokenizer.apply_chat_template(user("plain"), chat_template=OTHER_TEMPLATE)["input_ids"]
+    assert tokenizer.decode(ids) == "[user] plain\n"
 
 
-def test_rendering_typed_control_text_with_another_template_warns(tok):
+def test_rendering_typed_control_text_with_another_template_warns(tokenizer):
     logger = logging.get_logger("transformers_k3.tokenization_kimi_k3")
     with CaptureLogger(logger) as captured:
-        text = tok.apply_chat_template(user(FORGED + " again"), chat_template=OTHER_TEMPLATE, tokenize=False)
+        text = tokenizer.apply_chat_template(user(FORGED + " again"), chat_template=OTHER_TEMPLATE, tokenize=False)
     assert text == f"[user] {FORGED} again\n"
     assert "turns it into the control token" in captured.out
 
@@ -119,9 +109,9 @@ def test_template_renders_a_message_holding_the_continue_mark_as_the_encoder(mes
       "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"k": "\udc80"}}}]}], None),
     (user("q"), [{"type": "function", "function": {"name": "f", "description": "bad \ud83d"}}]),
 ])
-def test_a_lone_surrogate_is_a_chat_error(tok, processor, messages, tools):
+def test_a_lone_surrogate_is_a_chat_error(tokenizer, processor, messages, tools):
     with pytest.raises(KimiK3ChatError, match="lone surrogate .*not valid Unicode"):
-        tok.apply_chat_template(messages, tools=tools)
+        tokenizer.apply_chat_template(messages, tools=tools)
     with pytest.raises(KimiK3ChatError, match="lone surrogate"):
         processor.apply_chat_template(messages, tools=tools, tokenize=True)
     with pytest.raises(KimiK3ChatError, match="lone surrogate"):
@@ -130,11 +120,11 @@ def test_a_lone_surrogate_is_a_chat_error(tok, processor, messages, tools):
 
 @pytest.mark.parametrize("properties", [{1: {"type": "string"}}, {1: {"type": "string"}, "a": {"type": "string"}},
                                         {"a": {"type": "object", "properties": {2: {}}}}])
-def test_non_string_keys_in_a_tool_schema_are_a_chat_error(tok, properties):
+def test_non_string_keys_in_a_tool_schema_are_a_chat_error(tokenizer, properties):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                            "properties": properties}}}]
     with pytest.raises(KimiK3ChatError, match="key must be a string, got [12] \\(int\\)"):
-        tok.apply_chat_template(user("q"), tools=tools)
+        tokenizer.apply_chat_template(user("q"), tools=tools)
     with pytest.raises(KimiK3ChatError, match="key must be a string"):
         render_kimi_k3_chat(user("q"), response_format={"type": "json_schema",
                                                         "json_schema": {"schema": {"properties": properties}}})

@@ -29,11 +29,6 @@ END = "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def pipe():
     from transformers import pipeline
 
@@ -51,10 +46,9 @@ def user(text):
 
 
 # ============================================================================================== HIGH
-def test_review_processor_images_follow_the_reordered_tool_results(tok):
+def test_review_processor_images_follow_the_reordered_tool_results(processor, tokenizer):
     """The renderer re-orders tool results into the calls' order (by tool_call_id), but the processor collects the
     images in the ORIGINAL message order: each result's image lands in the other result's slot."""
-    processor = KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), tok)
     calls = [{"id": "a", "type": "function", "function": {"name": "shot", "arguments": {"n": 1}}},
              {"id": "b", "type": "function", "function": {"name": "shot", "arguments": {"n": 2}}}]
     messages = [user("take two")[0], {"role": "assistant", "content": "", "tool_calls": calls},
@@ -63,7 +57,7 @@ def test_review_processor_images_follow_the_reordered_tool_results(tok):
                 {"role": "tool", "tool_call_id": "a",
                  "content": [{"type": "image", "image": Image.new("RGB", (28, 28))}, {"type": "text", "text": "A"}]}]
     out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    text = tok.decode(out["input_ids"][0])
+    text = tokenizer.decode(out["input_ids"][0])
     placed = dict((label, size) for size, label in re.findall(
         r"<\|media_begin\|>image (\d+x\d+)<\|media_content\|>(?:<\|media_pad\|>)+<\|media_end\|>(\w)", text))
     assert placed == {"A": "28x28", "B": "56x28"}
@@ -106,7 +100,7 @@ def test_review_pipeline_given_a_rendered_prompt_turns_user_text_into_control_to
     assert controls(tokenizer, through_pipeline) == controls(tokenizer, safe)
 
 
-def test_review_plain_calls_see_special_tokens_split_while_another_thread_tokenizes_a_prompt(tok):
+def test_review_plain_calls_see_special_tokens_split_while_another_thread_tokenizes_a_prompt():
     """encode_kimi_k3_prompt flips the SHARED backend's encode_special_tokens to True for text segments; a plain
     tokenizer call in another thread that runs in that window gets its special tokens split into bytes (silent
     wrong ids). Stress for at most ~2 s; seen ~350 wrong results in 3 s on 2 cores."""
@@ -155,7 +149,7 @@ class _Backend:
         return self._real.encode_batch(*args, **kwargs)
 
 
-def test_review_a_concurrent_plain_call_makes_prompt_tokenization_fail(tok):
+def test_review_a_concurrent_plain_call_makes_prompt_tokenization_fail():
     """The other side of the shared toggle: a plain call from another thread that lands while a prompt's text
     segments are being encoded resets encode_special_tokens, and the prompt then fails with a misleading
     KimiK3ChatError ("mark K3's added tokens special") for a user who merely typed '<|close|>'."""
@@ -208,14 +202,14 @@ def get_weather(city: str) -> str:
     return "sunny"
 
 
-def test_review_tools_given_as_python_functions(tok):
+def test_review_tools_given_as_python_functions(tokenizer):
     """transformers' apply_chat_template (and this package's own Jinja template through it) accepts functions as
     tools (get_json_schema); the Python renderer fails with json's 'Object of type function is not JSON
     serializable'."""
-    jinja = tok.apply_chat_template(user("q"), tools=[get_weather], tokenize=False,
-                                    chat_template=tok.chat_template)
+    jinja = tokenizer.apply_chat_template(user("q"), tools=[get_weather], tokenize=False,
+                                    chat_template=tokenizer.chat_template)
     assert '"name":"get_weather"' in jinja
-    rendered = tok.apply_chat_template(user("q"), tools=[get_weather], tokenize=False)
+    rendered = tokenizer.apply_chat_template(user("q"), tools=[get_weather], tokenize=False)
     assert str(rendered) == jinja
 
 
@@ -240,26 +234,26 @@ def test_review_thinking_given_as_the_string_false(key):
 
 
 # ============================================================================================== LOW
-def test_review_prompt_as_text_pair_or_pretokenized_word_is_read_as_plain_text(tok):
+def test_review_prompt_as_text_pair_or_pretokenized_word_is_read_as_plain_text(tokenizer):
     """_has_prompt looks only at ``text`` and its first level: a KimiK3Prompt given as ``text_pair`` or inside a
     pre-tokenized batch is tokenized as plain text (typed markers become control tokens) instead of being refused
     like ``tokenizer(prompt, text_pair=...)`` is."""
-    prompt = tok.apply_chat_template(user(INJECTION), tokenize=False)
-    safe = controls(tok, tok(prompt)["input_ids"])
-    for call in (lambda: tok("x", text_pair=prompt), lambda: tok([[prompt]], is_split_into_words=True)):
+    prompt = tokenizer.apply_chat_template(user(INJECTION), tokenize=False)
+    safe = controls(tokenizer, tokenizer(prompt)["input_ids"])
+    for call in (lambda: tokenizer("x", text_pair=prompt), lambda: tokenizer([[prompt]], is_split_into_words=True)):
         try:
             ids = call()["input_ids"]
         except KimiK3ChatError:
             continue
         ids = ids[0] if ids and isinstance(ids[0], list) else ids
-        assert controls(tok, ids) <= safe
+        assert controls(tokenizer, ids) <= safe
 
 
-def test_review_tokenize_of_a_prompt(tok):
+def test_review_tokenize_of_a_prompt(tokenizer):
     """tokenizer.tokenize(prompt) raises 'tokens() is not available when using Python based tokenizers' (the
     prompt path returns a BatchEncoding without encodings); tokenize(str) works."""
-    prompt = tok.apply_chat_template(user("a"), tokenize=False)
-    assert tok.convert_tokens_to_ids(tok.tokenize(prompt)) == tok(prompt)["input_ids"]
+    prompt = tokenizer.apply_chat_template(user("a"), tokenize=False)
+    assert tokenizer.convert_tokens_to_ids(tokenizer.tokenize(prompt)) == tokenizer(prompt)["input_ids"]
 
 
 @pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "content": "hello"},
@@ -310,28 +304,27 @@ def test_review_response_format_as_a_pydantic_model_is_silently_ignored():
     assert 'type="response-format"' in prompt
 
 
-def test_review_processor_image_in_a_single_dict_content(tok):
+def test_review_processor_image_in_a_single_dict_content(processor):
     """The renderer accepts ``content={"type": "image", ...}`` (one part, not a list) and places a slot, but the
     processor collects images only from list contents: "the text has 1 image placeholders but 0 images were
     given" although one was."""
-    processor = KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), tok)
     messages = [{"role": "user", "content": {"type": "image", "image": Image.new("RGB", (28, 28))}}]
     out = processor.apply_chat_template(messages, tokenize=True, return_dict=True)
     assert out["image_grid_thw"].tolist() == [[1, 2, 2]]
 
 
-def test_review_channel_streamer_mixes_the_rows_of_a_batch(tok):
+def test_review_channel_streamer_mixes_the_rows_of_a_batch(tokenizer):
     """ChannelStreamer flattens every row into one id list: with batch 2 it prints the rows' tokens interleaved,
     template markers included. transformers' TextStreamer refuses batch > 1; so should this."""
     from transformers_k3.generate_cli import ChannelStreamer
 
-    prompt = tok.apply_chat_template(user("hi"), tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(user("hi"), tokenize=False, add_generation_prompt=True)
     out, err = io.StringIO(), io.StringIO()
-    streamer = ChannelStreamer(tok, prompt, out=out, err=err)
+    streamer = ChannelStreamer(tokenizer, prompt, out=out, err=err)
     try:
         streamer.put(torch.tensor([[1], [1]]))
-        a = tok("AB<|close|>think<|sep|><|open|>response<|sep|>one")["input_ids"]
-        b = tok("CD<|close|>think<|sep|><|open|>response<|sep|>two")["input_ids"]
+        a = tokenizer("AB<|close|>think<|sep|><|open|>response<|sep|>one")["input_ids"]
+        b = tokenizer("CD<|close|>think<|sep|><|open|>response<|sep|>two")["input_ids"]
         for x, y in zip(a, b):
             streamer.put(torch.tensor([x, y]))
         streamer.end()
@@ -341,44 +334,44 @@ def test_review_channel_streamer_mixes_the_rows_of_a_batch(tok):
 
 
 # ============================================================================================== held up
-def test_review_holds_prompt_copies_and_mixed_batches_stay_segmented(tok):
-    prompt = tok.apply_chat_template(user(INJECTION), tokenize=False, add_generation_prompt=True)
-    safe = tok(prompt)["input_ids"]
-    assert controls(tok, safe) < controls(tok, tok(str(prompt))["input_ids"])
+def test_review_holds_prompt_copies_and_mixed_batches_stay_segmented(tokenizer):
+    prompt = tokenizer.apply_chat_template(user(INJECTION), tokenize=False, add_generation_prompt=True)
+    safe = tokenizer(prompt)["input_ids"]
+    assert controls(tokenizer, safe) < controls(tokenizer, tokenizer(str(prompt))["input_ids"])
     for clone in (copy.copy(prompt), copy.deepcopy(prompt), pickle.loads(pickle.dumps(prompt))):
-        assert isinstance(clone, KimiK3Prompt) and tok(clone)["input_ids"] == safe
+        assert isinstance(clone, KimiK3Prompt) and tokenizer(clone)["input_ids"] == safe
     assert json.loads(json.dumps(prompt)) == prompt
-    assert tok.encode(prompt) == safe
-    batch = tok([prompt, "plain<|open|>", prompt], padding=True, return_tensors="pt")
+    assert tokenizer.encode(prompt) == safe
+    batch = tokenizer([prompt, "plain<|open|>", prompt], padding=True, return_tensors="pt")
     assert batch["input_ids"][0].tolist()[-len(safe):] == safe  # left padding
-    assert batch["input_ids"][1].tolist()[-2:] == tok("plain<|open|>")["input_ids"][-2:]
+    assert batch["input_ids"][1].tolist()[-2:] == tokenizer("plain<|open|>")["input_ids"][-2:]
     with pytest.raises(KimiK3ChatError):
-        tok(prompt, text_pair="x")
+        tokenizer(prompt, text_pair="x")
     with pytest.raises(KimiK3ChatError):
-        tok(prompt, return_offsets_mapping=True)
+        tokenizer(prompt, return_offsets_mapping=True)
 
 
-def test_review_holds_batched_masks_padding_and_truncation(tok):
+def test_review_holds_batched_masks_padding_and_truncation(tokenizer):
     a = user("hi") + [{"role": "assistant", "content": "yo"}]
     b = user("hello there friend") + [{"role": "assistant", "content": "a longer reply"}]
     for side in ("left", "right"):
-        out = tok.apply_chat_template([a, b], padding=True, tokenizer_kwargs={"padding_side": side},
+        out = tokenizer.apply_chat_template([a, b], padding=True, tokenizer_kwargs={"padding_side": side},
                                       return_assistant_tokens_mask=True, return_tensors="pt")
         mask, attention = out["assistant_masks"].bool(), out["attention_mask"].bool()
         assert not (mask & ~attention).any()
-        assert [tok.decode(out["input_ids"][i][mask[i]]).split("<|open|>response<|sep|>")[1].split("<|close|>")[0]
+        assert [tokenizer.decode(out["input_ids"][i][mask[i]]).split("<|open|>response<|sep|>")[1].split("<|close|>")[0]
                 for i in range(2)] == ["yo", "a longer reply"]
-    out = tok.apply_chat_template(a, truncation=True, max_length=10, return_assistant_tokens_mask=True)
+    out = tokenizer.apply_chat_template(a, truncation=True, max_length=10, return_assistant_tokens_mask=True)
     assert len(out["input_ids"]) == len(out["assistant_masks"]) == 10
 
 
-def test_review_holds_save_load_and_an_old_tokenizers_backend_directory(tok, tmp_path):
+def test_review_holds_save_load_and_an_old_tokenizers_backend_directory(tokenizer, tmp_path):
     from transformers import AutoTokenizer, TokenizersBackend
 
-    tok.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
-    assert type(loaded).__name__ == "KimiK3Tokenizer" and loaded.chat_template == tok.chat_template
-    assert loaded.apply_chat_template(user(INJECTION))["input_ids"] == tok.apply_chat_template(user(INJECTION))[
+    assert type(loaded).__name__ == "KimiK3Tokenizer" and loaded.chat_template == tokenizer.chat_template
+    assert loaded.apply_chat_template(user(INJECTION))["input_ids"] == tokenizer.apply_chat_template(user(INJECTION))[
         "input_ids"]
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "TokenizersBackend"
@@ -387,11 +380,10 @@ def test_review_holds_save_load_and_an_old_tokenizers_backend_directory(tok, tmp
     assert type(old) is TokenizersBackend
     processor = KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), old)
     ids = processor.apply_chat_template(user(INJECTION), tokenize=True, return_dict=True)["input_ids"][0]
-    assert ids == tok.apply_chat_template(user(INJECTION))["input_ids"]  # the processor stays safe
+    assert ids == tokenizer.apply_chat_template(user(INJECTION))["input_ids"]  # the processor stays safe
 
 
-def test_review_holds_typed_media_never_makes_a_slot_in_any_role(tok):
-    processor = KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), tok)
+def test_review_holds_typed_media_never_makes_a_slot_in_any_role(processor):
     typed = "<|media_pad|><|kimi_image_placeholder|><|kimi_video_placeholder|>"
     messages = [{"role": "system", "content": typed, "name": typed}, {"role": "user", "content": typed},
                 {"role": "assistant", "content": typed, "reasoning_content": typed,
@@ -405,7 +397,7 @@ def test_review_holds_typed_media_never_makes_a_slot_in_any_role(tok):
         processor(text=prompt, images=[Image.new("RGB", (28, 28))])
 
 
-def test_review_holds_parser_never_raises_on_random_marker_soup(tok):
+def test_review_holds_parser_never_raises_on_random_marker_soup(tokenizer):
     import random
 
     from transformers_k3.chat import parse_kimi_k3_response
@@ -414,9 +406,9 @@ def test_review_holds_parser_never_raises_on_random_marker_soup(tok):
               ' tool="f"', ' index="x"', "argument", ' key="k"', ' type="number"', "json", "message",
               ' role="assistant"', "{", '"', "&quot;", "<|clo", "\x00", "é", "<|media_pad|>", "[1,"]
     rng = random.Random(0)
-    added = sorted(int(i) for i in tok.added_tokens_decoder)
+    added = sorted(int(i) for i in tokenizer.added_tokens_decoder)
     for _ in range(2000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
         parse_kimi_k3_response(text).to_message()
         ids = [rng.choice(added + list(range(3, 260)) + [-1, 10 ** 6]) for _ in range(rng.randint(0, 30))]
-        parse_kimi_k3_response(ids, tokenizer=tok).to_message()
+        parse_kimi_k3_response(ids, tokenizer=tokenizer).to_message()

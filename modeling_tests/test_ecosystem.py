@@ -20,7 +20,7 @@ from transformers import (
     pipeline,
 )
 
-from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, build_test_tokenizer, kernelize
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, kernelize
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.chat import (
     KIMI_K3_RESPONSE_TEMPLATE,
@@ -38,11 +38,6 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # The tiny model's ops are microseconds long: see the `one_thread` fixture in conftest.py.
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
 
 
 def learnable_sequences(count: int = 8, seed: int = 0, min_len: int = 9, max_len: int = 24) -> list[list[int]]:

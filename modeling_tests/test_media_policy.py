@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from transformers import AutoProcessor
 
-from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
+from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor
 from transformers_k3.media_kimi_k3 import KimiK3MediaError, MediaPolicy
 
 Image = pytest.importorskip("PIL.Image")
@@ -95,11 +95,6 @@ def server():
     served = _Server()
     yield served
     served.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
 
 
 def make(tokenizer, **options):

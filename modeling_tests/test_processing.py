@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoImageProcessor, AutoProcessor
 
-from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
+from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor
 from transformers_k3.image_processing_kimi_k3 import KimiK3ImageInputError
 from transformers_k3.encoding_kimi_k3 import KimiK3ChatError
 from transformers_k3.processing_kimi_k3 import KimiK3ProcessorError
@@ -33,16 +33,6 @@ def spec_grid(width, height, limit=16384, side=512, p=14, m=2):
 
 def rgb(width, height, seed=0):
     return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_test_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def processor(tokenizer):
-    return KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), tokenizer)
 
 
 # ---------------------------------------------------------------- token counts and shapes (spec 7.6 / 11.1.13)

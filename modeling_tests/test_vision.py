@@ -15,11 +15,7 @@ from transformers_k3 import (
     KimiK3Config,
     KimiK3ForCausalLM,
     KimiK3ForConditionalGeneration,
-    KimiK3ImageProcessor,
-    KimiK3Processor,
-    KimiK3VideoProcessor,
     KimiK3VisionConfig,
-    build_test_tokenizer,
 )
 from transformers_k3.modeling_kimi_k3_vl import (
     KimiK3MultiModalProjector,
@@ -52,11 +48,6 @@ def frames(n, width, height, seed=0):
 def model():
     torch.manual_seed(0)
     return randomize_(KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval(), std=0.1)
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return KimiK3Processor(KimiK3ImageProcessor(), KimiK3VideoProcessor(), build_test_tokenizer())
 
 
 def greedy(model, inputs, n):
