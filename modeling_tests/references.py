@@ -406,13 +406,17 @@ def representable(shape, generator) -> torch.Tensor:
     return torch.ldexp(E2M1[codes], exponents.repeat_interleave(32, dim=-1).float())
 
 
-def make_experts_representable_(model, seed=1):
-    gen = torch.Generator().manual_seed(seed)
+def representable_tiny(cls=KimiK3ForCausalLM, config=None):
+    """A tiny ``cls`` (default config ``KimiK3TextConfig.tiny()``) with random weights (seed 0) in eval mode and
+    bf16, its routed experts' weights values MXFP4 represents exactly (an MXFP4 checkpoint of it holds them all)."""
+    torch.manual_seed(0)
+    model = randomize_(cls(config if config is not None else KimiK3TextConfig.tiny()).eval())
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 param.copy_(representable(param.shape, gen))
-    return model
+    return model.to(torch.bfloat16)
 
 
 def official_state(model, quantize: bool) -> dict:
@@ -431,13 +435,16 @@ def write_official(directory: Path, state: dict, config, composite: bool, quanti
     return directory
 
 
+def write_official_text(directory: Path, model, quantized: bool) -> Path:
+    """``model`` written at ``directory`` as an official text checkpoint, its experts MXFP4 (``quantized``) or bf16."""
+    return write_official(directory, official_state(model, quantize=quantized), model.config, False, quantized)
+
 
 def write_tiny_official(path: Path) -> Path:
     """The tiny random K3 (bf16) written at ``path`` in the release's bf16 layout."""
     torch.manual_seed(0)
     model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval()).to(torch.bfloat16)
-    write_official(path, official_state(model, quantize=False), model.config, False, False)
-    return path
+    return write_official_text(path, model, quantized=False)
 
 def shard_tensors(directory: Path) -> dict:
     out = {}

@@ -39,13 +39,13 @@ from references import (
     _script,
     load,
     logits,
-    make_experts_representable_,
     official_state,
-    randomize_,
+    representable_tiny,
     representable,
     shard_tensors,
     shard_tensors_file,
     write_official,
+    write_official_text,
 )
 
 
@@ -53,15 +53,13 @@ from references import (
 # Fixtures
 @pytest.fixture(scope="module")
 def text_model():
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
-    return make_experts_representable_(model).to(torch.bfloat16)
+    return representable_tiny()
 
 
 @pytest.fixture(scope="module")
 def official_bf16(tmp_path_factory, text_model):
     path = tmp_path_factory.mktemp("ckpt") / "official_bf16"
-    return write_official(path, official_state(text_model, quantize=False), text_model.config, False, False)
+    return write_official_text(path, text_model, quantized=False)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +87,7 @@ def official_mxfp4(tmp_path_factory, text_model):
 def vl_model():
     from transformers_k3 import KimiK3ForConditionalGeneration
 
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForConditionalGeneration(KimiK3Config.tiny()).eval())
-    return make_experts_representable_(model).to(torch.bfloat16)
+    return representable_tiny(KimiK3ForConditionalGeneration, KimiK3Config.tiny())
 
 
 @pytest.fixture(scope="module")

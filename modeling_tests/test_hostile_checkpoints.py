@@ -27,11 +27,9 @@ from transformers_k3.conversion.quant import E2M1_VALUES, QuantFormatError, chec
 from references import (
     _index,
     assert_converter_refuses,
-    make_experts_representable_,
-    official_state,
-    randomize_,
+    representable_tiny,
     shard_tensors_file,
-    write_official,
+    write_official_text,
 )
 
 Q = "model.layers.1.self_attn.q_proj.weight"
@@ -41,21 +39,19 @@ PACKED = SCALE.replace("weight_scale", "weight_packed")
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
-    return make_experts_representable_(model).to(torch.bfloat16)
+    return representable_tiny()
 
 
 @pytest.fixture(scope="module")
 def bf16_source(tmp_path_factory, tiny_model):
     path = tmp_path_factory.mktemp("ckpt") / "bf16"
-    return write_official(path, official_state(tiny_model, quantize=False), tiny_model.config, False, False)
+    return write_official_text(path, tiny_model, quantized=False)
 
 
 @pytest.fixture(scope="module")
 def mxfp4_source(tmp_path_factory, tiny_model):
     path = tmp_path_factory.mktemp("ckpt") / "mxfp4"
-    return write_official(path, official_state(tiny_model, quantize=True), tiny_model.config, False, True)
+    return write_official_text(path, tiny_model, quantized=True)
 
 
 def _copy(source: Path, tmp_path: Path, name="ckpt") -> Path:
