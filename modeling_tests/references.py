@@ -94,6 +94,18 @@ def adamw_losses(model: torch.nn.Module, steps: int = 3, parts: int = 1) -> list
     return losses
 
 
+def train_losses(model: torch.nn.Module, ids: torch.Tensor, optimizer, steps: int) -> list[float]:
+    """The loss before each of ``steps`` optimizer steps on next-token prediction of ``ids``."""
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def global_batch_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of the mean loss over the global batch (left cleared on the model)."""
     model(input_ids=global_batch(), labels=global_batch()).loss.backward()

@@ -30,7 +30,7 @@ from transformers_k3.chat import (
     parse_kimi_k3_response,
 )
 
-from references import adamw_losses, global_batch_gradients, gradients_rel_diff, randomize_, run_torchrun
+from references import adamw_losses, global_batch_gradients, gradients_rel_diff, randomize_, run_torchrun, train_losses
 
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
@@ -445,14 +445,7 @@ def test_lora_on_experts_alone_changes_the_output_and_trains():
         assert max_rel_err(model.eval()(ids).logits, base_logits) > 1e-3
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
-    losses = []
-    for _ in range(6):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, ids, torch.optim.AdamW(params, lr=1e-2), steps=6)
     print("LoRA (experts only) losses:", [round(x, 3) for x in losses])
     assert losses[-1] < losses[0] - 0.05
 
@@ -526,13 +519,7 @@ def test_qlora_4bit_on_cpu(tmp_path):
                                                        target_modules=sorted(set(KDA_PROJECTIONS + MLA_PROJECTIONS))))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
     model.train()
-    losses = []
-    for _ in range(8):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, ids, optimizer, steps=8)
     print("QLoRA losses:", [round(x, 3) for x in losses])
     assert losses[-1] < losses[0] - 0.3
     model.eval()

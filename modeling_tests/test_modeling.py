@@ -18,7 +18,7 @@ from transformers_k3 import (
     KimiK3TextConfig,
 )
 
-from references import randomize_
+from references import randomize_, train_losses
 
 
 def assert_close_logits(got, want, rel=1e-5):
@@ -404,14 +404,7 @@ def test_loss_backward_and_gradient_checkpointing(tiny_model):
 def test_a_few_training_steps_reduce_the_loss(tiny_model):
     tiny_model.train()
     ids = torch.randint(3, 512, (4, 24))
-    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = tiny_model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(tiny_model, ids, torch.optim.AdamW(tiny_model.parameters(), lr=3e-3), steps=8)
     assert losses[-1] < 0.7 * losses[0], losses
 
 
