@@ -131,7 +131,9 @@ class PackedExpertsLoraLayer(nn.Module, LoraLayer):
                 r = self.r[name]
                 x = self.lora_dropout[name](rows).to(a.dtype)
                 down = _grouped_gemm(x, a.view(experts, r, -1).transpose(1, 2), offsets)  # [M, r]
-                up = _grouped_gemm(down, b.view(b.shape[0], r, experts).permute(2, 1, 0).contiguous(), offsets)
+                # B_e^T [r, out] for each e: one 2-D transpose, rows contiguous (a 3-D reversal copies element-wise)
+                b_t = b.t().contiguous().view(r, experts, b.shape[0]).transpose(0, 1)
+                up = _grouped_gemm(down, b_t, offsets)
                 up = up * self.scaling[name]
                 total = up if total is None else total + up
             valid = torch.arange(rows.shape[0], device=rows.device) < offsets[-1]  # (rows of no expert: none)
