@@ -311,3 +311,16 @@ def test_bench_segment_training_runs_at_a_tiny_size():
     rows = _table_rows(stdout)
     assert {"truncated", "exact", "replay"} <= rows.keys(), stdout
     assert all(0 < float(rows[run][4]) < 10 for run in ("truncated", "exact", "replay")), stdout
+
+
+def test_bench_mxfp4_lora_runs_at_a_tiny_size():
+    """bench_mxfp4_lora (a LoRA training step over packed experts and over bf16 experts with PEFT's own expert LoRA)
+    runs and prints a timed row for each (not their speed)."""
+    code, stdout, output = _run(
+        sys.executable, "bench/bench_mxfp4_lora.py", "--threads", "1", "--experts", "16", "--top-k", "4",
+        "--latent", "64", "--intermediate", "64", "--tokens", "8", "--rank", "2", "--reps", "1", timeout=300,
+    )  # fmt: skip
+    assert code == 0, output
+    rows = {line.split("|")[2].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| 8 ")}
+    assert rows.keys() == {"bf16 frozen", "bf16 + LoRA", "packed frozen", "packed + LoRA"}, stdout
+    assert all(float(row[3]) > 0 for row in rows.values()), stdout
