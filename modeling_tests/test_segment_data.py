@@ -191,11 +191,29 @@ def test_segment_trainer_refuses_what_it_cannot_train(tmp_path):
         trainer.training_step(model, {"input_ids": ids, "attention_mask": torch.zeros_like(ids)})
     with pytest.raises(KimiK3SegmentError, match="drop the other columns"):
         trainer.training_step(model, {"input_ids": ids, "pixel_values": ids})
-    # packed rows, as transformers' flattening collator makes them: named, with what to do instead
-    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": list(range(3, 12))},
-                                                                        {"input_ids": list(range(3, 10))}])
-    with pytest.raises(KimiK3SegmentError, match=r"packed rows .*position_ids.*own trajectory"):
-        trainer.training_step(model, dict(packed))
+
+
+def test_segment_trainer_trains_packed_rows(tmp_path):
+    """A batch of DataCollatorWithFlattening (two sequences in one row, one longer than a segment): the training
+    step's loss and gradients are those of the model's forward of the packed row (exact mode)."""
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny())).train()
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = SegmentTrainer(model=model, args=args, segment_len=8)
+    generator = torch.Generator().manual_seed(2)
+    packed = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": torch.randint(3, 512, (n,), generator=generator).tolist()} for n in (13, 7)])
+    want_loss = model(**packed).loss
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    # (the label count Trainer passes: labels[..., 1:] that are not -100)
+    loss = trainer.training_step(model, dict(packed), num_items_in_batch=int((packed["labels"][:, 1:] != -100).sum()))
+    torch.testing.assert_close(loss, want_loss.detach(), atol=1e-5, rtol=1e-5)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    total = torch.cat([g.flatten() for g in want.values()]).norm()
+    assert torch.cat([(got[n] - want[n]).flatten() for n in want]).norm() <= 1e-5 * total
 
 
 def test_segment_trainer_with_quantile_balancing(tmp_path):

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, kernelize
+from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3InputError, KimiK3TextConfig, kernelize
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.ops.kda import chunk_kda
 from transformers_k3.ops.kda.naive import naive_recurrent_kda
@@ -349,10 +349,67 @@ def test_bad_arguments_are_named(model, ids):
         segment_backward(model, ids, ids[:, :10], segment_len=8)
     with pytest.raises(KimiK3SegmentError, match="no token has a label"):
         segment_backward(model, ids, torch.full_like(ids, -100), segment_len=8)
-    # a packed row (two sequences, positions restarting): the state would run from one into the other
-    positions = torch.cat([torch.arange(40), torch.arange(24)]).expand(2, -1)
-    with pytest.raises(KimiK3SegmentError, match=r"packed rows .*position_ids.*own trajectory"):
-        segment_backward(model, ids, segment_len=16, position_ids=positions)
+    with pytest.raises(KimiK3SegmentError, match="cu_seq_lens describe one packed row"):
+        segment_backward(model, ids, segment_len=16, cu_seq_lens_q=torch.tensor([0, 40, 64], dtype=torch.int32))
+    with pytest.raises(KimiK3InputError, match="position_ids of a packed row"):
+        segment_backward(model, ids, segment_len=16, position_ids=torch.arange(64).expand(2, -1) % 30 + 1)
+
+
+PACKED_LENGTHS = (40, 6, 8, 30, 12)  # two sequences longer than a 16-token segment, three shorter
+
+
+@pytest.fixture(scope="module")
+def packed_row():
+    """One row packing five sequences as DataCollatorWithFlattening packs them (labels -100 at each sequence's first
+    token, position_ids restarting at 0, cu_seq_lens)."""
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(3, 512, (n,), generator=generator) for n in PACKED_LENGTHS]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in sequences])
+    return sequences, batch
+
+
+@pytest.mark.parametrize("keys", [("position_ids",), ("cu_seq_lens_q", "cu_seq_lens_k"), ("position_ids",
+                                  "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")])
+def test_packed_rows_train_as_their_sequences(model, packed_row, keys):
+    """A packed row (DataCollatorWithFlattening's, marked by position_ids or cu_seq_lens): exact mode has the loss and
+    gradients of the model's full-context forward of the packed row (each sequence from an empty state), and truncated
+    mode those of its sequences trained one by one as trajectories of their own, divided by the row's label count."""
+    sequences, batch = packed_row
+    ids, labels = batch["input_ids"], batch["labels"]
+    packing = {key: batch[key] for key in keys}
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=labels, position_ids=batch["position_ids"]).loss
+    loss.backward()
+    want = _grads(model)
+    result = segment_backward(model, ids, labels, segment_len=16, mode="exact", **packing)
+    torch.testing.assert_close(result.loss, loss.detach(), atol=1e-5, rtol=1e-5)
+    _assert_same_gradients(_grads(model), want)
+
+    tokens = int((labels[:, 1:] != -100).sum())
+    for sequence in sequences:
+        segment_backward(model, sequence[None], segment_len=16, mode="truncated", num_items_in_batch=tokens)
+    want = _grads(model)
+    result = segment_backward(model, ids, labels, segment_len=16, mode="truncated", **packing)
+    torch.testing.assert_close(result.loss, loss.detach(), atol=1e-5, rtol=1e-5)  # (the same forward, in pieces)
+    _assert_same_gradients(_grads(model), want)
+
+
+def test_packed_rows_of_a_batch_train_row_by_row(model, packed_row):
+    """Two packed rows ([2, T] position_ids restarting in each, at other places): the gradients of each row's packed
+    full-context forward, summed with the batch's label count."""
+    sequences, batch = packed_row
+    ids = torch.cat([batch["input_ids"], batch["input_ids"].flip(1)])
+    positions = torch.cat([batch["position_ids"], torch.cat([torch.arange(n) for n in PACKED_LENGTHS[::-1]])[None]])
+    tokens = 2 * (ids.shape[1] - 1)
+    model.zero_grad(set_to_none=True)
+    for row in range(2):
+        model(ids[row : row + 1], labels=ids[row : row + 1], position_ids=positions[row : row + 1],
+              num_items_in_batch=tokens).loss.backward()  # fmt: skip
+    want = _grads(model)
+    segment_backward(model, ids, segment_len=16, mode="exact", position_ids=positions)
+    _assert_same_gradients(_grads(model), want)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -491,6 +548,28 @@ def test_a_compiled_segment_forward_has_eager_gradients(one_thread):
     torch._dynamo.reset()
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     _assert_same_gradients(got[1], want[1])
+
+
+@pytest.mark.slow
+def test_compiled_segments_under_gradient_checkpointing_have_eager_gradients(one_thread):
+    """torch.compile(fullgraph=True) of a model with gradient checkpointing (non-reentrant, transformers' default),
+    trained by `segment_backward` in 24-token segments (past MLA's absorbed path: its attention under autograd over a
+    context) in exact and truncated mode: a graph break raises, and the loss and gradients are eager's. aot_eager
+    backend, as above."""
+    torch.manual_seed(0)
+    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()), std=0.05).train()
+    model.activation_checkpointing_enable()
+    ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    try:
+        for mode in ("exact", "truncated"):
+            model.zero_grad(set_to_none=True)
+            want = segment_backward(model, ids, segment_len=24, mode=mode).loss, _grads(model)
+            got = segment_backward(compiled, ids, segment_len=24, mode=mode).loss, _grads(model)
+            torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
+            _assert_same_gradients(got[1], want[1])
+    finally:
+        torch._dynamo.reset()
 
 
 def test_exact_and_truncated_on_the_pytorch_path(model, ids):

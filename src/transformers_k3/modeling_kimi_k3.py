@@ -694,7 +694,9 @@ class KimiK3MLA(nn.Module):
 
         if torch.is_grad_enabled() and (query.requires_grad or latent.requires_grad
                                         or any(p.requires_grad for p in self.kv_b_proj.parameters())):
-            if query.device.type not in LSE_BACKWARDS:  # (no kernel backward takes a merged log-sum-exp here)
+            # (no kernel backward takes a merged log-sum-exp here; a compiled graph cannot hold BlockwiseAttention's
+            # backward, whose nested backward dynamo does not trace: both attend over the expanded latents)
+            if query.device.type not in LSE_BACKWARDS or torch.compiler.is_compiling():
                 key, value = self._expand(latent)
                 mask = end_aligned_causal(query.shape[-2], latent.shape[1], query.device)[None, None]
                 return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer
 
 from .cache import KimiK3HybridCache
-from .segments import (IGNORE_INDEX, MODES, PACKED_ROWS, PACKING_KEYS, KimiK3SegmentError, SegmentBoundary,
+from .segments import (CACHE_GIVEN, IGNORE_INDEX, MODES, PACKING_KEYS, KimiK3SegmentError, SegmentBoundary,
                        boundary_states, cache_from_boundary, segment_backward, segment_bounds)
 
 __all__ = ["SegmentCollator", "SegmentDataset", "SegmentStateStore", "SegmentTrainer"]
@@ -126,7 +126,7 @@ class SegmentCollator:
         return {
             "input_ids": ids[:, start:end], "labels": labels[:, start:end],
             "shift_labels": shift[:, start:end].contiguous(),
-            "past_key_values": self.store.cache(trajectory, segment, ids), "use_cache": True,
+            "past_key_values": self.store.cache(trajectory, segment, ids), **CACHE_GIVEN,
         }  # fmt: skip
 
 
@@ -134,7 +134,8 @@ class SegmentTrainer(Trainer):
     """`Trainer` whose training step is `segment_backward` over the batch's whole trajectories: ``segment_len`` tokens
     at a time, ``segment_mode="exact"`` (the gradient of full-context backpropagation, without holding earlier
     segments' activations) or ``"truncated"``. A batch is ``input_ids`` ``[B, T]`` and optionally ``labels`` (default
-    the ids; ``-100`` ignores a token) and an all-ones ``attention_mask``. Gradient accumulation divides by the
+    the ids; ``-100`` ignores a token) and an all-ones ``attention_mask``, or packed rows as DataCollatorWithFlattening
+    makes them (each sequence trained as its own trajectory, `segment_backward`). Gradient accumulation divides by the
     accumulated label count, as `Trainer` does for a full-context loss. Evaluation is the model's full-context loss.
 
     One process, without fp16's gradient scaler: the step runs several backward passes of its own, which a
@@ -151,13 +152,10 @@ class SegmentTrainer(Trainer):
         self.segment_len, self.segment_mode = segment_len, segment_mode
 
     def training_step(self, model, inputs: dict, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-        unknown = set(inputs) - {"input_ids", "labels", "attention_mask"}
-        packing = [key for key in PACKING_KEYS if key in inputs]
-        if packing:
-            raise KimiK3SegmentError(PACKED_ROWS.format(keys=", ".join(packing)))
+        unknown = set(inputs) - {"input_ids", "labels", "attention_mask", *PACKING_KEYS}
         if unknown:
-            raise KimiK3SegmentError(f"a SegmentTrainer batch holds input_ids, labels and attention_mask, got "
-                                     f"{sorted(unknown)}: drop the other columns")  # fmt: skip
+            raise KimiK3SegmentError(f"a SegmentTrainer batch holds input_ids, labels, attention_mask and packing "
+                                     f"keys {PACKING_KEYS}, got {sorted(unknown)}: drop the other columns")  # fmt: skip
         mask = inputs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             raise KimiK3SegmentError("SegmentTrainer trains unpadded trajectories (the state runs through every "
@@ -171,5 +169,7 @@ class SegmentTrainer(Trainer):
         with self.compute_loss_context_manager():
             result = segment_backward(model, ids, None if labels is None else labels.to(ids.device),
                                       segment_len=self.segment_len, mode=self.segment_mode,
-                                      num_items_in_batch=num_items_in_batch)  # fmt: skip
+                                      num_items_in_batch=num_items_in_batch,
+                                      **{key: inputs[key].to(ids.device) for key in PACKING_KEYS
+                                         if isinstance(inputs.get(key), torch.Tensor)})  # fmt: skip
         return result.loss.to(self.args.device)

@@ -25,12 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KimiK3CacheState, KimiK3HybridCache
+from .generation_kimi_k3 import _position_problems, _raise_problems
+from .modeling_kimi_k3 import packed_sequence_boundaries
 
 __all__ = ["KimiK3SegmentError", "SegmentBoundary", "SegmentResult", "boundary_states", "cache_from_boundary",
-           "detach_cache", "segment_backward", "segment_bounds"]
+           "detach_cache", "packed_sequences", "segment_backward", "segment_bounds"]
 
 IGNORE_INDEX = -100
 MODES = ("exact", "truncated")
+# Each segment's forward is given its cache and passes use_cache=False: a given cache is filled either way, and True
+# makes transformers warn under gradient checkpointing, a logging call torch.compile(fullgraph=True) cannot capture.
+CACHE_GIVEN = {"use_cache": False}
 
 
 class KimiK3SegmentError(ValueError):
@@ -67,16 +72,33 @@ def segment_bounds(length: int, segment_len: int) -> list[tuple[int, int]]:
 
 # what transformers' DataCollatorWithFlattening adds to mark several sequences packed in one row
 PACKING_KEYS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-PACKED_ROWS = ("packed rows (several sequences in one row, marked by {keys}, as DataCollatorWithFlattening makes "
-               "them) cannot be trained in segments: the state a segment leaves would carry one sequence into the "
-               "next, and a forward from a cache does not restart it. Give each sequence its own trajectory (a row of "
-               "input_ids, or its own item), without a flattening collator")
+
+
+def packed_sequences(input_ids: torch.Tensor, kwargs: dict) -> list[list[tuple[int, int]]] | None:
+    """Each row's sequences ``(start, end)`` when ``kwargs`` mark packed rows (``position_ids`` restarting at 0, or
+    one row's ``cu_seq_lens_q`` / ``cu_seq_lens_k``, as DataCollatorWithFlattening makes them), else None. Takes the
+    packing keys out of ``kwargs``; positions that do not say where sequences start raise `KimiK3InputError`."""
+    given = {key: kwargs.pop(key) for key in PACKING_KEYS if kwargs.get(key) is not None}
+    positions, cu = given.get("position_ids"), given.get("cu_seq_lens_q", given.get("cu_seq_lens_k"))
+    if positions is None and cu is None:
+        return None
+    batch, length = input_ids.shape
+    if cu is not None and batch != 1:
+        raise KimiK3SegmentError(f"cu_seq_lens describe one packed row, got {batch} rows: pass position_ids per row")
+    if positions is not None and (positions.dim() != 2 or positions.shape[0] not in (1, batch)):
+        raise KimiK3SegmentError(f"position_ids must be [batch, tokens] for input_ids {tuple(input_ids.shape)}, got "
+                                 f"{tuple(positions.shape)}")  # fmt: skip
+    rows = []
+    for row in range(batch):
+        row_positions = None if positions is None else positions[min(row, positions.shape[0] - 1)][None]
+        _raise_problems(_position_problems(row_positions, cu, length, packed=True))
+        starts = packed_sequence_boundaries(row_positions, cu, None, None, 1)
+        starts = [0, length] if starts is None else starts.tolist()
+        rows.append(list(zip(starts[:-1], starts[1:])))
+    return rows
 
 
 def _check(model, input_ids: torch.Tensor, labels: torch.Tensor | None, mode: str, kwargs: dict) -> torch.Tensor:
-    packing = [key for key in PACKING_KEYS if kwargs.get(key) is not None]
-    if packing:
-        raise KimiK3SegmentError(PACKED_ROWS.format(keys=", ".join(packing)))
     if mode not in MODES:
         raise KimiK3SegmentError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
@@ -101,7 +123,7 @@ def boundary_states(model, input_ids: torch.Tensor, segment_len: int):
     with torch.no_grad():
         for start, end in bounds:
             boundaries.append(SegmentBoundary(start, cache.state(detached=True).kda))
-            model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=input_ids[:, start:end], past_key_values=cache, logits_to_keep=1, **CACHE_GIVEN)
     return boundaries, cache.state(detached=True).latents
 
 
@@ -122,30 +144,83 @@ def cache_from_boundary(config, boundary: SegmentBoundary, latents: dict[int, to
 
 
 def _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs):
-    output = model(input_ids=input_ids[:, start:end], past_key_values=cache, use_cache=True,
-                   labels=input_ids[:, start:end], shift_labels=shift_labels[:, start:end].contiguous(),
-                   num_items_in_batch=tokens, **kwargs)  # fmt: skip
+    output = model(input_ids=input_ids[:, start:end], past_key_values=cache, labels=input_ids[:, start:end],
+                   shift_labels=shift_labels[:, start:end].contiguous(), num_items_in_batch=tokens,
+                   **{**CACHE_GIVEN, **kwargs})  # fmt: skip
     return output.loss
+
+
+def _packed_backward(model, input_ids, shift_labels, rows, tokens: int, segment_len: int, mode: str,
+                     kwargs: dict) -> SegmentResult:
+    """`segment_backward` of packed rows: every sequence is a trajectory of its own (its state starts empty), trained
+    in segments of ``segment_len`` from its own start; consecutive sequences no longer than a segment in all run
+    together as one packed row without a cache (one segment, no state: exact and truncated are the same)."""
+    losses = []
+
+    def group(row: int, pieces: list[tuple[int, int]]):
+        start, end = pieces[0][0], pieces[-1][1]
+        targets = shift_labels[row : row + 1, start:end]
+        if bool((targets != IGNORE_INDEX).any()):
+            positions = torch.cat([torch.arange(b - a) for a, b in pieces])[None].to(input_ids.device)
+            loss = model(input_ids=input_ids[row : row + 1, start:end], position_ids=positions,
+                         labels=input_ids[row : row + 1, start:end], shift_labels=targets.contiguous(),
+                         num_items_in_batch=tokens, **{**CACHE_GIVEN, **kwargs}).loss  # fmt: skip
+            loss.backward()
+            losses.append(loss.detach())
+
+    for row, sequences in enumerate(rows):
+        short: list[tuple[int, int]] = []
+        for start, end in sequences:
+            if end - start > segment_len:
+                if short:
+                    group(row, short)
+                    short = []
+                if bool((shift_labels[row, start:end] != IGNORE_INDEX).any()):
+                    losses += segment_backward(model, input_ids[row : row + 1, start:end], segment_len=segment_len,
+                                               mode=mode, num_items_in_batch=tokens,
+                                               shift_labels=shift_labels[row : row + 1, start:end], **kwargs
+                                               ).segment_losses  # fmt: skip
+                continue
+            if short and end - short[0][0] > segment_len:
+                group(row, short)
+                short = []
+            short.append((start, end))
+        if short:
+            group(row, short)
+    return SegmentResult(sum(losses), losses, tokens)
 
 
 def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, segment_len: int,
                      mode: str = "exact", num_items_in_batch: int | torch.Tensor | None = None,
-                     **kwargs) -> SegmentResult:
+                     shift_labels: torch.Tensor | None = None, **kwargs) -> SegmentResult:
     """Backpropagate a trajectory's causal-LM loss through ``model`` one segment of ``segment_len`` tokens at a time,
     accumulating the parameters' ``.grad`` as ``model(input_ids, labels=labels).loss.backward()`` would (``"exact"``)
     or with each segment's incoming state held constant (``"truncated"``). ``labels`` default to ``input_ids``
     (``-100`` ignores a token). ``num_items_in_batch``: the label count to divide by, as transformers' loss takes it
     (gradient accumulation over several calls); default, the trajectory's own. Extra keyword arguments go to every
-    segment's forward. Returns the loss."""
+    segment's forward. ``shift_labels``: the labels already shifted (a token's next token's label, as transformers'
+    loss takes them), in place of ``labels``.
+
+    Packed rows (several sequences in one row: ``position_ids`` restarting at 0, or ``cu_seq_lens_q``, as
+    transformers' DataCollatorWithFlattening makes them) are trained sequence by sequence, each from an empty state,
+    with the loss and gradients of ``model(input_ids, labels=labels, position_ids=...)`` (`packed_sequences`).
+    Returns the loss."""
     labels = _check(model, input_ids, labels, mode, kwargs)
+    rows = packed_sequences(input_ids, kwargs)
     length = input_ids.shape[1]
-    shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    elif shift_labels.shape != input_ids.shape:
+        raise KimiK3SegmentError(f"shift_labels must have input_ids' shape {tuple(input_ids.shape)}, got "
+                                 f"{tuple(shift_labels.shape)}")  # fmt: skip
     tokens = int((shift_labels != IGNORE_INDEX).sum())
     if tokens == 0:
         raise KimiK3SegmentError("no token has a label to predict: pass labels other than -100 for at least one "
                                  "token after the first")  # fmt: skip
     if num_items_in_batch is not None:
         tokens = int(num_items_in_batch)
+    if rows is not None:
+        return _packed_backward(model, input_ids, shift_labels, rows, tokens, segment_len, mode, kwargs)
     bounds = segment_bounds(length, segment_len)
     losses = []
     if mode == "truncated":
