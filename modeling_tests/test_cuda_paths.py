@@ -198,17 +198,15 @@ def test_a_half_precision_router_off_the_cpu_makes_no_fp32_copy_of_its_weight():
     assert tuple(router.weight.shape) not in casts.shapes
 
 
-def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(model):
-    """The three short-convolution filters were concatenated at every decode step of every KDA layer (a launch and
-    a copy each); kept between steps, the concatenation must still follow a filter changed in place (an optimizer
-    step, load_state_dict) or replaced. Reference: the whole sequence run without a cache, after each change."""
-    import transformers_k3.modeling_kimi_k3 as kda_layers
+def test_decode_steps_read_the_stacked_conv_filter_and_see_every_change(model):
+    """The three short-convolution filters are one stacked parameter (stacked when loading): a decode step
+    concatenates no filters and follows a filter changed in place (an optimizer step, load_state_dict, a write through
+    ``.data``) or replaced. Reference: the whole sequence run without a cache, after each change."""
     from transformers_k3.modeling_kimi_k3 import KimiK3DeltaAttention
 
-    kda_layers._KEPT_CONV_WEIGHTS.clear()  # (other tests decoded with this model)
     layers = [m for m in model.modules() if isinstance(m, KimiK3DeltaAttention)]
     layer = layers[0]
-    width = 3 * layer.proj_dim
+    proj, width = layer.proj_dim, 3 * layer.proj_dim
 
     class FilterCats(torch.utils._python_dispatch.TorchDispatchMode):
         count = 0
@@ -220,7 +218,7 @@ def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(mod
             return out
 
     ids = torch.randint(3, 400, (1, 9), generator=torch.Generator().manual_seed(5))
-    original = layer.q_conv1d.weight.detach().clone()
+    original = layer.conv1d.weight
 
     def decoded():
         cache = model(ids[:, :6], use_cache=True).past_key_values
@@ -228,24 +226,26 @@ def test_decode_steps_concatenate_the_conv_filters_once_and_see_every_change(mod
 
     try:
         with torch.no_grad():
+            layer.conv1d.weight = torch.nn.Parameter(original.detach().clone())
             with FilterCats():
                 steps = decoded()
-            assert FilterCats.count == len(layers)  # three decode steps, one concatenation per layer
+            assert FilterCats.count == 0  # three decode steps, no concatenation of the filters
             torch.testing.assert_close(steps, model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
-            layer.q_conv1d.weight.mul_(-1.5)  # in place, as an optimizer step or load_state_dict writes
+            layer.conv1d.weight[:proj].mul_(-1.5)  # q's, in place, as an optimizer step or load_state_dict writes
             torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
-            layer.k_conv1d.weight = torch.nn.Parameter(layer.k_conv1d.weight.detach() * 0.5)  # replaced
+            replaced = layer.conv1d.weight.detach().clone()
+            replaced[proj:2 * proj] *= 0.5
+            layer.conv1d.weight = torch.nn.Parameter(replaced)  # k's, replaced
             torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
             # cast there and back (module._apply replaces each parameter's data), changed in between
             model.double()
-            layer.v_conv1d.weight.data.mul_(0.5)
+            layer.conv1d.weight.data[2 * proj:].mul_(0.5)
             model.float()
             torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
-            layer.v_conv1d.weight.data.mul_(2.0)
+            layer.conv1d.weight.data[2 * proj:].mul_(3.0)  # v's, through .data without a cast
+            torch.testing.assert_close(decoded(), model(ids).logits[:, 6:], atol=2e-5, rtol=1e-5)
     finally:
-        with torch.no_grad():
-            layer.q_conv1d.weight.copy_(original)
-            layer.k_conv1d.weight = torch.nn.Parameter(layer.k_conv1d.weight.detach() * 2.0)
+        layer.conv1d.weight = original
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])

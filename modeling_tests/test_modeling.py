@@ -692,8 +692,7 @@ def test_packed_sequences_equal_separate_sequences(tiny_model):
     assert_close_logits(got_cu, want)
 
 
-FP32_PARAMETERS = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight",
-                   "e_score_correction_bias")
+FP32_PARAMETERS = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
 
 
 def test_bf16_load_keeps_fp32_parameters(tmp_path, tiny_model):

@@ -224,7 +224,7 @@ def test_release_model_shapes_on_the_meta_device():
         i - 1 for i in MLA_LAYERS]
     kda, mla, moe = layers[0].self_attn, layers[92].self_attn, layers[1].mlp
     shapes = {
-        "A_log": kda.A_log.shape, "dt_bias": kda.dt_bias.shape, "q_conv1d": kda.q_conv1d.weight.shape,
+        "A_log": kda.A_log.shape, "dt_bias": kda.dt_bias.shape, "conv1d": kda.conv1d.weight.shape,
         "f_a_proj": kda.f_a_proj.weight.shape, "f_b_proj": kda.f_b_proj.weight.shape,
         "b_proj": kda.b_proj.weight.shape, "g_proj": kda.g_proj.weight.shape, "o_norm": kda.o_norm.weight.shape,
         "q_a_proj": mla.q_a_proj.weight.shape, "q_b_proj": mla.q_b_proj.weight.shape,
@@ -235,7 +235,7 @@ def test_release_model_shapes_on_the_meta_device():
         "embed_tokens": model.model.embed_tokens.weight.shape,
     }
     assert {k: list(v) for k, v in shapes.items()} == {
-        "A_log": [96], "dt_bias": [12288], "q_conv1d": [12288, 1, 4], "f_a_proj": [128, 7168],
+        "A_log": [96], "dt_bias": [12288], "conv1d": [3 * 12288, 1, 4], "f_a_proj": [128, 7168],
         "f_b_proj": [12288, 128], "b_proj": [96, 7168], "g_proj": [12288, 7168], "o_norm": [128],
         "q_a_proj": [1536, 7168], "q_b_proj": [96 * 192, 1536], "kv_a_proj_with_mqa": [576, 7168],
         "kv_b_proj": [96 * 256, 512], "mla_g_proj": [12288, 7168], "router": [896, 7168],
@@ -248,7 +248,7 @@ def test_release_model_shapes_on_the_meta_device():
     with torch.device("meta"):
         bf16 = AutoModelForCausalLM.from_config(config.text_config, dtype=torch.bfloat16)
     kda = bf16.model.layers[0].self_attn
-    assert {p.dtype for p in (kda.A_log, kda.dt_bias, kda.q_conv1d.weight, kda.o_norm.weight)} == {torch.float32}
+    assert {p.dtype for p in (kda.A_log, kda.dt_bias, kda.conv1d.weight, kda.o_norm.weight)} == {torch.float32}
     assert kda.g_proj.weight.dtype == torch.bfloat16
 
 

@@ -339,7 +339,7 @@ def test_bf16_save_keeps_the_release_fp32_tensors_and_reloads_in_fp32_exactly(tm
     tensors = shard_tensors(tmp_path / "bf16")
     check_against_rules(tensors, model.config, False, False)
     again = KimiK3ForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
-    for name in ("A_log", "dt_bias", "q_conv1d.weight", "o_norm.weight"):
+    for name in ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight"):
         assert torch.equal(again.get_parameter(f"model.layers.0.self_attn.{name}"),
                            model.get_parameter(f"model.layers.0.self_attn.{name}").float())
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -193,7 +192,7 @@ class GLU(NamedTuple):
 # ----- Kimi Delta Attention -----
 # The Kimi Delta Attention layer, K3 variant (K3_SPEC.md section 4).
 #
-# Projections, three depthwise causal short convolutions, the per-channel forget gate, beta, the delta-rule
+# Projections, the depthwise causal short convolution of q|k|v (one filter per channel), the per-channel forget gate, beta, the delta-rule
 # recurrence and the gated per-head output norm. The recurrence is `transformers_k3.ops.kda` on CPU tensors (the fused
 # CPU operator or the PyTorch algorithm) and, on CUDA tensors, fla's Triton kernels through transformers'
 # `use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state is the cache's:
@@ -233,11 +232,6 @@ def _delta_rule_kernels(device: torch.device, kernel: tuple | None):
     return kernel or (chunk_kda, fused_recurrent_kda)
 
 
-# layer -> (its filters' versions, weak references to them, their concatenation) for decode steps; outside the
-# modules so that pickling or copying a model never carries it
-_KEPT_CONV_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 @kernel_layer("k3_kda")
 class KimiK3DeltaAttention(nn.Module):
     def __init__(self, config, layer_idx: int):
@@ -255,12 +249,11 @@ class KimiK3DeltaAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, proj, bias=False)
         self.k_proj = nn.Linear(hidden, proj, bias=False)
         self.v_proj = nn.Linear(hidden, proj, bias=False)
-        # fp32 filters, as the release stores them and the convolution applies them (K3_SPEC.md 2.2, 4.2), also in
-        # a model built in bf16 (`_keep_in_fp32_modules_strict` keeps them fp32 when loading)
-        conv = dict(groups=proj, bias=False, dtype=torch.float32)
-        self.q_conv1d = nn.Conv1d(proj, proj, self.conv_size, **conv)
-        self.k_conv1d = nn.Conv1d(proj, proj, self.conv_size, **conv)
-        self.v_conv1d = nn.Conv1d(proj, proj, self.conv_size, **conv)
+        # q's, k's and v's filters stacked (q|k|v), as transformers' Kimi Linear holds them; the release's three
+        # tensors are stacked when loading (conversion/hf_mapping.py) and written back when saving. fp32, as the
+        # release stores them and the convolution applies them (K3_SPEC.md 2.2, 4.2), also in a model built in bf16
+        # (`_keep_in_fp32_modules_strict` keeps them fp32 when loading)
+        self.conv1d = nn.Conv1d(3 * proj, 3 * proj, self.conv_size, groups=3 * proj, bias=False, dtype=torch.float32)
         self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
         self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, proj, bias=False)
@@ -282,48 +275,16 @@ class KimiK3DeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def _decode_conv_weight(self, convs) -> torch.Tensor:
-        """The three filters as one ``[3P, K]`` weight. Without autograd it is kept between decode steps, remade when
-        a filter is replaced, moved or cast (``.to``, ``.cuda``, ``.half``: new storage) or changed in place (its
-        version counter: optimizer steps, ``load_state_dict``, ``copy_``; a write through ``.data`` bypasses it, so
-        such code must replace the parameter instead)."""
-        weights = [conv.weight for conv in convs]
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-            return torch.cat([w.squeeze(1) for w in weights])
-        try:
-            # (the old storage is kept alive with the result, so a cast's new storage never reuses its address)
-            key = tuple((w._version, w.dtype, w.device, w.data_ptr()) for w in weights)
-        except RuntimeError:  # inference tensors keep no version counter: nothing tells a change, so no keeping
-            return torch.cat([w.squeeze(1) for w in weights])
-        kept = _KEPT_CONV_WEIGHTS.get(self)
-        if kept is None or kept[0] != key or any(ref() is not w for ref, w in zip(kept[1], weights)):
-            # (weak references: a new parameter at a freed one's address is still a new parameter)
-            kept = (key, [weakref.ref(w) for w in weights], torch.cat([w.detach().squeeze(1) for w in weights]),
-                    [w.detach() for w in weights])
-            _KEPT_CONV_WEIGHTS[self] = kept
-        return kept[2]
-
-    def _short_convs(self, projections, window, cached: bool, cu_seqlens):
-        """q, k, v after their causal convolutions and SiLU, and the new conv window for the cache (None: no cache,
-        or the held `window` [B, 3P, K-1], q's channels then k's then v's, was updated in place)."""
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        if window is not None and projections[0].shape[1] <= RECURRENT_MAX_LEN:
-            # decode: one step update over all three projections (each channel is its own convolution)
-            mixed = causal_conv1d_update(torch.cat(projections, dim=-1), window, self._decode_conv_weight(convs),
-                                         activation="silu")
+    def _short_convs(self, mixed, window, cached: bool, cu_seqlens):
+        """q, k, v (from the projections q|k|v, `mixed` [B, T, 3P]) after their causal convolutions and SiLU, and the
+        new conv window for the cache (None: no cache, or the held `window` [B, 3P, K-1] was updated in place)."""
+        if window is not None and mixed.shape[1] <= RECURRENT_MAX_LEN:
+            # decode: the step update, the held window advanced in place
+            mixed = causal_conv1d_update(mixed, window, self.conv1d.weight, activation="silu")
             return mixed.split(self.proj_dim, dim=-1), None
-        if window is not None:  # a longer continuation: the three convolutions as one, from the held window
-            mixed, final = causal_conv1d(torch.cat(projections, dim=-1), self._decode_conv_weight(convs),
-                                         activation="silu", initial_state=window, output_final_state=True,
-                                         cu_seqlens=cu_seqlens)
-            return mixed.split(self.proj_dim, dim=-1), final
-        outputs, finals = [], []
-        for z, conv in zip(projections, convs):
-            y, final = causal_conv1d(z, conv.weight.squeeze(1), activation="silu", output_final_state=cached,
-                                     cu_seqlens=cu_seqlens)
-            outputs.append(y)
-            finals.append(final)
-        return outputs, torch.cat(finals, dim=1) if cached else None
+        mixed, final = causal_conv1d(mixed, self.conv1d.weight, activation="silu", initial_state=window,
+                                     output_final_state=cached, cu_seqlens=cu_seqlens)
+        return mixed.split(self.proj_dim, dim=-1), final
 
     def _chunk_options(self) -> dict:
         # K3's gate lower_bound * sigmoid(.) lies in (lower_bound, 0): with a bound in [-5, 0) fla's chunked kernel
@@ -348,7 +309,7 @@ class KimiK3DeltaAttention(nn.Module):
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else out, states
 
     # (the conv ops read the filters without calling their modules: accelerate's offload hooks are fired here)
-    @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
+    @force_accelerate_hooks("conv1d")
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values=None, cu_seqlens: torch.LongTensor | None = None, **kwargs) -> torch.Tensor:
         batch, seq_len, _ = hidden_states.shape
@@ -363,9 +324,9 @@ class KimiK3DeltaAttention(nn.Module):
         if cache_layer is not None:
             window, state, recorded = cache_layer.prepare(seq_len, hidden_states.device)
 
-        projections = tuple(proj(hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        raw_inputs = torch.cat(projections, dim=-1).transpose(1, 2) if recorded else None
-        convolved, new_window = self._short_convs(projections, window, cache_layer is not None, cu_seqlens)
+        mixed = torch.cat([proj(hidden_states) for proj in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        raw_inputs = mixed.transpose(1, 2) if recorded else None
+        convolved, new_window = self._short_convs(mixed, window, cache_layer is not None, cu_seqlens)
         q, k, v = (t.view(batch, seq_len, self.num_heads, self.head_dim) for t in convolved)
         f = self.f_b_proj(self.f_a_proj(hidden_states))
         g = kda_gate(f.unflatten(-1, (self.num_heads, self.head_dim)), self.A_log, self.dt_bias, self.lower_bound)
@@ -393,7 +354,7 @@ class KimiK3DeltaAttention(nn.Module):
                 **options,
             )
         if cache_layer is not None:
-            new_window = None if new_window is None else new_window.to(projections[0].dtype)
+            new_window = None if new_window is None else new_window.to(mixed.dtype)
             cache_layer.update(final_state, new_window, raw_inputs, states)
 
         gate = self._output_gate(hidden_states).view(batch, seq_len, self.num_heads, self.head_dim)
@@ -1342,8 +1303,7 @@ class KimiK3PreTrainedModel(KimiK3ModelMixin, PreTrainedModel):
     # The release keeps these in fp32 (K3_SPEC.md 2.2): the KDA decay parameters, the KDA short convolutions' filters
     # (which the convolution applies in fp32, section 4.2) and the router's selection bias, whose small
     # Quantile-Balancing updates a bf16 copy would round away.
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
-                                    "e_score_correction_bias"]
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "conv1d", "o_norm", "e_score_correction_bias"]
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiK3Router, index=0),
         "hidden_states": [

@@ -13,6 +13,9 @@ Registered (by `register_conversion_mappings`, called once from ``transformers_k
   - ``{read}_proj.weight`` / ``{read}_norm.weight`` -> ``{read}.pseudo_query`` / ``{read}.key_norm`` for each
     Block AttnRes read (``self_attention_res``, ``mlp_res``, ``output_attn_res``: the read's module owns its
     weights); saving writes the checkpoint's names back;
+  - ``self_attn.{q,k,v}_conv1d.weight`` (the release's three short-convolution filters, also what this package
+    saved before it held them stacked) -> ``self_attn.conv1d.weight [3P, 1, K]`` (q|k|v) by transformers'
+    ``Concatenate``, as its Kimi Linear does; saving writes the three back (``Chunk``);
   - ``A_log`` ``[1, 1, nh, 1]`` / the release's zero-padded ``[head_dim]`` -> ``[nh]`` (`NormalizeALog`; a
     non-zero padding entry is an `ALogPaddingError`, which transformers reports by tensor name and then raises
     at the end of loading); saved as the release's fp32 ``[max(nh, head_dim)]`` (`PadALog`);
@@ -35,7 +38,8 @@ stays ours; ``save_original_format=False`` reverses nothing):
   model's dtype with the tensors the model keeps in fp32 in fp32 (for a bf16 model: the release's dtypes);
 * a model loaded from our converted layout (fused experts, ``mlp.``): fused experts under ``mlp.`` (the layout
   it was loaded from), ``A_log`` padded as above;
-* ``save_original_format=False``: **our layout** (``experts.gate_up_proj`` / ``experts.down_proj``, ``A_log [nh]``).
+* ``save_original_format=False``: **our layout** (``experts.gate_up_proj`` / ``experts.down_proj``, ``A_log [nh]``,
+  ``self_attn.conv1d.weight``).
 
 Every layout above loads back with identical weights.
 """
@@ -49,16 +53,18 @@ from contextlib import contextmanager
 
 import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
+from transformers.core_model_loading import Concatenate, ConversionOps, WeightConverter, WeightRenaming
 
 from .keymap import (
     ATTN_RES_READS,
     ATTN_RES_TENSORS,
     MOE_ALIAS,
+    SHORT_CONV_PARTS,
     attn_res_module_name,
     normalize_a_log,
     pad_a_log,
     release_a_log_length,
+    stack_short_convs,
 )
 from .quant import check_mxfp4_shapes, dequantize_mxfp4
 
@@ -300,8 +306,9 @@ def release_layout_pre_hook(module, state_dict, prefix, *args) -> None:
     layout (what ``save_pretrained`` writes; transformers' Trainer restores its checkpoints with a plain
     ``load_state_dict``) is brought to the model's names, as ``from_pretrained`` does: ``block_sparse_moe.`` ->
     ``mlp.``, the AttnRes reads' checkpoint names -> the model's (`attn_res_module_name`), the zero-padded
-    ``A_log`` -> ``[nh]`` (a non-zero padding entry raises `ALogPaddingError`).
-    The per-expert weights are then fused by the experts' own pre-hook. Edits ``state_dict`` in place."""
+    ``A_log`` -> ``[nh]`` (a non-zero padding entry raises `ALogPaddingError`), the three short-convolution
+    filters -> the stacked ``conv1d.weight`` (a layer missing one of them is left as it is, for ``load_state_dict``
+    to report). The per-expert weights are then fused by the experts' own pre-hook. Edits ``state_dict`` in place."""
     config = getattr(module, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     num_heads = getattr(text, "linear_num_heads", None)
@@ -318,6 +325,7 @@ def release_layout_pre_hook(module, state_dict, prefix, *args) -> None:
         if name != key or value is not state_dict[key]:
             del state_dict[key]
             state_dict[name] = value
+    stack_short_convs(state_dict, prefix)
 
 
 def text_model_mapping() -> list[WeightRenaming | WeightConverter]:
@@ -333,6 +341,9 @@ def text_model_mapping() -> list[WeightRenaming | WeightConverter]:
           for read in ATTN_RES_READS for tensor, saved in ATTN_RES_TENSORS.items()],
         WeightConverter(source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log",
                         operations=[NormalizeALog()]),
+        # the release's q, k and v filters stacked into the layer's one convolution (saving writes them back)
+        WeightConverter(source_patterns=[f"self_attn.{part}_conv1d.weight" for part in SHORT_CONV_PARTS],
+                        target_patterns="self_attn.conv1d.weight", operations=[Concatenate(dim=0)]),
         # Routed experts, plain or MXFP4 per expert -> fused. The plain `weight` pattern comes first: saving
         # reverses this converter and names its outputs after the first pattern.
         WeightConverter(

@@ -1,7 +1,8 @@
 """Tensor names: the official K3 / Moonshot Kimi Linear layouts, transformers' in-tree Kimi Linear layout,
 and ours (K3_SPEC.md section 2).
 
-Ours follows the official names one for one, except that the routed experts are fused:
+Ours follows the official names one for one, except that the routed experts and the short-convolution filters are
+stacked:
 
 =================================================  ======================================================
 official (per expert ``e``)                        ours
@@ -12,6 +13,7 @@ official (per expert ``e``)                        ours
 ``…w{1,2,3}.weight_packed`` / ``weight_scale``     dequantised into the same fused tensors (MXFP4)
 ``block_sparse_moe.`` (MoE layers, or ``mlp.``)    ``mlp.``
 ``language_model.layers.`` (alias)                 ``language_model.model.layers.``
+``self_attn.{q,k,v}_conv1d.weight`` ``[P, 1, K]``  ``self_attn.conv1d.weight [3P, 1, K]``, rows q | k | v
 ``self_attn.A_log`` fp32 ``[head_dim]`` (zeros     ``self_attn.A_log [nh]`` (the first ``nh`` entries; the
 after the heads), ``[nh]``, ``[1,1,nh,1]``         padding must be exactly zero: `ALogPaddingError`)
 ``rotary_emb.{inv_freq,cos_cached,sin_cached}``    dropped (K3 has no RoPE)
@@ -28,9 +30,11 @@ A multimodal checkpoint keeps the text model under ``language_model.`` (``langua
 A text-only checkpoint has no prefix. Writing the release's layout (`release_text_name`, `pad_a_log`,
 `RELEASE_FP32_TENSOR_RE`, `quant.quantize_mxfp4_release`) is the exact inverse for everything the release holds.
 
-transformers' in-tree Kimi Linear (``KimiLinearForCausalLM`` state dict) differs from the official
-layout in two places: the three short convolutions are one ``self_attn.conv1d.weight [3P, 1, K]`` (q|k|v)
-and the forget-gate weights sit under ``self_attn.forget_gate.`` (with ``A_log`` as ``[1, 1, nh, 1]``).
+The converters' output keeps the release's three filter names too (`short_conv_checkpoint_names`).
+
+transformers' in-tree Kimi Linear (``KimiLinearForCausalLM`` state dict) stacks the short convolutions as we do
+(``self_attn.conv1d.weight``) and keeps the forget-gate weights under ``self_attn.forget_gate.`` (with ``A_log`` as
+``[1, 1, nh, 1]``).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ _EXPERT_RE = re.compile(
 _ROTARY_RE = re.compile(r"(?:^|\.)rotary_emb\.(?:inv_freq|cos_cached|sin_cached)$")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Tensors the official checkpoint stores in fp32 (spec 2.2); converters never round them down.
-FP32_TENSOR_RE = re.compile(r"\.(?:A_log|dt_bias|[qkv]_conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
+FP32_TENSOR_RE = re.compile(r"\.(?:A_log|dt_bias|(?:[qkv]_)?conv1d\.weight|o_norm\.weight|e_score_correction_bias)$")
 
 
 # What the release stores in fp32 (K3_SPEC.md section 13: ``A_log``, ``dt_bias``, the three short-conv weights,
@@ -69,6 +73,38 @@ RELEASE_FP32_TENSOR_RE = re.compile(
 # ``block_sparse_moe.``; the dense layer's ``mlp.{gate,up,down}_proj`` keeps ``mlp.``.
 _MOE_MLP_RE = re.compile(r"(\.layers\.\d+)\.mlp\.(?=(?:gate|experts|shared_experts)\.|routed_expert_)")
 MOE_ALIAS = "block_sparse_moe"
+# The stacked short-convolution filter's row blocks, in order; the release stores each as ``{part}_conv1d.weight``.
+SHORT_CONV_PARTS = ("q", "k", "v")
+_SHORT_CONV_SUFFIX = ".self_attn.conv1d.weight"
+
+
+def short_conv_checkpoint_names(name: str) -> list[str] | None:
+    """The model's stacked ``….self_attn.conv1d.weight`` -> the release's names of its row blocks (``q_conv1d``,
+    ``k_conv1d``, ``v_conv1d``, in order); None for any other name."""
+    if not name.endswith(_SHORT_CONV_SUFFIX):
+        return None
+    stem = name[: -len("conv1d.weight")]
+    return [f"{stem}{part}_conv1d.weight" for part in SHORT_CONV_PARTS]
+
+
+def split_short_conv(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, tensor)]``, or for the stacked filter its three row blocks under the release's names."""
+    parts = short_conv_checkpoint_names(name)
+    if parts is None:
+        return [(name, tensor)]
+    return [(part, block.contiguous()) for part, block in zip(parts, tensor.chunk(len(parts), dim=0))]
+
+
+def stack_short_convs(state_dict: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Replaces, in ``state_dict`` (under ``prefix``), every layer's three release filters by the stacked
+    ``conv1d.weight`` (a layer holding only some of them keeps them as they are); returns ``state_dict``."""
+    first = f"{SHORT_CONV_PARTS[0]}_conv1d.weight"
+    for name in [n for n in state_dict if n.startswith(prefix) and n.endswith("." + first)]:
+        stem = name[: -len(first)]
+        parts = [f"{stem}{part}_conv1d.weight" for part in SHORT_CONV_PARTS]
+        if all(part in state_dict for part in parts):
+            state_dict[f"{stem}conv1d.weight"] = torch.cat([state_dict.pop(part) for part in parts])
+    return state_dict
 
 
 # Block AttnRes: each read's weights, in the model (``{read}.pseudo_query``) and in checkpoints (``{read}_proj.weight``)
@@ -208,8 +244,8 @@ def a_log_shape_ok(shape: tuple[int, ...], num_heads: int) -> bool:
 def official_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_kda_heads: int, composite: bool = False,
                               num_hidden_layers: int | None = None,
                               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Official-layout tensors -> our names: experts fused (MXFP4 dequantised), aliases resolved, A_log
-    normalised, rotary caches and layers >= ``num_hidden_layers`` dropped."""
+    """Official-layout tensors -> our names: experts fused (MXFP4 dequantised), short-convolution filters stacked,
+    aliases resolved, A_log normalised, rotary caches and layers >= ``num_hidden_layers`` dropped."""
     prefix = TEXT_PREFIX if composite else ""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[tuple[int, str], dict[str, torch.Tensor]]] = {}
@@ -247,6 +283,7 @@ def official_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_kda_heads
                                                        dtype or torch.bfloat16))
                 blocks.append(torch.cat(halves, dim=0))
             out[prefix + fused_expert_name(base, projs[0])] = torch.stack(blocks)
+    out = stack_short_convs(out)
     if dtype is not None:
         out = {k: (v.to(dtype) if v.is_floating_point() and not FP32_TENSOR_RE.search(k) else v) for k, v in out.items()}
     return out
@@ -283,7 +320,8 @@ def _release_head_dim(state_dict: dict[str, torch.Tensor], a_log_name: str, a_lo
 def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_experts: bool = False,
                               exact: bool = True, release: bool = True,
                               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Our names -> the official layout: fused experts split per expert (``w1``/``w3``/``w2``), optionally
+    """Our names -> the official layout: the stacked short-convolution filter split into the release's three
+    (`split_short_conv`), fused experts split per expert (``w1``/``w3``/``w2``), optionally
     MXFP4-quantised (``weight_packed`` + ``weight_scale``: `quantize_mxfp4_release`, or with ``exact`` the
     exact quantiser, which refuses a value MXFP4 cannot hold).
 
@@ -292,7 +330,7 @@ def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_expe
     and, with ``dtype``, every other floating tensor in ``dtype``. ``release=False``: only the experts split."""
 
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
+    for name, tensor in (item for stored in state_dict.items() for item in split_short_conv(*stored)):
         if release:
             if name.endswith(".A_log"):
                 nh = tensor.numel() if tensor.dim() == 1 else tensor.reshape(-1).numel()
@@ -323,16 +361,11 @@ def k3_to_official_state_dict(state_dict: dict[str, torch.Tensor], quantize_expe
 
 
 def kimi_linear_to_k3_state_dict(state_dict: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
-    """transformers' in-tree ``KimiLinearForCausalLM`` state dict -> our names: the fused ``conv1d`` (q|k|v)
-    split into ``q_conv1d``/``k_conv1d``/``v_conv1d``, ``forget_gate.`` weights moved onto the attention
-    module, ``A_log`` ``[1, 1, nh, 1]`` -> ``[nh]``. Experts are already fused the same way as ours."""
+    """transformers' in-tree ``KimiLinearForCausalLM`` state dict -> our names: ``forget_gate.`` weights moved onto
+    the attention module, ``A_log`` ``[1, 1, nh, 1]`` -> ``[nh]``. The stacked ``conv1d`` (q|k|v) and the experts
+    are already stacked and fused the same way as ours."""
     out = {}
     for name, tensor in state_dict.items():
-        if name.endswith("self_attn.conv1d.weight"):
-            prefix = name[: -len("conv1d.weight")]
-            for part, chunk in zip("qkv", tensor.chunk(3, dim=0)):
-                out[f"{prefix}{part}_conv1d.weight"] = chunk.clone()
-            continue
         name = name.replace("self_attn.forget_gate.", "self_attn.")
         if name.endswith("self_attn.A_log"):
             tensor = normalize_a_log(tensor, num_heads)
@@ -350,10 +383,14 @@ __all__ = [
     "FP32_TENSOR_RE",
     "MOE_ALIAS",
     "RELEASE_FP32_TENSOR_RE",
+    "SHORT_CONV_PARTS",
     "pad_a_log",
     "release_a_log_length",
     "release_quantization_config",
     "release_text_name",
+    "short_conv_checkpoint_names",
+    "split_short_conv",
+    "stack_short_convs",
     "TEXT_PREFIX",
     "ExpertName",
     "canonical_text_name",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..conversion.keymap import TEXT_PREFIX, attn_res_checkpoint_name
+from ..conversion.keymap import TEXT_PREFIX, attn_res_checkpoint_name, split_short_conv
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,12 @@ def _meta_state(model_cls, config) -> dict[str, Expected]:
         torch.set_default_dtype(previous)
     state = model.state_dict()
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    # (under the checkpoint's names: the AttnRes reads' weights are saved as `{read}_proj.weight` / `_norm.weight`)
+    # (under the checkpoint's names: the AttnRes reads' weights are saved as `{read}_proj.weight` / `_norm.weight`,
+    # the stacked short-convolution filter as the release's three)
     return {
-        attn_res_checkpoint_name(name): Expected(tuple(t.shape), torch.float32 if t.dtype == torch.float32 else None,
+        attn_res_checkpoint_name(part): Expected(tuple(t.shape), torch.float32 if t.dtype == torch.float32 else None,
                                                  name in tied)
-        for name, t in state.items()
+        for name, stacked in state.items() for part, t in split_short_conv(name, stacked)
     }
 
 

@@ -1,8 +1,8 @@
 """Our layout -> the release's layout (K3_SPEC.md section 13), streamed shard by shard, for serving engines.
 
 Accepts every layout this package writes: fused experts (the converters, ``save_pretrained(...,
-save_original_format=False)``), per-expert official names (``save_pretrained``, either FFN alias),
-per-expert MXFP4 experts kept by ``--keep-quantized``, and packed MXFP4 experts (`KimiK3PackedExperts`) saved
+save_original_format=False)``), the stacked short-convolution filter (``save_original_format=False``) or the release's
+three, per-expert official names (``save_pretrained``, either FFN alias), per-expert MXFP4 experts kept by ``--keep-quantized``, and packed MXFP4 experts (`KimiK3PackedExperts`) saved
 fused (``gate_up_packed`` / ``gate_up_scale`` / ``down_packed`` / ``down_scale`` stacks). The fused experts are
 read one expert slice at a time (``get_slice``), so no fused tensor is ever held in memory.
 
@@ -53,6 +53,7 @@ from ..conversion.keymap import (
     release_a_log_length,
     release_quantization_config,
     release_text_name,
+    short_conv_checkpoint_names,
 )
 from .official import ConversionPlan, _checked_mxfp4_packed, _raise_errors, resolve_dtype, writing_checkpoint
 from ..conversion.quant import (
@@ -171,6 +172,25 @@ def plan_export(source: Checkpoint, dtype: str | torch.dtype = "bf16", mxfp4: bo
                 quantized.setdefault((parsed.base, parsed.expert, parsed.proj), {"block": block})[parsed.kind] = info
             elif parsed.kind != "weight_shape":
                 errors.append(f"{info.where()}: unsupported expert tensor kind `{parsed.kind}`")
+            continue
+        parts = short_conv_checkpoint_names(text)
+        if parts is not None:  # our stacked filter (q|k|v rows): the release's three, each read as its rows' slice
+            blocks = [expected.get(part) for part in parts]
+            if any(block is None for block in blocks):
+                errors.append(f"{info.where()}: unknown tensor (the model for this config has no `{text}`)")
+                continue
+            rows, shape = blocks[0].shape[0], blocks[0].shape
+            if tuple(info.shape) != (len(parts) * rows, *shape[1:]):
+                errors.append(f"{info.where()}: wrong shape {list(info.shape)}, the config needs "
+                              f"{[len(parts) * rows, *shape[1:]]}")
+                continue
+            for i, part in enumerate(parts):
+                covered.add(part)
+                out_name = release_text_name(part)
+                select = (slice(i * rows, (i + 1) * rows),)
+                add(out_name, OutputTensor(out_name, _out_dtype(out_name, info.dtype, target), shape,
+                                           [Piece((info,), shape, select=select)]),
+                    f"{info.where()}[{i * rows}:{(i + 1) * rows}]")
             continue
         exp = expected.get(text)
         if exp is None:
