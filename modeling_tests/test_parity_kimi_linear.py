@@ -2,13 +2,12 @@
 
 With the K3-only features switched off by config (no AttnRes, experts at full width, SiLU-GLU, the softplus
 KDA gate, the low-rank KDA output gate, no MLA output gate) a K3 model is Kimi Linear. Both models get the
-same random weights (the in-tree model's, renamed to the official layout) and must give the same logits
+same random weights (the in-tree model's, renamed to ours) and must give the same logits
 (fp32, <= 1e-4; observed ~1e-6) and identical greedy generations.
 
-The only structural difference between the two layouts: Kimi Linear fuses the three short convolutions
-into one `conv1d` over q|k|v and keeps the forget-gate weights under `forget_gate.`; K3 (like the
-official checkpoints) keeps `q_conv1d`/`k_conv1d`/`v_conv1d` and `f_a_proj`/`f_b_proj`/`A_log`/`dt_bias`
-directly on the attention module.
+The only structural difference between the two models: Kimi Linear keeps the forget-gate weights under
+`forget_gate.`; K3 (like the official checkpoints) keeps `f_a_proj`/`f_b_proj`/`A_log`/`dt_bias` directly on the
+attention module. Both stack the three short-convolution filters into one `conv1d` over q|k|v.
 """
 
 import copy

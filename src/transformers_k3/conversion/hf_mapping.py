@@ -15,7 +15,7 @@ Registered (by `register_conversion_mappings`, called once from ``transformers_k
     weights); saving writes the checkpoint's names back;
   - ``self_attn.{q,k,v}_conv1d.weight`` (the release's three short-convolution filters, also what this package
     saved before it held them stacked) -> ``self_attn.conv1d.weight [3P, 1, K]`` (q|k|v) by transformers'
-    ``Concatenate``, as its Kimi Linear does; saving writes the three back (``Chunk``);
+    ``Concatenate`` (`StackShortConvs`), as its Kimi Linear does; saving writes the three back (``Chunk``);
   - ``A_log`` ``[1, 1, nh, 1]`` / the release's zero-padded ``[head_dim]`` -> ``[nh]`` (`NormalizeALog`; a
     non-zero padding entry is an `ALogPaddingError`, which transformers reports by tensor name and then raises
     at the end of loading); saved as the release's fp32 ``[max(nh, head_dim)]`` (`PadALog`);
@@ -170,6 +170,23 @@ class NormalizeALog(ConversionOps):
     @property
     def reverse_op(self) -> ConversionOps:
         return PadALog()
+
+
+class StackShortConvs(Concatenate):
+    """The release's ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` filters -> the stacked ``conv1d.weight`` (q|k|v rows),
+    transformers' ``Concatenate`` once all three are there: a layer missing one raises a `ValueError` naming it (a
+    stack of two would only show as a shape mismatch). Saved back as the three (``Chunk``)."""
+
+    def __init__(self):
+        super().__init__(dim=0)
+
+    @_recorded
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, **kwargs):
+        missing = [pattern.rsplit(".", 2)[-2] for pattern in source_patterns if pattern not in input_dict]
+        if missing:
+            raise ValueError(f"`{full_layer_name}`: the checkpoint has no {' / '.join(missing)} filter for this layer "
+                             f"(q_conv1d, k_conv1d and v_conv1d are needed; re-download or re-convert the checkpoint)")
+        return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
 
 
 def _linear_head_dim(config) -> int | None:
@@ -343,7 +360,7 @@ def text_model_mapping() -> list[WeightRenaming | WeightConverter]:
                         operations=[NormalizeALog()]),
         # the release's q, k and v filters stacked into the layer's one convolution (saving writes them back)
         WeightConverter(source_patterns=[f"self_attn.{part}_conv1d.weight" for part in SHORT_CONV_PARTS],
-                        target_patterns="self_attn.conv1d.weight", operations=[Concatenate(dim=0)]),
+                        target_patterns="self_attn.conv1d.weight", operations=[StackShortConvs()]),
         # Routed experts, plain or MXFP4 per expert -> fused. The plain `weight` pattern comes first: saving
         # reverses this converter and names its outputs after the first pattern.
         WeightConverter(
@@ -383,6 +400,7 @@ __all__ = [
     "PadALog",
     "OneWayRenaming",
     "SplitFusedExperts",
+    "StackShortConvs",
     "multimodal_mapping",
     "register_conversion_mappings",
     "release_layout_pre_hook",
