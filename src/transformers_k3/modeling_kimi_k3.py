@@ -192,11 +192,11 @@ class GLU(NamedTuple):
 # ----- Kimi Delta Attention -----
 # The Kimi Delta Attention layer, K3 variant (K3_SPEC.md section 4).
 #
-# Projections, the depthwise causal short convolution of q|k|v (one filter per channel), the per-channel forget gate, beta, the delta-rule
-# recurrence and the gated per-head output norm. The recurrence is `transformers_k3.ops.kda` on CPU tensors (the fused
-# CPU operator or the PyTorch algorithm) and, on CUDA tensors, fla's Triton kernels through transformers'
-# `use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state is the cache's:
-# the layer gets its views (`KimiK3KDACacheLayer.prepare`) and hands it what it computed (`update`).
+# Projections, the depthwise causal short convolution of q|k|v (one filter per channel), the per-channel forget gate,
+# beta, the delta-rule recurrence and the gated per-head output norm. The recurrence is `transformers_k3.ops.kda` on CPU
+# tensors (the fused CPU operator or the PyTorch algorithm) and, on CUDA tensors, fla's Triton kernels through
+# transformers' `use_kernel_func_from_hub_with_fallback` (our PyTorch path when fla is not installed). The state is the
+# cache's: the layer gets its views (`KimiK3KDACacheLayer.prepare`) and hands it what it computed (`update`).
 
 
 # New tokens at or below which a cached step runs the token-by-token recurrence (and the convolutions'

@@ -2,9 +2,10 @@
 
 Accepts every layout this package writes: fused experts (the converters, ``save_pretrained(...,
 save_original_format=False)``), the stacked short-convolution filter (``save_original_format=False``) or the release's
-three, per-expert official names (``save_pretrained``, either FFN alias), per-expert MXFP4 experts kept by ``--keep-quantized``, and packed MXFP4 experts (`KimiK3PackedExperts`) saved
-fused (``gate_up_packed`` / ``gate_up_scale`` / ``down_packed`` / ``down_scale`` stacks). The fused experts are
-read one expert slice at a time (``get_slice``), so no fused tensor is ever held in memory.
+three, per-expert official names (``save_pretrained``, either FFN alias), per-expert MXFP4 experts kept by
+``--keep-quantized``, and packed MXFP4 experts (`KimiK3PackedExperts`) saved fused (``gate_up_packed`` /
+``gate_up_scale`` / ``down_packed`` / ``down_scale`` stacks). The fused experts are read one expert slice at a time
+(``get_slice``), so no fused tensor is ever held in memory.
 
 What is written is the release's layout exactly:
 
