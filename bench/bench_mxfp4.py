@@ -167,9 +167,9 @@ def build_models(args):
         parent, _, child = name.rpartition(".")
         with torch.device("meta"):
             experts = KimiK3PackedExperts(packed.get_submodule(name).config)
-        for buffer, t in (("gate_up_packed", gate_up), ("gate_up_scale", gate_up_scale), ("down_packed", down),
-                          ("down_scale", down_scale)):  # fmt: skip
-            experts.register_buffer(buffer, t)
+        for stack, t in (("gate_up_packed", gate_up), ("gate_up_scale", gate_up_scale), ("down_packed", down),
+                         ("down_scale", down_scale)):  # fmt: skip
+            setattr(experts, stack, torch.nn.Parameter(t, requires_grad=False))
         setattr(packed.get_submodule(parent), child, experts)
     packed.set_experts_implementation(MXFP4_EXPERTS)
     models = {"packed": packed, "bf16": bf16, "fp32": fp32}

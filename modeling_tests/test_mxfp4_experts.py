@@ -455,7 +455,7 @@ def test_packed_decode_operator(dtype):
 
 
 def test_packed_decode_step_reads_the_stacks_at_each_call():
-    """Stacks written in place or replaced (a buffer set anew: no registration hook) reach the next decode step."""
+    """Stacks written in place or replaced (a frozen parameter set anew) reach the next decode step."""
     decode_kernel()
     cfg, moe, stacks = packed_layer()
     x = torch.randn(1, 1, cfg.hidden_size, generator=gen(5))
@@ -464,7 +464,8 @@ def test_packed_decode_step_reads_the_stacks_at_each_call():
         if change == "in_place":
             moe.experts.down_scale.add_(1)  # every down weight doubled
         elif change == "replaced":
-            moe.experts.gate_up_packed = moe.experts.gate_up_packed ^ 0x08  # every gate/up code's sign flipped
+            flipped = moe.experts.gate_up_packed ^ 0x08  # every gate/up code's sign flipped
+            moe.experts.gate_up_packed = torch.nn.Parameter(flipped, requires_grad=False)
         with torch.no_grad():
             outs.append(moe(x))
         current = (moe.experts.gate_up_packed, moe.experts.gate_up_scale, moe.experts.down_packed,

@@ -85,7 +85,10 @@ def test_packed_by_default_and_logits_match_dequantized(release):
     auto = load(AutoModelForCausalLM, release, dtype=FP32)
     dequantized = load(KimiK3ForCausalLM, release, dtype=FP32, quantization_config=KimiK3Mxfp4Config(dequantize=True))
     experts = packed.model.layers[1].mlp.experts
-    assert {t.dtype for name, t in experts.named_buffers()} == {torch.uint8} and not list(experts.parameters())
+    stacks = dict(experts.named_parameters())  # (frozen uint8 parameters, no buffers)
+    assert sorted(stacks) == ["down_packed", "down_scale", "gate_up_packed", "gate_up_scale"]
+    assert {t.dtype for t in stacks.values()} == {torch.uint8} and not any(t.requires_grad for t in stacks.values())
+    assert not list(experts.buffers())
     with torch.no_grad():
         a, b, c = packed(IDS).logits, dequantized(IDS).logits, auto(IDS).logits
     assert torch.equal(a, c)
@@ -145,7 +148,7 @@ def test_4d_scales_load_packed_and_save_in_the_releases_shape(release, tmp_path)
     (tmp_path / "scales_4d" / "config.json").write_text((release / "config.json").read_text())
     four_d = load(KimiK3ForCausalLM, tmp_path / "scales_4d", dtype=BF16)
     two_d = load(KimiK3ForCausalLM, release, dtype=BF16)
-    for (name, a), (_, b) in zip(four_d.named_buffers(), two_d.named_buffers()):
+    for (name, a), (_, b) in zip(four_d.state_dict().items(), two_d.state_dict().items()):
         assert torch.equal(a, b), name
     assert torch.equal(four_d(IDS).logits, two_d(IDS).logits)
     four_d.save_pretrained(tmp_path / "first", max_shard_size="40KB")
@@ -171,7 +174,7 @@ def test_export_release_of_a_packed_model_writes_the_release_as_it_came(release,
     assert config["quantization_config"] == release_quantization_config()
     assert config == json.loads((release / "config.json").read_text())
     again = load(KimiK3ForCausalLM, tmp_path / "exported", dtype=BF16)
-    assert {t.dtype for _, t in again.model.layers[1].mlp.experts.named_buffers()} == {torch.uint8}
+    assert {t.dtype for _, t in again.model.layers[1].mlp.experts.named_parameters()} == {torch.uint8}
     assert torch.equal(again(IDS).logits, model(IDS).logits)
     export_release(again, tmp_path / "exported_again", max_shard_size="40KB")
     _assert_same_tensors(original, shard_tensors(tmp_path / "exported_again"), "exported again")
@@ -204,7 +207,7 @@ def test_export_of_a_fused_save_of_a_packed_model_writes_the_release_as_it_came(
     assert config["quantization_config"] == release_quantization_config()
     assert config == json.loads((release / "config.json").read_text())
     again = load(KimiK3ForCausalLM, tmp_path / "exported", dtype=BF16)
-    assert {t.dtype for _, t in again.model.layers[1].mlp.experts.named_buffers()} == {torch.uint8}
+    assert {t.dtype for _, t in again.model.layers[1].mlp.experts.named_parameters()} == {torch.uint8}
     assert torch.equal(again(IDS).logits, model(IDS).logits)
 
     export_to_official(tmp_path / "fused", tmp_path / "dequantized", max_shard_size="40KB", progress=False)
@@ -257,7 +260,7 @@ _PEAK_RSS = textwrap.dedent("""
     model = KimiK3ForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
     after = status()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
-    experts = sum(b.untyped_storage().nbytes() for n, b in model.named_buffers() if ".mlp.experts." in n)
+    experts = sum(p.untyped_storage().nbytes() for n, p in model.named_parameters() if ".mlp.experts." in n)
     print(json.dumps({"peak": after["VmHWM"] - before["VmRSS"], "model": sum(storages.values()), "experts": experts,
                       "anon": after["RssAnon"] - before["RssAnon"], "file": after["RssFile"] - before["RssFile"]}))
     if len(sys.argv) > 3:
@@ -351,6 +354,83 @@ def test_a_nan_scale_is_refused_at_load(release, tmp_path):
         KimiK3ForCausalLM.from_pretrained(tmp_path / "bad")
 
 
+# ----- The packed stacks as frozen uint8 parameters: optimizers, counts, accelerate offload -----
+
+_STACKS = ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")
+
+
+def _stacks(model) -> dict[str, torch.Tensor]:
+    """Every MoE layer's four packed stacks by name (the fixture has five MoE layers)."""
+    stacks = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] in _STACKS}
+    assert len(stacks) == 4 * 5, sorted(stacks)
+    return stacks
+
+
+def test_an_optimizer_over_all_parameters_leaves_the_packed_experts(release):
+    """AdamW over ``model.parameters()``, gradient checkpointing on: the packed stacks (``requires_grad=False``) get
+    no gradient and keep their bytes, every weight that got a gradient moved."""
+    model = load(KimiK3ForCausalLM, release, dtype=FP32).train()
+    model.activation_checkpointing_enable()
+    stacks = _stacks(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(input_ids=IDS, labels=IDS).loss.backward()
+        stepped = {n for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not stepped & set(stacks)
+    for name, p in stacks.items():
+        assert p.dtype == torch.uint8 and not p.requires_grad and torch.equal(p, before[name]), name
+    assert any(".mlp.routed_expert_up_proj." in n for n in stepped) and any(".self_attn." in n for n in stepped)
+    for name in stepped:
+        assert not torch.equal(model.get_parameter(name), before[name]), name
+
+
+def test_parameter_count_and_footprint_count_the_packed_bytes(release):
+    """``num_parameters()`` counts a packed stack's stored elements (a byte of two codes, or a scale, is one:
+    ~0.53 per expert weight, as transformers counts gpt-oss's MXFP4 blocks); ``only_trainable=True`` leaves the
+    frozen stacks out; ``get_memory_footprint()`` holds the stacks' uint8 bytes in place of the dequantized weights."""
+    packed = load(KimiK3ForCausalLM, release, dtype=FP32)
+    dequantized = load(KimiK3ForCausalLM, release, dtype=FP32, quantization_config=KimiK3Mxfp4Config(dequantize=True))
+    expert_weights = sum(p.numel() for n, p in dequantized.named_parameters() if ".mlp.experts." in n)
+    stored = sum(p.numel() for p in _stacks(packed).values())
+    assert stored == expert_weights // 2 + expert_weights // 32
+    assert packed.num_parameters() == dequantized.num_parameters() - expert_weights + stored
+    assert packed.num_parameters(only_trainable=True) == dequantized.num_parameters() - expert_weights
+    assert packed.get_memory_footprint() == dequantized.get_memory_footprint() - 4 * expert_weights + stored
+
+
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_disk_offload_keeps_the_experts_packed_without_offload_buffers(release, tmp_path, share):
+    """``device_map="auto"`` under a CPU budget below the model's bytes (half of them: a CPU / disk split; none:
+    all on disk), no ``offload_buffers``: the offloaded packed stacks leave memory (meta), the offload folder holds
+    them as the uint8 bytes (each file about the stack's size, not a bf16 copy) and the logits equal the in-memory
+    packed model's."""
+    from safetensors import safe_open
+
+    pytest.importorskip("accelerate")
+    resident = load(KimiK3ForCausalLM, release, dtype=BF16)
+    with torch.no_grad():
+        want = resident(IDS).logits
+    size = sum(t.numel() * t.element_size() for t in [*resident.parameters(), *resident.buffers()])
+    model = KimiK3ForCausalLM.from_pretrained(release, dtype=BF16, device_map="auto", offload_folder=tmp_path / "off",
+                                              max_memory={"cpu": int(size * share)}).eval()  # fmt: skip
+    assert set(model.hf_device_map.values()) == ({"cpu", "disk"} if share else {"disk"}), model.hf_device_map
+    offloaded = {n: p for n, p in _stacks(model).items() if p.device.type == "meta"}
+    assert offloaded and (share or len(offloaded) == 20)
+    for name, p in _stacks(resident).items():
+        path = tmp_path / "off" / f"{name}.safetensors"
+        assert path.exists() == (name in offloaded), name
+        if name in offloaded:
+            with safe_open(path, "pt") as f:
+                saved = f.get_tensor(name)
+            assert saved.dtype == torch.uint8 and torch.equal(saved, p), name
+            assert path.stat().st_size < p.numel() + 1024, name  # (bf16 would be twice as many bytes per value)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+
+
 # ----- Streaming the experts from disk (KimiK3Mxfp4Config(stream_experts=True), docs/mxfp4.md) -----
 
 def _streamed(path, dtype=FP32, per_read=32):
@@ -378,7 +458,7 @@ def test_streamed_experts_give_the_packed_models_logits(release, dtype):
     for per_read in (32, 3, 1):
         streamed = _streamed(release, dtype, per_read)
         assert isinstance(streamed.model.layers[1].mlp.experts, KimiK3StreamedExperts)
-        assert not [n for n, _ in streamed.named_buffers() if ".mlp.experts." in n]
+        assert not [n for n, _ in [*streamed.named_parameters(), *streamed.named_buffers()] if ".mlp.experts." in n]
         with torch.no_grad():
             assert torch.equal(streamed(IDS).logits, want), per_read
         stream = expert_stream(streamed)

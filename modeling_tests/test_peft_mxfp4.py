@@ -62,6 +62,14 @@ def expert_layers(model):
     return [m for m in model.modules() if isinstance(m, PackedExpertsLoraLayer)]
 
 
+def packed_stacks(model) -> dict[str, torch.Tensor]:
+    """Every MoE layer's four packed stacks (frozen uint8 parameters) by name."""
+    stacks = {n: p for n, p in model.named_parameters()
+              if n.rsplit(".", 1)[-1] in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale")}  # fmt: skip
+    assert len(stacks) == 4 * len(MOE_LAYERS), sorted(stacks)
+    return stacks
+
+
 def test_matches_peft_target_parameters_on_the_dequantized_experts(release):
     """Same adapter values, two routes: ours beside the packed matmul, PEFT's `ParamWrapper` adding ``B @ A`` to the
     dequantized bf16-layout weights. Logits within 1e-5, every adapter gradient and the input gradient within 1e-4."""
@@ -101,7 +109,7 @@ def test_gradients_reach_adapters_and_inputs_and_the_packed_bytes_stay(release):
     for name in ("mlp.experts", "mlp.shared_experts.gate_proj", "mlp.shared_experts.down_proj",
                  "mlp.routed_expert_down_proj", "mlp.routed_expert_up_proj", "self_attn.o_proj"):  # fmt: skip
         assert any(w.endswith(f"layers.1.{name}") for w in wrapped), name
-    before = {n: b.clone() for n, b in model.named_buffers() if ".experts." in n}
+    before = {n: b.clone() for n, b in packed_stacks(model).items()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".experts.")[1].split(".")[0] for n in trainable if ".experts." in n} == {
@@ -112,9 +120,8 @@ def test_gradients_reach_adapters_and_inputs_and_the_packed_bytes_stay(release):
     for name, p in model.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.abs().max() > 0, name
-    for name, b in model.named_buffers():
-        if ".experts." in name:
-            assert b.dtype == torch.uint8 and not b.requires_grad and torch.equal(b, before[name]), name
+    for name, b in packed_stacks(model).items():
+        assert b.dtype == torch.uint8 and not b.requires_grad and b.grad is None and torch.equal(b, before[name]), name
     with torch.no_grad(), model.disable_adapter():  # (B starts at zero only with init_lora_weights=True)
         assert torch.equal(model(IDS).logits, packed(release)(IDS).logits)
 
@@ -174,7 +181,7 @@ def test_merge_requantizes_by_the_release_rule_and_warns(release):
     """The merged bytes are the release's rounding of PEFT's own merge of the same adapter into the dequantized
     experts (`ParamWrapper`); unmerging gives the loaded bytes back."""
     model = lora(packed(release))
-    original = {n: b.clone() for n, b in model.named_buffers() if ".experts." in n}
+    original = {n: b.clone() for n, b in packed_stacks(model).items()}
     reference = load(KimiK3ForCausalLM, release, dtype=FP32, quantization_config=KimiK3Mxfp4Config(dequantize=True))
     reference = peft.get_peft_model(reference, peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
@@ -210,9 +217,8 @@ def test_merge_requantizes_by_the_release_rule_and_warns(release):
     with torch.no_grad():  # merged: the base computes the rounded sum (what the warning says differs)
         merged_logits = model(IDS).logits
     model.unmerge_adapter()
-    for name, b in model.named_buffers():
-        if ".experts." in name:
-            assert torch.equal(b, original[name]), name
+    for name, b in packed_stacks(model).items():
+        assert torch.equal(b, original[name]), name
     with torch.no_grad():
         unmerged_logits = model(IDS).logits
     assert not torch.equal(merged_logits, unmerged_logits)
@@ -322,7 +328,7 @@ def test_auto_device_map_sizes_packed_experts_by_their_bytes(release):
     bf16_model = load(KimiK3ForCausalLM, release, dtype=BF16, quantization_config=KimiK3Mxfp4Config(dequantize=True))
     sizes = compute_module_sizes(packed_model, packed_model.hf_quantizer)[0]
     experts = sizes["model.layers.1.mlp.experts"]
-    assert experts == sum(b.numel() for b in packed_model.model.layers[1].mlp.experts.buffers())  # uint8 bytes
+    assert experts == sum(p.numel() for p in packed_model.model.layers[1].mlp.experts.parameters())  # uint8 bytes
     assert experts * 3 < compute_module_sizes(bf16_model)[0]["model.layers.1.mlp.experts"]
     budget = {"cpu": (module_bytes(packed_model) + module_bytes(bf16_model)) // 2}
     assert module_bytes(packed_model) < budget["cpu"] < module_bytes(bf16_model)
@@ -364,29 +370,21 @@ def _map_with(model, targets: set[str], device: str) -> dict[str, str]:
 
 
 def test_disk_offload_from_pretrained_moves_the_packed_stacks(release, tmp_path):
-    """Experts of two layers on "disk" (``offload_buffers=True``: the packed stacks are buffers): they are not
-    resident (meta), their bytes are in the offload folder, and the logits equal the resident model's."""
+    """Experts of two layers on "disk", the rest on the CPU (no ``offload_buffers``: the packed stacks are
+    parameters): they are not resident (meta), their bytes are in the offload folder, the CPU layers' stacks stay
+    resident, and the logits equal the resident model's."""
     want = packed(release)(IDS).logits.detach()
     targets = {"model.layers.1.mlp.experts", "model.layers.3.mlp.experts"}
     model = KimiK3ForCausalLM.from_pretrained(release, dtype=FP32, device_map=_map_with(packed(release), targets, "disk"),
-                                              offload_folder=tmp_path / "offload", offload_buffers=True).eval()
+                                              offload_folder=tmp_path / "offload").eval()
     for name in targets:
-        buffers = dict(model.get_submodule(name).named_buffers())
-        assert sorted(buffers) == ["down_packed", "down_scale", "gate_up_packed", "gate_up_scale"]
-        assert {b.device.type for b in buffers.values()} == {"meta"}
+        stacks = dict(model.get_submodule(name).named_parameters())
+        assert sorted(stacks) == ["down_packed", "down_scale", "gate_up_packed", "gate_up_scale"]
+        assert {p.device.type for p in stacks.values()} == {"meta"}
+    assert {p.device.type for p in model.model.layers[2].mlp.experts.parameters()} == {"cpu"}
     assert any(p.name.startswith("model.layers.1.mlp.experts.gate_up_packed") for p in (tmp_path / "offload").iterdir())
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, want)
-
-
-def test_disk_map_without_offload_buffers_names_the_resident_layers(release, tmp_path):
-    from transformers_k3.quantization_kimi_k3 import PackedOffloadWarning
-
-    device_map = _map_with(packed(release), {"model.layers.2.mlp.experts"}, "disk")
-    with pytest.warns(PackedOffloadWarning, match=r"layers\.2\.mlp\.experts.*offload_buffers=True"):
-        model = KimiK3ForCausalLM.from_pretrained(release, dtype=FP32, device_map=device_map,
-                                                  offload_folder=tmp_path / "offload")  # fmt: skip
-    assert model.model.layers[2].mlp.experts.gate_up_packed.device.type == "cpu"  # (resident, as the warning says)
 
 
 def test_an_offloaded_layer_is_still_checked_at_load(release, tmp_path):
@@ -404,8 +402,7 @@ def test_an_offloaded_layer_is_still_checked_at_load(release, tmp_path):
     (tmp_path / "bad" / "config.json").write_text((release / "config.json").read_text())
     device_map = _map_with(packed(release), {"model.layers.2.mlp.experts"}, "disk")
     with pytest.raises(CheckpointError, match=r"layers.2.mlp.experts`: expert 3 w2: .*E8M0"):
-        KimiK3ForCausalLM.from_pretrained(tmp_path / "bad", device_map=device_map, offload_buffers=True,
-                                          offload_folder=tmp_path / "offload")  # fmt: skip
+        KimiK3ForCausalLM.from_pretrained(tmp_path / "bad", device_map=device_map, offload_folder=tmp_path / "offload")
 
 
 @pytest.mark.parametrize("how", ["cpu", "disk"])
@@ -414,10 +411,10 @@ def test_accelerate_offload_runs_the_experts_on_offloaded_stacks(release, tmp_pa
     with torch.no_grad():
         want = model(IDS).logits
     if how == "cpu":
-        accelerate.cpu_offload(model, execution_device=torch.device("cpu"), offload_buffers=True)
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     else:
-        accelerate.disk_offload(model, tmp_path / "offload", execution_device=torch.device("cpu"), offload_buffers=True)
-    assert {b.device.type for b in model.model.layers[2].mlp.experts.buffers()} == {"meta"}
+        accelerate.disk_offload(model, tmp_path / "offload", execution_device=torch.device("cpu"))
+    assert {p.device.type for p in model.model.layers[2].mlp.experts.parameters()} == {"meta"}
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, want)
     shutil.rmtree(tmp_path / "offload", ignore_errors=True)

@@ -5,7 +5,8 @@ the mapping `KimiK3PackedExperts` -> `PackedExpertsLoraLayer` to a `LoraConfig`,
 
 Why this socket and not ``target_parameters``: PEFT's `ParamWrapper` adapts an ``nn.Parameter`` by adding
 ``B @ A`` to the weight tensor itself, which for uint8 codes would mean dequantizing the whole layer on every
-forward. Here the packed bytes stay frozen buffers and each expert's low-rank term runs beside the packed matmul.
+forward. Here the packed bytes stay frozen (uint8, no gradient) and each expert's low-rank term runs beside the
+packed matmul.
 
 The adapter is per expert, as PEFT's `ParamWrapper` makes it for the bf16 experts (``target_parameters``), in the
 same layout: ``lora_A`` ``[E * r, D]`` / ``lora_B`` ``[2I, r * E]`` for ``gate_up``, ``lora_down_A`` ``[E * r, I]``
@@ -59,7 +60,7 @@ def packed_experts_lora(config: LoraConfig) -> LoraConfig:
 class PackedExpertsLoraLayer(nn.Module, LoraLayer):
     """A LoRA layer around `KimiK3PackedExperts`: the packed experts computed by ``"k3_mxfp4"``
     (`ops.mxfp4.mxfp4_experts`) with each active adapter's per-expert low-rank term added to both products. The
-    packed buffers stay frozen; gradients reach the adapters, the activations and the routing weights."""
+    packed stacks stay frozen; gradients reach the adapters, the activations and the routing weights."""
 
     adapter_layer_names = (*LoraLayer.adapter_layer_names, "lora_down_A", "lora_down_B")
 

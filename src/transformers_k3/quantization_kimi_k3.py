@@ -6,9 +6,10 @@ and saves them back bit for bit.
 * `KimiK3Mxfp4Config` (``quant_method="k3_mxfp4"``): ``from_pretrained(..., quantization_config=KimiK3Mxfp4Config())``
   keeps the experts packed, ``KimiK3Mxfp4Config(dequantize=True)`` dequantizes them (the model without the
   quantizer: what loading without a ``quantization_config`` gives).
-* `KimiK3PackedExperts`: a MoE layer's experts as four uint8 buffers (``gate_up_packed``, ``gate_up_scale``,
-  ``down_packed``, ``down_scale``: the release tensors stacked, bytes unchanged), computed by the experts function
-  ``"k3_mxfp4"`` (`mxfp4_experts_forward`), registered in transformers' ``ALL_EXPERTS_FUNCTIONS``.
+* `KimiK3PackedExperts`: a MoE layer's experts as four frozen uint8 parameters (``gate_up_packed``,
+  ``gate_up_scale``, ``down_packed``, ``down_scale``: the release tensors stacked, bytes unchanged; parameters, as
+  gpt-oss's ``Mxfp4GptOssExperts`` holds its blocks, so accelerate offloads them as weights), computed by the
+  experts function ``"k3_mxfp4"`` (`mxfp4_experts_forward`), registered in transformers' ``ALL_EXPERTS_FUNCTIONS``.
 * `KimiK3Mxfp4HfQuantizer`: before the weights load, every `KimiK3Experts` becomes a `KimiK3PackedExperts` (on the
   meta device) and the experts' conversions (`FuseExperts`, which dequantizes) become `StackPackedExperts`, which
   stack each checkpoint tensor's bytes into its slice, shard by shard (no floating-point copy of a layer); after
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import warnings
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from .ops.mxfp4 import MXFP4_EXPERTS, check_packed_experts, mxfp4_experts_forwar
 from .ops.mxfp4_stream import streamed_mxfp4_experts
 
 K3_MXFP4 = "k3_mxfp4"  # the quant_method, and the experts-interface name (ops.mxfp4.MXFP4_EXPERTS)
-_STACKS = {  # buffer -> (release projections stacked along the rows, release tensor kind)
+_STACKS = {  # parameter -> (release projections stacked along the rows, release tensor kind)
     "gate_up_packed": (("w1", "w3"), "weight_packed"),
     "gate_up_scale": (("w1", "w3"), "weight_scale"),
     "down_packed": (("w2",), "weight_packed"),
@@ -84,10 +84,12 @@ class KimiK3Mxfp4Config(QuantizationConfigMixin):
 @kernel_layer("k3_mxfp4_experts")  # (named for its MoE layer's decode kernel, `ops.moe.attach_sparse_moe`)
 @use_experts_implementation
 class KimiK3PackedExperts(nn.Module):
-    """`KimiK3Experts` with the release's MXFP4 bytes as four uint8 buffers (docs/mxfp4.md "The layout per layer"):
-    ``gate_up_packed [E, 2I, D/2]`` / ``gate_up_scale [E, 2I, D/32]`` (``w1`` rows then ``w3`` rows, as
-    ``gate_up_proj``), ``down_packed [E, D, I/2]`` / ``down_scale [E, D, I/32]`` (``w2``). Frozen: buffers, no
-    gradient; gradients reach the activations and the routing weights. Its own forward is ``"k3_mxfp4"``'s."""
+    """`KimiK3Experts` with the release's MXFP4 bytes as four uint8 parameters (docs/mxfp4.md "The layout per
+    layer"): ``gate_up_packed [E, 2I, D/2]`` / ``gate_up_scale [E, 2I, D/32]`` (``w1`` rows then ``w3`` rows, as
+    ``gate_up_proj``), ``down_packed [E, D, I/2]`` / ``down_scale [E, D, I/32]`` (``w2``). Frozen
+    (``requires_grad=False``: optimizers over ``model.parameters()`` never step them); parameters rather than buffers
+    so that accelerate's device maps and offload move them as weights. Gradients reach the activations and the
+    routing weights. Its own forward is ``"k3_mxfp4"``'s."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -98,7 +100,7 @@ class KimiK3PackedExperts(nn.Module):
                                    f"intermediate {i}: load with KimiK3Mxfp4Config(dequantize=True)")  # fmt: skip
         for name, shape in (("gate_up_packed", (e, 2 * i, d // 2)), ("gate_up_scale", (e, 2 * i, d // 32)),
                             ("down_packed", (e, d, i // 2)), ("down_scale", (e, d, i // 32))):  # fmt: skip
-            self.register_buffer(name, torch.zeros(shape, dtype=torch.uint8))
+            setattr(self, name, nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False))
         self.glu = GLU.from_config(config)
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
@@ -185,7 +187,7 @@ class StackPackedExperts(ConversionOps):
 
     @_recorded
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        target = model.get_buffer(full_layer_name) if model is not None else None
+        target = model.get_parameter(full_layer_name) if model is not None else None
         per_proj = []
         for proj in self.projections:
             if input_dict.pop(_expert_pattern(proj, "weight"), None):
@@ -248,12 +250,12 @@ def packed_conversions(converter: WeightConverter) -> list[WeightConverter]:
     ``gate_up_proj``'s gives ``gate_up_packed`` / ``gate_up_scale``, ``down_proj``'s ``down_packed`` / ``down_scale``."""
     side = "gate_up" if converter.operations[0].projections == ("w1", "w3") else "down"
     out = []
-    for buffer in (f"{side}_packed", f"{side}_scale"):
-        projections, kind = _STACKS[buffer]
+    for stack in (f"{side}_packed", f"{side}_scale"):
+        projections, kind = _STACKS[stack]
         # the `kind` pattern first: saving names its outputs after the first source pattern
         sources = [_expert_pattern(p, kind) for p in projections]
         sources += [_expert_pattern(p, k) for p in projections for k in ("weight", "weight_shape")]
-        out.append(converter.copy(sources, f".mlp.experts.{buffer}", operations=[StackPackedExperts(projections, kind)]))
+        out.append(converter.copy(sources, f".mlp.experts.{stack}", operations=[StackPackedExperts(projections, kind)]))
     return out
 
 
@@ -336,7 +338,6 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
             if isinstance(module, KimiK3PackedExperts):
                 with _onloaded(module):
                     _check_layer(name, module, dtype)
-        _warn_resident_offloaded(model)
         return model
 
     def is_serializable(self, safe_serialization=None) -> bool:
@@ -349,7 +350,7 @@ class KimiK3Mxfp4HfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return True  # the packed experts are frozen buffers; adapters and the other weights train
+        return True  # the packed experts are frozen (requires_grad=False); adapters and the other weights train
 
     @property
     def is_compileable(self) -> bool:
@@ -387,28 +388,6 @@ def _onloaded(experts: KimiK3PackedExperts):
     return align_module_device(experts)
 
 
-class PackedOffloadWarning(UserWarning):
-    """A device map offloads packed experts that stayed resident (their stacks are buffers)."""
-
-
-def _warn_resident_offloaded(model) -> None:
-    """Names the packed layers a device map offloads (``"disk"``, or ``"cpu"`` beside an accelerator) whose stacks
-    were kept resident: accelerate offloads buffers only with ``offload_buffers=True``."""
-    device_map = getattr(model, "hf_device_map", None) or {}
-    offloaded = {"disk"} | ({"cpu"} if any(d not in ("cpu", "disk") for d in device_map.values()) else set())
-    resident = []
-    for name, module in model.named_modules():
-        if isinstance(module, KimiK3PackedExperts) and module.gate_up_packed.device.type != "meta":
-            entries = [k for k in device_map if k == "" or name == k or name.startswith(k + ".")]
-            if entries and device_map[max(entries, key=len)] in offloaded:
-                resident.append(name)
-    if resident:
-        warnings.warn(f"the device map offloads the packed MXFP4 experts of {resident[:3]}"
-                      f"{f' and {len(resident) - 3} more layers' if len(resident) > 3 else ''}, but their stacks are "
-                      "buffers, which accelerate keeps resident unless from_pretrained gets offload_buffers=True",
-                      PackedOffloadWarning, stacklevel=2)  # fmt: skip
-
-
 def _remove_quantizer(model) -> None:
     """transformers' `HfQuantizer.remove_quantization_config` without dropping the load's conversions (which
     ``save_pretrained`` reverses)."""
@@ -427,5 +406,5 @@ def _remove_quantizer(model) -> None:
 ALL_EXPERTS_FUNCTIONS.register(K3_MXFP4, mxfp4_experts_forward)
 
 __all__ = ["K3_MXFP4", "KimiK3Mxfp4Config", "KimiK3Mxfp4HfQuantizer", "KimiK3PackedExperts", "KimiK3StreamedExperts",
-           "PackedOffloadWarning", "SplitPackedExperts", "StackPackedExperts", "StreamedExpertsError",
+           "SplitPackedExperts", "StackPackedExperts", "StreamedExpertsError",
            "expert_stream", "packed_conversions"]  # fmt: skip

@@ -189,7 +189,7 @@ class MoeDecodeKernel:
             return None
         router, gate_up, down_w, norm_w = weights
         scales = ()
-        if packed:  # (the packed stacks: uint8 buffers)
+        if packed:  # (the packed stacks: frozen uint8 parameters)
             gate_up, down_w = experts.gate_up_packed, experts.down_packed
             scales = (experts.gate_up_scale, experts.down_scale)
         linear_weights = []

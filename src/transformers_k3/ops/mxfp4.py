@@ -95,7 +95,7 @@ def mxfp4_experts_forward(
 ) -> torch.Tensor:
     """An experts-interface function (transformers' ``ALL_EXPERTS_FUNCTIONS``: ``fn(experts_module, hidden_states
     [N, D], top_k_index [N, k], top_k_weights [N, k]) -> [N, D]``) over packed experts: the module holds the four
-    stacks above as ``gate_up_packed``, ``gate_up_scale``, ``down_packed``, ``down_scale`` (buffers) and applies
+    stacks above as ``gate_up_packed``, ``gate_up_scale``, ``down_packed``, ``down_scale`` (uint8) and applies
     its GLU through ``_apply_gate``, as `KimiK3Experts` does."""
     if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True):
         raise NotImplementedError(f"{MXFP4_EXPERTS!r} supports gated experts without biases")
