@@ -33,7 +33,7 @@ from transformers_k3 import (
     KimiK3TextConfig,
     kernelize,
 )
-from transformers_k3.cache import KimiK3StaticMLACacheLayer
+from transformers_k3.cache import KimiK3CacheState, KimiK3StaticMLACacheLayer
 from transformers_k3.cache_io import KimiK3CacheFileError, _fingerprint_samples, weights_fingerprint
 from transformers_k3.ops import cpu_kernel
 from transformers_k3.safetensors_header import CheckpointError
@@ -489,6 +489,47 @@ def test_a_state_taken_and_started_from_continues_like_the_cache_it_came_from(ti
     assert not any(latent.requires_grad for latent in after.latents.values())
     for i, pair in after.kda.items():
         assert all(torch.equal(a, b) for a, b in zip(pair, values[i]))
+
+
+def test_latents_that_require_grad_are_held_as_given(tiny_model):
+    """`start_from` holds MLA latents that require grad as the tensors given, not a copy (exact segment training):
+    the next step's logits and the leaves' gradients are those of a cache that copied them into its buffer, the
+    step's latents come back as computed (`state(latents_from=)`), and a decode step after joins them into a buffer
+    of the cache's own, with the logits of the copying cache and the leaves unwritten."""
+    ids = torch.randint(3, 512, (2, 14), generator=torch.Generator().manual_seed(4))
+    filled = KimiK3HybridCache(tiny_model.config)
+    with torch.no_grad():
+        tiny_model(ids[:, :9], past_key_values=filled, use_cache=True)
+    state = filled.state(detached=True)
+    caches, leaves = [], []
+    for as_given in (True, False):
+        latents = {i: latent.clone().requires_grad_() for i, latent in state.latents.items()}
+        cache = KimiK3HybridCache(tiny_model.config)
+        cache.start_from(KimiK3CacheState(state.kda, latents if as_given else {}))
+        for i, latent in latents.items():
+            if as_given:
+                assert cache.layers[i].held_latents().data_ptr() == latent.data_ptr()
+            else:  # (the buffer the cache holds a state in: a copy, in the leaves' graph)
+                cache.layers[i].update(latent)
+                assert cache.layers[i].held_latents().data_ptr() != latent.data_ptr()
+        caches.append(cache)
+        leaves.append(latents)
+    logits = [tiny_model(ids[:, 9:13], past_key_values=cache, use_cache=True).logits for cache in caches]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+    steps = caches[0].state(latents_from=9).latents
+    assert sorted(steps) == sorted(state.latents) and all(t.shape[1] == 4 and t.requires_grad for t in steps.values())
+    torch.testing.assert_close(steps, caches[1].state(latents_from=9).latents, rtol=0, atol=0)
+    for out in logits:
+        out.square().sum().backward()
+    for i in state.latents:
+        assert leaves[0][i].grad.abs().sum() > 0
+        torch.testing.assert_close(leaves[0][i].grad, leaves[1][i].grad, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        decoded = [tiny_model(ids[:, 13:], past_key_values=cache, use_cache=True).logits for cache in caches]
+    torch.testing.assert_close(decoded[0], decoded[1], rtol=0, atol=0)
+    for i, latent in state.latents.items():
+        assert caches[0].layers[i].parts is None and caches[0].get_seq_length() == 14
+        assert torch.equal(leaves[0][i], latent)
 
 
 # ---------------------------------------------------------------- rollback (the cache owns the KDA history)

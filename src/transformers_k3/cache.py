@@ -330,6 +330,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     supports_early_init = False
+    parts: list[torch.Tensor] | None = None  # (class default: a layer pickled by an earlier version has none)
 
     def __init__(self, initial_capacity: int = 256, storage_device: str | torch.device | None = None,
                  storage_dtype: torch.dtype | None = None):
@@ -345,10 +346,46 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self.device = None
         self.dtype = None
         self.reserved = False  # allocated up front by KimiK3HybridCache(batch_size=...): kept through reset()
+        # Held latents that lead into a graph (`hold_as_given`), kept as the tensors given instead of copied into
+        # `latent` (then None): the held rows, then one appended step. Any other use joins them into a buffer.
+        self.parts: list[torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
-        return self.latent.shape[0]
+        return (self.latent if self.parts is None else self.parts[0]).shape[0]
+
+    def hold_as_given(self, latent_states: torch.Tensor) -> None:
+        """Hold ``latent_states`` ``[B, S, D]`` in this empty layer as the tensor it is, not a copy: for held latents
+        that lead into a graph (exact segment training's leaves), whose gradient then reaches them directly and which
+        the step after them appends beside them (`append_beside`), not through a buffer the context's size."""
+        self.parts, self.latent, self.length = [latent_states], None, latent_states.shape[1]
+        self.dtype, self.device, self.is_initialized = latent_states.dtype, latent_states.device, True
+
+    def append_beside(self, latent_states: torch.Tensor) -> bool:
+        """Append ``latent_states`` beside latents held as given, as the tensor it is; False (nothing done) when the
+        layer holds them otherwise or already holds a step beside them."""
+        if self.parts is None or len(self.parts) > 1 or latent_states.dtype != self.dtype \
+                or latent_states.device != self.device:
+            return False
+        self.parts.append(latent_states)
+        self.length += latent_states.shape[1]
+        return True
+
+    def _join(self) -> None:
+        """Latents held as given become the layer's own buffer (a copy: the tensors given are never written)."""
+        if self.parts is not None:
+            self.latent, self.parts = torch.cat(self.parts, dim=1), None
+
+    def held_latents(self, start: int = 0) -> torch.Tensor:
+        """The held tokens' latents from token ``start`` on, ``[B, length - start, D]``: a view of the buffer, or of
+        latents held as given (the step appended beside them as the tensor it is)."""
+        if self.parts is None:
+            return self.latent[:, start : self.length]
+        if len(self.parts) == 1:
+            return self.parts[0][:, start:]
+        if start == self.parts[0].shape[1]:
+            return self.parts[1]
+        return torch.cat(self.parts, dim=1)[:, start:]
 
     @property
     def holds(self) -> bool:
@@ -379,6 +416,8 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args, **kwargs):
         """Append ``latent_states`` ``[B, T, D]``; return a view of the whole latent ``[B, S, D]``."""
         latent_states = key_states
+        if self.parts is not None:
+            self._join()
         if not self.is_initialized:
             self.lazy_initialization(latent_states)
         elif self.device is None:  # preallocated: the first step tells where compute happens
@@ -412,6 +451,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        self.parts = None
         if self.reserved:  # a buffer the user reserved (`batch_size=`) stays reserved, emptied
             self.length, self.device = 0, None
         else:
@@ -421,10 +461,12 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
         if tokens_to_remove > 0:
             raise ValueError(f"`crop` takes a negative number of tokens to remove, got {tokens_to_remove}")
+        self._join()
         self.length = max(0, self.length + tokens_to_remove)
 
     def _apply(self, fn) -> None:
         """The kept rows ``fn(latent)`` in a buffer of the same capacity (a reserved buffer stays reserved)."""
+        self._join()
         if self.is_initialized:
             kept = fn(self.latent[:, : self.length])
             buffer = kept.new_empty(kept.shape[0], self.latent.shape[1], kept.shape[2])
@@ -433,11 +475,14 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
 
     def detach_(self) -> None:
         """Cut the held latents from the graph that computed them (same storage)."""
+        if self.parts is not None:
+            self.parts = [part.detach() for part in self.parts]
         if self.latent is not None:
             self.latent = self.latent.detach()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # (beam search, every step: in place, so the buffer keeps its capacity and is never regrown)
+        self._join()
         if self.is_initialized:
             live = self.latent[:, : self.length]
             live.copy_(live.index_select(0, beam_idx.to(live.device)))
@@ -449,15 +494,18 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self._apply(lambda t: t[indices])
 
     def offload(self):
+        self._join()
         if self.is_initialized:
             self.latent = self.latent.to("cpu", non_blocking=True)
 
     def prefetch(self):
+        self._join()
         if self.is_initialized and self.latent.device != self.device:
             self.latent = self.latent.to(self.device, non_blocking=True)
 
     def nbytes(self) -> int:
-        return 0 if not self.is_initialized else self.length * self.latent.shape[0] * self.latent.shape[2] * self.latent.element_size()
+        latent = self.latent if self.parts is None else self.parts[0]
+        return 0 if not self.is_initialized else self.length * latent.shape[0] * latent.shape[2] * latent.element_size()
 
 
 class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
@@ -596,6 +644,13 @@ class KimiK3LatentView(NamedTuple):
     step: torch.Tensor | None = None
     # whether the held tokens' latents lead back into a graph (exact segment training); else they need no gradient
     context_grad: bool = True
+    # the held tokens' latents as the tensor the cache was given (`KimiK3MLACacheLayer.hold_as_given`), the step's
+    # beside them: `latent` is then None, joined only where an attention needs the whole (`whole`)
+    context: torch.Tensor | None = None
+
+    def whole(self) -> torch.Tensor:
+        """The held tokens' latents, then the step's, ``[B, S, D]``."""
+        return self.latent if self.latent is not None else torch.cat([self.context, self.step], dim=1)
 
     def held(self, step_len: int) -> tuple[torch.Tensor, int]:
         """``(latents of the tokens held [B, S, D], tokens held before the step)`` for a step of `step_len` tokens
@@ -831,12 +886,19 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         the view it attends over with what it needs to mask it (`KimiK3LatentView`)."""
         layer = self.layers[layer_idx]
         had_past = layer.holds
+        if layer.parts is not None:
+            context = layer.parts[0]
+            if layer.append_beside(latent_states):
+                return KimiK3LatentView(None, context.shape[1], True, None, latent_states, context.requires_grad, context)
+            layer._join()
         context_grad = had_past and layer.latent.requires_grad
         if not self.static:
             past_len = layer.length
             latent = layer.update(latent_states)[0]
             as_given = layer.latent.dtype == latent_states.dtype and layer.latent.device == latent_states.device
             step = latent_states if as_given else latent[:, past_len:]
+            if as_given and not had_past:  # (a first step's latents are the tensor given: no gradient via the buffer)
+                latent = latent_states
             return KimiK3LatentView(latent, past_len, had_past, None, step, context_grad)
         latent = layer.update(latent_states)[0]
         # (inside a graph a static layer's count stays on the device: the layer masks by `position`)
@@ -850,7 +912,10 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         static cache's states): checkpointing saves its inputs and refuses one changed before the backward."""
         layer = self.layers[layer_idx]
         if isinstance(layer, KimiK3MLACacheLayer):
-            return (layer.latent[:, : layer.length].clone(),) if layer.holds else ()
+            if not layer.holds:
+                return ()
+            # (latents held as given are never written: no copy)
+            return (layer.held_latents(),) if layer.parts is not None else (layer.held_latents().clone(),)
         if not layer.has_state:
             return ()
         state = layer.recurrent_state, layer.conv_state
@@ -860,21 +925,23 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         """Store what a layer that ran without the cache computed: a KDA layer's final ``(recurrent state, conv
         window)``, an MLA layer's new latent rows ``[B, T, D]`` (appended)."""
         if isinstance(self.layers[layer_idx], KimiK3MLACacheLayer):
-            self.layers[layer_idx].update(state[0])
+            if not self.layers[layer_idx].append_beside(state[0]):
+                self.layers[layer_idx].update(state[0])
         else:
             self.layers[layer_idx].update(*state)
 
     # ------------------------------------------------------------------------------------------ state as a whole
-    def state(self, detached: bool = False) -> KimiK3CacheState:
+    def state(self, detached: bool = False, latents_from: int = 0) -> KimiK3CacheState:
         """The state held: each KDA layer's ``(recurrent state [B, H, K, V], conv window [B, 3P, K-1])`` where it
         holds one, each MLA layer's held latents (a view of its buffer) where it holds tokens. `detached`: cut from
         any graph, the KDA tensors copied (later steps update them in place), for a state that outlives the next
-        forward."""
+        forward. `latents_from`: only the latents of the tokens from there on (those a step appended: after a step
+        from latents held as given, the step's latents as the tensor computed, no copy)."""
         kda, latents = {}, {}
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, KimiK3MLACacheLayer):
-                if layer.holds:
-                    latent = layer.latent[:, : layer.length]
+                if layer.holds and layer.length > latents_from:
+                    latent = layer.held_latents(latents_from)
                     latents[idx] = latent.detach() if detached else latent
             elif layer.has_state:
                 tensors = (layer.recurrent_state, layer.conv_state)
@@ -883,11 +950,18 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
 
     def start_from(self, state: KimiK3CacheState) -> None:
         """Hold `state` (in an empty cache): copies of its KDA tensors (a decode step updates the held ones in place,
-        which a leaf tensor refuses) and its latents appended; both stay in the graph of the tensors given."""
+        which a leaf tensor refuses) and its latents appended; both stay in the graph of the tensors given. Latents
+        that require grad (exact segment training) are held as the tensors given, not copied (a growing cache:
+        `KimiK3MLACacheLayer.hold_as_given`); the next step's are kept beside them."""
         for idx, (recurrent, window) in state.kda.items():
             self.layers[idx].update(recurrent.clone(), window.clone())
         for idx, latent in state.latents.items():
-            self.layers[idx].update(latent)
+            layer = self.layers[idx]
+            if (latent.requires_grad and not self.static and not layer.holds and layer.storage_device is None
+                    and layer.storage_dtype in (None, latent.dtype)):
+                layer.hold_as_given(latent)
+            else:
+                layer.update(latent)
 
     def detach_(self) -> KimiK3HybridCache:
         """Cut the held state from the graph of the forward that computed it, in place (values and buffers kept);

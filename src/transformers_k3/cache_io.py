@@ -183,7 +183,7 @@ class KimiK3CacheIO:
             if self.config.layer_types[idx] != "linear_attention":  # an MLA layer
                 length = layer.length if layer.is_initialized else 0
                 if held and length:
-                    tensors[f"layers.{idx}.latent"] = layer.latent[:, :length].contiguous()
+                    tensors[f"layers.{idx}.latent"] = layer.held_latents().contiguous()
             else:
                 length = held if layer.has_state else 0
                 if held and layer.has_state:

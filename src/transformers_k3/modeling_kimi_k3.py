@@ -630,8 +630,9 @@ class KimiK3MLA(nn.Module):
         out = torch.matmul(o_latent.reshape(batch, heads, q_len, -1), w_vc.transpose(1, 2))  # [B, n, T, dv]
         return out.transpose(1, 2)
 
-    def _blockwise_attention(self, query: torch.Tensor, latent: torch.Tensor, past_len: int,
-                             step: torch.Tensor | None = None, context_grad: bool = True) -> torch.Tensor:
+    def _blockwise_attention(self, query: torch.Tensor, latent: torch.Tensor | None, past_len: int,
+                             step: torch.Tensor | None = None, context_grad: bool = True,
+                             context: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of ``T`` new queries to ``past_len`` cached tokens plus themselves, with memory bounded
         by the step, not the context. Returns ``[B, T, n, dv]``.
 
@@ -643,7 +644,8 @@ class KimiK3MLA(nn.Module):
         context; `LSE_BACKWARDS`: CPU tensors) `BlockwiseAttention` keeps only the latents and expands each block
         again in the backward; the context then goes in blocks the step's size (`MIN_TRAINING_BLOCK`), the step's own
         latents are ``step`` (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer) and
-        the context gets a gradient only with ``context_grad``."""
+        the context gets a gradient only with ``context_grad``; ``latent`` None: the context is ``context`` (the
+        cache's `KimiK3LatentView.context`, latents it holds as given, whose gradient then goes straight to them)."""
         pad = self.qk_head_dim - self.v_head_dim
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -653,7 +655,7 @@ class KimiK3MLA(nn.Module):
             out, lse = attention_with_lse(query, key, value, causal, self.scaling)
             return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
 
-        if torch.is_grad_enabled() and (query.requires_grad or latent.requires_grad
+        if torch.is_grad_enabled() and (latent is None or query.requires_grad or latent.requires_grad
                                         or any(p.requires_grad for p in self.kv_b_proj.parameters())):
             # (no kernel backward takes a merged log-sum-exp here; a compiled graph cannot hold BlockwiseAttention's
             # backward, whose nested backward dynamo does not trace: both attend over the expanded latents)
@@ -665,7 +667,8 @@ class KimiK3MLA(nn.Module):
             # (the backward expands each block again: the context's K/V are never kept)
             block = min(self.context_block, max(query.shape[-2], MIN_TRAINING_BLOCK))
             step = latent[:, past_len:] if step is None else step
-            context = latent[:, :past_len] if context_grad else latent[:, :past_len].detach()
+            context = latent[:, :past_len] if context is None else context
+            context = context if context_grad else context.detach()
             out = BlockwiseAttention.apply(query, self._expand, self.scaling, max(pad, 0), block, step, context)
             return out[..., : self.v_head_dim].transpose(1, 2)
         # (a graph guards on the blocks' count, not the length)
@@ -702,13 +705,18 @@ class KimiK3MLA(nn.Module):
             latent, past_len = view.held(q_len)
             if attention_mask is not None and attention_mask.dim() == 4:
                 attention_mask = attention_mask[..., : past_len + q_len]
+        if latent is None and not (q_len > 1 and attention_mask is None and not absorb and torch.is_grad_enabled()
+                                   and query.device.type in LSE_BACKWARDS
+                                   and uses_blockwise_attention(self.config, hidden_states)):
+            latent = view.whole()  # (latents the cache holds as given: joined only where the whole is attended)
         if absorb:
             slots = None if static is None else static_slots_mask(static, q_len, latent.shape[1])
             attn_output = self._absorbed_attention(query, latent, attention_mask, slots)
         elif attention_mask is None and past_len > 0 and q_len > 1 and uses_blockwise_attention(self.config,
                                                                                               hidden_states):
             # The model passes no mask here only when every row is unpadded: causal over past + step.
-            attn_output = self._blockwise_attention(query, latent, past_len, view.step, view.context_grad)
+            attn_output = self._blockwise_attention(query, latent, past_len, view.step, view.context_grad,
+                                                    view.context)
         else:
             key, value = self._expand(latent)
             interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
@@ -1200,8 +1208,8 @@ class KimiK3CarriedState:
         if self.prefix is None:
             return KimiK3LatentView(latent_states, 0, False, None)
         prefix = self.prefix.to(latent_states.device, latent_states.dtype)
-        return KimiK3LatentView(torch.cat([prefix, latent_states], dim=1), prefix.shape[1], True, None, latent_states,
-                                prefix.requires_grad)  # fmt: skip
+        # (held and step latents apart: the attention joins them only where it attends over the whole)
+        return KimiK3LatentView(None, prefix.shape[1], True, None, latent_states, prefix.requires_grad, prefix)
 
 
 # the tensors `KimiK3CarriedState.new_state` returns, by layer type

@@ -20,6 +20,7 @@ the loss and gradients are those of ``model(input_ids, labels=labels)``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -238,31 +239,46 @@ def segment_backward(model, input_ids: torch.Tensor, labels: torch.Tensor | None
     state_grads: dict = {}  # ("kda", i) -> (grad of the state, of the window) the segment after sent back
     latent_grads = {i: torch.zeros_like(t) for i, t in latents.items()}
     for (start, end), boundary in zip(reversed(bounds), reversed(boundaries)):
-        cache, held = cache_from_boundary(model.config, boundary, latents, length, leaves=True)
-        loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
-        outputs, cotangents = [loss], [torch.ones_like(loss)]
-        if end < length:
-            left = cache.state()
-            for (kind, i), grads in state_grads.items():
-                for value, grad in zip(left.kda[i], grads):
-                    if grad is not None and value.requires_grad:
-                        outputs.append(value)
-                        cotangents.append(grad)
-            for i, grad in latent_grads.items():
-                rows = left.latents[i][:, start:end]  # (the segment's latent rows as the cache holds them)
-                if rows.requires_grad:
-                    outputs.append(rows)
-                    cotangents.append(grad[:, start:end])
-        torch.autograd.backward(outputs, cotangents)
-        losses.append(loss.detach())
-        state_grads = {}
-        for key, leaf in held.items():
-            if key[0] == "kda":
-                state_grads[key] = tuple(x.grad for x in leaf)
-            elif leaf.grad is not None:
-                latent_grads[key[1]][:, :start] += leaf.grad
+        loss, state_grads = _exact_segment(model, input_ids, shift_labels, tokens, start, end, boundary, latents,
+                                           latent_grads, state_grads, kwargs)  # fmt: skip
+        losses.append(loss)
     losses.reverse()
     return SegmentResult(sum(losses), losses, tokens)
+
+
+def _add_grad_into(into: torch.Tensor, leaf: torch.Tensor) -> None:
+    into += leaf.grad
+    leaf.grad = None  # (each MLA layer's prefix gradient is freed as soon as it is added)
+
+
+def _exact_segment(model, input_ids, shift_labels, tokens, start, end, boundary, latents, latent_grads, state_grads,
+                   kwargs):
+    """Exact mode's step for one segment (a function, so that its cache and graph are freed before the next one's):
+    recompute it from its boundary state made leaves, backpropagate its loss plus the gradients the later segments
+    sent to the state it leaves (`state_grads`, and its rows of `latent_grads`), add the prefix latents' gradient to
+    `latent_grads` and return ``(loss, the gradients of its incoming KDA states)``."""
+    # (the segment's cache holds the prefix latents as the leaves they are, not a copy, and no more rows than it needs)
+    cache, held = cache_from_boundary(model.config, boundary, latents, end, leaves=True)
+    for (kind, i), leaf in held.items():
+        if kind == "mla":
+            leaf.register_post_accumulate_grad_hook(functools.partial(_add_grad_into, latent_grads[i][:, :start]))
+    loss = _run(model, input_ids, shift_labels, tokens, start, end, cache, kwargs)
+    outputs, cotangents = [loss], [torch.ones_like(loss)]
+    if end < input_ids.shape[1]:
+        left = cache.state(latents_from=start)  # (the segment's latent rows as computed)
+        for (kind, i), grads in state_grads.items():
+            for value, grad in zip(left.kda[i], grads):
+                if grad is not None and value.requires_grad:
+                    outputs.append(value)
+                    cotangents.append(grad)
+        for i, grad in latent_grads.items():
+            if left.latents[i].requires_grad:
+                outputs.append(left.latents[i])
+                cotangents.append(grad[:, start:end])
+        del left
+    del cache
+    torch.autograd.backward(outputs, cotangents)
+    return loss.detach(), {key: tuple(x.grad for x in pair) for key, pair in held.items() if key[0] == "kda"}
 
 
 def detach_cache(cache: KimiK3HybridCache) -> KimiK3HybridCache:
