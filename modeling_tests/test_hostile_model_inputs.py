@@ -370,6 +370,31 @@ def test_a_packed_row_from_a_cache_is_refused_and_continued_positions_work(tiny_
         torch.testing.assert_close(masked, want, atol=1e-5, rtol=1e-5)
 
 
+def test_several_rows_packing_sequences_are_refused_and_plain_rows_run(tiny_model):
+    """Several rows with no cache and no mask whose position_ids break (as one packed row's do) are refused by name:
+    transformers' mask splits MLA's attention at the break while KDA's state would run on through the row. Rows that
+    step by +1 (from any start) run as without positions, and the same sequences packed in one row are each from
+    the start."""
+    ids, positions = packed_row()
+    rows = ids.repeat(2, 1)
+    with torch.no_grad():
+        want = tiny_model(rows).logits
+        for given in (positions.repeat(2, 1), positions):  # per row, and one row broadcast over the batch
+            with pytest.raises(KimiK3InputError, match=r"one row only: 2 rows whose position_ids break \(from 2 to 0 "
+                                                       r"at token 3 of row 0\).*DataCollatorWithFlattening"):
+                tiny_model(rows, position_ids=given)
+        jump = torch.arange(9).repeat(2, 1)
+        jump[1, 5:] += 4
+        with pytest.raises(KimiK3InputError, match=r"from 4 to 9 at token 5 of row 1"):
+            tiny_model(rows, position_ids=jump)
+        with pytest.raises(KimiK3InputError, match=r"cu_seq_lens_q of 3 sequences"):
+            tiny_model(rows, cu_seq_lens_q=torch.tensor([0, 3, 7, 9], dtype=torch.int32))
+        torch.testing.assert_close(tiny_model(rows, position_ids=torch.arange(9).repeat(2, 1) + 5).logits, want,
+                                   atol=1e-5, rtol=1e-5)
+        separate = torch.cat([tiny_model(ids[:, a:b]).logits for a, b in ((0, 3), (3, 7), (7, 9))], 1)
+        torch.testing.assert_close(tiny_model(ids, position_ids=positions).logits, separate, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- static cache sizes
 def test_a_static_cache_larger_than_memory_is_refused_before_it_is_allocated(tiny_model):
     ids = torch.randint(3, 512, (1, 6))

@@ -180,6 +180,35 @@ def _packed_from_cache_problems(position_ids, kwargs: dict, tokens: int) -> list
     return [(restarts.any(), fail)]
 
 
+PACKED_ROWS = (
+    "K3's KDA layers take packed sequences in one row only: {batch} rows whose position_ids break ({what}) would "
+    "run each row's KDA state from one sequence into the next while transformers' mask splits its MLA attention at "
+    "the break. Put the packed sequences in one row of shape [1, tokens] (as DataCollatorWithFlattening does), give "
+    "each sequence its own row with an attention_mask over the padding, or pass position_ids that step by +1")
+
+
+def _packed_rows_problems(position_ids, kwargs: dict, batch: int, tokens: int) -> list:
+    """Several rows with no cache and no mask that pack several sequences each: ``cu_seq_lens_*`` of more than one
+    sequence raise now; position_ids that do not step by +1 (where transformers' `find_packed_sequence_indices`
+    splits the mask) are returned as (flag, raise) for `_raise_problems` (not while compiling: it reads the values)."""
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        cu = kwargs.get(name)
+        if isinstance(cu, torch.Tensor) and cu.numel() > 2:
+            raise KimiK3InputError(PACKED_ROWS.format(batch=batch, what=f"{name} of {cu.numel() - 1} sequences"))
+    if (position_ids is None or tokens < 2 or position_ids.dim() == 0 or torch.compiler.is_compiling()
+            or position_ids.device.type == "meta"):
+        return []
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    breaks = rows[:, 1:] != rows[:, :-1] + 1
+
+    def fail():
+        row, token = (int(i) for i in breaks.nonzero()[0])
+        raise KimiK3InputError(PACKED_ROWS.format(batch=batch, what=(
+            f"from {int(rows[row, token])} to {int(rows[row, token + 1])} at token {token + 1} of row {row}")))
+
+    return [(breaks.any(), fail)]
+
+
 def _input_ids_problem(input_ids: torch.Tensor, vocab_size: int, range_check: bool = True):
     """`check_input_ids`'s form checks, raised now, and its range check as (flag, raise) for `_raise_problems`
     (None without `range_check`, while compiling or on meta)."""

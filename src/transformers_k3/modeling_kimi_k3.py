@@ -32,8 +32,8 @@ from .cache import NO_CACHE_STEP, KimiK3HybridCache, KimiK3KDACacheLayer, KimiK3
 from .configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig, check_config_for_dtype
 from .conversion.release_format import KimiK3ReleaseFormatMixin
 from .generation_kimi_k3 import (KimiK3GenerationMixin, KimiK3InputError, _host_reads_are_free, _input_ids_problem,
-                                  _mask_problems, _packed_from_cache_problems, _padding_problem, _position_problems,
-                                  _raise_problems)
+                                  _mask_problems, _packed_from_cache_problems, _packed_rows_problems, _padding_problem,
+                                  _position_problems, _raise_problems)
 from .ops import moe as moe_ops
 from .ops.conv import causal_conv1d, causal_conv1d_update
 from .ops.experts import K3_GROUPED_MM, eager_experts  # (K3_GROUPED_MM: the name configs select; registered there)
@@ -1408,6 +1408,8 @@ class KimiK3Model(KimiK3PreTrainedModel):
                 *_position_problems(position_ids, kwargs.get("cu_seq_lens_q"), tokens, packed),
                 *(_packed_from_cache_problems(position_ids, kwargs, tokens)
                   if past_key_values is not None and attention_mask is None else ()),
+                *(_packed_rows_problems(position_ids, kwargs, batch, tokens)
+                  if batch > 1 and past_key_values is None and attention_mask is None else ()),
             ])
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
