@@ -363,6 +363,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
     ``pixel_values_videos`` with ``video_grid_thw [chunks, 3]``, and ``mm_token_type_ids`` (1 image slot, 2 video
     slot) which `KimiK3Processor` returns; it is required only when one batch mixes images and videos."""
 
+    # override: no public hook routes from_pretrained's config keywords to a composite config's text_config
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """transformers' ``from_pretrained``; keyword arguments that set text-model fields the composite config does
@@ -404,6 +405,7 @@ class KimiK3ForConditionalGeneration(KimiK3VLPreTrainedModel, KimiK3GenerationMi
     def get_decoder(self):
         return self.language_model.model
 
+    # override: transformers builds its own cache classes here; no public hook names a model's cache class
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
         """generate() builds the text model's hybrid cache (KDA states + MLA latents)."""
