@@ -221,6 +221,10 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
 # Dispatch between the CPU operator and the PyTorch algorithms
 
 
+# (a device type's autocast support does not change in a process: asked once, not on every decode step)
+_autocast_available = functools.lru_cache(maxsize=None)(torch.amp.is_autocast_available)
+
+
 def _torch_kda(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
     block, inplace: bool = False, gate_bound: float | None = None, kernel: bool = False,
@@ -231,7 +235,7 @@ def _torch_kda(
     ``kernel``: the fused CPU kernel computes the call where the tensors allow."""
     device_type = q.device.type
     # (meta and other devices without autocast: asking whether it is enabled there raises)
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         # (the op's precision is its own, fp32 math and state as fla's kernels: autocast would run its products in bf16
         # and refuse the state's in-place update)
         with torch.autocast(device_type, enabled=False):
