@@ -104,8 +104,8 @@ def main():
     old = layers["packed"].experts  # (bench_mxfp4's layer holds the stacks on a `KimiK3Experts`)
     with torch.device("meta"):
         experts = KimiK3PackedExperts(old.config)  # (the class `packed_experts_lora` maps)
-    for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):
-        experts.register_buffer(name, getattr(old, name))
+    for name in ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"):  # (frozen uint8 parameters)
+        setattr(experts, name, torch.nn.Parameter(getattr(old, name), requires_grad=False))
     layers["packed"].experts = experts
     print(f"# torch {torch.__version__}, {args.threads} threads, {args.clock} clock, E={args.experts} k={args.top_k} "
           f"latent={args.latent} I={args.intermediate} rank={args.rank}")
