@@ -706,7 +706,7 @@ class KimiK3MLA(nn.Module):
             if attention_mask is not None and attention_mask.dim() == 4:
                 attention_mask = attention_mask[..., : past_len + q_len]
         if latent is None and not (q_len > 1 and attention_mask is None and not absorb and torch.is_grad_enabled()
-                                   and query.device.type in LSE_BACKWARDS
+                                   and query.device.type in LSE_BACKWARDS and not torch.compiler.is_compiling()
                                    and uses_blockwise_attention(self.config, hidden_states)):
             latent = view.whole()  # (latents the cache holds as given: joined only where the whole is attended)
         if absorb:
