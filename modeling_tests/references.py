@@ -94,14 +94,17 @@ def adamw_losses(model: torch.nn.Module, steps: int = 3, parts: int = 1) -> list
     return losses
 
 
-def train_losses(model: torch.nn.Module, ids: torch.Tensor, optimizer, steps: int) -> list[float]:
-    """The loss before each of ``steps`` optimizer steps on next-token prediction of ``ids``."""
+def train_losses(model: torch.nn.Module, ids: torch.Tensor, optimizer, steps: int, after_step=None) -> list[float]:
+    """The loss before each of ``steps`` optimizer steps on next-token prediction of ``ids``; ``after_step`` (if
+    given) is called after each step (e.g. Quantile Balancing's `RouterBalancer.step`)."""
     losses = []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
         losses.append(loss.item())
     return losses
 

@@ -23,7 +23,7 @@ import transformers_k3  # noqa: F401  (registers the classes, mappings and the q
 from transformers_k3 import KimiK3ForCausalLM, KimiK3Mxfp4Config, KimiK3TextConfig
 from transformers_k3.conversion.quant import dequantize_mxfp4, quantize_mxfp4_release
 
-from references import BF16, FP32, load, release_state, write_release
+from references import BF16, FP32, load, release_state, train_losses, write_release
 
 peft = pytest.importorskip("peft")
 accelerate = pytest.importorskip("accelerate")
@@ -162,14 +162,7 @@ def test_short_lora_run_lowers_the_loss_and_quantile_balancing_trains(release):
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     rows = torch.arange(3, 43).repeat(2, 1)  # (a learnable progression)
-    losses = []
-    for _ in range(8):
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        balancer.step()
-        losses.append(loss.item())
+    losses = train_losses(model, rows, optimizer, 8, after_step=balancer.step)
     print("LoRA over packed experts, losses:", [round(x, 3) for x in losses])
     assert losses[-1] < losses[0] - 0.5
     for name, bias in model.named_buffers():
@@ -279,13 +272,7 @@ def test_a_lora_run_over_streamed_experts_reloads_into_a_packed_model(release, t
     model = lora(streamed(release), init_lora_weights=True).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
     rows = torch.arange(3, 43).repeat(2, 1)
-    losses = []
-    for _ in range(8):
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, rows, optimizer, 8)
     print("LoRA over streamed experts, losses:", [round(x, 3) for x in losses])
     assert losses[-1] < losses[0] - 0.2
     model.eval()
