@@ -346,12 +346,17 @@ def timed_best(fn, reps: int) -> float:
     return best
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The MoE layer's shape, as `build` reads it (bench_mxfp4_lora builds its layers here too)."""
     parser.add_argument("--experts", type=int, default=896)
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--latent", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=512)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_layer_arguments(parser)
     parser.add_argument("--prefill-tokens", type=int, default=256)
     parser.add_argument("--decode-calls", type=int, default=30)
     parser.add_argument("--reps", type=int, default=3)

@@ -73,10 +73,7 @@ def step(layer, x, adapters):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--experts", type=int, default=896)
-    parser.add_argument("--top-k", type=int, default=16)
-    parser.add_argument("--latent", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=512)
+    bench_mxfp4.add_layer_arguments(parser)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
