@@ -159,14 +159,22 @@ PACKED_FROM_CACHE = (
     "to train packed rows in segments use transformers_k3.segments.segment_backward, which takes the packing keys")
 
 
+def _several_sequences(kwargs: dict) -> str | None:
+    """Which of the collator's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` marks more than one sequence, in words, or None."""
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        cu = kwargs.get(name)
+        if isinstance(cu, torch.Tensor) and cu.numel() > 2:
+            return f"{name} of {cu.numel() - 1} sequences"
+    return None
+
+
 def _packed_from_cache_problems(position_ids, kwargs: dict, tokens: int) -> list:
     """A row packing several sequences given with a cache (and no attention mask, the packed form): ``cu_seq_lens_*``
     of more than one sequence raise now; position_ids restarting at 0 after a row's first token are returned as
     (flag, raise) for `_raise_problems` (not while compiling, nor for a one-token step: it reads the values)."""
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        cu = kwargs.get(name)
-        if isinstance(cu, torch.Tensor) and cu.numel() > 2:
-            raise KimiK3InputError(PACKED_FROM_CACHE.format(what=f"{name} of {cu.numel() - 1} sequences"))
+    several = _several_sequences(kwargs)
+    if several:
+        raise KimiK3InputError(PACKED_FROM_CACHE.format(what=several))
     if (position_ids is None or tokens < 2 or position_ids.dim() == 0 or torch.compiler.is_compiling()
             or position_ids.device.type == "meta"):
         return []
@@ -191,10 +199,9 @@ def _packed_rows_problems(position_ids, kwargs: dict, batch: int, tokens: int) -
     """Several rows with no cache and no mask that pack several sequences each: ``cu_seq_lens_*`` of more than one
     sequence raise now; position_ids that do not step by +1 (where transformers' `find_packed_sequence_indices`
     splits the mask) are returned as (flag, raise) for `_raise_problems` (not while compiling: it reads the values)."""
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        cu = kwargs.get(name)
-        if isinstance(cu, torch.Tensor) and cu.numel() > 2:
-            raise KimiK3InputError(PACKED_ROWS.format(batch=batch, what=f"{name} of {cu.numel() - 1} sequences"))
+    several = _several_sequences(kwargs)
+    if several:
+        raise KimiK3InputError(PACKED_ROWS.format(batch=batch, what=several))
     if (position_ids is None or tokens < 2 or position_ids.dim() == 0 or torch.compiler.is_compiling()
             or position_ids.device.type == "meta"):
         return []
