@@ -480,6 +480,13 @@ def _cpu_flash_attention_backward(grad_out, query, key, value, out, lse, causal:
 LSE_BACKWARDS = {"cpu": _cpu_flash_attention_backward}
 
 
+def attends_blockwise_under_autograd(query: torch.Tensor) -> bool:
+    """Whether MLA under autograd attends its context in blocks (`BlockwiseAttention`): a kernel backward that takes a
+    merged log-sum-exp exists for the device, and no graph is being compiled (dynamo does not trace its nested
+    backward); otherwise it attends over the expanded latents with a mask."""
+    return query.device.type in LSE_BACKWARDS and not torch.compiler.is_compiling()
+
+
 def merge_attention_blocks(parts: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax attention ``[B, n, T, d]`` (fp32) and its log-sum-exp from those over disjoint key blocks, merged
     as they come (an iterator of blocks keeps one block's result alive at a time, whatever the context's length)."""
@@ -659,7 +666,7 @@ class KimiK3MLA(nn.Module):
                                         or any(p.requires_grad for p in self.kv_b_proj.parameters())):
             # (no kernel backward takes a merged log-sum-exp here; a compiled graph cannot hold BlockwiseAttention's
             # backward, whose nested backward dynamo does not trace: both attend over the expanded latents)
-            if query.device.type not in LSE_BACKWARDS or torch.compiler.is_compiling():
+            if not attends_blockwise_under_autograd(query):
                 key, value = self._expand(latent)
                 mask = end_aligned_causal(query.shape[-2], latent.shape[1], query.device)[None, None]
                 return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling
@@ -706,7 +713,7 @@ class KimiK3MLA(nn.Module):
             if attention_mask is not None and attention_mask.dim() == 4:
                 attention_mask = attention_mask[..., : past_len + q_len]
         if latent is None and not (q_len > 1 and attention_mask is None and not absorb and torch.is_grad_enabled()
-                                   and query.device.type in LSE_BACKWARDS and not torch.compiler.is_compiling()
+                                   and attends_blockwise_under_autograd(query)
                                    and uses_blockwise_attention(self.config, hidden_states)):
             latent = view.whole()  # (latents the cache holds as given: joined only where the whole is attended)
         if absorb:
