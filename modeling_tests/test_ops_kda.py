@@ -397,6 +397,22 @@ def test_single_token_step_in_place_matches_fla_naive(fla_naive, heads):
                             inplace_final_state=True)
 
 
+@pytest.mark.parametrize("length", [1, 40])
+def test_fp32_math_under_cpu_autocast(fla_naive, length):
+    """Under bf16 CPU autocast the operator keeps its fp32 math and state: a decode step updating its state in place
+    and a chunked call return fp32 values as close to fla's naive reference (<= 1e-5) as without autocast."""
+    q, k, v, g, beta, h0 = make_inputs(2, length, 2, 16, 16, seed=5)
+    ref_o, ref_s = fla_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for fn, options in ((fused_recurrent_kda, {"inplace_final_state": True}), (chunk_kda, {})):
+        given = h0.clone()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            o, s = fn(q, k, v, g, beta, initial_state=given, output_final_state=True, **options)
+        assert o.dtype == s.dtype == torch.float32
+        assert (s is given) == bool(options)
+        assert_close(o, ref_o)
+        assert_close(s, ref_s)
+
+
 def test_loops_restore_thread_count():
     """Small sequential loops drop to one intra-op thread and must hand the caller's setting back."""
     q, k, v, g, beta, h0 = make_inputs(1, 40, 2, 8, 8)

@@ -31,6 +31,12 @@ def _global_hooks() -> bool:
                 or m._global_backward_pre_hooks)  # fmt: skip
 
 
+# move to: a public query of whether any device type's autocast is on that parses no device-type string
+# (`torch.is_autocast_enabled(device_type)` parses one on every call). It asks CPU, CUDA, XPU, IPU, HPU, XLA, MTIA
+# and the private-use backend, not MPS or MAIA; torch.compile folds it to a constant, as it folds is_autocast_enabled.
+any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
 def below_autograd():
     """A guard that skips autograd's dispatch for an operator call that wants no gradient.
     move to: a public ``torch.autograd`` no-dispatch context (``torch.no_grad`` still dispatches)."""

@@ -21,6 +21,7 @@ import torch
 
 from .. import cpu_kernel
 from ..conv import assert_cu_seqlens
+from ..torch_internals import any_autocast_enabled
 from . import autograd
 from .chunk import TORCH_CHUNK_SIZE, chunked
 from .fused_recurrent import recurrent, single_token
@@ -225,6 +226,16 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
 _autocast_available = functools.lru_cache(maxsize=None)(torch.amp.is_autocast_available)
 
 
+def _autocast_enabled(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type (False for a type without autocast, such as meta, where asking
+    raises). On CPU, every decode step, first one call that parses no device-type string (`any_autocast_enabled`,
+    which asks about CPU too): `torch.is_autocast_enabled` and ``x.device`` cost more than the rest of the guard."""
+    if x.is_cpu:
+        return any_autocast_enabled() and torch.is_autocast_enabled("cpu")
+    device_type = x.device.type
+    return _autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _torch_kda(
     q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, n_seq,
     block, inplace: bool = False, gate_bound: float | None = None, kernel: bool = False,
@@ -233,12 +244,10 @@ def _torch_kda(
     ``inplace``: the final state may be written into ``initial_state`` (the single-token path does so when the
     layouts allow; the caller copies otherwise). ``gate_bound``: a bound on ``|g|`` the caller guarantees.
     ``kernel``: the fused CPU kernel computes the call where the tensors allow."""
-    device_type = q.device.type
-    # (meta and other devices without autocast: asking whether it is enabled there raises)
-    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if _autocast_enabled(q):
         # (the op's precision is its own, fp32 math and state as fla's kernels: autocast would run its products in bf16
         # and refuse the state's in-place update)
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False):
             return _torch_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                               cu_seqlens, n_seq, block, inplace, gate_bound, kernel)  # fmt: skip
     batch, length, heads, key_dim = q.shape
