@@ -7,7 +7,6 @@ rows, and the flash-attention family's 2-D padding mask."""
 
 import copy
 import functools
-import types
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 
 import transformers_k3.modeling_kimi_k3 as mla
 from transformers_k3 import KimiK3HybridCache, KimiK3TextConfig
-from transformers_k3.modeling_kimi_k3 import KimiK3MLA, uses_blockwise_attention
+from transformers_k3.modeling_kimi_k3 import KimiK3MLA, checkpointed_block_attention, uses_blockwise_attention
 
 from references import k3_config_matching, kimi_linear_config, randomize_
 
@@ -26,15 +25,16 @@ IMPLEMENTATIONS = ["eager", "sdpa"]
 
 
 def reference_mla(layer: KimiK3MLA, x: torch.Tensor, mask: torch.Tensor | None = None,
-                  last: int | None = None) -> torch.Tensor:
+                  last: int | None = None, weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """K3_SPEC.md section 5 in float64 over a whole sequence ``x [B, S, H]``, causal (``mask [B, S]``: 1 = a token,
     0 = padding, which no query attends to); the outputs of the ``last`` tokens only, if given. Weights read by name
-    from the checkpoint layout; eps as the config says (``mla_latent_norm_eps``, null: ``rms_norm_eps``)."""
+    from the checkpoint layout (``weights``: those given instead, e.g. float64 leaves for their gradients); eps as the
+    config says (``mla_latent_norm_eps``, null: ``rms_norm_eps``)."""
     config = layer.config
     eps = config.mla_latent_norm_eps if config.mla_latent_norm_eps is not None else config.rms_norm_eps
     n, dn, dr, dv, r = (config.num_attention_heads, config.qk_nope_head_dim, config.qk_rope_head_dim,
                         config.v_head_dim, config.kv_lora_rank)  # fmt: skip
-    w = {name: p.detach().double() for name, p in layer.named_parameters()}
+    w = {name: p.detach().double() for name, p in layer.named_parameters()} | (weights or {})
     x = x.double()
     batch, seq, _ = x.shape
 
@@ -159,7 +159,7 @@ def test_a_chunk_after_a_long_context_matches_the_formula_blockwise_and_masked(l
     layer, x, prefilled = long_context
     want = reference_mla(layer, x, last=24)
     with torch.no_grad():
-        assert uses_blockwise_attention(layer.config, x)  # the scenario: CPU SDPA without autograd
+        assert uses_blockwise_attention(layer.config)  # the scenario: SDPA
         cache = copy.deepcopy(prefilled)
         blockwise = layer(x[:, -24:-4], past_key_values=cache)[0]
         decoded = [layer(x[:, t:t + 1], past_key_values=cache)[0] for t in range(x.shape[1] - 4, x.shape[1])]
@@ -171,23 +171,38 @@ def test_a_chunk_after_a_long_context_matches_the_formula_blockwise_and_masked(l
     torch.testing.assert_close(torch.cat(decoded, 1).double(), want[:, 20:], atol=2e-5, rtol=1e-5)
 
 
-def _chunk_gradients_against_the_formula(layer, x, chunk_len, atol=2e-5):
-    """A chunk of ``chunk_len`` tokens on a cache whose latents were made under autograd from ``x``'s other rows:
-    its output, and the gradients (of a random probe) of the chunk's inputs and, through the cached latents, of the
-    context's inputs, against the float64 formula under autograd."""
+def _formula_gradients(layer, x, chunk_len, probe, context_grad=True):
+    """The float64 formula's output for the last ``chunk_len`` tokens of ``x`` and, of ``(output * probe).sum()``,
+    the gradients of ``x`` and of ``kv_b_proj.weight``; ``context_grad`` False: the context's inputs held constant."""
+    context = x.shape[1] - chunk_len
+    cached, chunk = (part.detach().double().requires_grad_() for part in x.split([context, chunk_len], 1))
+    weight = layer.kv_b_proj.weight.detach().double().requires_grad_()
+    want = reference_mla(layer, torch.cat([cached if context_grad else cached.detach(), chunk], 1), last=chunk_len,
+                         weights={"kv_b_proj.weight": weight})
+    (want * probe.double()).sum().backward()
+    cached_grad = cached.grad if context_grad else torch.zeros_like(cached)
+    return want.detach(), torch.cat([cached_grad, chunk.grad], 1), weight.grad
+
+
+def _chunk_gradients_against_the_formula(layer, x, chunk_len, atol=2e-5, context_grad=True, forward=None):
+    """A chunk of ``chunk_len`` tokens on a cache whose latents were made from ``x``'s other rows, under autograd
+    (as exact mode's) or, without ``context_grad``, not (truncated mode's): its output, and the gradients (of a random
+    probe) of the chunk's inputs, of the context's inputs through the cached latents (none without ``context_grad``)
+    and of ``kv_b_proj.weight`` against the float64 formula under autograd. ``forward``: the layer's (compiled)."""
     x = x.detach().clone().requires_grad_()
     context = x.shape[1] - chunk_len
     cache = KimiK3HybridCache(layer.config)
-    cache.update_mla(layer._latent(x[:, :context]), layer.layer_idx)  # (latents with a gradient, as exact mode's)
-    assert uses_blockwise_attention(layer.config, x)  # CPU SDPA under autograd goes blockwise: no [T, context] mask
-    chunk = layer(x[:, context:], past_key_values=cache)[0]
+    with torch.set_grad_enabled(context_grad):
+        cache.update_mla(layer._latent(x[:, :context]), layer.layer_idx)
+    assert uses_blockwise_attention(layer.config)  # SDPA goes blockwise, under autograd too: no [T, context] mask
+    layer.kv_b_proj.weight.grad = None
+    chunk = (layer if forward is None else forward)(x[:, context:], past_key_values=cache)[0]
     probe = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(6))
     (chunk * probe).sum().backward()
-    x64 = x.detach().double().requires_grad_()
-    want = reference_mla(layer, x64, last=chunk_len)
-    (want * probe.double()).sum().backward()
-    torch.testing.assert_close(chunk.detach().double(), want.detach(), atol=atol, rtol=1e-5)
-    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-5, rtol=1e-5)
+    want, grad, weight_grad = _formula_gradients(layer, x, chunk_len, probe, context_grad)
+    torch.testing.assert_close(chunk.detach().double(), want, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.kv_b_proj.weight.grad.double(), weight_grad, atol=1e-5, rtol=1e-5)
 
 
 def test_a_chunk_with_autograd_on_a_cache_matches_the_formula():
@@ -202,6 +217,69 @@ def test_a_chunk_with_autograd_after_a_long_context_matches_the_formula(long_con
     block's kernel backward taking the merged output and log-sum-exp, is the formula's."""
     layer, x, _ = long_context
     _chunk_gradients_against_the_formula(layer, x, 24)
+
+
+@pytest.mark.parametrize("context_grad", [True, False], ids=["context-grad", "context-detached"])
+@pytest.mark.parametrize("gate", [True, False])
+def test_checkpointed_block_attention_matches_the_formula(gate, context_grad):
+    """`checkpointed_block_attention` (plain PyTorch, per-block checkpointed sums) called on a layer's query and
+    latents, over a context of four blocks (three full, one ragged): the layer's output from it, and the gradients of
+    the chunk's inputs, the context's (through its latents; none when detached) and ``kv_b_proj.weight``, are the
+    float64 formula's."""
+    layer = k3_layer("sdpa", mla_use_output_gate=gate)
+    x = hidden(2, 40, layer.config.hidden_size, seed=5).requires_grad_()
+    chunk_len, context = 12, 28
+    latent = layer._latent(x)
+    step, cached = latent[:, context:], latent[:, :context]
+    out = checkpointed_block_attention(layer._queries(x[:, context:]), layer._expand, layer.scaling, 8, step,
+                                       cached if context_grad else cached.detach())  # [B, n, T, dv]
+    out = out.transpose(1, 2).reshape(2, chunk_len, -1)
+    if gate:
+        out = out * torch.sigmoid(layer.g_proj(x[:, context:]))
+    out = layer.o_proj(out)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    (out * probe).sum().backward()
+    want, grad, weight_grad = _formula_gradients(layer, x, chunk_len, probe, context_grad)
+    torch.testing.assert_close(out.detach().double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.kv_b_proj.weight.grad.double(), weight_grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context_grad", [True, False], ids=["context-grad", "context-detached"])
+def test_a_compiled_chunk_with_autograd_matches_the_formula(context_grad):
+    """torch.compile(fullgraph=True) of the layer (aot_eager: dynamo's capture and AOTAutograd's graphs) on a chunk
+    after a cached context of four blocks, under autograd: the whole graph (a break raises) attends blockwise, and its
+    output and gradients (chunk, context through the latents or none, ``kv_b_proj.weight``) are the formula's."""
+    layer = k3_layer("sdpa")
+    layer.context_block = 8
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        # (a chunk of 20: more than the latent-space path takes)
+        _chunk_gradients_against_the_formula(layer, hidden(2, 50, layer.config.hidden_size, seed=5), 20,
+                                             context_grad=context_grad, forward=compiled)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_attention_without_a_fused_kernel_matches_the_formula(causal):
+    """`plain_attention_with_lse`, a blockwise chunk's attention per block on a device with no fused kernel returning
+    its log-sum-exp (MPS, ...): the output and log-sum-exp of the float64 softmax (queries over their own keys
+    causally, top-left aligned, or over other keys), fp32 and bf16."""
+    gen = torch.Generator().manual_seed(2)
+    rows, keys = (5, 5) if causal else (4, 7)
+    query, key, value = (torch.randn(2, 3, n, 6, generator=gen) for n in (rows, keys, keys))
+    scores = query.double() @ key.double().transpose(-1, -2) * 0.4
+    if causal:
+        scores = scores.masked_fill(~torch.ones(rows, keys, dtype=torch.bool).tril(), float("-inf"))
+    want_lse = scores.logsumexp(-1)
+    want = scores.softmax(-1) @ value.double()
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        out, lse = mla.plain_attention_with_lse(query.to(dtype), key.to(dtype), value.to(dtype), causal, 0.4)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
 
 
 def test_a_chunk_with_autograd_and_a_mask_matches_the_formula():
@@ -375,5 +453,3 @@ def test_the_blockwise_chunk_through_cudas_log_sum_exp_kernel(long_context, monk
     with torch.no_grad():
         chunk = layer(x[:, -24:], past_key_values=copy.deepcopy(prefilled))[0]
     torch.testing.assert_close(chunk.double(), reference_mla(layer, x, last=24), atol=2e-5, rtol=1e-5)
-    on_cuda = types.SimpleNamespace(device=torch.device("cuda"), requires_grad=False)  # what the check reads
-    assert uses_blockwise_attention(layer.config, on_cuda)

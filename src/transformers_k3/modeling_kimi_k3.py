@@ -5,6 +5,7 @@ Attention Residuals, the decoder layer, then the pretrained-model classes (K3_SP
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
@@ -438,13 +440,10 @@ def static_attention_mask(slots: torch.Tensor, attention_mask: torch.Tensor | No
     return attention_mask.masked_fill(~slots, torch.finfo(attention_mask.dtype).min)
 
 
-def uses_blockwise_attention(config, hidden_states: torch.Tensor) -> bool:
-    """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA, on CPU or CUDA:
-    the devices with a fused kernel that returns its log-sum-exp; under autograd, those whose kernel has a backward
-    that takes the merged log-sum-exp, `LSE_BACKWARDS`); the model then builds no ``[T, context]`` mask."""
-    training = hidden_states.requires_grad and torch.is_grad_enabled()
-    return config._attn_implementation == "sdpa" and hidden_states.device.type in (
-        LSE_BACKWARDS if training else LSE_KERNELS)
+def uses_blockwise_attention(config) -> bool:
+    """Whether a multi-token step after cached tokens takes `KimiK3MLA._blockwise_attention` (SDPA, on every device,
+    under autograd or not); the model then builds no ``[T, context]`` mask."""
+    return config._attn_implementation == "sdpa"
 
 
 def _cuda_efficient_attention(query, key, value, causal: bool, scale: float,
@@ -459,6 +458,33 @@ def _cpu_flash_attention(query, key, value, causal: bool, scale: float):
     return out, lse.float()
 
 
+def fp32_products(device: torch.device):
+    """A context in which products of fp32 operands stay fp32 under autocast too (a bf16 product of attention's
+    logits would round them before the softmax)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()  # (a device without autocast: none to turn off)
+
+
+def attention_logits(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 logits ``[B, n, T, S]`` of ``query [B, n, T, d]`` over ``key [B, n, S, d]`` (under `fp32_products`);
+    ``causal``: -inf above the diagonal, aligned top-left."""
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(),
+                                    float("-inf"))
+    return scores
+
+
+def plain_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention_with_lse` on a device without a fused kernel: from `attention_logits`, one ``[T, S]`` block."""
+    with fp32_products(query.device):
+        scores = attention_logits(query, key, causal, scale)
+        lse = scores.logsumexp(-1)
+        return torch.matmul((scores - lse.unsqueeze(-1)).exp(), value.float()).to(query.dtype), lse
+
+
 # the fused kernels that return their log-sum-exp, by device type (CUDA's memory-efficient one takes fp32 too)
 LSE_KERNELS = {"cuda": _cuda_efficient_attention, "cpu": _cpu_flash_attention}
 
@@ -466,8 +492,9 @@ LSE_KERNELS = {"cuda": _cuda_efficient_attention, "cpu": _cpu_flash_attention}
 def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``[B, n, T, d]`` and its log-sum-exp ``[B, n, T]`` (fp32) from a fused kernel
-    (`LSE_KERNELS`). ``causal`` aligns the diagonal top-left (used for ``T`` queries over their own keys)."""
-    return LSE_KERNELS[query.device.type](query, key, value, causal, scale)
+    (`LSE_KERNELS`), elsewhere `plain_attention_with_lse`. ``causal`` aligns the diagonal top-left (used for ``T``
+    queries over their own keys)."""
+    return LSE_KERNELS.get(query.device.type, plain_attention_with_lse)(query, key, value, causal, scale)
 
 
 def _cpu_flash_attention_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
@@ -480,10 +507,10 @@ def _cpu_flash_attention_backward(grad_out, query, key, value, out, lse, causal:
 LSE_BACKWARDS = {"cpu": _cpu_flash_attention_backward}
 
 
-def attends_blockwise_under_autograd(query: torch.Tensor) -> bool:
-    """Whether MLA under autograd attends its context in blocks (`BlockwiseAttention`): a kernel backward that takes a
-    merged log-sum-exp exists for the device, and no graph is being compiled (dynamo does not trace its nested
-    backward); otherwise it attends over the expanded latents with a mask."""
+def uses_fused_backward(query: torch.Tensor) -> bool:
+    """Whether MLA under autograd attends its context through the fused kernels (`BlockwiseAttention`): a kernel
+    backward that takes a merged log-sum-exp exists for the device, and no graph is being compiled (dynamo does not
+    trace its nested backward); otherwise through `checkpointed_block_attention`."""
     return query.device.type in LSE_BACKWARDS and not torch.compiler.is_compiling()
 
 
@@ -548,6 +575,44 @@ class BlockwiseAttention(torch.autograd.Function):
             if grad_context is not None:
                 grad_context[:, start:end] = grad
         return grad_query, None, None, None, None, grad_step, grad_context
+
+
+def _block_terms(query: torch.Tensor, latent: torch.Tensor, expand: Callable, scale: float, causal: bool):
+    """One key block's part of a softmax attention: ``sum exp(S - m) V`` ``[B, n, T, dv]``, ``sum exp(S - m)``
+    ``[B, n, T, 1]`` (both fp32) and ``m`` (the logits' row maximum, detached: a constant shift, whatever it is)."""
+    key, value = expand(latent)
+    with fp32_products(query.device):
+        scores = attention_logits(query, key, causal, scale)
+        shift = scores.detach().amax(-1, keepdim=True)
+        weights = (scores - shift).exp()
+        return torch.matmul(weights, value.float()), weights.sum(-1, keepdim=True), shift
+
+
+def checkpointed_block_attention(query: torch.Tensor, expand: Callable, scale: float, block: int, step: torch.Tensor,
+                                 context: torch.Tensor) -> torch.Tensor:
+    """Softmax attention ``[B, n, T, dv]`` of ``query`` over the step's own latents ``step`` (causally, top-left
+    aligned) and the context's ``context`` in blocks of ``block`` tokens, each expanded to K/V by ``expand``
+    (`KimiK3MLA._expand`), under autograd, in plain PyTorch: any device, and a graph dynamo captures whole.
+
+    Each block gives ``sum exp(S - m) V`` and ``sum exp(S - m)`` for a detached shift ``m``, rescaled to a common
+    shift as they come (as flash attention's online softmax) and divided at the end: softmax attention over all the
+    keys, whose gradient autograd takes through both sums (a constant shift cancels in the quotient). Each block runs
+    under non-reentrant activation checkpointing and a sum's backward keeps nothing, so autograd keeps each block's
+    inputs (the query, views of the latents) and recomputes the block in the backward: neither a ``[T, context]``
+    matrix nor the context's K/V are kept. A context that needs no gradient gets none; the expansion's weights
+    (an adapter's too) get theirs from the recomputed block."""
+
+    def terms(latent: torch.Tensor, causal: bool):
+        return checkpoint(_block_terms, query, latent, expand, scale, causal, use_reentrant=False,
+                          preserve_rng_state=False)
+
+    total, norm, shift = terms(step, True)
+    for start, end in blocks(context.shape[1], block):
+        part, part_norm, part_shift = terms(context[:, start:end], False)
+        merged = torch.maximum(shift, part_shift)
+        old, new = (shift - merged).exp(), (part_shift - merged).exp()
+        total, norm, shift = total * old + part * new, norm * old + part_norm * new, merged
+    return (total / norm).to(query.dtype)
 
 
 @kernel_layer("k3_mla")
@@ -643,16 +708,31 @@ class KimiK3MLA(nn.Module):
         """Causal attention of ``T`` new queries to ``past_len`` cached tokens plus themselves, with memory bounded
         by the step, not the context. Returns ``[B, T, n, dv]``.
 
-        The new tokens attend to each other with a causal kernel; the cached context is expanded through
-        ``kv_b_proj`` ``context_block`` tokens at a time and attended without a mask; the partial results are merged
-        by their log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context
-        ever exists, which is what makes a million-token chunked prefill fit in a few GB. Needs a kernel's
-        log-sum-exp output (`attention_with_lse`: CPU and CUDA tensors). Under autograd (a segment trained after its
-        context; `LSE_BACKWARDS`: CPU tensors) `BlockwiseAttention` keeps only the latents and expands each block
-        again in the backward; the context then goes in blocks the step's size (`MIN_TRAINING_BLOCK`), the step's own
-        latents are ``step`` (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer) and
-        the context gets a gradient only with ``context_grad``; ``latent`` None: the context is ``context`` (the
-        cache's `KimiK3LatentView.context`, latents it holds as given, whose gradient then goes straight to them)."""
+        The new tokens attend to each other causally; the cached context is expanded through ``kv_b_proj``
+        ``context_block`` tokens at a time and attended without a mask; the partial results are merged by their
+        log-sum-exp (as flash-decoding does). Neither a ``[T, context]`` mask nor K/V for the whole context ever
+        exists, which is what makes a million-token chunked prefill fit in a few GB. Each block goes through
+        `attention_with_lse` (a fused kernel where the device has one). Under autograd (a segment trained after its
+        context) only the latents are kept and each block is expanded again in the backward: `BlockwiseAttention`
+        where the fused kernels' backward serves (`uses_fused_backward`), `checkpointed_block_attention` otherwise
+        (other devices; inside a compiled graph); the context then goes in blocks the step's size
+        (`MIN_TRAINING_BLOCK`) and gets a gradient only with ``context_grad``. The step's own latents are ``step``
+        (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer); ``latent`` None: the
+        context is ``context`` (the cache's `KimiK3LatentView.context`, latents it holds as given, whose gradient then
+        goes straight to them)."""
+        step = latent[:, past_len:] if step is None else step
+        context = latent[:, :past_len] if context is None else context
+        if torch.is_grad_enabled() and (query.requires_grad or step.requires_grad or context.requires_grad
+                                        or any(p.requires_grad for p in self.kv_b_proj.parameters())):
+            # (the backward expands each block again: the context's K/V are never kept)
+            block = min(self.context_block, max(query.shape[-2], MIN_TRAINING_BLOCK))
+            context = context if context_grad else context.detach()
+            if not uses_fused_backward(query):
+                out = checkpointed_block_attention(query, self._expand, self.scaling, block, step, context)
+                return out.transpose(1, 2)
+            pad = max(self.qk_head_dim - self.v_head_dim, 0)
+            out = BlockwiseAttention.apply(query, self._expand, self.scaling, pad, block, step, context)
+            return out[..., : self.v_head_dim].transpose(1, 2)
         pad = self.qk_head_dim - self.v_head_dim
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -662,26 +742,10 @@ class KimiK3MLA(nn.Module):
             out, lse = attention_with_lse(query, key, value, causal, self.scaling)
             return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
 
-        if torch.is_grad_enabled() and (latent is None or query.requires_grad or latent.requires_grad
-                                        or any(p.requires_grad for p in self.kv_b_proj.parameters())):
-            # (no kernel backward takes a merged log-sum-exp here; a compiled graph cannot hold BlockwiseAttention's
-            # backward, whose nested backward dynamo does not trace: both attend over the expanded latents)
-            if not attends_blockwise_under_autograd(query):
-                key, value = self._expand(latent)
-                mask = end_aligned_causal(query.shape[-2], latent.shape[1], query.device)[None, None]
-                return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling
-                                                      ).transpose(1, 2)  # fmt: skip
-            # (the backward expands each block again: the context's K/V are never kept)
-            block = min(self.context_block, max(query.shape[-2], MIN_TRAINING_BLOCK))
-            step = latent[:, past_len:] if step is None else step
-            context = latent[:, :past_len] if context is None else context
-            context = context if context_grad else context.detach()
-            out = BlockwiseAttention.apply(query, self._expand, self.scaling, max(pad, 0), block, step, context)
-            return out[..., : self.v_head_dim].transpose(1, 2)
         # (a graph guards on the blocks' count, not the length)
-        context_parts = (attend(latent[:, start:end], causal=False)
-                         for start, end in blocks(past_len, self.context_block))  # fmt: skip
-        out, _ = merge_attention_blocks(itertools.chain([attend(latent[:, past_len:], causal=True)], context_parts))
+        context_parts = (attend(context[:, start:end], causal=False)
+                         for start, end in blocks(context.shape[1], self.context_block))  # fmt: skip
+        out, _ = merge_attention_blocks(itertools.chain([attend(step, causal=True)], context_parts))
         return out.to(query.dtype).transpose(1, 2)
 
     # (absorbed decode reads `kv_b_proj.weight` without calling it: accelerate's offload hooks are fired here)
@@ -712,24 +776,23 @@ class KimiK3MLA(nn.Module):
             latent, past_len = view.held(q_len)
             if attention_mask is not None and attention_mask.dim() == 4:
                 attention_mask = attention_mask[..., : past_len + q_len]
-        if latent is None and not (q_len > 1 and attention_mask is None and not absorb and torch.is_grad_enabled()
-                                   and attends_blockwise_under_autograd(query)
-                                   and uses_blockwise_attention(self.config, hidden_states)):
+        # The model passes no mask after cached tokens only when every row is unpadded: causal over past + step.
+        blockwise = (not absorb and attention_mask is None and past_len > 0 and q_len > 1
+                     and uses_blockwise_attention(self.config))
+        if latent is None and not blockwise:
             latent = view.whole()  # (latents the cache holds as given: joined only where the whole is attended)
         if absorb:
             slots = None if static is None else static_slots_mask(static, q_len, latent.shape[1])
             attn_output = self._absorbed_attention(query, latent, attention_mask, slots)
-        elif attention_mask is None and past_len > 0 and q_len > 1 and uses_blockwise_attention(self.config,
-                                                                                              hidden_states):
-            # The model passes no mask here only when every row is unpadded: causal over past + step.
+        elif blockwise:
             attn_output = self._blockwise_attention(query, latent, past_len, view.step, view.context_grad,
                                                     view.context)
         else:
             key, value = self._expand(latent)
             interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             if attention_mask is None and past_len > 0 and q_len > 1 and not flash:
-                # No mask because the model expected the blockwise path (decided on another device than this
-                # layer's): SDPA's is_causal would align the diagonal top-left, not to the cached context's end.
+                # No mask from a caller that leaves causality to the layer (as the model does for SDPA's blockwise
+                # path): a kernel's own causality would align the diagonal top-left, not to the cached context's end.
                 attention_mask = end_aligned_causal(q_len, past_len + q_len, query.device)[None, None]
             pad = self.qk_head_dim - self.v_head_dim
             if interface is not eager_attention_forward and pad > 0:
@@ -1440,7 +1503,7 @@ class KimiK3Model(KimiK3PreTrainedModel):
             mla_mask = prepared.get("full_attention")
         elif (cu_seqlens is None and inputs_embeds.shape[1] > 1 and step.continuing
                 and not kwargs.get("output_attentions")
-                and uses_blockwise_attention(self.config, inputs_embeds)
+                and uses_blockwise_attention(self.config)
                 and (attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all())))):
             mla_mask = None  # a chunk after cached tokens: MLA masks causally itself, no [T, context] mask
         else:
