@@ -262,6 +262,30 @@ def test_a_compiled_chunk_with_autograd_matches_the_formula(context_grad):
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_chunk_under_autocast_with_its_backward_outside_it(compiled):
+    """bf16 autocast around the forward only (as Trainer's: its backward runs outside): the backward expands each
+    context block again as the forward did, and the chunk's output and gradients (its inputs, the context's through
+    the latents) are the float64 formula's within bf16's rounding; eager on CPU (the fused kernels) and compiled."""
+    layer = k3_layer("sdpa")
+    layer.context_block = 8
+    x = hidden(2, 50, layer.config.hidden_size, seed=5).requires_grad_()
+    forward = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+    torch._dynamo.reset()
+    try:
+        cache = KimiK3HybridCache(layer.config)
+        with torch.autocast("cpu", torch.bfloat16):
+            cache.update_mla(layer._latent(x[:, :30]), layer.layer_idx)
+            chunk = forward(x[:, 30:], past_key_values=cache)[0]  # (20 tokens: more than the latent-space path takes)
+        probe = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(6))
+        (chunk.float() * probe).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    want, grad, _ = _formula_gradients(layer, x, 20, probe)
+    for got, reference in ((chunk.detach(), want), (x.grad, grad)):
+        assert (got.double() - reference).norm() <= 2e-2 * reference.norm()
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_attention_without_a_fused_kernel_matches_the_formula(causal):
     """`plain_attention_with_lse`, a blockwise chunk's attention per block on a device with no fused kernel returning

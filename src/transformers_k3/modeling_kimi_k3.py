@@ -548,6 +548,8 @@ class BlockwiseAttention(torch.autograd.Function):
         out = out.to(query.dtype)
         ctx.save_for_backward(query, out, lse, step, context)
         ctx.expand, ctx.scale, ctx.pad, ctx.block = expand, scale, pad, block
+        device = query.device.type
+        ctx.autocast = device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
         return out
 
     @staticmethod
@@ -557,7 +559,8 @@ class BlockwiseAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
 
         def block_backward(latent: torch.Tensor, causal: bool, needs_grad: bool):
-            with torch.enable_grad():
+            # (expanded as in the forward: a backward outside the forward's autocast would not cast to its dtype)
+            with torch.enable_grad(), torch.autocast(*ctx.autocast):
                 leaf = latent.detach().requires_grad_(needs_grad)
                 key, value = ctx.expand(leaf)
                 if ctx.pad:
