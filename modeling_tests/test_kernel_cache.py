@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from transformers_k3.ops import cpu_kernel
+
 LOAD = ("from transformers_k3.ops import cpu_kernel as c; lib = c.library(); "
         "print('LOADED' if lib is not None else 'MISSING', c.load_error())")
 COMPILER = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
@@ -52,12 +54,16 @@ def test_a_corrupt_cached_library_is_rebuilt_not_loaded(built, tmp_path):
     library = copy_library(built_cache, tmp_path / "cache")
     assert (library.parent / (library.name + ".sha256")).is_file()
     good = library.read_bytes()
-    for corrupt in (good[: len(good) // 3], b"", b"not an ELF file at all"):  # truncated, zero-byte, foreign
+    assert cpu_kernel._verified(library)
+    # (every corruption takes the same rebuild below: the checksum refuses each, one is rebuilt end to end)
+    for corrupt in (b"", b"not an ELF file at all", good[:-1] + bytes([good[-1] ^ 1])):  # zero-byte, foreign, a bit
         library.write_bytes(corrupt)
-        again = fresh_process(library.parent)
-        assert again.returncode == 0 and "LOADED" in again.stdout, again.stderr[-3000:]
-        assert "does not match its checksum" in again.stderr and "rebuilding it" in again.stderr
-        assert library.read_bytes() != corrupt
+        assert not cpu_kernel._verified(library)
+    library.write_bytes(good[: len(good) // 3])  # truncated
+    again = fresh_process(library.parent)
+    assert again.returncode == 0 and "LOADED" in again.stdout, again.stderr[-3000:]
+    assert "does not match its checksum" in again.stderr and "rebuilding it" in again.stderr
+    assert cpu_kernel._verified(library)
     quiet = fresh_process(library.parent)  # a verified library loads without a word
     assert "LOADED" in quiet.stdout and "building" not in quiet.stderr and "rebuilding" not in quiet.stderr
 
