@@ -468,11 +468,10 @@ def fp32_products(device: torch.device):
 
 def attention_logits(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
     """fp32 logits ``[B, n, T, S]`` of ``query [B, n, T, d]`` over ``key [B, n, S, d]`` (under `fp32_products`);
-    ``causal``: -inf above the diagonal, aligned top-left."""
+    ``causal``: the queries over their own keys (``S == T``), -inf above the diagonal."""
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(),
-                                    float("-inf"))
+        scores = scores.masked_fill(~end_aligned_causal(*scores.shape[-2:], scores.device), float("-inf"))
     return scores
 
 
@@ -725,6 +724,7 @@ class KimiK3MLA(nn.Module):
         goes straight to them)."""
         step = latent[:, past_len:] if step is None else step
         context = latent[:, :past_len] if context is None else context
+        pad = max(self.qk_head_dim - self.v_head_dim, 0)
         if torch.is_grad_enabled() and (query.requires_grad or step.requires_grad or context.requires_grad
                                         or any(p.requires_grad for p in self.kv_b_proj.parameters())):
             # (the backward expands each block again: the context's K/V are never kept)
@@ -733,14 +733,12 @@ class KimiK3MLA(nn.Module):
             if not uses_fused_backward(query):
                 out = checkpointed_block_attention(query, self._expand, self.scaling, block, step, context)
                 return out.transpose(1, 2)
-            pad = max(self.qk_head_dim - self.v_head_dim, 0)
             out = BlockwiseAttention.apply(query, self._expand, self.scaling, pad, block, step, context)
             return out[..., : self.v_head_dim].transpose(1, 2)
-        pad = self.qk_head_dim - self.v_head_dim
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
             key, value = self._expand(block)
-            if pad > 0:  # the fused kernel wants v's head dim == q/k's (as the prefill path above)
+            if pad:  # the fused kernel wants v's head dim == q/k's (as the prefill path above)
                 value = F.pad(value, (0, pad))
             out, lse = attention_with_lse(query, key, value, causal, self.scaling)
             return out[..., : self.v_head_dim].float(), lse  # [B, n, T, dv], [B, n, T]
