@@ -10,6 +10,11 @@ Memory, not time: other processes on the machine do not change it.
 
     python bench/bench_segments.py                                   # 4K to 64K at 2K segments, both modes
     python bench/bench_segments.py --contexts 4096 8192 --segment 1024
+    python bench/bench_segments.py --compile inductor --contexts 4096 16384 32768   # one compiled truncated step
+
+With ``--compile BACKEND`` each row is one truncated-mode step instead: the model compiled (fullgraph) runs a segment
+from a cache a no-grad context of ``LENGTH - segment`` tokens filled; the row is the second such step's peak (the
+first compiles).
 """
 
 from __future__ import annotations
@@ -71,6 +76,42 @@ def measure(length: int, segment: int, mode: str, hidden: int, threads: int) -> 
             "state_mib": _state_bytes(model, length, segment, mode) / 2**20, "loss": float(result.loss)}
 
 
+def measure_compiled(length: int, segment: int, backend: str, hidden: int, threads: int) -> dict:
+    import ctypes
+    import gc
+
+    import torch
+
+    from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, kernelize
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    config = KimiK3TextConfig.tiny(hidden_size=hidden)
+    model = kernelize(KimiK3ForCausalLM(config).train())
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    ids = torch.randint(3, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    context, step = ids[:, : length - segment], ids[:, length - segment:]
+
+    def run() -> float:
+        cache = KimiK3HybridCache(config)
+        with torch.no_grad():
+            model(context, past_key_values=cache, use_cache=True)
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status("VmRSS")
+        loss = compiled(input_ids=step, past_key_values=cache, labels=step).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return (_status("VmHWM") - before) / 2**20, float(loss)
+
+    run()
+    peak, loss = run()
+    return {"length": length, "segment": segment, "mode": f"truncated, {backend}", "step_peak_mib": peak,
+            "state_mib": _state_bytes(model, length, segment, "truncated") / 2**20, "loss": loss}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
@@ -78,21 +119,26 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["truncated", "exact"], choices=["truncated", "exact"])
     parser.add_argument("--hidden", type=int, default=64, help="the model's hidden size (KimiK3TextConfig.tiny)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", metavar="BACKEND", help="one compiled truncated step per row (e.g. inductor)")
     parser.add_argument("--one", nargs=2, metavar=("LENGTH", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one and args.compile:
+        print(json.dumps(measure_compiled(int(args.one[0]), args.segment, args.compile, args.hidden, args.threads)))
+        return
     if args.one:
         print(json.dumps(measure(int(args.one[0]), args.segment, args.one[1], args.hidden, args.threads)))
         return
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     print("| trajectory tokens | segment | mode | step peak over its start (MiB) | state kept across segments (MiB) |")
     print("|---:|---:|---|---:|---:|")
-    for mode in args.modes:
+    for mode in ["truncated"] if args.compile else args.modes:
         for length in args.contexts:
+            extra = ["--compile", args.compile] if args.compile else []
             out = subprocess.run([sys.executable, __file__, "--one", str(length), mode, "--segment", str(args.segment),
-                                  "--hidden", str(args.hidden), "--threads", str(args.threads)],
+                                  "--hidden", str(args.hidden), "--threads", str(args.threads), *extra],
                                  env=env, capture_output=True, text=True, check=True)  # fmt: skip
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {length} | {args.segment} | {mode} | {row['step_peak_mib']:.1f} | {row['state_mib']:.1f} |",
+            print(f"| {length} | {args.segment} | {row['mode']} | {row['step_peak_mib']:.1f} | {row['state_mib']:.1f} |",
                   flush=True)
 
 

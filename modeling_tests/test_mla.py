@@ -16,6 +16,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 import transformers_k3.modeling_kimi_k3 as mla
 from transformers_k3 import KimiK3HybridCache, KimiK3TextConfig
 from transformers_k3.modeling_kimi_k3 import KimiK3MLA, checkpointed_block_attention, uses_blockwise_attention
+from transformers_k3.ops.mla_context import mla_context_attention
 
 from references import k3_config_matching, kimi_linear_config, randomize_
 
@@ -219,20 +220,32 @@ def test_a_chunk_with_autograd_after_a_long_context_matches_the_formula(long_con
     _chunk_gradients_against_the_formula(layer, x, 24)
 
 
+def _operator_attention(layer, query, step, cached):
+    return mla_context_attention(query, step, cached, layer.kv_b_proj.weight, layer.scaling, 8,
+                                 layer.qk_nope_head_dim)[0]
+
+
+def _checkpointed_attention(layer, query, step, cached):
+    return checkpointed_block_attention(query, layer._expand, layer.scaling, 8, step, cached)
+
+
+@pytest.mark.parametrize("attend", [_checkpointed_attention, _operator_attention], ids=["checkpointed", "operator"])
 @pytest.mark.parametrize("context_grad", [True, False], ids=["context-grad", "context-detached"])
 @pytest.mark.parametrize("gate", [True, False])
-def test_checkpointed_block_attention_matches_the_formula(gate, context_grad):
-    """`checkpointed_block_attention` (plain PyTorch, per-block checkpointed sums) called on a layer's query and
-    latents, over a context of four blocks (three full, one ragged): the layer's output from it, and the gradients of
-    the chunk's inputs, the context's (through its latents; none when detached) and ``kv_b_proj.weight``, are the
-    float64 formula's."""
+def test_block_attention_under_autograd_matches_the_formula(gate, context_grad, attend):
+    """MLA's attention over a context under autograd outside the fused kernels, called on a layer's query and
+    latents over a context of four blocks (three full, one ragged): `checkpointed_block_attention` (plain PyTorch,
+    per-block checkpointed sums) and the ``transformers_k3::mla_context_attention`` operator (one opaque call, the
+    expansion by ``kv_b_proj``'s weight inside). The layer's output from each, and the gradients of the chunk's
+    inputs, the context's (through its latents; none when detached) and ``kv_b_proj.weight``, are the float64
+    formula's."""
     layer = k3_layer("sdpa", mla_use_output_gate=gate)
     x = hidden(2, 40, layer.config.hidden_size, seed=5).requires_grad_()
     chunk_len, context = 12, 28
     latent = layer._latent(x)
     step, cached = latent[:, context:], latent[:, :context]
-    out = checkpointed_block_attention(layer._queries(x[:, context:]), layer._expand, layer.scaling, 8, step,
-                                       cached if context_grad else cached.detach())  # [B, n, T, dv]
+    out = attend(layer, layer._queries(x[:, context:]), step,
+                 cached if context_grad else cached.detach())  # [B, n, T, dv]
     out = out.transpose(1, 2).reshape(2, chunk_len, -1)
     if gate:
         out = out * torch.sigmoid(layer.g_proj(x[:, context:]))
@@ -245,13 +258,44 @@ def test_checkpointed_block_attention_matches_the_formula(gate, context_grad):
     torch.testing.assert_close(layer.kv_b_proj.weight.grad.double(), weight_grad, atol=1e-5, rtol=1e-5)
 
 
+def test_the_context_attention_operator_passes_torchs_operator_checks():
+    """``transformers_k3::mla_context_attention`` by `torch.library.opcheck`: its schema, its fake implementation's
+    shapes and dtypes (a graph holds it), its autograd registration against its own gradient (float64 inputs, so
+    the check is not fp32 rounding) and its outputs under AOTAutograd's dispatch."""
+    gen = torch.Generator().manual_seed(3)
+    heads, nope, rope, value_dim, rank = 3, 6, 4, 7, 8
+    query = torch.randn(2, heads, 5, nope + rope, generator=gen, dtype=torch.float64, requires_grad=True)
+    step, context = (torch.randn(2, n, rank + rope, generator=gen, dtype=torch.float64, requires_grad=True)
+                     for n in (5, 13))  # fmt: skip
+    weight = torch.randn(heads * (nope + value_dim), rank, generator=gen, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.transformers_k3.mla_context_attention.default,
+                          (query, step, context, weight, 0.3, 4, nope))
+
+
+class _WrappedLinear(torch.nn.Module):
+    """A module around ``kv_b_proj`` computing what it computes (as an adapter or a quantized layer wraps it): the
+    layer can only call it, not read its weight."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "wrapped-kv_b_proj"])
 @pytest.mark.parametrize("context_grad", [True, False], ids=["context-grad", "context-detached"])
-def test_a_compiled_chunk_with_autograd_matches_the_formula(context_grad):
+def test_a_compiled_chunk_with_autograd_matches_the_formula(context_grad, wrapped):
     """torch.compile(fullgraph=True) of the layer (aot_eager: dynamo's capture and AOTAutograd's graphs) on a chunk
     after a cached context of four blocks, under autograd: the whole graph (a break raises) attends blockwise, and its
-    output and gradients (chunk, context through the latents or none, ``kv_b_proj.weight``) are the formula's."""
+    output and gradients (chunk, context through the latents or none, ``kv_b_proj.weight``) are the formula's; also
+    with ``kv_b_proj`` inside another module."""
     layer = k3_layer("sdpa")
     layer.context_block = 8
+    if wrapped:
+        layer.kv_b_proj = _WrappedLinear(layer.kv_b_proj)
+        layer.kv_b_proj.weight = layer.kv_b_proj.linear.weight  # (the name the formula and the test read it by)
     torch._dynamo.reset()
     try:
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")

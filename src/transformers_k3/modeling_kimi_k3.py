@@ -42,6 +42,7 @@ from .ops.experts import K3_GROUPED_MM, eager_experts  # (K3_GROUPED_MM: the nam
 from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_gate
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
+from .ops.mla_context import mla_context_attention
 from .ops.norm import rms_norm
 
 
@@ -716,8 +717,9 @@ class KimiK3MLA(nn.Module):
         exists, which is what makes a million-token chunked prefill fit in a few GB. Each block goes through
         `attention_with_lse` (a fused kernel where the device has one). Under autograd (a segment trained after its
         context) only the latents are kept and each block is expanded again in the backward: `BlockwiseAttention`
-        where the fused kernels' backward serves (`uses_fused_backward`), `checkpointed_block_attention` otherwise
-        (other devices; inside a compiled graph); the context then goes in blocks the step's size
+        where the fused kernels' backward serves (`uses_fused_backward`); inside a compiled graph, with a plain
+        ``kv_b_proj``, the ``transformers_k3::mla_context_attention`` operator (ops/mla_context.py);
+        `checkpointed_block_attention` otherwise (other devices; an adapter in a graph); the context then goes in blocks the step's size
         (`MIN_TRAINING_BLOCK`) and gets a gradient only with ``context_grad``. The step's own latents are ``step``
         (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer); ``latent`` None: the
         context is ``context`` (the cache's `KimiK3LatentView.context`, latents it holds as given, whose gradient then
@@ -730,11 +732,18 @@ class KimiK3MLA(nn.Module):
             # (the backward expands each block again: the context's K/V are never kept)
             block = min(self.context_block, max(query.shape[-2], MIN_TRAINING_BLOCK))
             context = context if context_grad else context.detach()
-            if not uses_fused_backward(query):
-                out = checkpointed_block_attention(query, self._expand, self.scaling, block, step, context)
-                return out.transpose(1, 2)
-            out = BlockwiseAttention.apply(query, self._expand, self.scaling, pad, block, step, context)
-            return out[..., : self.v_head_dim].transpose(1, 2)
+            if uses_fused_backward(query):
+                out = BlockwiseAttention.apply(query, self._expand, self.scaling, pad, block, step, context)
+                return out[..., : self.v_head_dim].transpose(1, 2)
+            if torch.compiler.is_compiling() and type(self.kv_b_proj) in PLAIN_LINEARS:
+                # (one opaque call each way: inductor's code would hold every block's recomputed logits at once)
+                weight, device = self.kv_b_proj.weight, query.device.type
+                if torch.is_autocast_enabled(device):  # (in the dtype autocast gives the expansion elsewhere)
+                    weight = weight.to(torch.get_autocast_dtype(device))
+                out = mla_context_attention(query, step, context, weight, self.scaling, block, self.qk_nope_head_dim)
+                return out[0].transpose(1, 2)
+            out = checkpointed_block_attention(query, self._expand, self.scaling, block, step, context)
+            return out.transpose(1, 2)
 
         def attend(block: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
             key, value = self._expand(block)
