@@ -114,8 +114,9 @@ def mla_context_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, 
         delta = (d_out * out.to(wide)).sum(-1, keepdim=True)  # (rowsum(dO * O): the softmax's Jacobian term)
         d_query = torch.zeros_like(q)
         d_weight = torch.zeros(weight.shape, dtype=_compute_dtype(weight.dtype), device=weight.device)
-        d_latents = []
-        for latent, causal in _parts(step, context, block):
+        d_step = None
+        d_context = torch.zeros(context.shape, dtype=wide, device=context.device) if mask[2] else None
+        for index, (latent, causal) in enumerate(_parts(step, context, block)):
             c_kv, key, value = _expand(latent, weight, heads, nope)
             probs = (_logits(q, key, scale, causal) - lse).exp()
             d_value = torch.matmul(probs.transpose(-1, -2), d_out)  # [B, n, S, dv]
@@ -125,17 +126,17 @@ def mla_context_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, 
             d_kv = torch.cat([d_key[..., :nope], d_value], dim=-1).transpose(1, 2).flatten(2)  # [B, S, n (dn + dv)]
             if mask[3]:
                 d_weight += torch.matmul(d_kv.flatten(0, 1).transpose(0, 1), c_kv.flatten(0, 1).to(d_kv.dtype))
-            if mask[1] or mask[2]:
-                d_c = torch.matmul(d_kv, weight.to(d_kv.dtype))
-                d_latents.append(torch.cat([d_c, d_key[..., nope:].sum(1)], dim=-1))
-            else:
-                d_latents.append(None)
+            if mask[1 if causal else 2]:
+                d_latent = torch.cat([torch.matmul(d_kv, weight.to(d_kv.dtype)), d_key[..., nope:].sum(1)], dim=-1)
+                if causal:
+                    d_step = d_latent
+                else:  # (written block by block: no list of the context's gradients to join)
+                    start = (index - 1) * block
+                    d_context[:, start: start + latent.shape[1]] = d_latent
     empty = query.new_empty(0)
-    d_step = d_latents[0].to(step.dtype).contiguous() if mask[1] else empty
-    d_context = (torch.cat(d_latents[1:], dim=1).to(context.dtype) if d_latents[1:] else torch.zeros_like(context)
-                 ) if mask[2] else empty  # fmt: skip
-    return (d_query.to(query.dtype).contiguous() if mask[0] else empty, d_step, d_context,
-            d_weight.to(weight.dtype) if mask[3] else empty)
+    return (d_query.to(query.dtype).contiguous() if mask[0] else empty,
+            d_step.to(step.dtype).contiguous() if mask[1] else empty,
+            d_context.to(context.dtype) if mask[2] else empty, d_weight.to(weight.dtype) if mask[3] else empty)
 
 
 @mla_context_attention_backward.register_fake
