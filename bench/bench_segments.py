@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,16 +101,17 @@ def measure_compiled(length: int, segment: int, backend: str, hidden: int, threa
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        before = _status("VmRSS")
+        before, start = _status("VmRSS"), time.perf_counter()
         loss = compiled(input_ids=step, past_key_values=cache, labels=step).loss
         loss.backward()
+        seconds = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
-        return (_status("VmHWM") - before) / 2**20, float(loss)
+        return (_status("VmHWM") - before) / 2**20, float(loss), seconds
 
     run()
-    peak, loss = run()
+    peak, loss, seconds = run()
     return {"length": length, "segment": segment, "mode": f"truncated, {backend}", "step_peak_mib": peak,
-            "state_mib": _state_bytes(model, length, segment, "truncated") / 2**20, "loss": loss}
+            "step_s": seconds, "state_mib": _state_bytes(model, length, segment, "truncated") / 2**20, "loss": loss}
 
 
 def main() -> None:
@@ -129,8 +131,10 @@ def main() -> None:
         print(json.dumps(measure(int(args.one[0]), args.segment, args.one[1], args.hidden, args.threads)))
         return
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print("| trajectory tokens | segment | mode | step peak over its start (MiB) | state kept across segments (MiB) |")
-    print("|---:|---:|---|---:|---:|")
+    timed = " step (s) |" if args.compile else ""
+    print("| trajectory tokens | segment | mode | step peak over its start (MiB) | state kept across segments (MiB) |"
+          + timed)
+    print("|---:|---:|---|---:|---:|" + ("---:|" if args.compile else ""))
     for mode in ["truncated"] if args.compile else args.modes:
         for length in args.contexts:
             extra = ["--compile", args.compile] if args.compile else []
@@ -138,8 +142,9 @@ def main() -> None:
                                   "--hidden", str(args.hidden), "--threads", str(args.threads), *extra],
                                  env=env, capture_output=True, text=True, check=True)  # fmt: skip
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {length} | {args.segment} | {row['mode']} | {row['step_peak_mib']:.1f} | {row['state_mib']:.1f} |",
-                  flush=True)
+            seconds = f" | {row['step_s']:.2f}" if "step_s" in row else ""
+            print(f"| {length} | {args.segment} | {row['mode']} | {row['step_peak_mib']:.1f} | {row['state_mib']:.1f}"
+                  f"{seconds} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 import transformers_k3.modeling_kimi_k3 as mla
+import transformers_k3.ops.mla_context as mla_context
 from transformers_k3 import KimiK3HybridCache, KimiK3TextConfig
 from transformers_k3.modeling_kimi_k3 import KimiK3MLA, checkpointed_block_attention, uses_blockwise_attention
 from transformers_k3.ops.mla_context import mla_context_attention
@@ -229,16 +230,21 @@ def _checkpointed_attention(layer, query, step, cached):
     return checkpointed_block_attention(query, layer._expand, layer.scaling, 8, step, cached)
 
 
-@pytest.mark.parametrize("attend", [_checkpointed_attention, _operator_attention], ids=["checkpointed", "operator"])
+@pytest.mark.parametrize("attend, fused", [(_checkpointed_attention, True), (_operator_attention, True),
+                                           (_operator_attention, False)],
+                         ids=["checkpointed", "operator", "operator-without-fused-kernels"])  # fmt: skip
 @pytest.mark.parametrize("context_grad", [True, False], ids=["context-grad", "context-detached"])
 @pytest.mark.parametrize("gate", [True, False])
-def test_block_attention_under_autograd_matches_the_formula(gate, context_grad, attend):
+def test_block_attention_under_autograd_matches_the_formula(gate, context_grad, attend, fused, monkeypatch):
     """MLA's attention over a context under autograd outside the fused kernels, called on a layer's query and
     latents over a context of four blocks (three full, one ragged): `checkpointed_block_attention` (plain PyTorch,
     per-block checkpointed sums) and the ``transformers_k3::mla_context_attention`` operator (one opaque call, the
-    expansion by ``kv_b_proj``'s weight inside). The layer's output from each, and the gradients of the chunk's
-    inputs, the context's (through its latents; none when detached) and ``kv_b_proj.weight``, are the float64
-    formula's."""
+    expansion by ``kv_b_proj``'s weight inside; also as on a device with no fused attention kernel: CUDA's backward,
+    MPS). The layer's output from each, and the gradients of the chunk's inputs, the context's (through its latents;
+    none when detached) and ``kv_b_proj.weight``, are the float64 formula's."""
+    if not fused:  # why: a device without the fused kernels as the operator sees one, on CPU tensors
+        for kernels in (mla_context.LSE_KERNELS, mla_context.LSE_BACKWARDS):
+            monkeypatch.delitem(kernels, "cpu")
     layer = k3_layer("sdpa", mla_use_output_gate=gate)
     x = hidden(2, 40, layer.config.hidden_size, seed=5).requires_grad_()
     chunk_len, context = 12, 28
@@ -344,7 +350,7 @@ def test_attention_without_a_fused_kernel_matches_the_formula(causal):
     want_lse = scores.logsumexp(-1)
     want = scores.softmax(-1) @ value.double()
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
-        out, lse = mla.plain_attention_with_lse(query.to(dtype), key.to(dtype), value.to(dtype), causal, 0.4)
+        out, lse = mla_context.plain_attention_with_lse(query.to(dtype), key.to(dtype), value.to(dtype), causal, 0.4)
         assert out.dtype == dtype and lse.dtype == torch.float32
         torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
@@ -515,9 +521,9 @@ def test_the_blockwise_chunk_through_cudas_log_sum_exp_kernel(long_context, monk
     at long contexts), through the memory-efficient kernel's log-sum-exp, whose rows come padded to a multiple of 32.
     Emulated: that kernel's documented outputs in plain math, behind the CUDA wrapper; the chunk is the formula's."""
     layer, x, prefilled = long_context
-    like_cuda = functools.partial(mla._cuda_efficient_attention, kernel=_efficient_attention_like_cuda)
+    like_cuda = functools.partial(mla_context._cuda_efficient_attention, kernel=_efficient_attention_like_cuda)
     # why: CUDA's kernel (no GPU here) as its documented outputs, on CPU tensors, behind the CUDA wrapper
-    monkeypatch.setitem(mla.LSE_KERNELS, "cpu", like_cuda)
+    monkeypatch.setitem(mla_context.LSE_KERNELS, "cpu", like_cuda)
     with torch.no_grad():
         chunk = layer(x[:, -24:], past_key_values=copy.deepcopy(prefilled))[0]
     torch.testing.assert_close(chunk.double(), reference_mla(layer, x, last=24), atol=2e-5, rtol=1e-5)

@@ -5,11 +5,10 @@ Attention Residuals, the decoder layer, then the pretrained-model classes (K3_SP
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,7 +41,8 @@ from .ops.experts import K3_GROUPED_MM, eager_experts  # (K3_GROUPED_MM: the nam
 from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_gate
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
-from .ops.mla_context import mla_context_attention
+from .ops.mla_context import (LSE_BACKWARDS, attention_logits, attention_with_lse, fp32_products,
+                               merge_attention_blocks, mla_context_attention)
 from .ops.norm import rms_norm
 
 
@@ -447,84 +447,11 @@ def uses_blockwise_attention(config) -> bool:
     return config._attn_implementation == "sdpa"
 
 
-def _cuda_efficient_attention(query, key, value, causal: bool, scale: float,
-                              kernel=torch.ops.aten._scaled_dot_product_efficient_attention):
-    out, lse = kernel(query, key, value, None, True, 0.0, causal, scale=scale)[:2]
-    return out, lse[..., : query.shape[-2]].float()  # (its log-sum-exp rows come padded to a multiple of 32)
-
-
-def _cpu_flash_attention(query, key, value, causal: bool, scale: float):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, causal, scale=scale)[:2]
-    return out, lse.float()
-
-
-def fp32_products(device: torch.device):
-    """A context in which products of fp32 operands stay fp32 under autocast too (a bf16 product of attention's
-    logits would round them before the softmax)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()  # (a device without autocast: none to turn off)
-
-
-def attention_logits(query: torch.Tensor, key: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 logits ``[B, n, T, S]`` of ``query [B, n, T, d]`` over ``key [B, n, S, d]`` (under `fp32_products`);
-    ``causal``: the queries over their own keys (``S == T``), -inf above the diagonal."""
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(~end_aligned_causal(*scores.shape[-2:], scores.device), float("-inf"))
-    return scores
-
-
-def plain_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`attention_with_lse` on a device without a fused kernel: from `attention_logits`, one ``[T, S]`` block."""
-    with fp32_products(query.device):
-        scores = attention_logits(query, key, causal, scale)
-        lse = scores.logsumexp(-1)
-        return torch.matmul((scores - lse.unsqueeze(-1)).exp(), value.float()).to(query.dtype), lse
-
-
-# the fused kernels that return their log-sum-exp, by device type (CUDA's memory-efficient one takes fp32 too)
-LSE_KERNELS = {"cuda": _cuda_efficient_attention, "cpu": _cpu_flash_attention}
-
-
-def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention ``[B, n, T, d]`` and its log-sum-exp ``[B, n, T]`` (fp32) from a fused kernel
-    (`LSE_KERNELS`), elsewhere `plain_attention_with_lse`. ``causal`` aligns the diagonal top-left (used for ``T``
-    queries over their own keys)."""
-    return LSE_KERNELS.get(query.device.type, plain_attention_with_lse)(query, key, value, causal, scale)
-
-
-def _cpu_flash_attention_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, lse.to(query.dtype) if query.dtype == torch.float64 else lse, 0.0, causal,
-        scale=scale)
-
-
-# the fused kernels' backwards, by device type: given the merged output and log-sum-exp, each block's part
-LSE_BACKWARDS = {"cpu": _cpu_flash_attention_backward}
-
-
 def uses_fused_backward(query: torch.Tensor) -> bool:
     """Whether MLA under autograd attends its context through the fused kernels (`BlockwiseAttention`): a kernel
     backward that takes a merged log-sum-exp exists for the device, and no graph is being compiled (dynamo does not
     trace its nested backward); otherwise through `checkpointed_block_attention`."""
     return query.device.type in LSE_BACKWARDS and not torch.compiler.is_compiling()
-
-
-def merge_attention_blocks(parts: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax attention ``[B, n, T, d]`` (fp32) and its log-sum-exp from those over disjoint key blocks, merged
-    as they come (an iterator of blocks keeps one block's result alive at a time, whatever the context's length)."""
-    parts = iter(parts)
-    out, lse = next(parts)
-    out = out.float()
-    for block_out, block_lse in parts:
-        merged = torch.logaddexp(lse, block_lse)
-        out = out * (lse - merged).exp().unsqueeze(-1) + block_out.float() * (block_lse - merged).exp().unsqueeze(-1)
-        lse = merged
-    return out, lse
 
 
 class BlockwiseAttention(torch.autograd.Function):
