@@ -540,19 +540,27 @@ def test_bf16_segments_are_as_close_to_float64_as_a_full_context_bf16_step(one_t
 def test_a_compiled_segment_forward_has_eager_gradients(one_thread):
     """torch.compile(fullgraph=True) of the model, run on a segment from a cache a no-grad prefix filled (truncated
     mode's step), with the loss: the graph holds the whole forward (a break raises) and its loss and gradients are
-    eager's. The backend is aot_eager (dynamo capture, AOTAutograd's forward and backward graphs, no code generation,
-    as in test_compile_packed)."""
+    eager's. The cache it leaves holds eager's latents, and an eager decode step and segment continued from it give
+    eager's logits. The backend is aot_eager (dynamo capture, AOTAutograd's forward and backward graphs, no code
+    generation, as in test_compile_packed)."""
     torch.manual_seed(0)
     model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()), std=0.05).train()
-    ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 512, (2, 72), generator=torch.Generator().manual_seed(1))
 
     def segment(forward):
         cache = KimiK3HybridCache(model.config)
         with torch.no_grad():
             model(ids[:, :32], past_key_values=cache, use_cache=True)
-        loss = forward(input_ids=ids[:, 32:], past_key_values=cache, labels=ids[:, 32:]).loss
+        loss = forward(input_ids=ids[:, 32:48], past_key_values=cache, labels=ids[:, 32:48]).loss
         loss.backward()
-        return loss.detach(), _grads(model)
+        return loss.detach(), _grads(model), cache
+
+    def latents(cache):
+        return [cache.state().latents[i] for i in sorted(cache.state().latents)]
+
+    def continued(cache):
+        with torch.no_grad():  # a decode step (absorbed attention), then a segment (blockwise)
+            return [model(ids[:, start:end], past_key_values=cache).logits for start, end in ((48, 49), (49, 72))]
 
     model.zero_grad(set_to_none=True)
     want = segment(model)
@@ -561,6 +569,11 @@ def test_a_compiled_segment_forward_has_eager_gradients(one_thread):
     torch._dynamo.reset()
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     _assert_same_gradients(got[1], want[1])
+    assert got[2].get_seq_length() == want[2].get_seq_length() == 48
+    torch.testing.assert_close(latents(got[2]), latents(want[2]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(continued(got[2]), continued(want[2]), atol=1e-5, rtol=1e-5)
+    assert got[2].get_seq_length() == 72
+    torch.testing.assert_close(latents(got[2]), latents(want[2]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -348,6 +348,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self.reserved = False  # allocated up front by KimiK3HybridCache(batch_size=...): kept through reset()
         # Held latents that lead into a graph (`hold_as_given`), kept as the tensors given instead of copied into
         # `latent` (then None): the held rows, then one appended step. Any other use joins them into a buffer.
+        # Also a step a graph kept beside the buffer's rows (`keep_beside`; `latent` then stays the buffer).
         self.parts: list[torch.Tensor] | None = None
 
     @property
@@ -371,10 +372,43 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
         self.length += latent_states.shape[1]
         return True
 
+    def keep_beside(self, latent_states: torch.Tensor) -> bool:
+        """Inside a graph with autograd (a segment trained from the cache), hold ``latent_states`` ``[B, T, D]``
+        beside the buffer's rows instead of writing them into the buffer: such a graph turns that write into a copy
+        of the whole buffer (one without autograd keeps it, and inductor does it in place). The next access outside a
+        graph writes them in (`_join`; `detach_` does). False (nothing done) elsewhere, or where the layer holds no
+        rows in a buffer of the step's dtype and device, or already holds parts."""
+        if (not torch.compiler.is_compiling() or not latent_states.requires_grad or self.parts is not None
+                or self.latent is None or not self.length or self.latent.dtype != latent_states.dtype
+                or self.latent.device != latent_states.device):
+            return False
+        self.parts = [self.latent[:, : self.length], latent_states]
+        self.length += latent_states.shape[1]
+        return True
+
     def _join(self) -> None:
-        """Latents held as given become the layer's own buffer (a copy: the tensors given are never written)."""
-        if self.parts is not None:
+        """Latents held as given become the layer's own buffer (a copy: the tensors given are never written); steps
+        kept beside the buffer (`keep_beside`) are appended into it (inside a graph, as a copy of the buffer)."""
+        if self.parts is None:
+            return
+        if self.latent is None:
             self.latent, self.parts = torch.cat(self.parts, dim=1), None
+            return
+        held, self.parts = self.parts, None
+        self.length = held[0].shape[1]
+        for step in held[1:]:
+            self._append(step)
+
+    def _append(self, latent_states: torch.Tensor) -> None:
+        """Write ``latent_states`` after the held rows of the buffer, grown by doubling when they do not fit."""
+        new_len = self.length + latent_states.shape[1]
+        if new_len > self.latent.shape[1]:
+            capacity = max(new_len, 2 * self.latent.shape[1])
+            grown = self.latent.new_empty(self.latent.shape[0], capacity, self.latent.shape[2])
+            grown[:, : self.length] = self.latent[:, : self.length]
+            self.latent = grown
+        self.latent[:, self.length : new_len] = latent_states
+        self.length = new_len
 
     def held_latents(self, start: int = 0) -> torch.Tensor:
         """The held tokens' latents from token ``start`` on, ``[B, length - start, D]``: a view of the buffer, or of
@@ -431,15 +465,8 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
             # reserved or loaded elsewhere (the CPU) than the activations: moved once, not copied back every step
             self.latent = (torch.empty_like(self.latent, device=latent_states.device) if self.length == 0
                            else self.latent.to(latent_states.device))
-        new_len = self.length + latent_states.shape[1]
-        if new_len > self.latent.shape[1]:
-            capacity = max(new_len, 2 * self.latent.shape[1])
-            grown = self.latent.new_empty(self.latent.shape[0], capacity, self.latent.shape[2])
-            grown[:, : self.length] = self.latent[:, : self.length]
-            self.latent = grown
-        self.latent[:, self.length : new_len] = latent_states
-        self.length = new_len
-        return self.latent[:, :new_len].to(latent_states.device, latent_states.dtype, non_blocking=True), None
+        self._append(latent_states)
+        return self.latent[:, : self.length].to(latent_states.device, latent_states.dtype, non_blocking=True), None
 
     def get_seq_length(self) -> int:
         return self.length
@@ -474,11 +501,14 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
             self.latent = buffer
 
     def detach_(self) -> None:
-        """Cut the held latents from the graph that computed them (same storage)."""
+        """Cut the held latents from the graph that computed them (same storage). Outside a graph, a step a graph
+        kept beside the buffer is written into it (the next graph then reads the buffer alone)."""
         if self.parts is not None:
             self.parts = [part.detach() for part in self.parts]
         if self.latent is not None:
             self.latent = self.latent.detach()
+            if not torch.compiler.is_compiling():
+                self._join()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # (beam search, every step: in place, so the buffer keeps its capacity and is never regrown)
@@ -619,6 +649,9 @@ class KimiK3StaticMLACacheLayer(KimiK3MLACacheLayer):
 
     def prefetch(self):
         pass
+
+    def keep_beside(self, latent_states: torch.Tensor) -> bool:
+        return False  # (written in place at its position: a step's shapes and the buffer's address stay fixed)
 
 
 class KimiK3CacheStep(NamedTuple):
@@ -894,6 +927,8 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         context_grad = had_past and layer.latent.requires_grad
         if not self.static:
             past_len = layer.length
+            if layer.keep_beside(latent_states):  # (inside a graph: the buffer is not copied to append the step)
+                return KimiK3LatentView(None, past_len, True, None, latent_states, context_grad, layer.parts[0])
             latent = layer.update(latent_states)[0]
             as_given = layer.latent.dtype == latent_states.dtype and layer.latent.device == latent_states.device
             step = latent_states if as_given else latent[:, past_len:]
@@ -925,8 +960,9 @@ class KimiK3HybridCache(KimiK3CacheIO, Cache):
         """Store what a layer that ran without the cache computed: a KDA layer's final ``(recurrent state, conv
         window)``, an MLA layer's new latent rows ``[B, T, D]`` (appended)."""
         if isinstance(self.layers[layer_idx], KimiK3MLACacheLayer):
-            if not self.layers[layer_idx].append_beside(state[0]):
-                self.layers[layer_idx].update(state[0])
+            layer = self.layers[layer_idx]
+            if not layer.append_beside(state[0]) and not layer.keep_beside(state[0]):
+                layer.update(state[0])
         else:
             self.layers[layer_idx].update(*state)
 
