@@ -375,7 +375,7 @@ class KimiK3MLACacheLayer(CacheLayerMixin):
     def keep_beside(self, latent_states: torch.Tensor) -> bool:
         """Inside a graph with autograd (a segment trained from the cache), hold ``latent_states`` ``[B, T, D]``
         beside the buffer's rows instead of writing them into the buffer: such a graph turns that write into a copy
-        of the whole buffer (one without autograd keeps it, and inductor does it in place). The next access outside a
+        of the whole buffer (one without autograd keeps it, which inductor can reinplace). The next access outside a
         graph writes them in (`_join`; `detach_` does). False (nothing done) elsewhere, or where the layer holds no
         rows in a buffer of the step's dtype and device, or already holds parts."""
         if (not torch.compiler.is_compiling() or not latent_states.requires_grad or self.parts is not None
