@@ -106,7 +106,7 @@ def measure_compiled(length: int, segment: int, backend: str, hidden: int, threa
         loss.backward()
         seconds = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
-        return (_status("VmHWM") - before) / 2**20, float(loss), seconds
+        return (_status("VmHWM") - before) / 2**20, float(loss.detach()), seconds
 
     run()
     peak, loss, seconds = run()
