@@ -17,6 +17,8 @@ d. paths: a left-padded batch's cached decode with each attention implementation
    flash-attn imports) equal to each row alone; device_map with the embeddings on the CPU and (two GPUs) the
    layers split with the final read on the second; a saved cache loaded without ``device=``; host syncs per
    decode step in our files (torch's sync debug mode); ``torch.compile`` of the decode step (see ``section_paths``).
+f. segments: segment training (issue 47) on the device: exact mode's gradients against full-context
+   backpropagation, and a truncated step compiled with inductor against eager (see ``section_segments``).
 e. parallel: with two or more GPUs, TP and TP+EP over them (torchrun, nccl) against the whole model
    (``section_parallel``; the CPU tests run the same worker over gloo).
 c. speed: tokens/s of our PyTorch path vs fla's kernels (also with safe_gate=True), T in {4K, 16K}, H=32,
@@ -24,7 +26,7 @@ c. speed: tokens/s of our PyTorch path vs fla's kernels (also with safe_gate=Tru
 
 Each check's line ends with its seconds: on a fresh machine the first call of each kernel configuration
 includes Triton's compile and fla's autotuning, which can dominate. Checks not started by their section's
-deadline (ops 45% of the budget, model 65%, paths 80%, parallel 90%, speed 100%) are reported NOT RUN; a rerun on the same machine
+deadline (ops 45% of the budget, model 65%, paths 80%, segments 86%, parallel 92%, speed 100%) are reported NOT RUN; a rerun on the same machine
 reuses Triton's on-disk cache, and ``--sections ops`` / ``--sections model,speed`` split the work.
 
 Tolerances (both metrics must hold; ``scale = max(1, max|reference|)``; ``rms = ||diff||_2 / ||ref||_2``)::
@@ -72,7 +74,7 @@ import traceback  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-SECTIONS = ("ops", "model", "paths", "parallel", "speed")
+SECTIONS = ("ops", "model", "paths", "segments", "parallel", "speed")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -888,6 +890,76 @@ def section_paths(report: Report, device, sizes: dict, dry: bool, deadline: floa
             report.add("paths", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
 
 
+def section_segments(report: Report, device, sizes: dict, dry: bool, deadline: float) -> None:
+    """Segment training on the device (issue 47), where the CPU tests emulate it at most:
+
+    * exact mode, a batch of 2 trajectories in 4 segments (`segment_backward`): the gradients of full-context
+      backpropagation (on CUDA the KDA layers' initial-state gradient is fla's ``dh0``; MLA attends its context under
+      autograd through `checkpointed_block_attention`, CUDA having no fused kernel backward that takes a merged
+      log-sum-exp);
+    * truncated mode's step after a no-grad context, compiled (inductor on CUDA, aot_eager in the dry run; MLA's
+      context attention is then the ``transformers_k3::mla_context_attention`` operator, CUDA's memory-efficient
+      kernel forward and flash attention's backward in plain PyTorch): eager's loss and gradients.
+    """
+    from transformers_k3 import KimiK3HybridCache
+    from transformers_k3.segments import segment_backward
+
+    print("\n== f. segments: exact mode's gradients, a compiled truncated step", flush=True)
+    length, segment = sizes["segments_T"], sizes["segments_T"] // 4
+    ids = torch.randint(3, 512, (2, length), generator=torch.Generator().manual_seed(3)).to(device)
+    tol = tolerance("grad", torch.float32)
+
+    def gradients(model) -> torch.Tensor:
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return torch.cat(grads)
+
+    name = f"exact mode in 4 segments of {segment} = full-context backpropagation (fp32 gradients)"
+    if time.monotonic() > deadline:
+        report.add("segments", "NOT RUN", name, "time budget")
+        return
+    report.start()
+    try:
+        model, _ = _paths_model(device, sizes)
+        model.train()
+        model(ids, labels=ids).loss.backward()
+        want = gradients(model)
+        segment_backward(model, ids, segment_len=segment, mode="exact")
+        ok, detail = compare(want, gradients(model), tol)
+        report.add("segments", "PASS" if ok else "FAIL", name, detail)
+    except Exception:  # noqa: BLE001
+        report.add("segments", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
+
+    backend = "aot_eager" if dry else "inductor"
+    name = f"a truncated-mode step compiled ({backend}) after a {length - segment}-token context = eager's"
+    if time.monotonic() > deadline:
+        report.add("segments", "NOT RUN", name, "time budget")
+        return
+    report.start()
+    try:
+        model, config = _paths_model(device, sizes)
+        model.train()
+
+        def step(forward):
+            cache = KimiK3HybridCache(config)
+            with torch.no_grad():
+                model(ids[:, :-segment], past_key_values=cache, use_cache=True)
+            loss = forward(input_ids=ids[:, -segment:], past_key_values=cache, labels=ids[:, -segment:]).loss
+            loss.backward()
+            return loss.detach(), gradients(model)
+
+        want = step(model)
+        torch._dynamo.reset()
+        try:
+            got = step(torch.compile(model, backend=backend))
+        finally:
+            torch._dynamo.reset()
+        ok, detail = compare(torch.cat([want[0].view(1), want[1]]), torch.cat([got[0].view(1), got[1]]), tol)
+        report.add("segments", "PASS" if ok else "FAIL", name, detail)
+    except Exception:  # noqa: BLE001
+        report.add("segments", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
+
+
 def section_parallel(report: Report, device, dry: bool, deadline: float) -> None:
     """Tensor and expert parallelism over the GPUs (nccl, one rank per GPU, up to 4): modeling_tests/_parallel_worker.py
     under torchrun, on a saved tiny checkpoint, against the whole model on each rank (logits, greedy generation,
@@ -1013,14 +1085,14 @@ SIZES = {
         D=128, H=[4, 32], T=[1, 63, 64, 65, 1000, 4097], T_slow=[65, 1000, 4097], T_recurrent=[1, 8, 65],
         packed=[1, 63, 64, 65, 1000, 4097], packed_recurrent=[1, 3, 8, 2], T_options=1000, T_grad=200,
         packed_grad=[37, 63, 100], model_head_dim=128, model_T=200, model_decode_steps=4, model_packed=[70, 60],
-        D_speed=128, speed_H=32, speed_T=[4096, 16384], speed_repeats=3, decode_steps=200,
+        segments_T=512, D_speed=128, speed_H=32, speed_T=[4096, 16384], speed_repeats=3, decode_steps=200,
         speed_reserve_s=20,
     ),
     "dry": dict(
         D=32, H=[2, 4], T=[1, 63, 64, 65, 130], T_slow=[65, 130], T_recurrent=[1, 8, 65],
         packed=[1, 63, 64, 65, 30], packed_recurrent=[1, 3, 8, 2], T_options=70, T_grad=70,
         packed_grad=[17, 33, 20], model_head_dim=32, model_T=70, model_decode_steps=2, model_packed=[40, 30],
-        D_speed=32, speed_H=4, speed_T=[256], speed_repeats=1, decode_steps=8,
+        segments_T=96, D_speed=32, speed_H=4, speed_T=[256], speed_repeats=1, decode_steps=8,
         speed_reserve_s=0,
     ),
 }
@@ -1031,7 +1103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (only with --dry)")
     parser.add_argument("--dry", action="store_true", help="CPU run with fla's naive reference as the 'fla' side")
     parser.add_argument("--dry-fault", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of ops,model,paths,parallel,speed")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ",".join(SECTIONS))
     parser.add_argument("--budget", type=float, default=270.0, help="seconds; checks not started by then are NOT RUN")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args(argv)
@@ -1053,10 +1125,11 @@ def main(argv=None) -> int:
     start = time.monotonic()
     report = Report()
     # Checks start only before their section's deadline (time left over rolls on): ops until 45% of the
-    # budget, the model until 65%, the paths until 80%, the parallel runs until 90%, speed until the end.
+    # budget, the model until 65%, the paths until 80%, segments until 86%, the parallel runs until 92%, speed until
+    # the end.
     deadlines = {"ops": start + 0.45 * args.budget, "model": start + 0.65 * args.budget,
-                 "paths": start + 0.8 * args.budget, "parallel": start + 0.9 * args.budget,
-                 "speed": start + args.budget}
+                 "paths": start + 0.8 * args.budget, "segments": start + 0.86 * args.budget,
+                 "parallel": start + 0.92 * args.budget, "speed": start + args.budget}
     try:
         import transformers_k3
     except Exception as error:  # noqa: BLE001
@@ -1093,6 +1166,8 @@ def main(argv=None) -> int:
             section_model(kda_ops, calls, report, device, sizes, args.dry, deadlines["model"])
         elif section == "paths":
             section_paths(report, device, sizes, args.dry, deadlines["paths"])
+        elif section == "segments":
+            section_segments(report, device, sizes, args.dry, deadlines["segments"])
         elif section == "parallel":
             section_parallel(report, device, args.dry, deadlines["parallel"])
         else:

@@ -58,7 +58,8 @@ def test_gpu_check_dry_run_passes(gpu_check, capsys):
     code = gpu_check.main(["--device", "cpu", "--dry", "--threads", "1"])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
-    for heading in ("== a. ops", "== b. model", "== d. paths", "== c. speed", "decode step", "padded decode, sdpa"):
+    for heading in ("== a. ops", "== b. model", "== d. paths", "== f. segments", "== c. speed", "decode step",
+                    "padded decode, sdpa"):
         assert heading in stdout, stdout
     assert "KDA calls reaching fla kernels: torch run 0, fla run" in stdout
     summary = stdout.strip().splitlines()[-1]
