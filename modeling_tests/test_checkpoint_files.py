@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig
 from transformers_k3.conversion import CheckpointError
 from transformers_k3.convert import convert_official_checkpoint
-from transformers_k3.conversion.streaming import clean_stale_outputs
+from transformers_k3.conversion.streaming import clean_stale_outputs, write_state_dict
 
 from references import (
     _index,
@@ -31,6 +31,7 @@ from references import (
     _wait_for_shards,
     assert_converter_refuses,
     listing,
+    shard_tensors,
     shard_tensors_file,
     write_tiny_official,
 )
@@ -43,6 +44,16 @@ INDEX = "model.safetensors.index.json"
 def official(tmp_path_factory):
     path = write_tiny_official(tmp_path_factory.mktemp("ckpt") / "official")
     (path / "notes.txt").write_text("release notes\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def official_in_two_shards(official, tmp_path_factory):
+    """`official`'s tensors and config in two input shards (the converter's test sleep follows every input shard)."""
+    path = tmp_path_factory.mktemp("ckpt") / "official"
+    write_state_dict(shard_tensors(official), path, max_shard_size=500_000)
+    shutil.copy(official / "config.json", path / "config.json")
+    assert len(list(path.glob("*.safetensors"))) == 2
     return path
 
 
@@ -320,17 +331,17 @@ def test_sigkill_leftovers_are_removed_by_the_next_run(official, tmp_path):
     KimiK3ForCausalLM.from_pretrained(out)
 
 
-def test_a_second_conversion_into_the_same_output_is_refused_at_once(official, tmp_path):
+def test_a_second_conversion_into_the_same_output_is_refused_at_once(official_in_two_shards, tmp_path):
     """Two converters writing one output: the second stops before converting anything, naming the first, and the
     first finishes normally (without the lock each would convert, and the second would replace the first's result
     even without --overwrite)."""
     out = tmp_path / "out"
-    process = _start_conversion(official, out, sleep=3)
+    process = _start_conversion(official_in_two_shards, out, sleep=3)
     try:
         _wait_for_shards(out, process)
         for overwrite in (False, True):
             with pytest.raises(CheckpointError, match="another conversion is writing this output right now"):
-                convert_official_checkpoint(official, out, progress=False, overwrite=overwrite)
+                convert_official_checkpoint(official_in_two_shards, out, progress=False, overwrite=overwrite)
         assert process.wait(timeout=120) == 0, process.stderr.read().decode()
     finally:
         if process.poll() is None:
@@ -338,7 +349,7 @@ def test_a_second_conversion_into_the_same_output_is_refused_at_once(official, t
             process.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     KimiK3ForCausalLM.from_pretrained(out)
-    convert_official_checkpoint(official, out, progress=False, overwrite=True)  # the lock is free again
+    convert_official_checkpoint(official_in_two_shards, out, progress=False, overwrite=True)  # the lock is free again
 
 
 def test_an_output_that_appears_while_converting_is_not_replaced(tmp_path):
