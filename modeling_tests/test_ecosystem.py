@@ -36,6 +36,14 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+def three_layer_model() -> KimiK3ForCausalLM:
+    """The tiny model with each kind of layer once (a dense KDA, a MoE KDA, a MoE MLA layer): a trace's time grows
+    with the layer count, what it is tested for does not."""
+    torch.manual_seed(0)
+    config = KimiK3TextConfig.tiny(num_hidden_layers=3, linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [3]})
+    return randomize_(KimiK3ForCausalLM(config).eval())
+
+
 # The tiny model's ops are microseconds long: see the `one_thread` fixture in conftest.py.
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -676,8 +684,7 @@ def test_compiled_chunked_prefill_compiles_once_for_every_later_chunk():
     chunk and one for every chunk after it (the context blocks' loop is guarded on its count, not the length)."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    model = three_layer_model()
     ids = torch.randint(3, 512, (1, 100))
 
     def run(fn) -> torch.Tensor:
@@ -736,8 +743,7 @@ def test_compiled_decode_step_equals_eager():
     break, no recompilation as the cache grows. bench/bench_compile.py runs inductor and prints explain()."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()).eval())
+    model = three_layer_model()
     ids = torch.randint(3, 512, (2, 15))
 
     def decode(step_fn) -> torch.Tensor:
