@@ -1,12 +1,17 @@
 """Shared pytest fixtures and markers. Helpers that tests import by name live in references.py."""
 
+import json
 import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import transformers_k3  # noqa: F401  (registers the Auto classes)
 from transformers_k3 import KimiK3ImageProcessor, KimiK3Processor, KimiK3VideoProcessor, build_test_tokenizer
+from transformers_k3.ops import cpu_kernel
 
 from references import _load_fla_naive, randomize_
 
@@ -69,3 +74,26 @@ def fla_naive():
     if module is None:
         pytest.skip(reason)
     return module.naive_recurrent_kda
+
+
+_KERNEL_LOAD = ("import json; from transformers_k3.ops import cpu_kernel as c; "
+                "print(json.dumps({'loaded': c.library() is not None, 'error': c.load_error()}))")
+
+
+@pytest.fixture(scope="session")
+def built_kernels(tmp_path_factory):
+    """The real CPU kernels built once for the session by a fresh process, into an empty cache of its own (a build
+    takes tens of seconds; test_cpu_kernels and test_kernel_cache both need one). ``cache``; ``loaded`` and ``error``
+    (the loader's, or the process's stderr if it failed); ``stderr``, what the build printed; ``files`` and
+    ``mtime_ns``, the cache's listing and its library's mtime right after the build. Tests copy the library out of
+    this cache and never change it."""
+    cache = tmp_path_factory.mktemp("kernels") / "cache"
+    result = subprocess.run([sys.executable, "-c", _KERNEL_LOAD], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, cpu_kernel.CACHE_ENV_VAR: str(cache)})  # fmt: skip
+    lines = result.stdout.strip().splitlines()
+    outcome = json.loads(lines[-1]) if result.returncode == 0 and lines else {"loaded": False,
+                                                                                "error": result.stderr[-3000:]}
+    files = sorted(os.listdir(cache)) if cache.is_dir() else []
+    libraries = [cache / name for name in files if name.endswith(".so")]
+    return SimpleNamespace(cache=cache, loaded=outcome["loaded"], error=outcome["error"], stderr=result.stderr,
+                           files=files, mtime_ns=libraries[0].stat().st_mtime_ns if len(libraries) == 1 else None)

@@ -131,18 +131,18 @@ def test_non_finite_inputs_propagate(kernel):
     assert torch.isnan(o[1, 10:]).any() and torch.isnan(s[1]).any()
 
 
-def test_build_is_cached_and_leaves_no_temporary_files(kernel, tmp_path):
-    cache = tmp_path / "cache"
-    loaded, _ = _fresh_loader(tmp_path)
-    assert loaded["loaded"], loaded["error"]
-    built = sorted(os.listdir(cache))  # the library and the checksum its build recorded
+def test_build_is_cached_and_leaves_no_temporary_files(kernel, built_kernels, tmp_path):
+    """A fresh process builds into an empty cache (conftest's `built_kernels`, the session's one build) and leaves the
+    library and its checksum there, nothing else; the next fresh process loads that library."""
+    cache = built_kernels.cache
+    assert built_kernels.loaded, built_kernels.error
+    built = built_kernels.files  # the library and the checksum its build recorded, right after the build
     assert len(built) == 2 and built[0].startswith("cpu_kernels_") and built[0].endswith(".so"), built
     assert built[1] == built[0] + ".sha256", built
-    first = (cache / built[0]).stat().st_mtime_ns
-    loaded, _ = _fresh_loader(tmp_path)
+    loaded, _ = _fresh_loader(tmp_path, **{cpu_kernel.CACHE_ENV_VAR: str(cache)})
     assert loaded["loaded"], loaded["error"]
     assert sorted(os.listdir(cache)) == built
-    assert (cache / built[0]).stat().st_mtime_ns == first  # loaded, not rebuilt
+    assert (cache / built[0]).stat().st_mtime_ns == built_kernels.mtime_ns  # loaded, not rebuilt
 
 
 def test_unusable_cache_builds_in_a_private_temporary_directory(kernel, tmp_path):

@@ -4,7 +4,7 @@ nor silently runs without the kernels. The first build announces itself in one l
 else can write is never loaded from (a planted library's constructor would run in this process); a killed build
 leaves no compiler running, and what it left in the cache is removed by the next run.
 
-The real kernels are built once for the module (`built`); tests copy that library where they need a built one."""
+The real kernels are built once for the session (`built`); tests copy that library where they need a built one."""
 
 import hashlib
 import os
@@ -32,12 +32,10 @@ def fresh_process(cache, **env):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """A cache holding the real kernels, built once; and what that first build printed."""
-    cache = tmp_path_factory.mktemp("kernels") / "cache"
-    first = fresh_process(cache)
-    assert "LOADED" in first.stdout, first.stderr[-3000:]
-    return cache, first.stderr
+def built(built_kernels):
+    """A cache holding the real kernels, built once (conftest's `built_kernels`); and what that first build printed."""
+    assert built_kernels.loaded, built_kernels.error
+    return built_kernels.cache, built_kernels.stderr
 
 
 def copy_library(built_cache: Path, target: Path) -> Path:
