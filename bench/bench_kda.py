@@ -381,15 +381,6 @@ def _run(child: str, args, length: int = 0, heads: int = 0, dim: int = 0, save: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _run_methods(methods, args, length: int, heads: int, dim: int, tmp: str) -> dict:
-    """Each method's child on one shape, ``args.jobs`` at a time; each saves its output as ``<tmp>/<method>.pt``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        futures = {m: pool.submit(_run, m, args, length, heads, dim, os.path.join(tmp, f"{m}.pt")) for m in methods}
-    return {method: future.result() for method, future in futures.items()}
-
-
 def _sizes(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -408,8 +399,6 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=4.0, help="working-set cap per method and shape")
     parser.add_argument("--decode-steps", type=int, help="decode steps timed (default 200; --quick 32)")
     parser.add_argument("--gemm-sizes", type=_sizes, help="square matmul sizes for the roofline")
-    parser.add_argument("--jobs", type=int, default=1, help="method children of one shape run at once (default 1: "
-                        "each timed alone; more is for a smoke run, whose timings then share the CPUs)")
     parser.add_argument("--methods", help="comma list, a subset of "
                         f"{', '.join([*METHODS, *DECODE_METHODS, *TRAIN_METHODS])} (default all but "
                         f"{', '.join(sorted(NAMED_ONLY))}; rows compare with ours_chunk / ours_decode / ours_train, "
@@ -462,10 +451,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for heads, dim in configs:
             for length in lengths if prefill else []:
-                results = _run_methods(prefill, args, length, heads, dim, tmp)
+                results = {}
+                for method in prefill:
+                    save = os.path.join(tmp, f"{method}.pt")
+                    results[method] = _run(method, args, length, heads, dim, save)
                 prefixed |= _print_rows(prefill, results, BASELINE, "ours_chunk", tmp, heads, dim, length, roofline)
             if decode:
-                results = _run_methods(decode, args, decode_steps, heads, dim, tmp)
+                results = {}
+                for method in decode:
+                    save = os.path.join(tmp, f"{method}.pt")
+                    results[method] = _run(method, args, decode_steps, heads, dim, save)
                 _print_rows(decode, results, DECODE_BASELINE, "ours_decode", tmp, heads, dim, 1, roofline, decode=True)
         if train:
             train_header = (
@@ -478,7 +473,10 @@ def main() -> None:
             print("-" * len(train_header))
             for heads, dim in configs:
                 for length in lengths:
-                    results = _run_methods(train, args, length, heads, dim, tmp)
+                    results = {}
+                    for method in train:
+                        save = os.path.join(tmp, f"{method}.pt")
+                        results[method] = _run(method, args, length, heads, dim, save)
                     prefixed |= _print_train_rows(train, results, tmp, heads, dim, length)
     end = _run("gemm", args)
     if "flops" in end:
