@@ -230,21 +230,16 @@ def _checkpointed_attention(layer, query, step, cached):
     return checkpointed_block_attention(query, layer._expand, layer.scaling, 8, step, cached)
 
 
-@pytest.mark.parametrize("attend, fused", [(_checkpointed_attention, True), (_operator_attention, True),
-                                           (_operator_attention, False)],
-                         ids=["checkpointed", "operator", "operator-without-fused-kernels"])  # fmt: skip
+@pytest.mark.parametrize("attend", [_checkpointed_attention, _operator_attention], ids=["checkpointed", "operator"])
 @pytest.mark.parametrize("context_grad", [True, False], ids=["context-grad", "context-detached"])
 @pytest.mark.parametrize("gate", [True, False])
-def test_block_attention_under_autograd_matches_the_formula(gate, context_grad, attend, fused, monkeypatch):
+def test_block_attention_under_autograd_matches_the_formula(gate, context_grad, attend):
     """MLA's attention over a context under autograd outside the fused kernels, called on a layer's query and
     latents over a context of four blocks (three full, one ragged): `checkpointed_block_attention` (plain PyTorch,
     per-block checkpointed sums) and the ``transformers_k3::mla_context_attention`` operator (one opaque call, the
-    expansion by ``kv_b_proj``'s weight inside; also as on a device with no fused attention kernel: CUDA's backward,
-    MPS). The layer's output from each, and the gradients of the chunk's inputs, the context's (through its latents;
-    none when detached) and ``kv_b_proj.weight``, are the float64 formula's."""
-    if not fused:  # why: a device without the fused kernels as the operator sees one, on CPU tensors
-        for kernels in (mla_context.LSE_KERNELS, mla_context.LSE_BACKWARDS):
-            monkeypatch.delitem(kernels, "cpu")
+    expansion by ``kv_b_proj``'s weight inside). The layer's output from each, and the gradients of the chunk's
+    inputs, the context's (through its latents; none when detached) and ``kv_b_proj.weight``, are the float64
+    formula's."""
     layer = k3_layer("sdpa", mla_use_output_gate=gate)
     x = hidden(2, 40, layer.config.hidden_size, seed=5).requires_grad_()
     chunk_len, context = 12, 28
@@ -354,6 +349,34 @@ def test_attention_without_a_fused_kernel_matches_the_formula(causal):
         assert out.dtype == dtype and lse.dtype == torch.float32
         torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
         torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+def test_attention_backward_without_a_fused_kernel_matches_the_formula():
+    """`plain_attention_backward`, the context attention operator's backward per key block on a device with no fused
+    kernel backward (CUDA, MPS): given the output and log-sum-exp merged over every block (the queries over their own
+    keys causally, then two blocks of other keys), each block's ``dq`` (summed over the blocks), ``dk`` and ``dv``
+    are autograd's through the float64 softmax over all the keys."""
+    gen = torch.Generator().manual_seed(4)
+    rows, sizes = 5, (5, 7, 3)
+    query = torch.randn(2, 3, rows, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    keys = [torch.randn(2, 3, n, 6, generator=gen, dtype=torch.float64, requires_grad=True) for n in sizes]
+    values = [torch.randn(2, 3, n, 6, generator=gen, dtype=torch.float64, requires_grad=True) for n in sizes]
+    scores = query @ torch.cat(keys, 2).transpose(-1, -2) * 0.4
+    own = torch.ones(rows, sum(sizes), dtype=torch.bool)
+    own[:, : rows] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~own, float("-inf"))
+    out = scores.softmax(-1) @ torch.cat(values, 2)
+    probe = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(out, [query, *keys, *values], probe)
+    lse = scores.detach().logsumexp(-1)
+    d_query = 0  # (in fp32: its logits are fp32 whatever the inputs)
+    for index, (key, value) in enumerate(zip(keys, values)):
+        dq, dk, dv = mla_context.plain_attention_backward(*(x.detach().float() for x in (probe, query, key, value, out,
+                                                                                           lse)), index == 0, 0.4)
+        d_query = d_query + dq.double()
+        torch.testing.assert_close(dk.double(), want[1 + index], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dv.double(), want[4 + index], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d_query, want[0], atol=1e-5, rtol=1e-5)
 
 
 def test_a_chunk_with_autograd_and_a_mask_matches_the_formula():

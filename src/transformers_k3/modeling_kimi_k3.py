@@ -42,7 +42,7 @@ from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_g
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
 from .ops.mla_context import (LSE_BACKWARDS, attention_logits, attention_with_lse, fp32_products,
-                               merge_attention_blocks, mla_context_attention)
+                               merge_attention_blocks, mla_context_attention, operator_expands)
 from .ops.norm import rms_norm
 
 
@@ -645,7 +645,7 @@ class KimiK3MLA(nn.Module):
         `attention_with_lse` (a fused kernel where the device has one). Under autograd (a segment trained after its
         context) only the latents are kept and each block is expanded again in the backward: `BlockwiseAttention`
         where the fused kernels' backward serves (`uses_fused_backward`); inside a compiled graph, with a plain
-        ``kv_b_proj``, the ``transformers_k3::mla_context_attention`` operator (ops/mla_context.py);
+        ``kv_b_proj`` (`operator_expands`), the ``transformers_k3::mla_context_attention`` operator;
         `checkpointed_block_attention` otherwise (other devices; an adapter in a graph); the context then goes in blocks the step's size
         (`MIN_TRAINING_BLOCK`) and gets a gradient only with ``context_grad``. The step's own latents are ``step``
         (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer); ``latent`` None: the
@@ -662,7 +662,7 @@ class KimiK3MLA(nn.Module):
             if uses_fused_backward(query):
                 out = BlockwiseAttention.apply(query, self._expand, self.scaling, pad, block, step, context)
                 return out[..., : self.v_head_dim].transpose(1, 2)
-            if torch.compiler.is_compiling() and type(self.kv_b_proj) in PLAIN_LINEARS:
+            if torch.compiler.is_compiling() and operator_expands(self.kv_b_proj):
                 # (one opaque call each way: inductor's code would hold every block's recomputed logits at once)
                 weight, device = self.kv_b_proj.weight, query.device.type
                 if torch.is_autocast_enabled(device):  # (in the dtype autocast gives the expansion elsewhere)

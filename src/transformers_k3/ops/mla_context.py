@@ -34,8 +34,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .linear import blocks, end_aligned_causal
+from .linear import PLAIN_LINEARS, blocks, end_aligned_causal
 
 
 def _cuda_efficient_attention(query, key, value, causal: bool, scale: float,
@@ -111,6 +112,12 @@ def merge_attention_blocks(parts: Iterable[tuple[torch.Tensor, torch.Tensor]]) -
     return out, lse
 
 
+def operator_expands(kv_b_proj: nn.Module) -> bool:
+    """Whether `mla_context_attention` computes what calling ``kv_b_proj`` computes from its weight: a plain linear
+    layer (not an adapter or a quantized layer) whose weight is a plain tensor (a sharded DTensor has no rule here)."""
+    return type(kv_b_proj) in PLAIN_LINEARS and type(kv_b_proj.weight) in (torch.Tensor, nn.Parameter)
+
+
 def _expand(latent: torch.Tensor, weight: torch.Tensor, heads: int, nope: int, dtype: torch.dtype):
     """``(c_kv, keys [B, n, S, dn + dr], values [B, n, S, dv])`` of a latent block, keys and values in ``dtype``: the
     product in the weight's dtype as given (the caller passes it in the dtype autocast would cast it to)."""
@@ -130,7 +137,7 @@ def _parts(step: torch.Tensor, context: torch.Tensor, block: int):
         yield context[:, start:end], False
 
 
-def _plain_attention_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
+def plain_attention_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
     """``(dq, dk, dv)`` of one block of keys given the merged output and log-sum-exp: flash attention's backward in
     plain PyTorch (fp32 logits), for a device with no fused one."""
     wide = torch.promote_types(query.dtype, torch.float32)
@@ -173,7 +180,7 @@ def mla_context_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, 
     cotangent ``grad_out``; ``mask`` says which are wanted (the others come back empty)."""
     heads, value_dim = query.shape[1], out.shape[-1]
     pad = max(query.shape[-1] - value_dim, 0)
-    backward = LSE_BACKWARDS.get(query.device.type, _plain_attention_backward)
+    backward = LSE_BACKWARDS.get(query.device.type, plain_attention_backward)
     grad_out, out = (F.pad(x, (0, pad)) if pad else x for x in (grad_out.to(query.dtype), out))
     wide = torch.promote_types(weight.dtype, torch.float32)
     d_query = torch.zeros(query.shape, dtype=wide, device=query.device)
