@@ -80,20 +80,45 @@ def test_a_cache_file_of_another_prefix_is_refused(model, trajectories, tmp_path
     collate = SegmentCollator(SegmentDataset(trajectories, 24), store)
     with pytest.raises(KimiK3SegmentError, match="does not hold that trajectory's"):
         collate([{"trajectory": 0, "segment": 1}])
-    with pytest.raises(KimiK3SegmentError, match="one segment"):
-        collate([{"trajectory": 0, "segment": 0}, {"trajectory": 1, "segment": 0}])
+    with pytest.raises(KimiK3SegmentError, match="same bounds"):
+        collate([{"trajectory": 0, "segment": 0}, {"trajectory": 1, "segment": 1}])
+    with pytest.raises(KimiK3SegmentError, match="one segment_len"):
+        SegmentCollator(SegmentDataset(trajectories, 24), SegmentStateStore(model.config, 16))
 
 
-def test_trainer_lowers_a_held_out_segments_loss(tmp_path):
+def test_a_group_of_segments_is_their_full_context_losses_in_one_batch(model, trajectories):
+    """``group_size=2``: the segments with the same bounds (both trajectories' first, both trajectories' second:
+    the first's full 24 tokens, the second's last, whose final token predicts nothing) go in one item, collated into
+    one batch of two rows from one cache holding both states: its loss is the full-context loss over all those tokens,
+    and the first trajectory's third segment is a group of one."""
+    dataset = SegmentDataset(trajectories, 24, group_size=2)
+    assert [dataset[i] for i in range(len(dataset))] == [{"segments": [(0, 0), (1, 0)]},
+                                                         {"segments": [(0, 1), (1, 1)]}, {"segments": [(0, 2)]}]
+    collate = SegmentCollator(dataset, SegmentStateStore.compute(model, trajectories, 24))
+    losses = [_token_losses(model, ids) for ids in trajectories]
+    for index, (start, end) in enumerate([(0, 24), (24, 48)]):
+        batch = collate([dataset[index]])
+        assert batch["input_ids"].shape == (2, 24)
+        want = torch.cat([losses[0][start:end], losses[1][start:end]]).mean()
+        torch.testing.assert_close(_segment_loss(model, batch), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(KimiK3SegmentError, match="group_size"):
+        SegmentDataset(trajectories, 24, group_size=0)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-segment", "grouped"])
+def test_trainer_lowers_a_held_out_segments_loss(tmp_path, grouped):
     """A repeating 256-token trajectory in 64-token segments: the Trainer trains on segments 0-2 (sampled, truncated
-    mode, states computed once), and the full-context loss over segment 3's tokens drops."""
+    mode, states computed once), and the full-context loss over segment 3's tokens drops. Grouped: beside it the
+    same pattern shifted, each batch the two trajectories' segments with the same bounds (``group_size=2``)."""
     torch.manual_seed(0)
     model = randomize_(KimiK3ForCausalLM(KimiK3TextConfig.tiny()))
     pattern = torch.randint(3, 512, (16,), generator=torch.Generator().manual_seed(3))
     trajectory = pattern.repeat(16)
     before = _token_losses(model.eval(), trajectory)[192:].mean()
-    dataset = SegmentDataset([trajectory], 64, segments=[(0, 0), (0, 1), (0, 2)])
-    store = SegmentStateStore.compute(model, [trajectory], 64)
+    trajectories = [trajectory, trajectory.roll(5)] if grouped else [trajectory]
+    dataset = SegmentDataset(trajectories, 64, segments=[(i, j) for i in range(len(trajectories)) for j in range(3)],
+                             group_size=len(trajectories))
+    store = SegmentStateStore.compute(model, trajectories, 64)
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=12, learning_rate=3e-3,
                              remove_unused_columns=False, report_to=[], save_strategy="no", logging_steps=100,
                              use_cpu=True)  # fmt: skip

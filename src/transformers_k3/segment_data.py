@@ -8,7 +8,9 @@ any cache file, and which must hold exactly the trajectory's tokens before the s
 weights' of when they were made: as training moves the weights, they go stale (recompute them to refresh).
 
 Use with ``TrainingArguments(remove_unused_columns=False, per_device_train_batch_size=1)``: an item's keys are not
-the model's arguments, and two segments' states cannot share one cache.
+the model's arguments. Segments at the same place in their trajectories (the same start and length) can share a
+batch, their states stacked in one cache: ``SegmentDataset(..., group_size=B)`` makes each item a group of up to B of
+them (a batch of one item is then B rows).
 
 `SegmentTrainer` is the other route: a `Trainer` whose training step backpropagates each batch of whole trajectories
 segment by segment (`segment_backward`), in exact mode (full-context backpropagation's gradient) or truncated mode.
@@ -22,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer
 
-from .cache import KimiK3HybridCache
+from .cache import KimiK3CacheState, KimiK3HybridCache
 from .segments import (CACHE_GIVEN, IGNORE_INDEX, MODES, PACKING_KEYS, KimiK3SegmentError, SegmentBoundary,
                        boundary_states, cache_from_boundary, segment_backward, segment_bounds)
 
@@ -38,22 +40,41 @@ def _row(trajectory: torch.Tensor) -> torch.Tensor:
 
 
 class SegmentDataset(Dataset):
-    """One item per (trajectory, segment): ``{"trajectory": i, "segment": j}``; `SegmentCollator` makes the inputs."""
+    """One item per (trajectory, segment): ``{"trajectory": i, "segment": j}``; `SegmentCollator` makes the inputs.
+    ``group_size`` B > 1: one item per group of up to B segments with the same bounds (in the order of their first
+    segment), ``{"segments": [(i, j), ...]}``, trained as one batch of rows."""
 
-    def __init__(self, trajectories: list[torch.Tensor], segment_len: int, segments: list[tuple[int, int]] | None = None):
+    def __init__(self, trajectories: list[torch.Tensor], segment_len: int, segments: list[tuple[int, int]] | None = None,
+                 group_size: int = 1):
         self.trajectories = [_row(t) for t in trajectories]
         self.segment_len = segment_len
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+            raise KimiK3SegmentError(f"group_size is a positive int (segments per batch), got {group_size!r}")
         every = [(i, j) for i, t in enumerate(self.trajectories)
                  for j in range(len(segment_bounds(t.shape[1], segment_len)))]  # fmt: skip
-        self.items = every if segments is None else list(segments)
-        unknown = set(self.items) - set(every)
+        pairs = every if segments is None else [tuple(pair) for pair in segments]
+        unknown = set(pairs) - set(every)
         if unknown:
             raise KimiK3SegmentError(f"no such (trajectory, segment): {sorted(unknown)[:5]}")
+        self.group_size = group_size
+        if group_size == 1:
+            self.items = pairs
+            return
+        by_bounds: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for pair in pairs:
+            by_bounds.setdefault(self.bounds(*pair), []).append(pair)
+        self.items = [group[k: k + group_size] for group in by_bounds.values() for k in range(0, len(group), group_size)]
+
+    def bounds(self, trajectory: int, segment: int) -> tuple[int, int]:
+        """``(start, end)`` of segment ``segment`` of trajectory ``trajectory``."""
+        return segment_bounds(self.trajectories[trajectory].shape[1], self.segment_len)[segment]
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> dict:
+        if self.group_size > 1:
+            return {"segments": list(self.items[index])}
         trajectory, segment = self.items[index]
         return {"trajectory": trajectory, "segment": segment}
 
@@ -107,27 +128,48 @@ class SegmentStateStore:
 
 
 class SegmentCollator:
-    """Makes a segment's model inputs: its ids, its labels shifted over the whole trajectory (``shift_labels``: its
-    last token predicts the next segment's first) and a cache holding its incoming state."""
+    """Makes a batch's model inputs: each segment's ids, its labels shifted over the whole trajectory
+    (``shift_labels``: its last token predicts the next segment's first) and a cache holding its incoming state, one
+    row per segment. The segments of a batch share their bounds (`SegmentDataset`'s ``group_size``): one cache holds
+    their states stacked."""
 
     def __init__(self, dataset: SegmentDataset, store: SegmentStateStore, labels: list[torch.Tensor] | None = None):
+        if dataset.segment_len != store.segment_len:
+            raise KimiK3SegmentError(f"the dataset's segments are {dataset.segment_len} tokens and the store's states "
+                                     f"are at every {store.segment_len}: build both with one segment_len")
         self.dataset, self.store = dataset, store
         self.labels = None if labels is None else [_row(t) for t in labels]
 
     def __call__(self, features: list[dict]) -> dict:
-        if len(features) != 1:
-            raise KimiK3SegmentError(f"a batch holds one segment (each starts from its own state), got "
-                                     f"{len(features)}: use per_device_train_batch_size=1 and gradient accumulation")
-        trajectory, segment = features[0]["trajectory"], features[0]["segment"]
-        ids = self.dataset.trajectories[trajectory]
-        labels = ids if self.labels is None else self.labels[trajectory]
-        start, end = segment_bounds(ids.shape[1], self.store.segment_len)[segment]
-        shift = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-        return {
-            "input_ids": ids[:, start:end], "labels": labels[:, start:end],
-            "shift_labels": shift[:, start:end].contiguous(),
-            "past_key_values": self.store.cache(trajectory, segment, ids), **CACHE_GIVEN,
-        }  # fmt: skip
+        pairs = [tuple(pair) for feature in features
+                 for pair in feature.get("segments", [(feature.get("trajectory"), feature.get("segment"))])]  # fmt: skip
+        bounds = {self.dataset.bounds(*pair) for pair in pairs}
+        if len(bounds) != 1:
+            raise KimiK3SegmentError(
+                f"a batch holds segments with the same bounds (their states share one cache), got {sorted(bounds)}: "
+                "use SegmentDataset(..., group_size=B) with per_device_train_batch_size=1")
+        (start, end), = bounds
+        rows = {"input_ids": [], "labels": [], "shift_labels": []}
+        caches = []
+        for trajectory, segment in pairs:
+            ids = self.dataset.trajectories[trajectory]
+            labels = ids if self.labels is None else self.labels[trajectory]
+            shift = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+            for key, row in (("input_ids", ids), ("labels", labels), ("shift_labels", shift)):
+                rows[key].append(row[:, start:end])
+            caches.append(self.store.cache(trajectory, segment, ids))
+        batch = {key: torch.cat(parts).contiguous() for key, parts in rows.items()}
+        return {**batch, "past_key_values": caches[0] if len(caches) == 1 else self._stacked(caches, end),
+                **CACHE_GIVEN}  # fmt: skip
+
+    def _stacked(self, caches: list[KimiK3HybridCache], capacity: int) -> KimiK3HybridCache:
+        """One cache holding the given caches' states as rows, in order."""
+        states = [cache.state() for cache in caches]
+        kda = {i: tuple(torch.cat([state.kda[i][k] for state in states]) for k in range(2)) for i in states[0].kda}
+        latents = {i: torch.cat([state.latents[i] for state in states]) for i in states[0].latents}
+        cache = KimiK3HybridCache(self.store.config, max_cache_len=capacity)
+        cache.start_from(KimiK3CacheState(kda, latents))
+        return cache
 
 
 class SegmentTrainer(Trainer):
