@@ -103,6 +103,8 @@ def test_a_group_of_segments_is_their_full_context_losses_in_one_batch(model, tr
         torch.testing.assert_close(_segment_loss(model, batch), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(KimiK3SegmentError, match="group_size"):
         SegmentDataset(trajectories, 24, group_size=0)
+    with pytest.raises(KimiK3SegmentError, match="SegmentDataset items"):
+        collate([{"input_ids": trajectories[0][:24]}])
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-segment", "grouped"])

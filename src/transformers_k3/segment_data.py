@@ -139,10 +139,15 @@ class SegmentCollator:
                                      f"are at every {store.segment_len}: build both with one segment_len")
         self.dataset, self.store = dataset, store
         self.labels = None if labels is None else [_row(t) for t in labels]
+        self._known = {(i, j) for i, ids in enumerate(dataset.trajectories)
+                       for j in range(len(segment_bounds(ids.shape[1], dataset.segment_len)))}  # fmt: skip
 
     def __call__(self, features: list[dict]) -> dict:
         pairs = [tuple(pair) for feature in features
                  for pair in feature.get("segments", [(feature.get("trajectory"), feature.get("segment"))])]  # fmt: skip
+        if not pairs or any(pair not in self._known for pair in pairs):
+            raise KimiK3SegmentError("a batch holds SegmentDataset items ({'trajectory': i, 'segment': j}, or "
+                                     "{'segments': [(i, j), ...]}) of the collator's dataset's trajectories")
         bounds = {self.dataset.bounds(*pair) for pair in pairs}
         if len(bounds) != 1:
             raise KimiK3SegmentError(
