@@ -41,7 +41,7 @@ struct Dims {
   int heads, key_dim, value_dim, chunk;
 };
 
-// Per-thread scratch, sized for one chunk.
+// Per-thread scratch, sized for one chunk (d.chunk: the longest chunk of the call).
 struct Scratch {
   std::vector<float> q, k, g, beta, rows, cols, scores, inv, rhs, sol, outer;
   explicit Scratch(const Dims& d) {
@@ -231,7 +231,11 @@ int k3_kda_chunk_forward(const float* q, const float* k, const float* v, const f
                          float* out, float* state, const int64_t* starts, const int64_t* lengths, int64_t n_seq,
                          int heads, int key_dim, int value_dim, int chunk, float scale, int n_threads) {
   if (heads <= 0 || key_dim <= 0 || value_dim <= 0 || chunk <= 0 || n_seq < 0 || n_threads <= 0) return 1;
-  const Dims d{heads, key_dim, value_dim, chunk};
+  // Scratch for the longest chunk this call runs, not the chunk size: a decode step's one row would otherwise
+  // allocate and zero a whole chunk's scratch on every call.
+  int64_t longest = 1;
+  for (int64_t n = 0; n < n_seq; ++n) longest = lengths[n] > longest ? lengths[n] : longest;
+  const Dims d{heads, key_dim, value_dim, (int)(longest < chunk ? longest : chunk)};
   const int64_t tasks = n_seq * heads;
   int status = 0;
   // Always a parallel region, also for a single task: BLAS libraries run sequentially inside one (the
