@@ -52,25 +52,36 @@ def _state_bytes(model, length: int, segment: int, mode: str) -> int:
     return 2 * latents + per_boundary * (-(-length // segment))
 
 
-def measure(length: int, segment: int, mode: str, hidden: int, threads: int) -> dict:
-    import ctypes
-    import gc
-
+def _model_and_ids(length: int, hidden: int, threads: int):
+    """The bench model (kernelized, in training mode) and a random trajectory ``[1, length]``."""
     import torch
 
     from transformers_k3 import KimiK3ForCausalLM, KimiK3TextConfig, kernelize
-    from transformers_k3.segments import segment_backward
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = KimiK3TextConfig.tiny(hidden_size=hidden)
     model = kernelize(KimiK3ForCausalLM(config).train())
-    ids = torch.randint(3, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    return model, torch.randint(3, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+
+
+def _resident_now() -> int:
+    """Resident bytes after returning freed memory to the OS, with the peak (VmHWM) reset to them."""
+    import ctypes
+    import gc
+
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # (freed memory back to the OS, so the start is what is in use)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size
-    before = _status("VmRSS")
+    return _status("VmRSS")
+
+
+def measure(length: int, segment: int, mode: str, hidden: int, threads: int) -> dict:
+    from transformers_k3.segments import segment_backward
+
+    model, ids = _model_and_ids(length, hidden, threads)
+    before = _resident_now()
     result = segment_backward(model, ids, segment_len=segment, mode=mode)
     peak = _status("VmHWM")
     return {"length": length, "segment": segment, "mode": mode, "step_peak_mib": (peak - before) / 2**20,
@@ -78,30 +89,19 @@ def measure(length: int, segment: int, mode: str, hidden: int, threads: int) -> 
 
 
 def measure_compiled(length: int, segment: int, backend: str, hidden: int, threads: int) -> dict:
-    import ctypes
-    import gc
-
     import torch
 
-    from transformers_k3 import KimiK3ForCausalLM, KimiK3HybridCache, KimiK3TextConfig, kernelize
+    from transformers_k3 import KimiK3HybridCache
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    config = KimiK3TextConfig.tiny(hidden_size=hidden)
-    model = kernelize(KimiK3ForCausalLM(config).train())
+    model, ids = _model_and_ids(length, hidden, threads)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    ids = torch.randint(3, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
     context, step = ids[:, : length - segment], ids[:, length - segment:]
 
-    def run() -> float:
-        cache = KimiK3HybridCache(config)
+    def run() -> tuple[float, float, float]:
+        cache = KimiK3HybridCache(model.config)
         with torch.no_grad():
             model(context, past_key_values=cache, use_cache=True)
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before, start = _status("VmRSS"), time.perf_counter()
+        before, start = _resident_now(), time.perf_counter()
         loss = compiled(input_ids=step, past_key_values=cache, labels=step).loss
         loss.backward()
         seconds = time.perf_counter() - start
