@@ -914,29 +914,31 @@ def section_segments(report: Report, device, sizes: dict, dry: bool, deadline: f
         model.zero_grad(set_to_none=True)
         return torch.cat(grads)
 
-    name = f"exact mode in 4 segments of {segment} = full-context backpropagation (fp32 gradients)"
-    if time.monotonic() > deadline:
-        report.add("segments", "NOT RUN", name, "time budget")
-        return
-    report.start()
-    try:
+    def check(name: str, reference_and_result) -> bool:
+        """Runs one check (``reference_and_result()`` gives the two tensors to compare) unless past the deadline;
+        False once it is (the section stops)."""
+        if time.monotonic() > deadline:
+            report.add("segments", "NOT RUN", name, "time budget")
+            return False
+        report.start()
+        try:
+            ok, detail = compare(*reference_and_result(), tol)
+            report.add("segments", "PASS" if ok else "FAIL", name, detail)
+        except Exception:  # noqa: BLE001
+            report.add("segments", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
+        return True
+
+    def exact_mode():
         model, _ = _paths_model(device, sizes)
         model.train()
         model(ids, labels=ids).loss.backward()
         want = gradients(model)
         segment_backward(model, ids, segment_len=segment, mode="exact")
-        ok, detail = compare(want, gradients(model), tol)
-        report.add("segments", "PASS" if ok else "FAIL", name, detail)
-    except Exception:  # noqa: BLE001
-        report.add("segments", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
+        return want, gradients(model)
 
     backend = "aot_eager" if dry else "inductor"
-    name = f"a truncated-mode step compiled ({backend}) after a {length - segment}-token context = eager's"
-    if time.monotonic() > deadline:
-        report.add("segments", "NOT RUN", name, "time budget")
-        return
-    report.start()
-    try:
+
+    def compiled_truncated_step():
         model, config = _paths_model(device, sizes)
         model.train()
 
@@ -946,18 +948,18 @@ def section_segments(report: Report, device, sizes: dict, dry: bool, deadline: f
                 model(ids[:, :-segment], past_key_values=cache, use_cache=True)
             loss = forward(input_ids=ids[:, -segment:], past_key_values=cache, labels=ids[:, -segment:]).loss
             loss.backward()
-            return loss.detach(), gradients(model)
+            return torch.cat([loss.detach().view(1), gradients(model)])
 
         want = step(model)
         torch._dynamo.reset()
         try:
-            got = step(torch.compile(model, backend=backend))
+            return want, step(torch.compile(model, backend=backend))
         finally:
             torch._dynamo.reset()
-        ok, detail = compare(torch.cat([want[0].view(1), want[1]]), torch.cat([got[0].view(1), got[1]]), tol)
-        report.add("segments", "PASS" if ok else "FAIL", name, detail)
-    except Exception:  # noqa: BLE001
-        report.add("segments", "ERROR", name, traceback.format_exc().strip().splitlines()[-1][:200])
+
+    if check(f"exact mode in 4 segments of {segment} = full-context backpropagation (fp32 gradients)", exact_mode):
+        check(f"a truncated-mode step compiled ({backend}) after a {length - segment}-token context = eager's",
+              compiled_truncated_step)
 
 
 def section_parallel(report: Report, device, dry: bool, deadline: float) -> None:
