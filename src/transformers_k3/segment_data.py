@@ -52,8 +52,9 @@ class SegmentDataset(Dataset):
             raise KimiK3SegmentError(f"group_size is a positive int (segments per batch), got {group_size!r}")
         every = [(i, j) for i, t in enumerate(self.trajectories)
                  for j in range(len(segment_bounds(t.shape[1], segment_len)))]  # fmt: skip
+        self.all_segments = frozenset(every)  # (every trajectory's segments, sampled or not)
         pairs = every if segments is None else [tuple(pair) for pair in segments]
-        unknown = set(pairs) - set(every)
+        unknown = set(pairs) - self.all_segments
         if unknown:
             raise KimiK3SegmentError(f"no such (trajectory, segment): {sorted(unknown)[:5]}")
         self.group_size = group_size
@@ -139,13 +140,11 @@ class SegmentCollator:
                                      f"are at every {store.segment_len}: build both with one segment_len")
         self.dataset, self.store = dataset, store
         self.labels = None if labels is None else [_row(t) for t in labels]
-        self._known = {(i, j) for i, ids in enumerate(dataset.trajectories)
-                       for j in range(len(segment_bounds(ids.shape[1], dataset.segment_len)))}  # fmt: skip
 
     def __call__(self, features: list[dict]) -> dict:
         pairs = [tuple(pair) for feature in features
                  for pair in feature.get("segments", [(feature.get("trajectory"), feature.get("segment"))])]  # fmt: skip
-        if not pairs or any(pair not in self._known for pair in pairs):
+        if not pairs or any(pair not in self.dataset.all_segments for pair in pairs):
             raise KimiK3SegmentError("a batch holds SegmentDataset items ({'trajectory': i, 'segment': j}, or "
                                      "{'segments': [(i, j), ...]}) of the collator's dataset's trajectories")
         bounds = {self.dataset.bounds(*pair) for pair in pairs}
