@@ -42,7 +42,8 @@ from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_g
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
 from .ops.mla_context import (LSE_BACKWARDS, attention_logits, attention_with_lse, fp32_products,
-                               merge_attention_blocks, mla_context_attention, operator_expands)
+                               expand_latent, merge_attention_blocks, mla_context_attention,
+                               operator_expands)
 from .ops.norm import rms_norm
 
 
@@ -598,13 +599,7 @@ class KimiK3MLA(nn.Module):
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys ``[B, n, S, dn+dr]`` and values ``[B, n, S, dv]`` from the latent."""
-        batch, seq, _ = latent.shape
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv)
-        kv = kv.view(batch, seq, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, value = kv.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_pe = k_pe[:, None].expand(batch, self.num_heads, seq, self.qk_rope_head_dim)
-        return torch.cat([k_nope, k_pe], dim=-1), value
+        return expand_latent(latent, self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim, self.kv_b_proj)
 
     def _absorbed_attention(self, query: torch.Tensor, latent: torch.Tensor,
                             attention_mask: torch.Tensor | None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -646,8 +641,8 @@ class KimiK3MLA(nn.Module):
         context) only the latents are kept and each block is expanded again in the backward: `BlockwiseAttention`
         where the fused kernels' backward serves (`uses_fused_backward`); inside a compiled graph, with a plain
         ``kv_b_proj`` (`operator_expands`), the ``transformers_k3::mla_context_attention`` operator;
-        `checkpointed_block_attention` otherwise (other devices; an adapter in a graph); the context then goes in blocks the step's size
-        (`MIN_TRAINING_BLOCK`) and gets a gradient only with ``context_grad``. The step's own latents are ``step``
+        `checkpointed_block_attention` otherwise (other devices; an adapter in a graph); the context then goes in
+        blocks the step's size (`MIN_TRAINING_BLOCK`) and gets a gradient only with ``context_grad``. The step's own latents are ``step``
         (the cache's `KimiK3LatentView.step`, whose gradient then skips the cache's buffer); ``latent`` None: the
         context is ``context`` (the cache's `KimiK3LatentView.context`, latents it holds as given, whose gradient then
         goes straight to them)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -118,16 +118,25 @@ def operator_expands(kv_b_proj: nn.Module) -> bool:
     return type(kv_b_proj) in PLAIN_LINEARS and type(kv_b_proj.weight) in (torch.Tensor, nn.Parameter)
 
 
-def _expand(latent: torch.Tensor, weight: torch.Tensor, heads: int, nope: int, dtype: torch.dtype):
-    """``(c_kv, keys [B, n, S, dn + dr], values [B, n, S, dv])`` of a latent block, keys and values in ``dtype``: the
-    product in the weight's dtype as given (the caller passes it in the dtype autocast would cast it to)."""
-    rank = weight.shape[1]
+def expand_latent(latent: torch.Tensor, rank: int, heads: int, nope: int, project: Callable):
+    """Per-head keys ``[B, n, S, dn + dr]`` and values ``[B, n, S, dv]`` of MLA latents ``[B, S, r + dr]`` (``[c_kv |
+    k_pe]``): ``project`` (``kv_b_proj``) maps ``c_kv`` to each head's key part and value, ``k_pe`` is every head's."""
+    batch, seq, _ = latent.shape
     c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
-    c_kv = c_kv.to(weight.dtype)
-    kv = F.linear(c_kv, weight).view(*latent.shape[:2], heads, -1).transpose(1, 2).to(dtype)
-    k_nope, value = kv.split([nope, kv.shape[-1] - nope], dim=-1)
-    key = torch.cat([k_nope, k_pe.to(dtype)[:, None].expand(-1, heads, -1, -1)], dim=-1)
-    return c_kv, key, value
+    kv = project(c_kv).view(batch, seq, heads, -1)
+    k_nope, value = kv.transpose(1, 2).split([nope, kv.shape[-1] - nope], dim=-1)
+    k_pe = k_pe[:, None].expand(batch, heads, seq, k_pe.shape[-1])
+    return torch.cat([k_nope, k_pe], dim=-1), value
+
+
+def _expand(latent: torch.Tensor, weight: torch.Tensor, heads: int, nope: int, dtype: torch.dtype):
+    """`expand_latent` through ``weight`` (in its dtype as given: the caller passes it in the dtype autocast would
+    cast it to), the keys and values in ``dtype``."""
+    def project(c_kv: torch.Tensor) -> torch.Tensor:
+        return F.linear(c_kv.to(weight.dtype), weight)
+
+    key, value = expand_latent(latent, weight.shape[1], heads, nope, project)
+    return key.to(dtype), value.to(dtype)
 
 
 def _parts(step: torch.Tensor, context: torch.Tensor, block: int):
@@ -157,7 +166,7 @@ def mla_context_attention(query: torch.Tensor, step: torch.Tensor, context: torc
     pad = max(query.shape[-1] - value_dim, 0)  # (the fused kernels want v's head dim == q/k's)
 
     def attend(latent: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        _, key, value = _expand(latent, weight, heads, nope, query.dtype)
+        key, value = _expand(latent, weight, heads, nope, query.dtype)
         return attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, causal, scale)
 
     with fp32_products(query.device):
@@ -189,7 +198,8 @@ def mla_context_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, 
     d_context = torch.zeros(context.shape, dtype=wide, device=context.device) if mask[2] else None
     with fp32_products(query.device):
         for index, (latent, causal) in enumerate(_parts(step, context, block)):
-            c_kv, key, value = _expand(latent, weight, heads, nope, query.dtype)
+            key, value = _expand(latent, weight, heads, nope, query.dtype)
+            c_kv = latent[..., : weight.shape[1]].to(weight.dtype)  # (as the expansion took it)
             value = F.pad(value, (0, pad)) if pad else value
             dq, d_key, d_value = backward(grad_out.contiguous(), query, key, value, out, lse, causal, scale)
             d_query += dq
