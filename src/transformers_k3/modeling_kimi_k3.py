@@ -41,7 +41,7 @@ from .ops.experts import K3_GROUPED_MM, eager_experts  # (K3_GROUPED_MM: the nam
 from .ops.kda import RECURRENT_MAX_TOKENS, chunk_kda, fused_recurrent_kda, kda_gate
 from .ops.kernel_layers import kernel_layer
 from .ops.linear import PLAIN_LINEARS, blocks, end_aligned_causal, latent_attention
-from .ops.mla_context import (LSE_BACKWARDS, attention_logits, attention_with_lse, fp32_products,
+from .ops.mla_context import (LSE_BACKWARDS, attend_blocks, attention_logits, attention_with_lse, fp32_products,
                                expand_latent, merge_attention_blocks, mla_context_attention,
                                operator_expands)
 from .ops.norm import rms_norm
@@ -467,12 +467,7 @@ class BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, expand, scale, pad, block, step, context):
-        def attend(latent: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            key, value = expand(latent)
-            return attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, causal, scale)
-
-        context_parts = (attend(context[:, start:end], False) for start, end in blocks(context.shape[1], block))
-        out, lse = merge_attention_blocks(itertools.chain([attend(step, True)], context_parts))
+        out, lse = attend_blocks(query, expand, scale, pad, step, context, block)
         out = out.to(query.dtype)
         ctx.save_for_backward(query, out, lse, step, context)
         ctx.expand, ctx.scale, ctx.pad, ctx.block = expand, scale, pad, block

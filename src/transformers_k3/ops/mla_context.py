@@ -139,11 +139,24 @@ def _expand(latent: torch.Tensor, weight: torch.Tensor, heads: int, nope: int, d
     return key.to(dtype), value.to(dtype)
 
 
-def _parts(step: torch.Tensor, context: torch.Tensor, block: int):
-    """``(latents, causal)``: the step's own, then the context's blocks."""
+def latent_blocks(step: torch.Tensor, context: torch.Tensor, block: int):
+    """``(latents, causal)``: the step's own, then the context's blocks of ``block`` tokens."""
     yield step, True
     for start, end in blocks(context.shape[1], block):
         yield context[:, start:end], False
+
+
+def attend_blocks(query: torch.Tensor, expand: Callable, scale: float, pad: int, step: torch.Tensor,
+                  context: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention ``[B, n, T, dv + pad]`` (fp32, the last ``pad`` columns zero) and its log-sum-exp of
+    ``query`` over `latent_blocks`, each expanded to keys and values by ``expand`` and attended by
+    `attention_with_lse` (values padded by ``pad`` columns for the fused kernels), merged as they come."""
+
+    def attend(latent: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        key, value = expand(latent)
+        return attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, causal, scale)
+
+    return merge_attention_blocks(itertools.starmap(attend, latent_blocks(step, context, block)))
 
 
 def plain_attention_backward(grad_out, query, key, value, out, lse, causal: bool, scale: float):
@@ -165,12 +178,11 @@ def mla_context_attention(query: torch.Tensor, step: torch.Tensor, context: torc
     heads, value_dim = query.shape[1], weight.shape[0] // query.shape[1] - nope
     pad = max(query.shape[-1] - value_dim, 0)  # (the fused kernels want v's head dim == q/k's)
 
-    def attend(latent: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        key, value = _expand(latent, weight, heads, nope, query.dtype)
-        return attention_with_lse(query, key, F.pad(value, (0, pad)) if pad else value, causal, scale)
+    def expand(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _expand(latent, weight, heads, nope, query.dtype)
 
     with fp32_products(query.device):
-        out, lse = merge_attention_blocks(itertools.starmap(attend, _parts(step, context, block)))
+        out, lse = attend_blocks(query, expand, scale, pad, step, context, block)
     return out[..., :value_dim].to(query.dtype).contiguous(), lse.contiguous()
 
 
@@ -197,7 +209,7 @@ def mla_context_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, 
     d_step = None
     d_context = torch.zeros(context.shape, dtype=wide, device=context.device) if mask[2] else None
     with fp32_products(query.device):
-        for index, (latent, causal) in enumerate(_parts(step, context, block)):
+        for index, (latent, causal) in enumerate(latent_blocks(step, context, block)):
             key, value = _expand(latent, weight, heads, nope, query.dtype)
             c_kv = latent[..., : weight.shape[1]].to(weight.dtype)  # (as the expansion took it)
             value = F.pad(value, (0, pad)) if pad else value
