@@ -556,7 +556,8 @@ def test_a_compiled_segment_forward_has_eager_gradients(one_thread):
         return loss.detach(), _grads(model), cache
 
     def latents(cache):
-        return [cache.state().latents[i] for i in sorted(cache.state().latents)]
+        held = cache.state().latents
+        return [held[i] for i in sorted(held)]
 
     def continued(cache):
         with torch.no_grad():  # a decode step (absorbed attention), then a segment (blockwise)
